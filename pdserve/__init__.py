@@ -1,0 +1,1 @@
+"""pdserve: the `pdserve` command line (pdserve.cli); the engine lives in the top-level packages."""

@@ -1,0 +1,155 @@
+"""Model and engine configuration: plain dataclasses, validated when constructed.
+
+Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
+metadata) and then only read; an `EngineConfig` is built from CLI flags or by tests. Nothing
+here reads environment variables.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.errors import InvalidRequestError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling; `kind` is "default", "linear" or "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r} (supported: default, linear, llama3)")
+        if not self.factor > 0:
+            raise UnsupportedModelError(f"rope scaling factor must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, d: dict | None) -> "RopeScaling":
+        if not d:
+            return cls()
+        kind = d.get("rope_type", d.get("type", "default"))
+        return cls(
+            kind=kind,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) < 1:
+                raise UnsupportedModelError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        archs = d.get("architectures") or [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(d.get("model_type"), str(d.get("model_type")))]
+        arch = archs[0]
+        heads = int(d["num_attention_heads"])
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if d.get("sliding_window") and d.get("use_sliding_window", False):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            max_position=int(d.get("max_position_embeddings", 2048)),
+            rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=RopeScaling.from_hf(rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None),
+            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """How one process runs the model: dtype, KV pool size, batching limits."""
+
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def blocks_for_budget(self, model: ModelConfig) -> int:
+        """Number of KV blocks that fit in kv_cache_bytes (all layers, K and V)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        per_block = 2 * model.num_layers * self.block_size * model.kv_size * itemsize
+        return max(1, math.floor(self.kv_cache_bytes / per_block))

@@ -1,0 +1,191 @@
+"""The single-process engine: model, KV pool, scheduler, runner and sampler in one loop.
+
+Lifecycle: `LLMEngine.load(model, config)` reads weights and tokenizer and allocates the KV
+pool once. `add_request` validates a request (typed errors, nothing queued on failure) and
+queues it; each `step()` is schedule -> execute -> postprocess and returns what every sequence
+produced; `abort` ends a request at any point. Finished or aborted sequences free their blocks
+at once. `generate()` drives the loop to completion for a list of prompts. The colocated worker
+and the reference outputs of the disaggregated tests both run this engine.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.errors import InvalidRequestError, PromptTooLongError
+from runtime.kv_cache import BlockManager, allocate_kv_cache
+from runtime.model import LlamaModel
+from runtime.model_runner import ModelRunner
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.sequence import FinishReason, Sequence
+from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from runtime.weights import load_checkpoint
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int | None  # None when the request ended without a new token (abort, too long)
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)
+
+
+def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaModel:
+    model = LlamaModel(cfg, econf.torch_dtype, econf.attention_backend)
+    model.load_weights(tensors)
+    return model.to(econf.device).eval()
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, kv_cache: torch.Tensor | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or self.cfg.max_position, self.cfg.max_position)
+        num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
+        if kv_cache is None:
+            kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_ids = eos_token_ids(tokenizer, self.cfg.eos_token_ids) if tokenizer is not None else set(self.cfg.eos_token_ids)
+        self.runner = ModelRunner(model, kv_cache, self.blocks, eos_token_id=min(self.eos_ids) if self.eos_ids else None)
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> "LLMEngine":
+        config = config or EngineConfig()
+        cfg, tensors = load_checkpoint(model, progress=progress)
+        tok = load_tokenizer(model) if tokenizer else None
+        return cls(build_model(cfg, tensors, config), tok, config)
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not (0 <= t < self.cfg.vocab_size) for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens (prompt + output)")
+        if self.blocks.blocks_for(n + 1) > self.blocks.num_blocks:
+            raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        seq = Sequence(rid, prompt_token_ids, params)
+        self.seqs[rid] = seq
+        if self.tokenizer is not None:
+            self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        outs = [self._finish(seq, FinishReason.LENGTH, already=True) for seq in sched.finished]
+        if not sched.scheduled:
+            return outs
+        samplers, sampled = self.runner.execute(sched.scheduled)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        for i, seq in enumerate(samplers):
+            outs.append(self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i]))
+        return outs
+
+    def _append(self, seq: Sequence, token: int, logprob, top) -> StepOutput:
+        seq.output_token_ids.append(token)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+        out = StepOutput(seq.request_id, token, logprob=logprob, top_logprobs=top)
+        detok = self.detoks.get(seq.request_id)
+        if detok is not None:
+            out.text = detok.step(token)
+        reason = self.stop_reason(seq, token, detok)
+        if reason is not None:
+            out.finish_reason = reason
+            if detok is not None:
+                out.text += detok.flush()
+            self._finish(seq, reason)
+        return out
+
+    def stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer | None) -> FinishReason | None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens and ((not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids):
+            return FinishReason.STOP
+        if detok is not None and detok.stopped_by is not None:
+            seq.stop_text = detok.stopped_by
+            return FinishReason.STOP
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, already: bool = False) -> StepOutput:
+        if not already:
+            self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, None, finish_reason=reason)
+
+    # ------------------------------------------------------------------ convenience
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts (text or token ids) to completion, batched; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        done: dict[str, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, plist):
+            seq = self.add_request(self.encode(prompt), p)
+            order.append(seq.request_id)
+            done[seq.request_id] = Completion(seq.request_id, seq.prompt_token_ids)
+        while any(c.finish_reason is None for c in done.values()):
+            for out in self.step():
+                c = done.get(out.request_id)
+                if c is None:
+                    continue
+                if out.token_id is not None:
+                    c.token_ids.append(out.token_id)
+                    c.logprobs.append(out.logprob)
+                c.text += out.text
+                if out.finish_reason is not None:
+                    c.finish_reason = out.finish_reason
+        return [done[rid] for rid in order]

@@ -1,0 +1,46 @@
+"""Typed errors of the runtime. Each carries one message that names the problem.
+
+Lifecycle: raised at the boundary where bad input is first seen (loading a model, validating a
+request), before any state is touched, so a caller that catches one has nothing to clean up.
+`code` is the stable machine-readable name that later travels on the wire.
+"""
+
+
+class PdserveError(Exception):
+    code = "internal_error"
+
+
+class ModelLoadError(PdserveError):
+    """The model path or file cannot be read as a model (missing, truncated, corrupt)."""
+
+    code = "model_load_error"
+
+
+class UnsupportedModelError(PdserveError):
+    """The file is readable but asks for something pdserve does not implement."""
+
+    code = "unsupported_model"
+
+
+class ModelNotInstalledError(ModelLoadError):
+    code = "model_not_installed"
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """A request's parameters are invalid (the client's fault)."""
+
+    code = "invalid_request"
+
+
+class InvalidSamplingParams(InvalidRequestError):
+    code = "invalid_sampling_params"
+
+
+class PromptTooLongError(InvalidRequestError):
+    code = "prompt_too_long"
+
+
+class NotSupportedError(PdserveError):
+    """A feature that exists in the interface but is not available on this build or device."""
+
+    code = "not_supported"

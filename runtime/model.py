@@ -1,0 +1,145 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
+HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
+(one GEMM instead of three or two), and casts to the model dtype. Then `forward(batch, kv)`
+runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
+position and its slot in the paged cache, each sequence its block table. It writes the new K/V
+into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from runtime.config import ModelConfig
+from runtime.rope import RotaryEmbedding
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64, block_id * block_size + offset
+    query_start_loc: torch.Tensor  # (B+1,) int32
+    seq_lens: torch.Tensor  # (B,) int32, context length after this step
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    max_query_len: int
+    logits_indices: torch.Tensor  # (N,) int64 rows of T whose logits are wanted
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm, so float32 results are bit-identical.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str):
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, batch: ForwardBatch, rope: RotaryEmbedding, k_cache, v_cache):
+        c = self.cfg
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(T, c.num_heads, c.head_dim)  # (T, H, D)
+        k = k.view(T, c.num_kv_heads, c.head_dim)  # (T, KVH, D)
+        v = v.view(T, c.num_kv_heads, c.head_dim)
+        q, k = rope(batch.positions, q, k)
+        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache,
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend,
+        )
+        return self.o_proj(out.reshape(T, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, batch, rope, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), batch, rope, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, attention_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
+        fused = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
+        if not self.cfg.tie_embeddings:
+            fused["lm_head.weight"] = tensors["lm_head.weight"]
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([tensors[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+            if self.cfg.attention_bias:
+                fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([tensors[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+            fused[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+            fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
+            fused[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        params = dict(self.named_parameters())
+        if set(params) != set(fused):
+            raise ValueError(f"weight names do not cover the model: {sorted(set(params) ^ set(fused))[:3]}")
+        for name, param in params.items():
+            src = fused[name]
+            if src.shape != param.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
+            param.data = src.to(self.dtype).contiguous()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        # kv_cache: (layers, 2, num_blocks, block_size, KVH, D)
+        h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, self.rope, kv_cache[i, 0], kv_cache[i, 1])
+        h = self.norm(h[batch.logits_indices])  # (N, hidden): the final norm is per row
+        return F.linear(h, self.lm_head.weight).float()  # (N, vocab)

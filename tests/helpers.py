@@ -1,0 +1,125 @@
+"""Test helpers: tiny random HF checkpoints written to disk, and the greedy-equality check.
+
+Greedy equality with transformers allows exactly one kind of divergence: at a step where HF's
+own top-two logits are within LOGIT_GAP_TOL of each other (a near-tie that float rounding of a
+different but valid summation order can flip). After such a step the sequences are no longer
+comparable, so the check stops there. Anything else is a failure.
+"""
+from __future__ import annotations
+
+import torch
+
+LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
+
+
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
+    """Write a randomly initialised small Llama or Qwen2 checkpoint (safetensors) to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    base = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.25,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    base.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**base))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**base))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return base
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = True):
+    """HF transformers greedy generate: (new token ids, per-step logits)."""
+    out = model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        eos_token_id=model.generation_config.eos_token_id if eos else None, pad_token_id=0,
+    )
+    return out.sequences[0, len(prompt_ids):].tolist(), [l[0].float() for l in out.logits]
+
+
+def assert_greedy_equal(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], what: str = "") -> int:
+    """Token-for-token equality, allowing divergence only at a near-tie; returns tokens compared."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            gap = float(ref_logits[i][b] - ref_logits[i][a])
+            assert gap <= LOGIT_GAP_TOL, f"{what}: token {i} differs ({a} vs HF {b}) with HF logit gap {gap:.2e} > {LOGIT_GAP_TOL}"
+            return i
+    assert len(ours) == len(ref), f"{what}: {len(ours)} tokens vs HF {len(ref)}: {ours} vs {ref}"
+    return len(ours)
+
+
+def permute_qk(w, n_heads):
+    """llama.cpp's convert-time Q/K permutation (what runtime.weights.unpermute_qk undoes)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None) -> dict:
+    """Convert a tiny HF llama checkpoint to GGUF the way llama.cpp does (Q/K permuted).
+
+    Returns the dequantized, un-permuted tensors a correct loader must produce.
+    """
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf import quants
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(f"{hf_dir}/config.json"))
+    w = load_file(f"{hf_dir}/model.safetensors")
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv)
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_rope_freq_base(10000.0)
+    wr.add_vocab_size(cfg["vocab_size"])
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+    expected = {}
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, t in w.items():
+        if name == "lm_head.weight" and (tie or cfg.get("tie_word_embeddings")):
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if m:
+            gname = f"blk.{m.group(1)}.{GGUF_NAMES[m.group(2)]}.{m.group(3)}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+        arr = t.astype(np.float32)
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            arr = permute_qk(arr, heads if "q_proj" in name else kv)
+        if arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            data = quants.quantize(arr, qt)
+            back = quants.dequantize(data, qt)
+            wr.add_tensor(gname, data, raw_dtype=qt)
+        else:
+            back = arr
+            wr.add_tensor(gname, arr)
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            import torch
+            from runtime.weights import unpermute_qk
+
+            back = unpermute_qk(torch.from_numpy(np.ascontiguousarray(back)), heads if "q_proj" in name else kv).numpy()
+        expected[name] = back
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return expected

@@ -1,0 +1,244 @@
+"""Paged attention and KV writes: every fast path against the slow reference.
+
+Lifecycle: pytest collects this module; each case builds a small random paged cache whose
+pages are handed out in shuffled order (plus spare pages of unrelated data and a padded block
+table) so that any paging bug changes the result, then compares a backend with
+kernels.reference. Triton runs under TRITON_INTERPRET=1 here (tests/conftest.py); the `gpu`
+test runs it natively in a subprocess, since the interpreter choice is fixed at triton import.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import torch_paged
+
+TOL = 1e-3
+BLOCK_SIZES = (8, 16, 32)
+# (query heads, kv heads): GQA ratios 1, 3 and 8.
+HEAD_LAYOUTS = ((4, 4), (3, 1), (9, 3), (8, 1), (16, 2))
+HEAD_DIMS = (64, 128)
+SCENARIOS = ("decode", "prefill", "chunked", "mixed")
+
+
+def scenario(name: str, bs: int) -> tuple[list[int], list[int]]:
+    """(query lengths, context lengths incl. the new tokens): ragged, with 1 and block-boundary lengths."""
+    if name == "decode":
+        return [1] * 6, [1, bs, 2 * bs, 37, 2 * bs + 1, bs - 1]
+    if name == "prefill":
+        return [bs, 2 * bs + 3, 1, 19], [bs, 2 * bs + 3, 1, 19]
+    if name == "chunked":
+        return [7, bs, 1, 2 * bs], [2 * bs + 5, 3 * bs, 20, 2 * bs + 1]
+    if name == "mixed":
+        return [1, 9, 1, bs, 2], [33, 9, bs, 3 * bs, 2 * bs]
+    raise ValueError(name)
+
+
+def make_case(q_lens, seq_lens, *, block_size, heads, kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """Random q and paged caches with shuffled page ids; returns (q, k_cache, v_cache, attention kwargs)."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(pages_per_seq) + 5  # spare pages hold data no sequence owns
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(pages_per_seq) + 2), int(perm[-1]), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_per_seq):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = dict(
+        query_start_loc=query_start_loc, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, max_query_len=max(q_lens), scale=head_dim**-0.5,
+    )
+    return q, k_cache, v_cache, kwargs
+
+
+def assert_matches_reference(backend, name, block_size, heads, kv_heads, head_dim, dtype=torch.float32, tol=TOL):
+    q_lens, seq_lens = scenario(name, block_size)
+    q, k_cache, v_cache, kw = make_case(
+        q_lens, seq_lens, block_size=block_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+    )
+    ref = kernels.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
+    out = kernels.paged_attention(q, k_cache, v_cache, backend=backend, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    diff = (out.float() - ref.float()).abs().max().item()
+    assert diff <= tol, f"{backend} {name}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_torch_matches_reference(name, block_size, heads, kv_heads, head_dim):
+    assert_matches_reference("torch", name, block_size, heads, kv_heads, head_dim)
+
+
+# Under the interpreter every head layout is not needed with every head dim: ratios 1 and 8 at
+# D=64, ratio 3 at both, ratio 8 with two kv heads at D=128.
+TRITON_HEADS = (
+    (3, 1, 64), (9, 3, 64), (8, 1, 64), (4, 4, 128), (9, 3, 128), (16, 2, 128),
+)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", TRITON_HEADS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_triton_matches_reference(name, block_size, heads, kv_heads, head_dim):
+    assert_matches_reference("triton", name, block_size, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("name", ("decode", "chunked"))
+def test_bfloat16_close_to_reference(backend, name):
+    assert_matches_reference(backend, name, 16, 9, 3, 64, dtype=torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.parametrize("gather_bytes", (1, 40_000))
+def test_torch_decode_in_chunks(monkeypatch, gather_bytes):
+    """A tiny gather budget forces the decode batch through one or a few sequences per chunk."""
+    monkeypatch.setattr(torch_paged, "_GATHER_BYTES", gather_bytes)
+    assert_matches_reference("torch", "decode", 16, 9, 3, 64)
+
+
+def test_torch_prefill_is_bit_identical_to_hf_sdpa():
+    """No cached prefix: the same sdpa call as transformers' Llama (repeat_kv, is_causal=True)."""
+    q, k_cache, v_cache, kw = make_case([45], [45], block_size=16, heads=9, kv_heads=3, head_dim=64)
+    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 45)
+    hf = F.scaled_dot_product_attention(
+        q.unsqueeze(0).transpose(1, 2), _repeat_kv(k, 3), _repeat_kv(v, 3), is_causal=True, scale=kw["scale"],
+    )[0].transpose(0, 1)
+    assert torch.equal(out, hf)
+
+
+def test_torch_single_decode_is_bit_identical_to_hf_sdpa():
+    """One sequence decoding: no mask, no padding, exactly transformers' sdpa decode call."""
+    q, k_cache, v_cache, kw = make_case([1], [53], block_size=16, heads=9, kv_heads=3, head_dim=64)
+    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 53)
+    hf = F.scaled_dot_product_attention(q.view(1, 9, 1, 64), _repeat_kv(k, 3), _repeat_kv(v, 3), scale=kw["scale"])
+    assert torch.equal(out, hf.view(1, 9, 64))
+
+
+def _contiguous_context(k_cache, v_cache, table, seq_len):
+    """(1, KVH, S, D) keys and values of one sequence, as transformers' dense cache holds them."""
+    pos = torch.arange(seq_len)
+    blocks, offsets = table.long()[pos // k_cache.shape[1]], pos % k_cache.shape[1]
+    return k_cache[blocks, offsets].transpose(0, 1)[None], v_cache[blocks, offsets].transpose(0, 1)[None]
+
+
+def _repeat_kv(x, n_rep):
+    b, kvh, s, d = x.shape
+    return x[:, :, None].expand(b, kvh, n_rep, s, d).reshape(b, kvh * n_rep, s, d)
+
+
+def test_auto_is_torch_on_cpu():
+    q, k_cache, v_cache, kw = make_case([1, 1], [5, 17], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    auto = kernels.paged_attention(q, k_cache, v_cache, **kw)
+    assert torch.equal(auto, kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw))
+
+
+def test_write_kv_places_values_at_slots():
+    block_size, kv_heads, head_dim = 8, 2, 64
+    k_cache = torch.zeros(6, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    blocks = torch.tensor([4, 4, 0, 5, 2])
+    offsets = torch.tensor([0, 7, 3, 1, 6])
+    k = torch.randn(5, kv_heads, head_dim)
+    v = torch.randn(5, kv_heads, head_dim)
+    kernels.write_kv(k_cache, v_cache, k, v, blocks * block_size + offsets)
+    assert torch.equal(k_cache[blocks, offsets], k)
+    assert torch.equal(v_cache[blocks, offsets], v)
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 5  # nothing else written
+    assert int((v_cache != 0).any(-1).any(-1).sum()) == 5
+
+
+def test_write_then_attend_round_trip():
+    """Prefill 20 tokens, decode one more through write_kv: the decode sees all 21 keys."""
+    bs, heads, kv_heads, head_dim = 8, 4, 2, 64
+    k_cache = torch.zeros(5, bs, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.tensor([[3, 0, 4, 1]], dtype=torch.int32)
+    k, v = torch.randn(21, kv_heads, head_dim), torch.randn(21, kv_heads, head_dim)
+    pos = torch.arange(21)
+    kernels.write_kv(k_cache, v_cache, k, v, table[0].long()[pos // bs] * bs + pos % bs)
+    q = torch.randn(1, heads, head_dim)
+    kw = dict(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([21], dtype=torch.int32),
+        block_tables=table, max_query_len=1, scale=0.125,
+    )
+    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    dense = F.scaled_dot_product_attention(
+        q.view(1, heads, 1, head_dim), _repeat_kv(k.transpose(0, 1)[None], 2), _repeat_kv(v.transpose(0, 1)[None], 2),
+        scale=0.125,
+    )
+    assert (out - dense.view(1, heads, head_dim)).abs().max() <= 1e-5
+
+
+def test_unknown_backend_raises():
+    q, k_cache, v_cache, kw = make_case([1], [3], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.paged_attention(q, k_cache, v_cache, backend="flash", **kw)
+
+
+def test_heads_not_multiple_of_kv_heads_raises():
+    q, k_cache, v_cache, kw = make_case([1], [3], block_size=8, heads=5, kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+
+
+def test_mismatched_batch_raises():
+    q, k_cache, v_cache, kw = make_case([1, 1], [3, 4], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    kw["block_tables"] = kw["block_tables"][:1]
+    with pytest.raises(ValueError, match="block_tables"):
+        kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+
+
+def test_import_is_cheap_and_not_a_pypi_package():
+    """No triton at import time, and no __version__ (transformers probes a PyPI `kernels`)."""
+    code = "import sys, kernels; assert 'triton' not in sys.modules; assert not hasattr(kernels, '__version__')"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=_REPO)
+
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def native_cuda_check() -> None:
+    """Triton compiled for CUDA vs the reference, float32 and bfloat16; run with TRITON_INTERPRET=0."""
+    for name in SCENARIOS:
+        for block_size in BLOCK_SIZES:
+            for heads, kv_heads, head_dim in TRITON_HEADS:
+                for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, 3e-2)):
+                    q_lens, seq_lens = scenario(name, block_size)
+                    q, k_cache, v_cache, kw = make_case(
+                        q_lens, seq_lens, block_size=block_size, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, dtype=dtype,
+                    )
+                    ref = kernels.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
+                    cuda = [t.cuda() for t in (q, k_cache, v_cache)]
+                    kw_cuda = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()}
+                    out = kernels.paged_attention(*cuda, backend="auto", **kw_cuda).cpu()
+                    diff = (out.float() - ref.float()).abs().max().item()
+                    assert diff <= tol, f"native triton {name} bs={block_size} {heads}/{kv_heads} D={head_dim} {dtype}: {diff:.2e}"
+
+
+@pytest.mark.gpu
+def test_triton_native_cuda_matches_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = (
+        "import importlib.util, sys; sys.path.insert(0, %r);"
+        "spec = importlib.util.spec_from_file_location('attn_test', %r);"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.native_cuda_check()"
+    ) % (str(_REPO), __file__)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=_REPO, env=env, timeout=900)

@@ -1,0 +1,116 @@
+"""The single-process engine on a tiny random model: chunked prefill, preemption and batching
+leave greedy output unchanged, aborts and every other path free all blocks, bad requests get
+typed errors before anything is queued."""
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.errors import InvalidRequestError, InvalidSamplingParams, PromptTooLongError
+from runtime.sampling import SamplingParams
+from runtime.sequence import FinishReason
+from tests.helpers import save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(d, max_position_embeddings=128)
+    return d
+
+
+def engine(path, **kw):
+    conf = dict(num_blocks=64, block_size=8)
+    conf.update(kw)
+    return LLMEngine.load(str(path), EngineConfig(**conf), progress=False, tokenizer=False)
+
+
+def prompts():
+    return [[3 + (i * 7 + j * 13) % 500 for j in range(n)] for i, n in enumerate([5, 40, 1, 23, 64, 9])]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    eng = engine(tiny)
+    return [eng.generate([p], GREEDY)[0].token_ids for p in prompts()]
+
+
+def test_chunked_prefill_gives_same_tokens(tiny, reference):
+    eng = engine(tiny, max_num_batched_tokens=16)
+    out = [c.token_ids for c in eng.generate(prompts(), GREEDY)]
+    assert out == reference
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks
+
+
+def test_preemption_by_recompute_gives_same_tokens(tiny, reference):
+    # 20 blocks of 8 tokens cannot hold all six sequences at full length: the newest get preempted.
+    eng = engine(tiny, num_blocks=20)
+    out = [c.token_ids for c in eng.generate(prompts(), GREEDY)]
+    assert eng.scheduler.num_preemptions > 0
+    assert out == reference
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks
+
+
+def test_batch_cap_gives_same_tokens(tiny, reference):
+    eng = engine(tiny, max_num_seqs=2)
+    assert [c.token_ids for c in eng.generate(prompts(), GREEDY)] == reference
+
+
+def test_abort_frees_blocks(tiny):
+    eng = engine(tiny)
+    a = eng.add_request(prompts()[1], GREEDY)
+    b = eng.add_request(prompts()[4], GREEDY)
+    eng.step()
+    eng.step()
+    assert eng.blocks.free_blocks < eng.blocks.num_blocks
+    assert eng.abort(a.request_id)
+    assert a.finish_reason == FinishReason.ABORT and a.block_table == []
+    assert not eng.abort("no-such-request")
+    while eng.has_work():
+        eng.step()
+    assert b.finish_reason == FinishReason.LENGTH
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks
+
+
+def test_stop_conditions(tiny, reference):
+    eng = engine(tiny)
+    p = prompts()[0]
+    ref = reference[0]
+    c = eng.generate([p], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ref[5]]))[0]
+    assert c.token_ids == ref[: ref.index(ref[5]) + 1] and c.finish_reason == FinishReason.STOP
+    c = eng.generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert c.token_ids == ref[:3] and c.finish_reason == FinishReason.LENGTH
+    # The model's context (128) ends a request with "length" even when max_tokens is larger.
+    c = eng.generate([p * 20], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(c.token_ids) == 128 - 100 and c.finish_reason == FinishReason.LENGTH
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks
+
+
+def test_seeded_sampling_independent_of_batch(tiny):
+    eng = engine(tiny)
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = eng.generate([prompts()[3]], p)[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = eng.generate([prompts()[0], prompts()[3], prompts()[5]], [other, p, other])[1].token_ids
+    assert alone == mixed
+
+
+def test_bad_requests_are_typed_and_queue_nothing(tiny):
+    eng = engine(tiny)
+    with pytest.raises(PromptTooLongError, match="context is 128"):
+        eng.add_request(list(range(3, 131)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        eng.add_request([1, 99999], GREEDY)
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)):
+        with pytest.raises(InvalidSamplingParams):
+            eng.add_request([5, 6], SamplingParams(**bad))
+    assert not eng.has_work() and eng.blocks.free_blocks == eng.blocks.num_blocks
+
+
+def test_prompt_larger_than_pool_is_refused(tiny):
+    eng = engine(tiny, num_blocks=4)
+    with pytest.raises(PromptTooLongError, match="KV pool"):
+        eng.add_request(list(range(3, 60)), GREEDY)

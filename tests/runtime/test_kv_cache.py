@@ -1,0 +1,77 @@
+"""Block manager and scheduler as plain data, without a model."""
+from runtime.kv_cache import BlockManager
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.sequence import FinishReason, Sequence, SeqStatus
+
+
+def test_allocate_free_refcount():
+    bm = BlockManager(4, 16)
+    a = bm.allocate(3)
+    assert len(a) == 3 and bm.free_blocks == 1
+    assert bm.allocate(2) is None and bm.free_blocks == 1  # short pool: nothing taken
+    bm.share(a[:1])
+    bm.free(a)
+    assert bm.free_blocks == 3  # a[0] still shared
+    bm.free(a[:1])
+    assert bm.free_blocks == 4
+
+
+def test_double_free_is_an_error():
+    bm = BlockManager(2, 16)
+    a = bm.allocate(1)
+    bm.free(a)
+    try:
+        bm.free(a)
+    except ValueError as e:
+        assert "freed twice" in str(e)
+    else:
+        raise AssertionError("double free accepted")
+
+
+def test_ensure_slots_and_slot_mapping():
+    bm = BlockManager(8, 4)
+    table = []
+    assert bm.ensure_slots(table, 5) and len(table) == 2
+    assert bm.ensure_slots(table, 8) and len(table) == 2
+    assert bm.slot(table, 5) == table[1] * 4 + 1
+    assert not bm.ensure_slots(table, 100) and len(table) == 2
+
+
+def seq(rid, n, max_tokens=4):
+    return Sequence(rid, list(range(n)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_scheduler_budget_chunks_and_admission_order():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = seq("a", 7), seq("b", 6)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 7), ("b", 3)]
+    a.num_computed_tokens, b.num_computed_tokens = 7, 3
+    a.output_token_ids.append(1)
+    out = s.schedule()
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("a", 1), ("b", 3)]
+
+
+def test_scheduler_preempts_newest_and_drops_unfittable():
+    bm = BlockManager(3, 4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new = seq("old", 4), seq("new", 4)
+    s.add(old)
+    s.add(new)
+    s.schedule()
+    for x in (old, new):
+        x.num_computed_tokens = 4
+        x.output_token_ids.append(9)
+    out = s.schedule()  # old needs a 2nd block (1 free), then new needs one: none left -> new preempted
+    assert [x.request_id for x in out.preempted] == ["new"]
+    assert new.status == SeqStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    s.finish(old, FinishReason.STOP)
+    s.finish(new, FinishReason.ABORT)
+    assert bm.free_blocks == 3
+    huge = seq("huge", 20)
+    s.add(huge)
+    out = s.schedule()
+    assert out.finished == [huge] and huge.finish_reason == FinishReason.LENGTH and bm.free_blocks == 3
