@@ -2,10 +2,50 @@
 stays fast and the coordinator's commands never import the model code."""
 from __future__ import annotations
 
+import json
+import logging
 import sys
 import time
 
 import click
+
+COORDINATOR_CLIENTS = "tcp://127.0.0.1:5555"
+COORDINATOR_WORKERS = "tcp://127.0.0.1:5556"
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _engine_options(f):
+    opts = [
+        click.option("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)"),
+        click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--block-size", default=16, show_default=True, type=int),
+        click.option("--kv-cache-mb", default=512, show_default=True, type=int, help="KV pool memory budget"),
+        click.option("--max-num-seqs", default=64, show_default=True, type=int),
+        click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="token budget of one step"),
+        click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
+        click.option("--worker-id", default="", help="default: ROLE-PID"),
+        click.option("--coordinator", "coordinator_addr", default=COORDINATOR_WORKERS, show_default=True, help="coordinator worker port"),
+        click.option("-v", "--verbose", is_flag=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _configs(model, dtype, block_size, kv_cache_mb, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr, **extra):
+    from runtime.config import EngineConfig, WorkerConfig
+    from runtime.errors import PdserveError
+
+    try:
+        ecfg = EngineConfig(dtype=dtype, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_batched_tokens)
+        wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads, **extra)
+    except PdserveError as e:
+        raise click.BadParameter(str(e)) from e
+    return ecfg, wcfg
 
 DEFAULT_PROMPT = "Tell me about Paris in two sentences."
 
@@ -63,3 +103,95 @@ def generate(prompt, model, dtype, chat, max_tokens, temperature, top_p, top_k, 
         click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
     except PdserveError as e:
         raise click.ClickException(f"{e.code}: {e}") from e
+
+
+@main.command()
+@click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
+@click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
+@click.option("--model", default=None, help="the model whose tokenizer to load")
+@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]), show_default=True)
+@click.option("--worker-timeout", default=3.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
+@click.option("-v", "--verbose", is_flag=True)
+def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, verbose):
+    """Run the coordinator: places requests on workers and streams tokens to clients."""
+    from coordinator.server import CoordinatorConfig, serve
+
+    _logging(verbose)
+    serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, kv_backend=kv_backend))
+
+
+@main.command()
+@_engine_options
+@click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
+def prefill(verbose, batch_window_ms, **kw):
+    """Run a prefill worker: prompt forward passes, first token, KV hand-off."""
+    from prefill.worker import serve
+
+    _logging(verbose)
+    ecfg, wcfg = _configs(batch_window_ms=batch_window_ms, **kw)
+    serve(ecfg, wcfg)
+
+
+@main.command()
+@_engine_options
+@click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True, help="where prefill workers deliver KV")
+@click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
+def decode(verbose, kv_bind, colocated, **kw):
+    """Run a decode worker: continuous batching over a paged KV cache."""
+    from coordinator.protocol import Role
+    from decode.worker import serve
+
+    _logging(verbose)
+    ecfg, wcfg = _configs(kv_bind=kv_bind, **kw)
+    serve(ecfg, wcfg, Role.COLOCATED if colocated else Role.DECODE)
+
+
+@main.command()
+@click.option("--coordinator", "address", default=COORDINATOR_CLIENTS, show_default=True)
+@click.option("--timeout", default=10.0, show_default=True)
+def stats(address, timeout):
+    """Print the coordinator's stats as JSON."""
+    from coordinator.client import Client, ClientError
+
+    with Client(address, timeout=timeout) as c:
+        try:
+            click.echo(json.dumps(c.stats(timeout), indent=2))
+        except ClientError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@main.command()
+@click.option("--prefill", "n_prefill", default=1, show_default=True, help="prefill workers on this node")
+@click.option("--decode", "n_decode", default=1, show_default=True, help="decode workers on this node")
+@click.option("--colocated", is_flag=True, help="one colocated worker (chunked prefill + decode) instead")
+@click.option("--config", "config_path", default=None, type=click.Path(exists=True), help="cluster TOML")
+@click.option("--node", default=None, help="this node's name in the cluster TOML")
+@click.option("--model", default=None)
+@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]))
+@click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
+@click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
+@click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
+def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, threads, log_dir, engine_arg):
+    """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
+    from pdserve.launch import Launcher, NodePlan, plan_from_toml
+    from runtime.errors import PdserveError
+
+    try:
+        if config_path:
+            if not node:
+                raise click.BadParameter("--config needs --node NAME")
+            plan = plan_from_toml(config_path, node)
+        elif colocated:
+            plan = NodePlan(prefill=0, decode=0, colocated=1, model=model, kv_backend=kv_backend, threads=threads)
+        else:
+            plan = NodePlan(prefill=n_prefill, decode=n_decode, model=model, kv_backend=kv_backend, threads=threads)
+    except PdserveError as e:
+        raise click.ClickException(str(e)) from e
+    plan.engine_args += [a for arg in engine_arg for a in arg.split("=", 1)]
+
+    def ready(stats):
+        workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
+        click.echo(f"pdserve ready: clients -> {plan.client_addr}; workers: {workers}", err=True)
+        click.echo("stop with Ctrl-C", err=True)
+
+    sys.exit(Launcher(plan, log_dir).run_forever(ready))

@@ -153,3 +153,25 @@ class EngineConfig:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         per_block = 2 * model.num_layers * self.block_size * model.kv_size * itemsize
         return max(1, math.floor(self.kv_cache_bytes / per_block))
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker process needs beyond the engine: where the coordinator is, who it is."""
+
+    coordinator: str = "tcp://127.0.0.1:5556"
+    model: str | None = None
+    worker_id: str = ""  # "" = role-pid
+    kv_backend: str = "auto"  # prefill: force shm or tcp
+    kv_bind: str = "tcp://127.0.0.1:*"  # decode: where prefill workers deliver KV
+    shared_pool: bool = True  # decode: put the KV pool in /dev/shm for the shm backend
+    batch_window_ms: float = 2.0  # prefill: wait this long for more prompts to pack
+    heartbeat_s: float = 0.5
+    grant_timeout_s: float = 30.0  # decode: a grant whose KV never arrives is freed after this
+    threads: int | None = None  # torch threads; None = torch's default
+
+    def __post_init__(self):
+        if self.kv_backend not in ("auto", "shm", "tcp", "cuda_ipc", "nccl"):
+            raise InvalidRequestError(f"kv_backend must be auto, shm, tcp, cuda_ipc or nccl, got {self.kv_backend!r}")
+        if self.batch_window_ms < 0 or self.heartbeat_s <= 0 or self.grant_timeout_s <= 0:
+            raise InvalidRequestError("batch_window_ms must be >= 0, heartbeat_s and grant_timeout_s > 0")

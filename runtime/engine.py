@@ -103,6 +103,18 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
+                      block_table: list[int], num_computed: int, logprob=None, top_logprobs=None) -> StepOutput:
+        """Join a request prefilled elsewhere: its KV for num_computed tokens is in block_table
+        (owned from now on by this engine), its last output token is new. Returns that token's
+        output, already checked against the stop conditions."""
+        seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1])
+        seq.block_table = block_table
+        seq.num_computed_tokens = num_computed
+        self.seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+        return self._append(seq, output_token_ids[-1], logprob, top_logprobs)
+
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         if seq is None:

@@ -24,76 +24,11 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from runtime.errors import InvalidSamplingParams
+from runtime.errors import InvalidSamplingParams  # noqa: F401  (re-exported for callers)
+from runtime.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams  # noqa: F401
 
-# Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
-GREEDY_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20
-_SEED_MIN = -(2**63)
-_SEED_MAX = 2**64 - 1
 _U64 = 2**64 - 1
 _NEG_INF = float("-inf")
-
-
-class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
-    """How to pick tokens for one request; field names and defaults follow vLLM / OpenAI."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 = off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None = none; k = the sampled token's logprob + top-k alternatives
-    min_tokens: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def validate(self) -> None:
-        """Raise InvalidSamplingParams naming the first invalid field and its allowed range."""
-        problem = _first_problem(self)
-        if problem is not None:
-            raise InvalidSamplingParams(problem)
-
-
-def _first_problem(p: SamplingParams) -> str | None:
-    # Comparisons are written so that NaN fails them.
-    if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
-        return f"max_tokens must be an integer >= 1, got {p.max_tokens!r}"
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        return f"temperature must be a finite number >= 0, got {p.temperature!r}"
-    if not (0 < p.top_p <= 1):
-        return f"top_p must be in (0, 1], got {p.top_p!r}"
-    if not (isinstance(p.top_k, int) and p.top_k >= -1):
-        return f"top_k must be -1 or 0 (off) or an integer >= 1, got {p.top_k!r}"
-    if not (0 <= p.min_p <= 1):
-        return f"min_p must be in [0, 1], got {p.min_p!r}"
-    if not (-2 <= p.presence_penalty <= 2):
-        return f"presence_penalty must be in [-2, 2], got {p.presence_penalty!r}"
-    if not (-2 <= p.frequency_penalty <= 2):
-        return f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty!r}"
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        return f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty!r}"
-    if p.seed is not None and not (isinstance(p.seed, int) and _SEED_MIN <= p.seed <= _SEED_MAX):
-        return f"seed must be a 64-bit integer in [-2**63, 2**64 - 1], got {p.seed!r}"
-    if any(not s for s in p.stop):
-        return "stop must not contain empty strings"
-    if any(not (isinstance(t, int) and t >= 0) for t in p.stop_token_ids):
-        return f"stop_token_ids must be integers >= 0, got {p.stop_token_ids!r}"
-    if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
-        return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
-    if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
-        return f"min_tokens must be an integer in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
-    return None
-
 
 class SamplingRow(NamedTuple):
     """One row of a batch. The lists are the caller's, read but never modified here."""

@@ -41,6 +41,11 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its blocks (a prefill hand-off) to the batch."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

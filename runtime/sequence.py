@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import time
 
-from runtime.sampling import SamplingParams
+from runtime.params import SamplingParams
 
 
 class SeqStatus(enum.IntEnum):

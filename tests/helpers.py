@@ -123,3 +123,57 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.write_tensors_to_file()
     wr.close()
     return expected
+
+
+def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
+    """A tiny random Llama with the default model's tokenizer beside it, so that the
+    coordinator can tokenize and detokenize real text for it."""
+    from runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    cfg = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+               max_position_embeddings=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    cfg.update(overrides)
+    save_tiny_model(path, seed=seed, **cfg)
+    tok.save_pretrained(str(path))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), timeout=120.0):
+    """A coordinator and workers as real processes on loopback; returns the started Launcher."""
+    from pdserve.launch import Launcher, NodePlan
+
+    plan = NodePlan(
+        prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,
+        client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
+        engine_args=list(engine_args), threads=1, name="t",
+    )
+    launcher = Launcher(plan, log_dir=str(log_dir))
+    launcher.start()
+    try:
+        launcher.wait_ready(timeout)
+    except BaseException:
+        launcher.stop()
+        raise
+    return launcher
+
+
+def wait_all_blocks_free(client, timeout: float = 5.0) -> dict:
+    """Poll the coordinator's stats until every worker reports all its KV blocks free."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if all(w["free_blocks"] == w["total_blocks"] and w["running"] == 0 for w in stats["workers"]):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {[(w['id'], w['free_blocks'], w['total_blocks'], w['running']) for w in stats['workers']]}")
+        time.sleep(0.05)

@@ -1,0 +1,264 @@
+"""The wire protocol: every message between pdserve processes, as msgspec Structs.
+
+Lifecycle of one request (see ../shared/DESIGN.md):
+  client  -> coordinator   GenerateRequest
+  coord   -> decode        Admit            decode reserves KV blocks for the prompt
+  decode  -> coord         Granted | AdmitRefused
+  coord   -> prefill       Prefill          with the decode worker's block ids and kv endpoint
+  prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket
+  decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
+  coord   -> client        Delta ... Final  (or ErrorReply at any point)
+  colocated mode: coord -> worker Generate, then TokenBatch as above.
+Each socket has one typed decoder over the union of what may arrive on it; tensors travel as
+extra zero-copy frames after the msgpack body, never inside it. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+
+from runtime.params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
+
+
+class Role(enum.IntEnum):
+    PREFILL = 0
+    DECODE = 1
+    COLOCATED = 2
+
+
+class FinishReason(enum.IntEnum):  # same values as runtime.sequence.FinishReason
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+
+FINISH_NAMES = {0: "stop", 1: "length", 2: "abort"}
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# ------------------------------------------------------------------ client <-> coordinator
+
+class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
+    role: str
+    content: str
+
+
+class GenerateRequest(_Msg):
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+class AbortRequest(_Msg):
+    request_id: str
+
+
+class StatsRequest(_Msg):
+    pass
+
+
+class Delta(_Msg):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Final(_Msg):
+    request_id: str
+    finish_reason: int  # FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    ttft: float  # seconds from arrival at the coordinator to the first token
+    token_times: list[float]  # seconds since arrival of each output token
+    stop_text: str | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+
+
+class ErrorReply(_Msg):
+    request_id: str
+    code: str  # runtime.errors code: invalid_request, prompt_too_long, no_workers, ...
+    message: str
+
+
+class StatsReply(_Msg):
+    json: bytes  # msgspec-JSON encoded stats document (free-form, for humans and dashboards)
+
+
+ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest]
+CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
+
+
+# ------------------------------------------------------------------ worker <-> coordinator
+
+class Hello(_Msg):
+    version: int
+    worker_id: str
+    role: int  # Role
+    pid: int
+    host: str
+    boot_id: str  # two workers share memory only if host and boot id match
+    model: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady
+    shm_path: str = ""  # decode: its KV pool in shared memory, "" if none
+    kv_shape: list[int] = []
+    kv_dtype: str = "float32"
+
+
+class Welcome(_Msg):
+    version: int
+
+
+class Reject(_Msg):
+    reason: str
+
+
+class Heartbeat(_Msg):
+    worker_id: str
+    free_blocks: int
+    running: int
+    waiting: int
+    queued_tokens: int
+    kv_bytes_sent: int = 0
+    kv_seconds_sent: float = 0.0
+    kv_bytes_received: int = 0
+    bad_messages: int = 0
+
+
+class Admit(_Msg):
+    request_id: str
+    num_tokens: int
+
+
+class Granted(_Msg):
+    request_id: str
+    block_ids: list[int]
+
+
+class AdmitRefused(_Msg):
+    request_id: str
+    reason: str
+
+
+class Prefill(_Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    dest_worker: str
+    dest_kv_endpoint: str
+    dest_block_ids: list[int]
+    backend: str  # "shm" | "tcp"
+    dest_shm_path: str = ""
+    dest_kv_shape: list[int] = []
+    output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
+
+
+class Generate(_Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(_Msg):
+    request_id: str
+
+
+class Release(_Msg):
+    """Coordinator -> decode: free a grant whose prefill will never arrive."""
+
+    request_id: str
+
+
+class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    token_id: int = -1  # -1: no new token (the request ended on its own)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: int = -1  # -1: still running
+
+
+class TokenBatch(_Msg):
+    items: list[TokenOut]
+
+
+class PrefillDone(_Msg):
+    """Prefill -> coordinator: the hand-off of request_id finished (for stats and placement)."""
+
+    request_id: str
+    num_tokens: int
+    kv_bytes: int
+    kv_seconds: float
+    compute_seconds: float
+
+
+class WorkerError(_Msg):
+    request_id: str
+    code: str
+    message: str
+
+
+class Shutdown(_Msg):
+    pass
+
+
+WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PrefillDone, WorkerError]
+CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Release, Shutdown]
+
+
+# ------------------------------------------------------------------ prefill -> decode (kv socket)
+
+class KVReady(_Msg):
+    """Sent after the KV of `num_computed` tokens is in the destination's granted blocks.
+
+    For tcp the block bytes follow as one extra frame per layer, each shaped
+    (2, len(block_ids), block_size, kv_heads, head_dim).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the first sampled token (and any earlier ones)
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed: int
+    backend: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class KVFailed(_Msg):
+    request_id: str
+    reason: str
+
+
+PrefillToDecode = Union[KVReady, KVFailed]
+
+
+# ------------------------------------------------------------------ codecs
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    """One typed decoder per socket; anything else raises msgspec.ValidationError/DecodeError."""
+    return msgspec.msgpack.Decoder(union)

@@ -1,0 +1,489 @@
+"""The coordinator (`pdserve coordinator`): one asyncio loop (uvloop) owning two ROUTERs.
+
+Lifecycle of a request here: a client's GenerateRequest is validated and tokenized, then
+placed: on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers
+Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
+or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
+are detokenized incrementally (stop strings end the request and abort it on the worker) and
+streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost
+worker ends it with Final(abort) or ErrorReply, and the workers are told to free its blocks.
+
+Workers register with a versioned Hello and heartbeat; one silent for `worker_timeout_s` is
+dropped and every request it held ends with a clear error. Bad frames on either port are
+counted and dropped (clients get an ErrorReply "bad_message"). The coordinator never loads a
+model: only the tokenizer.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from coordinator.protocol import (
+    FINISH_NAMES, MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
+    ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
+    StatsReply, StatsRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+)
+from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
+
+log = logging.getLogger("pdserve.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    client_addr: str = "tcp://127.0.0.1:5555"
+    worker_addr: str = "tcp://127.0.0.1:5556"
+    model: str | None = None
+    worker_timeout_s: float = 3.0
+    pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
+    kv_backend: str = "auto"
+
+
+@dataclass
+class WorkerState:
+    hello: Hello
+    identity: bytes
+    last_seen: float
+    beat: Heartbeat | None = None
+    requests: set = field(default_factory=set)
+    queued_tokens: int = 0  # prefill: tokens sent and not yet handed off
+    reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
+
+    @property
+    def role(self) -> Role:
+        return Role(self.hello.role)
+
+    @property
+    def free_blocks(self) -> int:
+        free = self.beat.free_blocks if self.beat else self.hello.num_blocks
+        return free - self.reserved_blocks
+
+
+@dataclass
+class RequestState:
+    iid: str
+    client: bytes
+    client_rid: str
+    prompt: list[int]
+    req: GenerateRequest
+    arrival: float
+    detok: IncrementalDetokenizer
+    prefill: str | None = None
+    decode: str | None = None
+    phase: str = "new"  # new -> admitting -> prefilling -> decoding (or pending, colocated)
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    reserved: int = 0
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig, tokenizer=None):
+        self.cfg = cfg
+        self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.ctx = zmq.asyncio.Context()
+        self.workers: dict[str, WorkerState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self.pending: collections.deque[str] = collections.deque()
+        self.counts = collections.Counter()
+        self.kv = collections.Counter()
+        self._ids = itertools.count()
+        self.client_sock = self._router(cfg.client_addr)
+        self.worker_sock = self._router(cfg.worker_addr)
+        self.client_dec = decoder(ClientToCoordinator)
+        self.worker_dec = decoder(WorkerToCoordinator)
+        self.stopping = asyncio.Event()
+
+    def _router(self, addr: str):
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.bind(addr)
+        return sock
+
+    # ------------------------------------------------------------------ loops
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(t) for t in (self._client_loop(), self._worker_loop(), self._housekeeping())]
+        try:
+            await self.stopping.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.client_sock.close(linger=0)
+            self.worker_sock.close(linger=0)
+            self.ctx.term()
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self.client_sock.recv_multipart()
+            if len(frames) != 2:
+                self.counts["bad_client_messages"] += 1
+                continue
+            ident, body = frames
+            try:
+                msg = self.client_dec.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.counts["bad_client_messages"] += 1
+                self.send_client(ident, ErrorReply("", "bad_message", f"undecodable message: {e}"))
+                continue
+            try:
+                self.on_client(ident, msg)
+            except Exception:  # one bad request must never take the coordinator down
+                log.exception("error handling a client message")
+                self.counts["internal_errors"] += 1
+
+    async def _worker_loop(self) -> None:
+        while True:
+            frames = await self.worker_sock.recv_multipart()
+            if len(frames) != 2:
+                self.counts["bad_worker_messages"] += 1
+                continue
+            ident, body = frames
+            try:
+                msg = self.worker_dec.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.counts["bad_worker_messages"] += 1
+                continue
+            try:
+                self.on_worker(ident, msg)
+            except Exception:
+                log.exception("error handling a worker message")
+                self.counts["internal_errors"] += 1
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            for wid in [w for w, s in self.workers.items() if now - s.last_seen > self.cfg.worker_timeout_s]:
+                self.drop_worker(wid, "worker stopped answering")
+            self.retry_pending(now)
+
+    # ------------------------------------------------------------------ clients
+
+    def send_client(self, ident: bytes, msg) -> None:
+        try:
+            self.client_sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counts["client_send_failures"] += 1
+
+    def on_client(self, ident: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.on_generate(ident, msg)
+        elif isinstance(msg, AbortRequest):
+            iid = self.by_client.get((ident, msg.request_id))
+            if iid is not None:
+                self.finish(iid, 2)
+        elif isinstance(msg, StatsRequest):
+            self.send_client(ident, StatsReply(json.dumps(self.stats()).encode()))
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (req.prompt, req.messages, req.token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, messages, token_ids")
+        if req.token_ids is not None:
+            return list(req.token_ids)
+        if req.messages is not None:
+            return render_chat(self.tok, [{"role": m.role, "content": m.content} for m in req.messages])
+        return self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    def max_model_len(self) -> int | None:
+        lens = [w.hello.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else None
+
+    def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
+        key = (ident, req.request_id)
+        if key in self.by_client:
+            self.send_client(ident, ErrorReply(req.request_id, "invalid_request", f"request id {req.request_id!r} is already running"))
+            return
+        try:
+            req.params.validate()
+            prompt = self.tokenize(req)
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            limit = self.max_model_len()
+            if limit is not None and len(prompt) >= limit:
+                raise PromptTooLongError(f"prompt has {len(prompt)} tokens; this model's context is {limit} tokens (prompt + output)")
+        except PdserveError as e:
+            self.counts[f"error:{e.code}"] += 1
+            self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
+            return
+        iid = f"r{next(self._ids)}"
+        st = RequestState(iid, ident, req.request_id, prompt, req, time.monotonic(), IncrementalDetokenizer(self.tok, prompt, req.params.stop))
+        self.requests[iid] = st
+        self.by_client[key] = iid
+        self.counts["requests"] += 1
+        self.place(st)
+
+    # ------------------------------------------------------------------ placement
+
+    def alive(self, role: Role) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def place(self, st: RequestState) -> None:
+        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        if prefills and decodes:
+            need = -(-len(st.prompt) // decodes[0].hello.block_size)
+            fits = [d for d in decodes if d.free_blocks >= need]
+            if not fits:
+                self.park(st)
+                return
+            d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
+            st.decode, st.phase, st.reserved = d.hello.worker_id, "admitting", need
+            d.reserved_blocks += need
+            d.requests.add(st.iid)
+            self.send_worker(d, Admit(st.iid, len(st.prompt)))
+            return
+        colocated = self.alive(Role.COLOCATED)
+        if colocated:
+            w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
+            st.decode, st.phase = w.hello.worker_id, "colocated"
+            w.requests.add(st.iid)
+            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params))
+            return
+        self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
+
+    def park(self, st: RequestState) -> None:
+        if st.phase != "pending":
+            st.phase = "pending"
+            self.pending.append(st.iid)
+
+    def retry_pending(self, now: float) -> None:
+        for _ in range(len(self.pending)):
+            iid = self.pending.popleft()
+            st = self.requests.get(iid)
+            if st is None or st.phase != "pending":
+                continue
+            if now - st.arrival > self.cfg.pending_timeout_s:
+                self.error(iid, "overloaded", "no decode worker had room for this request in time")
+                continue
+            st.phase = "new"
+            self.place(st)  # parks it again if it still does not fit
+
+    # ------------------------------------------------------------------ workers
+
+    def send_worker(self, w: WorkerState, msg) -> None:
+        try:
+            self.worker_sock.send_multipart([w.identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counts["worker_send_failures"] += 1
+
+    def on_worker(self, ident: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            self.on_hello(ident, msg)
+            return
+        w = self.worker_by_ident(ident)
+        if w is None:
+            self.worker_sock.send_multipart([ident, encode(Reject("unregistered"))])
+            return
+        w.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            w.beat = msg
+            w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == "admitting")
+        elif isinstance(msg, Granted):
+            self.on_granted(w, msg)
+        elif isinstance(msg, AdmitRefused):
+            st = self.requests.get(msg.request_id)
+            self.unreserve(st)
+            if st is not None:
+                w.requests.discard(st.iid)
+                st.decode = None
+                self.park(st)
+        elif isinstance(msg, TokenBatch):
+            for item in msg.items:
+                self.on_token(item)
+        elif isinstance(msg, PrefillDone):
+            w.queued_tokens = max(0, w.queued_tokens - msg.num_tokens)
+            w.requests.discard(msg.request_id)
+            self.kv["bytes"] += msg.kv_bytes
+            self.kv["seconds"] += msg.kv_seconds
+            self.kv["handoffs"] += 1
+        elif isinstance(msg, WorkerError):
+            self.error(msg.request_id, msg.code, msg.message)
+
+    def worker_by_ident(self, ident: bytes) -> WorkerState | None:
+        for w in self.workers.values():
+            if w.identity == ident:
+                return w
+        return None
+
+    def on_hello(self, ident: bytes, h: Hello) -> None:
+        if h.version != PROTOCOL_VERSION:
+            self.counts["rejected_workers"] += 1
+            self.worker_sock.send_multipart([ident, encode(Reject(f"protocol version {h.version} != {PROTOCOL_VERSION}"))])
+            return
+        old = self.workers.get(h.worker_id)
+        if old is not None and old.identity != ident:
+            self.drop_worker(h.worker_id, "worker re-registered")
+            old = None
+        if old is None:
+            self.workers[h.worker_id] = WorkerState(h, ident, time.monotonic())
+            log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
+        else:
+            old.last_seen = time.monotonic()
+        self.worker_sock.send_multipart([ident, encode(Welcome(PROTOCOL_VERSION))])
+
+    def on_granted(self, d: WorkerState, msg: Granted) -> None:
+        st = self.requests.get(msg.request_id)
+        if st is None or st.phase != "admitting":
+            self.send_worker(d, Release(msg.request_id))
+            return
+        self.unreserve(st)
+        prefills = self.alive(Role.PREFILL)
+        if not prefills:
+            self.send_worker(d, Release(msg.request_id))
+            self.error(st.iid, "no_workers", "no prefill worker is registered")
+            return
+        p = min(prefills, key=lambda w: (w.queued_tokens, len(w.requests)))
+        backend = self.choose_backend(p.hello, d.hello)
+        st.prefill, st.phase = p.hello.worker_id, "prefilling"
+        p.requests.add(st.iid)
+        p.queued_tokens += len(st.prompt)
+        self.send_worker(p, Prefill(
+            st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, backend,
+            d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [],
+        ))
+
+    def choose_backend(self, p: Hello, d: Hello) -> str:
+        from kvtransfer.transfer import choose_backend
+
+        return choose_backend(p.host, p.boot_id, d.host, d.boot_id, d.shm_path, None if self.cfg.kv_backend == "auto" else self.cfg.kv_backend)
+
+    def unreserve(self, st: RequestState | None) -> None:
+        if st is not None and st.reserved and st.decode in self.workers:
+            self.workers[st.decode].reserved_blocks -= st.reserved
+        if st is not None:
+            st.reserved = 0
+
+    def drop_worker(self, wid: str, why: str) -> None:
+        w = self.workers.pop(wid, None)
+        if w is None:
+            return
+        log.warning("dropping worker %s: %s", wid, why)
+        self.counts["workers_lost"] += 1
+        for iid in list(w.requests):
+            st = self.requests.get(iid)
+            if st is None:
+                continue
+            if st.prefill == wid and st.decode in self.workers:
+                self.send_worker(self.workers[st.decode], Release(iid))  # no KV will ever come
+            self.error(iid, "worker_lost", f"worker {wid} was lost ({why})")
+
+    # ------------------------------------------------------------------ tokens and endings
+
+    def on_token(self, item) -> None:
+        st = self.requests.get(item.request_id)
+        if st is None:
+            return
+        now = time.monotonic()
+        st.phase = "decoding" if st.phase != "colocated" else st.phase
+        text = ""
+        new = []
+        if item.token_id >= 0:
+            st.tokens.append(item.token_id)
+            st.token_times.append(now - st.arrival)
+            new.append(item.token_id)
+            text = st.detok.step(item.token_id)
+        reason = item.finish_reason
+        if st.detok.stopped_by is not None and reason < 0:
+            reason = 0
+            self.tell_workers(st, Abort(st.iid))
+        if reason >= 0:
+            text += st.detok.flush()
+        if new or text:
+            st_lp = [item.logprob] if item.logprob is not None and new else None
+            st_top = [item.top_logprobs] if item.top_logprobs is not None and new else None
+            self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top))
+        if reason >= 0:
+            self.finish(st.iid, reason, tell=False)
+
+    def tell_workers(self, st: RequestState, msg) -> None:
+        for wid in {st.prefill, st.decode}:
+            if wid in self.workers:
+                self.send_worker(self.workers[wid], msg)
+
+    def finish(self, iid: str, reason: int, tell: bool = True) -> None:
+        st = self.requests.pop(iid, None)
+        if st is None:
+            return
+        self.by_client.pop((st.client, st.client_rid), None)
+        self.unreserve(st)
+        if tell and st.phase in ("admitting", "prefilling", "decoding", "colocated"):
+            self.tell_workers(st, Abort(iid))
+        for wid in (st.prefill, st.decode):
+            if wid in self.workers:
+                self.workers[wid].requests.discard(iid)
+        self.counts[f"finished:{FINISH_NAMES.get(reason, reason)}"] += 1
+        ttft = st.token_times[0] if st.token_times else 0.0
+        self.send_client(st.client, Final(
+            st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, st.token_times, st.detok.stopped_by, st.prefill, st.decode,
+        ))
+
+    def error(self, iid: str, code: str, message: str) -> None:
+        st = self.requests.pop(iid, None)
+        if st is None:
+            return
+        self.by_client.pop((st.client, st.client_rid), None)
+        self.unreserve(st)
+        self.tell_workers(st, Abort(iid))
+        for wid in (st.prefill, st.decode):
+            if wid in self.workers:
+                self.workers[wid].requests.discard(iid)
+        self.counts[f"error:{code}"] += 1
+        self.send_client(st.client, ErrorReply(st.client_rid, code, message))
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        workers = []
+        for w in self.workers.values():
+            b = w.beat
+            workers.append({
+                "id": w.hello.worker_id, "role": w.role.name.lower(), "pid": w.hello.pid, "host": w.hello.host,
+                "queue": b.waiting if b else 0, "running": b.running if b else 0, "queued_tokens": b.queued_tokens if b else 0,
+                "free_blocks": b.free_blocks if b else w.hello.num_blocks, "total_blocks": w.hello.num_blocks,
+                "block_size": w.hello.block_size, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
+                "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
+                "bad_messages": b.bad_messages if b else 0, "inflight": len(w.requests),
+            })
+        return {
+            "workers": workers,
+            "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
+            "requests": dict(self.counts),
+            "active_requests": len(self.requests),
+            "pending": len(self.pending),
+        }
+
+
+def serve(cfg: CoordinatorConfig) -> None:
+    import signal
+
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # uvloop is optional on platforms without it
+        loop_factory = None
+
+    async def main():
+        coord = Coordinator(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, coord.stopping.set)
+        log.info("coordinator: clients at %s, workers at %s", cfg.client_addr, cfg.worker_addr)
+        await coord.run()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())

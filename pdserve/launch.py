@@ -1,0 +1,173 @@
+"""The per-node launcher (`pdserve launch`): start every role this node runs, wait until all
+are registered, print where to connect, and stop them all cleanly.
+
+Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node name) -> start
+the coordinator first if this node runs it, then the workers, each a child process of this
+one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
+poll the coordinator's stats until the expected workers are registered -> print the endpoints
+-> wait. SIGINT/SIGTERM, or any child exiting on its own, stops everything: SIGTERM to each
+child, SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+
+from runtime.errors import InvalidRequestError
+
+
+@dataclass
+class NodePlan:
+    coordinator: bool = True
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    client_addr: str = "tcp://127.0.0.1:5555"
+    worker_addr: str = "tcp://127.0.0.1:5556"
+    kv_bind_host: str = "127.0.0.1"
+    model: str | None = None
+    kv_backend: str = "auto"
+    engine_args: list[str] = field(default_factory=list)  # passed to every worker
+    threads: int | None = None
+    name: str = "local"
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+
+def plan_from_toml(path: str, node: str) -> NodePlan:
+    """Cluster file: [cluster] (coordinator_host, client_port, worker_port, model, dtype,
+    kv_backend, kv_cache_mb) and [nodes.NAME] (host, coordinator, prefill, decode, colocated)."""
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    cluster = doc.get("cluster", {})
+    nodes = doc.get("nodes", {})
+    if node not in nodes:
+        raise InvalidRequestError(f"node {node!r} is not in {path} (nodes: {', '.join(nodes) or 'none'})")
+    n = nodes[node]
+    host = cluster.get("coordinator_host", "127.0.0.1")
+    engine_args = []
+    for key in ("dtype", "kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens"):
+        if key in cluster:
+            engine_args += [f"--{key.replace('_', '-')}", str(cluster[key])]
+    return NodePlan(
+        coordinator=bool(n.get("coordinator", False)),
+        prefill=int(n.get("prefill", 0)), decode=int(n.get("decode", 0)), colocated=int(n.get("colocated", 0)),
+        client_addr=f"tcp://{host}:{cluster.get('client_port', 5555)}",
+        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}",
+        kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
+        engine_args=engine_args, threads=n.get("threads"), name=node,
+    )
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launcher:
+    def __init__(self, plan: NodePlan, log_dir: str | None = None):
+        self.plan = plan
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.stopping = False
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=out, stderr=subprocess.STDOUT if out else None,
+                                preexec_fn=_die_with_parent)
+        self.procs.append((name, proc))
+
+    def _worker_args(self) -> list[str]:
+        p = self.plan
+        args = ["--coordinator", p.worker_addr, *p.engine_args]
+        if p.model:
+            args += ["--model", p.model]
+        threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
+        return args + ["--threads", str(threads)]
+
+    def start(self) -> None:
+        p = self.plan
+        if p.coordinator:
+            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr, "--kv-backend", p.kv_backend]
+            self._spawn("coordinator", args + (["--model", p.model] if p.model else []))
+        common = self._worker_args()
+        kv_bind = f"tcp://{p.kv_bind_host}:*"
+        for i in range(p.prefill):
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common])
+        for i in range(p.decode):
+            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common])
+        for i in range(p.colocated):
+            self._spawn(f"colocated-{i}", ["decode", "--colocated", "--worker-id", f"{p.name}-colocated-{i}", "--kv-bind", kv_bind, *common])
+
+    def wait_ready(self, timeout: float = 300.0) -> dict:
+        """Block until this node's workers are registered with the coordinator; returns its stats."""
+        from coordinator.client import Client, ClientError
+
+        deadline = time.monotonic() + timeout
+        mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),
+                                                              ("colocated", self.plan.colocated)) for i in range(n)}
+        with Client(self.plan.client_addr, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                self.check_children()
+                try:
+                    stats = client.stats(timeout=1.0)
+                except ClientError:
+                    continue
+                if mine <= {w["id"] for w in stats["workers"]}:
+                    return stats
+                time.sleep(0.2)
+        raise TimeoutError(f"workers not registered after {timeout:.0f}s")
+
+    def check_children(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None and not self.stopping:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        self.stopping = True
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for _, proc in self.procs:  # pools of children that could not clean up (SIGKILL)
+            for path in glob.glob(f"/dev/shm/pdserve-kv-{proc.pid}"):
+                os.unlink(path)
+
+    def run_forever(self, on_ready=None) -> int:
+        stop = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.append(1))
+        try:
+            self.start()
+            stats = self.wait_ready() if self.plan.coordinator or self.plan.num_workers else None
+            if on_ready:
+                on_ready(stats)
+            while not stop:
+                self.check_children()
+                time.sleep(0.2)
+            return 0
+        except (RuntimeError, TimeoutError) as e:
+            print(f"pdserve launch: {e}; stopping", file=sys.stderr)
+            return 1
+        finally:
+            self.stop()
