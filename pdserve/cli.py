@@ -71,39 +71,64 @@ def _sampling_options(f):
 
 @main.command()
 @click.argument("prompt", required=False, default=DEFAULT_PROMPT)
-@click.option("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+@click.option("--coordinator", "address", default=COORDINATOR_CLIENTS, show_default=True, help="coordinator client port")
+@click.option("--local", is_flag=True, help="load the model in this process instead of asking a running service")
+@click.option("--model", default=None, help="with --local: GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--chat/--raw", default=True, show_default=True, help="apply the model's chat template")
+@click.option("--timeout", default=120.0, show_default=True)
 @_sampling_options
-def generate(prompt, model, dtype, chat, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
-    """Generate a completion for PROMPT in this process and stream it to the terminal."""
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+def generate(prompt, address, local, model, dtype, chat, timeout, **sampling):
+    """Stream a completion for PROMPT to the terminal (from the running service, or --local)."""
     from runtime.errors import PdserveError
-    from runtime.sampling import SamplingParams
-    from runtime.tokenizer import render_chat
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
-        params.validate()
-        t0 = time.perf_counter()
-        engine = LLMEngine.load(model, EngineConfig(dtype=dtype, kv_cache_bytes=64 * 2**20))
-        click.echo(f"[loaded in {time.perf_counter() - t0:.2f}s]", err=True)
-        ids = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else engine.encode(prompt)
-        engine.add_request(ids, params, request_id="cli")
-        t0 = time.perf_counter()
-        n = 0
-        while engine.has_work():
-            for out in engine.step():
-                n += out.token_id is not None
-                click.echo(out.text, nl=False)
-                sys.stdout.flush()
-        dt = time.perf_counter() - t0
-        click.echo("")
-        click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
+        (_generate_local if local else _generate_remote)(prompt, address, model, dtype, chat, timeout, sampling)
     except PdserveError as e:
         raise click.ClickException(f"{e.code}: {e}") from e
 
+
+def _generate_remote(prompt, address, model, dtype, chat, timeout, sampling):
+    from coordinator.client import Client, ClientError
+
+    kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    with Client(address, timeout=timeout) as client:
+        try:
+            for delta in client.stream(**kw, **sampling):
+                click.echo(delta.text, nl=False)
+                if delta.result is not None:
+                    r = delta.result
+                    click.echo("")
+                    tps = r.completion_tokens / max(r.latency, 1e-9)
+                    click.echo(f"[{r.completion_tokens} tokens, finish {r.finish_reason}, TTFT {r.client_ttft or 0:.3f}s, "
+                               f"{tps:.1f} tok/s]", err=True)
+        except ClientError as e:
+            raise click.ClickException(f"{e} (is the service running? start it with scripts/serve)") from e
+
+
+def _generate_local(prompt, address, model, dtype, chat, timeout, sampling):
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import render_chat
+
+    params = SamplingParams(**sampling)
+    params.validate()
+    t0 = time.perf_counter()
+    engine = LLMEngine.load(model, EngineConfig(dtype=dtype, kv_cache_bytes=64 * 2**20))
+    click.echo(f"[loaded in {time.perf_counter() - t0:.2f}s]", err=True)
+    ids = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else engine.encode(prompt)
+    engine.add_request(ids, params, request_id="cli")
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_work():
+        for out in engine.step():
+            n += out.token_id is not None
+            click.echo(out.text, nl=False)
+            sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    click.echo("")
+    click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
 
 @main.command()
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
@@ -168,10 +193,12 @@ def stats(address, timeout):
 @click.option("--node", default=None, help="this node's name in the cluster TOML")
 @click.option("--model", default=None)
 @click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]))
+@click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
+@click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
-def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, threads, log_dir, engine_arg):
+def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -181,10 +208,9 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
             if not node:
                 raise click.BadParameter("--config needs --node NAME")
             plan = plan_from_toml(config_path, node)
-        elif colocated:
-            plan = NodePlan(prefill=0, decode=0, colocated=1, model=model, kv_backend=kv_backend, threads=threads)
         else:
-            plan = NodePlan(prefill=n_prefill, decode=n_decode, model=model, kv_backend=kv_backend, threads=threads)
+            counts = dict(prefill=0, decode=0, colocated=1) if colocated else dict(prefill=n_prefill, decode=n_decode)
+            plan = NodePlan(**counts, model=model, kv_backend=kv_backend, threads=threads, client_addr=client_addr, worker_addr=worker_addr)
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
     plan.engine_args += [a for arg in engine_arg for a in arg.split("=", 1)]

@@ -1,0 +1,112 @@
+"""`pdserve launch` as a user runs it: the whole node comes up, answers, and stops cleanly on
+SIGTERM with no process left behind and its shared-memory pools unlinked; a cluster TOML starts
+each node's roles, and `pdserve generate` / `pdserve stats` talk to it."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coordinator.client import Client
+from tests.helpers import free_port, save_tiny_served_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d)
+    return d
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def wait_ready(proc, address, n_workers, timeout=120):
+    deadline = time.monotonic() + timeout
+    with Client(address, timeout=2) as c:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "launcher exited early"
+            try:
+                stats = c.stats(timeout=1)
+                if len(stats["workers"]) >= n_workers:
+                    return stats
+            except Exception:
+                pass
+            time.sleep(0.2)
+    raise AssertionError("service not ready in time")
+
+
+def pdserve(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], **kw)
+
+
+def test_launch_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
+    clients, workers = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
+                   "--log-dir", str(tmp_path), "--engine-arg=--kv-cache-mb=8", stderr=subprocess.PIPE, text=True)
+    try:
+        stats = wait_ready(proc, clients, 2)
+        assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill"]
+        kids = children_of(proc.pid)
+        assert len(kids) == 3  # coordinator, prefill, decode
+        pools = glob.glob("/dev/shm/pdserve-kv-*")
+        assert any(p.endswith(tuple(str(k) for k in kids)) for p in pools)
+        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--coordinator", clients, "--raw", "--max-tokens", "6",
+                              "--ignore-eos", "Once upon a time"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "[6 tokens, finish length" in out.stderr
+        out = subprocess.run([sys.executable, "-m", "pdserve", "stats", "--coordinator", clients], capture_output=True, text=True, timeout=60)
+        doc = json.loads(out.stdout)
+        assert doc["requests"]["finished:length"] == 1 and len(doc["workers"]) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert all(not os.path.exists(f"/proc/{k}") for k in kids), "orphan processes left"
+    assert not any(p.endswith(tuple(str(k) for k in kids)) for p in glob.glob("/dev/shm/pdserve-kv-*"))
+
+
+def test_cluster_toml_two_nodes(model_dir, tmp_path):
+    cport, wport = free_port(), free_port()
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f"""
+[cluster]
+coordinator_host = "127.0.0.1"
+client_port = {cport}
+worker_port = {wport}
+model = "{model_dir}"
+kv_backend = "tcp"
+kv_cache_mb = 8
+
+[nodes.a]
+host = "127.0.0.1"
+coordinator = true
+prefill = 1
+threads = 1
+
+[nodes.b]
+host = "127.0.0.1"
+decode = 1
+threads = 1
+""")
+    a = pdserve("launch", "--config", str(cfg), "--node", "a", "--log-dir", str(tmp_path / "a"))
+    b = pdserve("launch", "--config", str(cfg), "--node", "b", "--log-dir", str(tmp_path / "b"))
+    try:
+        stats = wait_ready(a, f"tcp://127.0.0.1:{cport}", 2)
+        assert {w["id"] for w in stats["workers"]} == {"a-prefill-0", "b-decode-0"}
+        with Client(f"tcp://127.0.0.1:{cport}") as c:
+            r = c.generate(token_ids=[10, 20, 30, 40], temperature=0, max_tokens=5, ignore_eos=True)
+            assert r.completion_tokens == 5
+            assert c.stats()["kv_transfer"]["handoffs"] == 1
+    finally:
+        for p in (b, a):
+            p.send_signal(signal.SIGTERM)
+        for p in (b, a):
+            p.wait(timeout=30)
+    assert a.returncode == 0 and b.returncode == 0
