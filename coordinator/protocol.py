@@ -140,6 +140,7 @@ class Heartbeat(_Msg):
     kv_seconds_sent: float = 0.0
     kv_bytes_received: int = 0
     bad_messages: int = 0
+    preemptions: int = 0
 
 
 class Admit(_Msg):

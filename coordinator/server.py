@@ -456,7 +456,7 @@ class Coordinator:
                 "free_blocks": b.free_blocks if b else w.hello.num_blocks, "total_blocks": w.hello.num_blocks,
                 "block_size": w.hello.block_size, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
-                "bad_messages": b.bad_messages if b else 0, "inflight": len(w.requests),
+                "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
             })
         return {
             "workers": workers,

@@ -89,7 +89,7 @@ class DecodeWorker:
         return Heartbeat(
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
-            bad_messages=self.receiver.bad_messages + self.link.bad_messages,
+            bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
         )
 
     def run(self) -> None:

@@ -23,6 +23,7 @@ def _engine_options(f):
         click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"])),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--kv-cache-mb", default=512, show_default=True, type=int, help="KV pool memory budget"),
+        click.option("--num-blocks", default=None, type=int, help="KV pool size in blocks (overrides --kv-cache-mb)"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
         click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="token budget of one step"),
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
@@ -35,12 +36,12 @@ def _engine_options(f):
     return f
 
 
-def _configs(model, dtype, block_size, kv_cache_mb, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr, **extra):
+def _configs(model, dtype, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr, **extra):
     from runtime.config import EngineConfig, WorkerConfig
     from runtime.errors import PdserveError
 
     try:
-        ecfg = EngineConfig(dtype=dtype, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, max_num_seqs=max_num_seqs,
+        ecfg = EngineConfig(dtype=dtype, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads, **extra)
     except PdserveError as e:

@@ -69,3 +69,21 @@ def test_concurrent_requests_equal_single_process_runtime(model_dir, expected, t
         assert stats["requests"].get("finished:length") == 32
     finally:
         launcher.stop()
+
+
+def test_decode_pool_too_small_preempts_and_outputs_stay_equal(model_dir, tmp_path):
+    """8 requests that need ~56 blocks at full length on a decode pool of 24: the newest
+    sequences are preempted and recomputed, every request still completes with the
+    single-process greedy output, and every block is free at the end."""
+    jobs = [([50 + 7 * i + j for j in range(40)], dict(temperature=0.0, max_tokens=60, ignore_eos=True)) for i in range(8)]
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=512), progress=False, tokenizer=False)
+    want = [c.token_ids for c in eng.generate([p for p, _ in jobs], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
+    launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=1, engine_args=["--num-blocks", "24"])
+    try:
+        results = asyncio.run(run_all(launcher.plan.client_addr, jobs))
+        assert [r.token_ids for r in results] == want
+        with Client(launcher.plan.client_addr) as c:
+            stats = wait_all_blocks_free(c)
+        assert sum(w["preemptions"] for w in stats["workers"]) > 0
+    finally:
+        launcher.stop()
