@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from coordinator.protocol import (
     FINISH_NAMES, MAX_CONTROL_MESSAGE, AbortRequest, ChatMessage, CoordinatorToClient, Delta, ErrorReply, Final,
-    GenerateRequest, StatsReply, StatsRequest, decoder, encode,
+    GenerateRequest, StatsReply, StatsRequest, StatusRequest, decoder, encode,
 )
 from runtime.params import SamplingParams
 
@@ -64,11 +64,17 @@ class WorkerLost(RequestError):
     pass
 
 
+class RequestLost(RequestError):
+    """The coordinator no longer knows the request (it restarted while the request ran)."""
+
+
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
     "prompt_too_long": PromptTooLong, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
+    "unknown_request": RequestLost,
 }
+PROBE_S = 2.0  # silence after which a waiting client asks whether its request is still known
 
 
 def request_error(reply: ErrorReply) -> RequestError:
@@ -123,6 +129,7 @@ class StreamDelta:
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # set on the last delta
     result: Result | None = None  # the whole result, on the last delta
+    top_logprobs: list | None = None  # per token: [(token_id, logprob), ...] when logprobs were asked for
 
 
 def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0) -> GenerateRequest:
@@ -161,11 +168,17 @@ class Client:
         self.sock.close(linger=0)
         self.ctx.term()
 
-    def _recv(self, deadline: float):
-        left = deadline - time.monotonic()
-        if left <= 0 or not self.sock.poll(int(left * 1000)):
-            raise RequestTimeout("no answer from the coordinator in time")
-        return self.dec.decode(self.sock.recv())
+    def _recv(self, deadline: float, request_id: str | None = None):
+        """The next message; while a request waits, silence longer than PROBE_S sends a StatusRequest."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout("no answer from the coordinator in time")
+            wait = min(left, PROBE_S) if request_id else left
+            if self.sock.poll(int(wait * 1000)):
+                return self.dec.decode(self.sock.recv())
+            if request_id:
+                self.sock.send(encode(StatusRequest(request_id)))
 
     def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0, **sampling):
         req = build_request(prompt, messages, token_ids, sampling, request_id, priority)
@@ -176,12 +189,12 @@ class Client:
         done = False
         try:
             while True:
-                msg = self._recv(deadline)
+                msg = self._recv(deadline, req.request_id)
                 if getattr(msg, "request_id", None) != req.request_id:
                     continue  # a late message of an earlier, abandoned request
                 if isinstance(msg, Delta):
                     result.add(msg, t0)
-                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs)
+                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
                 elif isinstance(msg, Final):
                     done = True
                     result.end(msg, t0)
@@ -268,13 +281,17 @@ class AsyncClient:
         await self.sock.send(encode(req))
         try:
             while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestTimeout("no answer from the coordinator in time")
                 try:
-                    msg = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+                    msg = await asyncio.wait_for(q.get(), min(left, PROBE_S))
                 except asyncio.TimeoutError:
-                    raise RequestTimeout("no answer from the coordinator in time") from None
+                    await self.sock.send(encode(StatusRequest(req.request_id)))
+                    continue
                 if isinstance(msg, Delta):
                     result.add(msg, t0)
-                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs)
+                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
                 elif isinstance(msg, Final):
                     done = True
                     result.end(msg, t0)

@@ -25,6 +25,10 @@ from coordinator.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello
 log = logging.getLogger("pdserve.link")
 
 
+class CoordinatorRestarted:
+    """Inbox marker: the coordinator forgot this worker, so every request it holds is orphaned."""
+
+
 class WorkerLink:
     def __init__(self, ctx: zmq.Context, address: str, hello: Hello, heartbeat, interval: float = 0.5, curve: dict | None = None):
         self.ctx = ctx
@@ -130,6 +134,8 @@ class WorkerLink:
             log.info("registered with the coordinator at %s", self.address)
         elif isinstance(msg, Reject):
             if msg.reason == "unregistered":
+                if self.registered.is_set():
+                    self.inbox.put(CoordinatorRestarted())
                 self.registered.clear()  # the coordinator restarted: say Hello again
             else:
                 log.error("coordinator rejected this worker: %s", msg.reason)

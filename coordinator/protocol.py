@@ -69,6 +69,13 @@ class StatsRequest(_Msg):
     pass
 
 
+class StatusRequest(_Msg):
+    """A client that heard nothing for a while asks whether its request is still known;
+    the coordinator answers ErrorReply("unknown_request") if not (e.g. after a restart)."""
+
+    request_id: str
+
+
 class Delta(_Msg):
     request_id: str
     token_ids: list[int]
@@ -99,7 +106,7 @@ class StatsReply(_Msg):
     json: bytes  # msgspec-JSON encoded stats document (free-form, for humans and dashboards)
 
 
-ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest]
+ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest]
 CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 
 
@@ -175,6 +182,7 @@ class Generate(_Msg):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
 
 
 class Abort(_Msg):

@@ -30,7 +30,7 @@ import zmq.asyncio
 from coordinator.protocol import (
     FINISH_NAMES, MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
     ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
-    StatsReply, StatsRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+    StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
@@ -43,7 +43,8 @@ class CoordinatorConfig:
     client_addr: str = "tcp://127.0.0.1:5555"
     worker_addr: str = "tcp://127.0.0.1:5556"
     model: str | None = None
-    worker_timeout_s: float = 3.0
+    worker_timeout_s: float = 2.0
+    max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     kv_backend: str = "auto"
 
@@ -83,6 +84,11 @@ class RequestState:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     reserved: int = 0
+    attempts: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.tokens)
 
 
 class Coordinator:
@@ -188,6 +194,9 @@ class Coordinator:
                 self.finish(iid, 2)
         elif isinstance(msg, StatsRequest):
             self.send_client(ident, StatsReply(json.dumps(self.stats()).encode()))
+        elif isinstance(msg, StatusRequest):
+            if (ident, msg.request_id) not in self.by_client:
+                self.send_client(ident, ErrorReply(msg.request_id, "unknown_request", "the coordinator does not know this request (it may have restarted)"))
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.messages, req.token_ids)]
@@ -233,9 +242,10 @@ class Coordinator:
         return [w for w in self.workers.values() if w.role == role]
 
     def place(self, st: RequestState) -> None:
+        st.attempts += 1
         prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
         if prefills and decodes:
-            need = -(-len(st.prompt) // decodes[0].hello.block_size)
+            need = -(-st.num_tokens // decodes[0].hello.block_size)
             fits = [d for d in decodes if d.free_blocks >= need]
             if not fits:
                 self.park(st)
@@ -244,14 +254,14 @@ class Coordinator:
             st.decode, st.phase, st.reserved = d.hello.worker_id, "admitting", need
             d.reserved_blocks += need
             d.requests.add(st.iid)
-            self.send_worker(d, Admit(st.iid, len(st.prompt)))
+            self.send_worker(d, Admit(st.iid, st.num_tokens))
             return
         colocated = self.alive(Role.COLOCATED)
         if colocated:
             w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
             st.decode, st.phase = w.hello.worker_id, "colocated"
             w.requests.add(st.iid)
-            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params))
+            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens)))
             return
         self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
 
@@ -270,6 +280,7 @@ class Coordinator:
                 self.error(iid, "overloaded", "no decode worker had room for this request in time")
                 continue
             st.phase = "new"
+            st.attempts -= 1  # waiting for room is not a new attempt
             self.place(st)  # parks it again if it still does not fit
 
     # ------------------------------------------------------------------ workers
@@ -350,10 +361,10 @@ class Coordinator:
         backend = self.choose_backend(p.hello, d.hello)
         st.prefill, st.phase = p.hello.worker_id, "prefilling"
         p.requests.add(st.iid)
-        p.queued_tokens += len(st.prompt)
+        p.queued_tokens += st.num_tokens
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, backend,
-            d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [],
+            d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [], list(st.tokens),
         ))
 
     def choose_backend(self, p: Hello, d: Hello) -> str:
@@ -368,6 +379,8 @@ class Coordinator:
             st.reserved = 0
 
     def drop_worker(self, wid: str, why: str) -> None:
+        """Forget a worker; each request it held is placed again (recomputing the tokens the
+        client already has) or, past max_attempts or with nowhere to go, ends with worker_lost."""
         w = self.workers.pop(wid, None)
         if w is None:
             return
@@ -375,11 +388,30 @@ class Coordinator:
         self.counts["workers_lost"] += 1
         for iid in list(w.requests):
             st = self.requests.get(iid)
-            if st is None:
-                continue
-            if st.prefill == wid and st.decode in self.workers:
-                self.send_worker(self.workers[st.decode], Release(iid))  # no KV will ever come
-            self.error(iid, "worker_lost", f"worker {wid} was lost ({why})")
+            if st is not None:
+                self.retry(st, f"worker {wid} was lost ({why})")
+
+    def retry(self, st: RequestState, why: str) -> None:
+        """Take st off its workers (freeing what they hold for it) and place it again."""
+        if st.phase == "prefilling" and st.decode in self.workers and st.prefill not in self.workers:
+            self.send_worker(self.workers[st.decode], Release(st.iid))  # a lost prefill sends no KV: free the grant now
+        else:
+            self.tell_workers(st, Abort(st.iid))  # each live worker frees what it holds
+        self.unreserve(st)
+        if st.phase == "prefilling" and st.prefill in self.workers:
+            p = self.workers[st.prefill]
+            p.queued_tokens = max(0, p.queued_tokens - st.num_tokens)
+        for wid in (st.prefill, st.decode):
+            if wid in self.workers:
+                self.workers[wid].requests.discard(st.iid)
+        st.prefill = st.decode = None
+        if st.attempts >= self.cfg.max_attempts:
+            self.error(st.iid, "worker_lost", f"{why}; gave up after {st.attempts} attempts")
+            return
+        self.counts["retries"] += 1
+        log.info("retrying %s (%d tokens done): %s", st.iid, len(st.tokens), why)
+        st.phase = "new"
+        self.place(st)
 
     # ------------------------------------------------------------------ tokens and endings
 
@@ -454,7 +486,7 @@ class Coordinator:
                 "id": w.hello.worker_id, "role": w.role.name.lower(), "pid": w.hello.pid, "host": w.hello.host,
                 "queue": b.waiting if b else 0, "running": b.running if b else 0, "queued_tokens": b.queued_tokens if b else 0,
                 "free_blocks": b.free_blocks if b else w.hello.num_blocks, "total_blocks": w.hello.num_blocks,
-                "block_size": w.hello.block_size, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
+                "block_size": w.hello.block_size, "max_model_len": w.hello.max_model_len, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
             })

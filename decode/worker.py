@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from coordinator.link import WorkerLink
+from coordinator.link import CoordinatorRestarted, WorkerLink
 from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, KVFailed, KVReady, Reject, Release,
     Role, Shutdown, TokenBatch, TokenOut, WorkerError,
@@ -128,8 +128,18 @@ class DecodeWorker:
             self.on_abort(msg.request_id)
         elif isinstance(msg, Release):
             self.free_grant(msg.request_id)
+        elif isinstance(msg, CoordinatorRestarted):
+            self.abort_all()
         elif isinstance(msg, (Shutdown, Reject)):
             self.running = False
+
+    def abort_all(self) -> None:
+        """The coordinator that placed our requests is gone: end them all, free every block."""
+        log.warning("coordinator restarted: aborting %d requests", len(self.engine.seqs) + len(self.grants))
+        for rid in list(self.engine.seqs):
+            self.engine.abort(rid)
+        for grant in self.grants.values():
+            grant.cancelled = True  # freed when the prefill side answers, or at the grant deadline
 
     def on_admit(self, msg: Admit) -> None:
         blocks = self.engine.blocks
@@ -158,7 +168,7 @@ class DecodeWorker:
 
     def on_generate(self, msg: Generate) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids)
         except PdserveError as e:
             self.link.send(WorkerError(msg.request_id, e.code, str(e)))
 

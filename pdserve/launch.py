@@ -4,8 +4,8 @@ are registered, print where to connect, and stop them all cleanly.
 Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node name) -> start
 the coordinator first if this node runs it, then the workers, each a child process of this
 one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
-poll the coordinator's stats until the expected workers are registered -> print the endpoints
--> wait. SIGINT/SIGTERM, or any child exiting on its own, stops everything: SIGTERM to each
+poll the coordinator's stats until the expected workers are registered (and, with the HTTP
+gateway, until it answers /health) -> print the endpoints -> wait. SIGINT/SIGTERM, or any child exiting on its own, stops everything: SIGTERM to each
 child, SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
 """
 from __future__ import annotations
@@ -35,12 +35,23 @@ class NodePlan:
     model: str | None = None
     kv_backend: str = "auto"
     engine_args: list[str] = field(default_factory=list)  # passed to every worker
+    prefill_args: list[str] = field(default_factory=list)  # passed to prefill workers only
     threads: int | None = None
     name: str = "local"
+    coordinator_args: list[str] = field(default_factory=list)  # passed to the coordinator
+    gateway: bool = False  # the OpenAI HTTP gateway (`pdserve launch` turns it on beside the coordinator)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    api_key: str | None = None
 
     @property
     def num_workers(self) -> int:
         return self.prefill + self.decode + self.colocated
+
+    @property
+    def http_url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.http_host, self.http_host)  # a wildcard bind answers on loopback
+        return f"http://[{host}]:{self.http_port}" if ":" in host else f"http://{host}:{self.http_port}"
 
 
 def plan_from_toml(path: str, node: str) -> NodePlan:
@@ -99,15 +110,23 @@ class Launcher:
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
         return args + ["--threads", str(threads)]
 
+    def _gateway_args(self) -> list[str]:
+        p = self.plan
+        args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
+        args += ["--model", p.model] if p.model else []
+        return args + (["--api-key", p.api_key] if p.api_key else [])
+
     def start(self) -> None:
         p = self.plan
         if p.coordinator:
             args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr, "--kv-backend", p.kv_backend]
-            self._spawn("coordinator", args + (["--model", p.model] if p.model else []))
+            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args)
+        if p.gateway:
+            self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
         kv_bind = f"tcp://{p.kv_bind_host}:*"
         for i in range(p.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common])
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common, *p.prefill_args])
         for i in range(p.decode):
             self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common])
         for i in range(p.colocated):
@@ -128,9 +147,27 @@ class Launcher:
                 except ClientError:
                     continue
                 if mine <= {w["id"] for w in stats["workers"]}:
+                    if self.plan.gateway:
+                        self.wait_gateway(deadline)
                     return stats
                 time.sleep(0.2)
         raise TimeoutError(f"workers not registered after {timeout:.0f}s")
+
+    def wait_gateway(self, deadline: float) -> None:
+        """Block until the gateway answers /health (503 counts: it answers while workers are missing)."""
+        import urllib.error
+        import urllib.request
+
+        while time.monotonic() < deadline:
+            self.check_children()
+            try:
+                urllib.request.urlopen(f"{self.plan.http_url}/health", timeout=2.0).close()
+                return
+            except urllib.error.HTTPError:
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"the gateway did not answer at {self.plan.http_url}/health in time")
 
     def check_children(self) -> None:
         for name, proc in self.procs:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from coordinator.link import WorkerLink
+from coordinator.link import CoordinatorRestarted, WorkerLink
 from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Heartbeat, Hello, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError,
 )
@@ -90,6 +90,9 @@ class PrefillWorker:
             self.on_prefill(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.request_id)
+        elif isinstance(msg, CoordinatorRestarted):
+            for rid in list(self.jobs):
+                self.on_abort(rid)
         elif isinstance(msg, (Shutdown, Reject)):
             self.running = False
 

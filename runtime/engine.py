@@ -91,12 +91,14 @@ class LLMEngine:
         if self.blocks.blocks_for(n + 1) > self.blocks.num_blocks:
             raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        self.validate(prompt_token_ids, params)
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    output_token_ids: list[int] | None = None) -> Sequence:
+        """Queue a request; output_token_ids (already generated elsewhere) are recomputed, not resampled."""
+        self.validate(list(prompt_token_ids) + list(output_token_ids or ()), params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        seq = Sequence(rid, prompt_token_ids, params)
+        seq = Sequence(rid, prompt_token_ids, params, output_token_ids)
         self.seqs[rid] = seq
         if self.tokenizer is not None:
             self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)

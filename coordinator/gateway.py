@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP gateway (`pdserve gateway`): an ASGI app (starlette, served by
+uvicorn on uvloop) in front of the coordinator.
+
+Lifecycle: at start the gateway loads the model's tokenizer (token text for logprobs and the
+vocabulary size; never the weights); the app's lifespan opens one `AsyncClient` to the
+coordinator, which every HTTP request shares, and closes it at shutdown. A completion request
+is authorized (bearer key, when one is set), decoded and checked (gateway_schema) into one job
+per choice; a `Fanout` runs the jobs on the coordinator (gateway_stream) and the results
+return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway_format).
+Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
+longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
+workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
+freed. /health and /metrics ask the coordinator for its stats on every call.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from coordinator.client import (
+    DEFAULT_ADDRESS, AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
+)
+from coordinator.gateway_format import ChatFormatter, CompletionFormatter, TokenText, usage
+from coordinator.gateway_schema import (
+    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
+)
+from coordinator.gateway_stream import ClientGone, EventStream, Fanout, unless_disconnected
+from coordinator.metrics import CONTENT_TYPE, GatewayMetrics
+from runtime.errors import InvalidRequestError
+from runtime.model_path import resolve_model_path
+from runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger("pdserve.gateway")
+
+DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
+# Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
+_STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
+_CODE_STATUS = {"unknown_request": 503}
+
+
+@dataclass
+class GatewayConfig:
+    coordinator: str = DEFAULT_ADDRESS
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None  # whose tokenizer to load; also names the served model
+    served_model_name: str | None = None
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    retry_after_s: int = 1  # told to clients of a shed request (429)
+    stats_timeout_s: float = 2.0
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
+        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0:
+            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0")
+        if self.api_key == "":
+            raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
+
+
+def served_name(model: str | None) -> str:
+    """A directory's name, or a GGUF file's name without extension and quantization tag."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path.name
+    return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)
+
+
+def encode_json(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), status, headers=headers, media_type="application/json")
+
+
+def sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, tokenizer=None):
+        self.cfg = cfg
+        self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.name = cfg.served_model_name or served_name(cfg.model)
+        self.root = str(cfg.model) if cfg.model else str(resolve_model_path(None))
+        self.names = {self.name, self.root}
+        self.text = TokenText(self.tok)
+        self.metrics = GatewayMetrics(self.name)
+        self.created = int(time.time())
+        self.max_model_len: int | None = None  # learnt from the coordinator's stats
+        self.client: AsyncClient | None = None
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ]
+        handlers = {ApiError: self.on_api_error, HTTPException: self.on_http_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s)
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    # ------------------------------------------------------------------ checks and errors
+
+    def authorize(self, request) -> None:
+        if self.cfg.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key: send the header `Authorization: Bearer KEY`", "invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model not in self.names:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
+
+    def api_error(self, e: Exception) -> ApiError:
+        if isinstance(e, ApiError):
+            return e
+        if not isinstance(e, ClientError):
+            return ApiError(500, "internal error in the gateway", "internal_error")
+        status = next((s for cls, s in _STATUS if isinstance(e, cls)), _CODE_STATUS.get(e.code, 500))
+        headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 429 else None
+        return ApiError(status, getattr(e, "message", str(e)), e.code, headers=headers)
+
+    async def on_api_error(self, request, e: ApiError) -> Response:
+        self.metrics.error(e.code)
+        return encode_json(e.body(), e.status, e.headers)
+
+    async def on_http_error(self, request, e: HTTPException) -> Response:
+        return encode_json(ApiError(e.status_code, str(e.detail), None).body(), e.status_code, e.headers)
+
+    # ------------------------------------------------------------------ completions
+
+    async def completions(self, request) -> Response:
+        self.authorize(request)
+        req = decode_body(await request.body(), CompletionRequest)
+        self.check_model(req.model)
+        jobs = completion_jobs(req, len(self.tok))
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        return await self.run(request, req, jobs, fmt)
+
+    async def chat_completions(self, request) -> Response:
+        self.authorize(request)
+        req = decode_body(await request.body(), ChatCompletionRequest)
+        self.check_model(req.model)
+        jobs = chat_jobs(req, await self.context_len())
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        return await self.run(request, req, jobs, fmt)
+
+    async def context_len(self) -> int:
+        """Tokens a chat without max_tokens may use: the workers stop at the end of the context."""
+        if self.max_model_len is None:
+            await self.stats()
+        return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
+
+    async def run(self, request, req, jobs, fmt) -> Response:
+        fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
+        try:
+            if not req.stream:
+                results = await unless_disconnected(request.receive, fanout.results_in_order(jobs))
+                return encode_json(fmt.whole(jobs, results))
+            await unless_disconnected(request.receive, fanout.first())
+        except ClientGone:
+            await fanout.close()
+            return Response(status_code=400)  # never sent: nobody is listening
+        except Exception as e:
+            await fanout.close()
+            raise self.api_error(e) from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventStream(self.events(fanout, fmt, jobs, include_usage), fanout.close)
+
+    async def events(self, fanout: Fanout, fmt, jobs, include_usage: bool):
+        for chunk in fmt.opening(sorted(j.index for j in jobs)):
+            yield sse(chunk)
+        try:
+            while (event := await fanout.next_event()) is not None:
+                yield sse(fmt.chunk(*event))
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage(jobs, [fanout.results[j.index] for j in jobs])))
+        except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)
+            err = self.api_error(e)
+            self.metrics.error(err.code)
+            yield sse(err.body())
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ models, health, metrics
+
+    async def models(self, request) -> Response:
+        self.authorize(request)
+        return encode_json(ModelList([Model(self.name, self.created, self.root, self.max_model_len)]))
+
+    async def stats(self) -> dict | None:
+        """The coordinator's stats, or None if it does not answer in time."""
+        try:
+            s = await self.client.stats(timeout=self.cfg.stats_timeout_s)
+        except (asyncio.TimeoutError, ClientError):
+            return None
+        lens = [w["max_model_len"] for w in s.get("workers", []) if w.get("max_model_len")]
+        if lens:
+            self.max_model_len = min(lens)
+        return s
+
+    async def health(self, request) -> Response:
+        s = await self.stats()
+        if s is None:
+            return JSONResponse({"status": "unavailable", "reason": "the coordinator does not answer"}, 503)
+        roles = collections.Counter(w["role"] for w in s.get("workers", []))
+        ready = roles["colocated"] > 0 or (roles["prefill"] > 0 and roles["decode"] > 0)
+        body = {"status": "ready" if ready else "unavailable", "workers": dict(roles)}
+        if not ready:
+            body["reason"] = "no prefill+decode pair or colocated worker is registered"
+        return JSONResponse(body, 200 if ready else 503)
+
+    async def prometheus(self, request) -> Response:
+        return Response(self.metrics.render(await self.stats()), media_type=CONTENT_TYPE)
+
+    async def openapi(self, request) -> Response:
+        return JSONResponse(openapi("pdserve OpenAI-compatible API", "1"))
+
+
+def build_app(cfg: GatewayConfig, tokenizer=None) -> Starlette:
+    return Gateway(cfg, tokenizer).app()
+
+
+def serve(cfg: GatewayConfig) -> None:
+    import uvicorn
+
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:  # uvloop is optional on platforms without it
+        loop = "asyncio"
+    app = build_app(cfg)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
+        log.warning("gateway listens on %s without an API key", cfg.host)
+    log.info("gateway: http://%s:%d/v1 -> coordinator %s", cfg.host, cfg.port, cfg.coordinator)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, loop=loop, log_level="warning", access_log=False, timeout_graceful_shutdown=5)

@@ -1,0 +1,141 @@
+"""The coordinator streams behind one HTTP request, and what ends them when the client leaves.
+
+Lifecycle: a `Fanout` starts one `AsyncClient.stream` per job at once (n > 1 and batched
+prompts are several jobs), each pumped by a task into one queue of (choice index, delta |
+error | None for "ended"). A streaming response first awaits `first()` (every stream's first
+delta, or the first error, so that an immediate refusal still becomes an HTTP status), then
+drains `next_event()`; a whole response awaits `results()`. `close()` cancels the pumps that
+are still running: cancelling `AsyncClient.stream` sends AbortRequest, so the workers free the
+request's blocks. `EventStream` (the SSE response) and `unless_disconnected` watch the ASGI
+receive channel and close the fanout the moment the client disconnects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.responses import StreamingResponse
+
+from coordinator.client import AsyncClient, ClientError, Result, StreamDelta
+from coordinator.gateway_schema import Job
+
+log = logging.getLogger("pdserve.gateway")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class Fanout:
+    def __init__(self, client: AsyncClient, jobs: list[Job], request_id: str, metrics, timeout: float):
+        self.client, self.metrics, self.timeout = client, metrics, timeout
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffer: list[tuple[int, object]] = []  # events read by first(), not yet handed out
+        self.results: dict[int, Result] = {}
+        self.open = len(jobs)
+        self.tasks = [asyncio.ensure_future(self._pump(j, f"{request_id}-{j.index}")) for j in jobs]
+
+    async def _pump(self, job: Job, rid: str) -> None:
+        ended = False
+        try:
+            async for d in self.client.stream(**job.inputs, request_id=rid, timeout=self.timeout, **job.sampling):
+                if d.result is not None:
+                    ended = True
+                    self.results[job.index] = d.result
+                    self.metrics.observe(d.result)
+                self.queue.put_nowait((job.index, d))
+        except ClientError as e:  # counted by type where it becomes an HTTP error, once per HTTP request
+            ended = True
+            self.queue.put_nowait((job.index, e))
+        except asyncio.CancelledError:
+            if not ended:
+                self.metrics.aborted()
+            raise
+        except Exception as e:  # a bug must reach the HTTP client as a 500, not hang it
+            ended = True
+            log.exception("stream %s failed", rid)
+            self.queue.put_nowait((job.index, e))
+        finally:
+            self.queue.put_nowait((job.index, None))
+
+    async def first(self) -> None:
+        """Wait until every stream has sent something; raise the first error among them."""
+        seen: set[int] = set()
+        while len(seen) < len(self.tasks):
+            index, item = await self.queue.get()
+            self.buffer.append((index, item))
+            if isinstance(item, Exception):
+                await self.close()
+                raise item
+            seen.add(index)
+
+    async def next_event(self) -> tuple[int, StreamDelta] | None:
+        """The next (choice index, delta) of any stream; None once all have ended."""
+        while self.open:
+            index, item = self.buffer.pop(0) if self.buffer else await self.queue.get()
+            if item is None:
+                self.open -= 1
+            elif isinstance(item, Exception):
+                await self.close()
+                raise item
+            else:
+                return index, item
+        return None
+
+    async def results_in_order(self, jobs: list[Job]) -> list[Result]:
+        while await self.next_event() is not None:
+            pass
+        return [self.results[j.index] for j in jobs]
+
+    async def close(self) -> None:
+        running = [t for t in self.tasks if not t.done()]
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+async def disconnected(receive) -> None:
+    """Returns when the ASGI server reports that the client went away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive, coro):
+    """Await coro, unless the client disconnects first (then cancel it and raise ClientGone)."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from an async iterator of str. When the client disconnects (ASGI
+    servers such as uvicorn drop sends to a closed socket silently, so receive is watched) or
+    the events end, the iterator is closed and `on_close` runs, aborting what still runs."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        sending = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(disconnected(receive))
+        try:
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sending, watching):
+                t.cancel()
+            outcomes = await asyncio.gather(sending, watching, return_exceptions=True)
+            await self.body_iterator.aclose()
+            await self.on_close()
+        for o in outcomes:
+            if isinstance(o, Exception) and not isinstance(o, OSError):
+                log.error("event stream failed", exc_info=o)

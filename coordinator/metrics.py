@@ -1,0 +1,125 @@
+"""Prometheus metrics of the HTTP gateway (`GET /metrics`), named after vLLM's (`vllm:X` is
+`pdserve:X` here) so that existing dashboards carry over.
+
+Lifecycle: one `GatewayMetrics` per gateway, with its own registry. As each request ends the
+gateway observes it: `observe(result)` feeds the TTFT, TPOT, inter-token and end-to-end
+histograms and the token and finish-reason counters; `error(code)` and `aborted()` count the
+other endings. The cluster's state (queues, running batches, KV cache usage, KV bytes and
+seconds transferred) lives in the coordinator: `render(stats)` takes the stats snapshot the
+gateway just fetched, and a collector turns it into gauges and counters during that scrape.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from coordinator.client import Result
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM's buckets, with finer low ends: a small model on a CPU answers in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.cluster = ClusterCollector(model_name)
+        self.registry.register(self.cluster)
+        m, r = ["model_name"], self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token, as the gateway sees it", m, registry=r, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds", "Mean time per output token after the first, per request", m, registry=r, buckets=TPOT_BUCKETS)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between consecutive output tokens", m, registry=r, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=E2E_BUCKETS)
+        self.prompt_len = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
+        self.output_len = Histogram("pdserve:request_generation_tokens", "Generated tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests", m, registry=r)
+        self.finished = Counter("pdserve:request_success", "Requests that ended, by finish reason", m + ["finished_reason"], registry=r)
+        self.errors = Counter("pdserve:request_errors", "Requests that failed, by error type", m + ["error_type"], registry=r)
+
+    def observe(self, r: Result) -> None:
+        ttft = r.client_ttft if r.client_ttft is not None else r.ttft
+        self.finished.labels(self.model, r.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(self.model).inc(r.prompt_tokens)
+        self.generation_tokens.labels(self.model).inc(r.completion_tokens)
+        self.prompt_len.labels(self.model).observe(r.prompt_tokens)
+        self.output_len.labels(self.model).observe(r.completion_tokens)
+        self.e2e.labels(self.model).observe(r.latency)
+        if r.completion_tokens:
+            self.ttft.labels(self.model).observe(ttft)
+        if r.completion_tokens > 1:
+            self.tpot.labels(self.model).observe(max(0.0, r.latency - ttft) / (r.completion_tokens - 1))
+        itl = self.itl.labels(self.model)
+        for a, b in zip(r.token_times, r.token_times[1:]):
+            itl.observe(b - a)
+
+    def error(self, code: str) -> None:
+        self.errors.labels(self.model, code).inc()
+
+    def aborted(self) -> None:
+        self.finished.labels(self.model, "abort").inc()
+
+    def render(self, stats: dict | None) -> bytes:
+        self.cluster.snapshot = stats
+        return generate_latest(self.registry)
+
+
+class ClusterCollector(Collector):
+    """Gauges and counters mirrored from the coordinator's stats (None: it did not answer)."""
+
+    def __init__(self, model_name: str):
+        self.model = model_name
+        self.snapshot: dict | None = None
+
+    def describe(self):
+        return []  # the families depend on the snapshot; described at collection
+
+    def collect(self):
+        s = self.snapshot
+        yield GaugeMetricFamily("pdserve:coordinator_up", "1 if the coordinator answered this scrape", 1.0 if s is not None else 0.0)
+        if s is None:
+            return
+        yield from self._workers(s.get("workers", []))
+        yield from self._coordinator(s)
+
+    def _workers(self, workers: list[dict]):
+        labels = ["model_name", "worker", "role"]
+        fams = {
+            "running": GaugeMetricFamily("pdserve:num_requests_running", "Sequences in a worker's running batch", labels=labels),
+            "queue": GaugeMetricFamily("pdserve:num_requests_waiting", "Sequences waiting in a worker's queue", labels=labels),
+            "queued_tokens": GaugeMetricFamily("pdserve:num_queued_tokens", "Prompt tokens queued at a worker", labels=labels),
+        }
+        usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (1 = full)", labels=labels)
+        count = GaugeMetricFamily("pdserve:num_workers", "Registered workers by role", labels=["model_name", "role"])
+        by_role: dict[str, int] = {}
+        for w in workers:
+            key = [self.model, w["id"], w["role"]]
+            for name, fam in fams.items():
+                fam.add_metric(key, w.get(name, 0))
+            usage.add_metric(key, 1.0 - w["free_blocks"] / max(1, w["total_blocks"]))
+            by_role[w["role"]] = by_role.get(w["role"], 0) + 1
+        for role in ("prefill", "decode", "colocated"):
+            count.add_metric([self.model, role], by_role.get(role, 0))
+        yield from (*fams.values(), usage, count)
+
+    def _coordinator(self, s: dict):
+        m = [self.model]
+        kv = s.get("kv_transfer", {})
+        for name, key, doc in (("kv_transfer_bytes", "bytes", "KV cache bytes handed from prefill to decode workers"),
+                               ("kv_transfer_seconds", "seconds", "Seconds spent handing KV cache from prefill to decode workers"),
+                               ("kv_transfer_handoffs", "handoffs", "Prefill-to-decode KV hand-offs")):
+            fam = CounterMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            fam.add_metric(m, kv.get(key, 0))
+            yield fam
+        pending = GaugeMetricFamily("pdserve:num_requests_pending", "Requests the coordinator holds until a decode worker has room", labels=["model_name"])
+        pending.add_metric(m, s.get("pending", 0))
+        active = GaugeMetricFamily("pdserve:num_requests_active", "Requests the coordinator is serving", labels=["model_name"])
+        active.add_metric(m, s.get("active_requests", 0))
+        yield pending
+        yield active
