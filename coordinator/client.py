@@ -132,13 +132,15 @@ class StreamDelta:
     top_logprobs: list | None = None  # per token: [(token_id, logprob), ...] when logprobs were asked for
 
 
-def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0) -> GenerateRequest:
+def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0,
+                  ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> GenerateRequest:
     try:
         params = SamplingParams(**sampling)
     except TypeError as e:
         raise InvalidRequest("invalid_request", str(e)) from None
     msgs = None if messages is None else [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
-    return GenerateRequest(request_id or uuid.uuid4().hex, params, prompt, msgs, None if token_ids is None else list(token_ids), priority=priority)
+    return GenerateRequest(request_id or uuid.uuid4().hex, params, prompt, msgs, None if token_ids is None else list(token_ids),
+                           priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
 
 
 def _socket(ctx, address: str, curve: dict | None):
@@ -180,8 +182,9 @@ class Client:
             if request_id:
                 self.sock.send(encode(StatusRequest(request_id)))
 
-    def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority)
+    def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
+               ttft_ms=0.0, tpot_ms=0.0, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms)
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
@@ -269,8 +272,9 @@ class AsyncClient:
             if q is not None:
                 q.put_nowait(msg)
 
-    async def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority)
+    async def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
+               ttft_ms=0.0, tpot_ms=0.0, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms)
         self._ensure_reader()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q

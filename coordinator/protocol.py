@@ -58,7 +58,9 @@ class GenerateRequest(_Msg):
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
-    priority: int = 0
+    priority: int = 0  # higher is more important; picks the class's latency targets
+    ttft_ms: float = 0.0  # this request's own p99 targets; 0 = its priority class's
+    tpot_ms: float = 0.0
 
 
 class AbortRequest(_Msg):
@@ -127,6 +129,7 @@ class Hello(_Msg):
     shm_path: str = ""  # decode: its KV pool in shared memory, "" if none
     kv_shape: list[int] = []
     kv_dtype: str = "float32"
+    profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
 
 
 class Welcome(_Msg):
@@ -148,6 +151,7 @@ class Heartbeat(_Msg):
     kv_bytes_received: int = 0
     bad_messages: int = 0
     preemptions: int = 0
+    steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
 
 
 class Admit(_Msg):
@@ -176,6 +180,7 @@ class Prefill(_Msg):
     dest_shm_path: str = ""
     dest_kv_shape: list[int] = []
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
+    priority: int = 0
 
 
 class Generate(_Msg):
@@ -183,6 +188,7 @@ class Generate(_Msg):
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
+    priority: int = 0
 
 
 class Abort(_Msg):
@@ -249,6 +255,7 @@ class KVReady(_Msg):
     backend: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    priority: int = 0
 
 
 class KVFailed(_Msg):

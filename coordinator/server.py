@@ -32,6 +32,7 @@ from coordinator.protocol import (
     ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
     StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
+from coordinator.slo import RELAY_OVERHEAD_S, SloRecorder, SloTargets, StepModel
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
@@ -47,6 +48,14 @@ class CoordinatorConfig:
     max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     kv_backend: str = "auto"
+    slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
+    ttft_ms: float = 3000.0  # p99 targets of priority class 0 (sized for the default model on 2 CPU cores)
+    tpot_ms: float = 250.0
+    class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
+
+    def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
+        base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
+        return SloTargets((ttft_ms or base[0]) / 1000, (tpot_ms or base[1]) / 1000)
 
 
 @dataclass
@@ -56,8 +65,9 @@ class WorkerState:
     last_seen: float
     beat: Heartbeat | None = None
     requests: set = field(default_factory=set)
-    queued_tokens: int = 0  # prefill: tokens sent and not yet handed off
+    queued_tokens: int = 0  # prefill: tokens placed here and not yet handed off
     reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
+    model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
 
     @property
     def role(self) -> Role:
@@ -85,6 +95,12 @@ class RequestState:
     token_times: list[float] = field(default_factory=list)
     reserved: int = 0
     attempts: int = 0
+    backlog: int = 0  # tokens this request adds to its prefill worker's queue until handed off
+    predicted_ttft: float | None = None
+
+    @property
+    def priority(self) -> int:
+        return self.req.priority
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +115,8 @@ class Coordinator:
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
-        self.pending: collections.deque[str] = collections.deque()
+        self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
+        self.slo = SloRecorder()
         self.counts = collections.Counter()
         self.kv = collections.Counter()
         self._ids = itertools.count()
@@ -241,19 +258,23 @@ class Coordinator:
     def alive(self, role: Role) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def place(self, st: RequestState) -> None:
+    def place(self, st: RequestState, parked: bool = False) -> None:
+        """Put st on a (prefill, decode) pair, else a colocated worker; park it if no decode
+        worker has room yet; shed it at once if its targets cannot be met (not once parked)."""
         st.attempts += 1
         prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
         if prefills and decodes:
-            need = -(-st.num_tokens // decodes[0].hello.block_size)
-            fits = [d for d in decodes if d.free_blocks >= need]
-            if not fits:
-                self.park(st)
+            plan = self.plan_pair(st, prefills, decodes)
+            if isinstance(plan, str):
+                self.park(st) if parked or plan == "wait" else self.shed(st, plan)
                 return
-            d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
-            st.decode, st.phase, st.reserved = d.hello.worker_id, "admitting", need
+            p, d, st.predicted_ttft = plan
+            need = -(-st.num_tokens // d.hello.block_size)
+            st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, "admitting", need, st.num_tokens
             d.reserved_blocks += need
+            p.queued_tokens += st.num_tokens
             d.requests.add(st.iid)
+            p.requests.add(st.iid)
             self.send_worker(d, Admit(st.iid, st.num_tokens))
             return
         colocated = self.alive(Role.COLOCATED)
@@ -261,9 +282,59 @@ class Coordinator:
             w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
             st.decode, st.phase = w.hello.worker_id, "colocated"
             w.requests.add(st.iid)
-            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens)))
+            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
             return
         self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
+
+    def plan_pair(self, st: RequestState, prefills: list[WorkerState], decodes: list[WorkerState]):
+        """(prefill, decode, predicted TTFT), or "wait" (no decode room yet), or a shed reason."""
+        need = -(-st.num_tokens // decodes[0].hello.block_size)
+        fits = [d for d in decodes if d.free_blocks >= need]
+        if not self.cfg.slo:
+            if not fits:
+                return "wait"
+            d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
+            return min(prefills, key=lambda w: (w.queued_tokens, len(w.requests))), d, None
+        t = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
+        waited = time.monotonic() - st.arrival
+        prefill_s = {p.hello.worker_id: self.predict_prefill(p, st.num_tokens) for p in prefills}
+        p = min(prefills, key=lambda w: prefill_s[w.hello.worker_id])
+        ttft = waited + prefill_s[p.hello.worker_id] + RELAY_OVERHEAD_S
+        open_ = [d for d in fits if self.predict_tpot(d, st.num_tokens) <= t.tpot_s]
+        if open_ and ttft <= t.ttft_s:
+            return p, max(open_, key=lambda w: (w.free_blocks, -len(w.requests))), ttft
+        if open_:
+            return f"predicted TTFT {ttft * 1000:.0f} ms > target {t.ttft_s * 1000:.0f} ms"
+        wait = min(self.predict_room(d) for d in decodes)
+        if ttft + wait <= t.ttft_s:
+            return "wait"
+        best_tpot = min(self.predict_tpot(d, st.num_tokens) for d in decodes)
+        return (f"decode full: predicted TPOT {best_tpot * 1000:.0f} ms with one more > target {t.tpot_s * 1000:.0f} ms, "
+                f"room in {wait * 1000:.0f} ms, predicted TTFT {(ttft + wait) * 1000:.0f} ms > target {t.ttft_s * 1000:.0f} ms")
+
+    def predict_prefill(self, p: WorkerState, tokens: int) -> float:
+        queued = p.queued_tokens + tokens
+        return p.model.predict(len(p.requests) + 1, queued, queued)
+
+    def decode_load(self, d: WorkerState) -> tuple[int, int]:
+        reqs = [self.requests[i] for i in d.requests if i in self.requests]
+        return len(reqs), sum(r.num_tokens for r in reqs)
+
+    def predict_tpot(self, d: WorkerState, tokens: int) -> float:
+        n, ctx = self.decode_load(d)
+        return d.model.predict(n + 1, n + 1, ctx + tokens) + RELAY_OVERHEAD_S / 3
+
+    def predict_room(self, d: WorkerState) -> float:
+        """Seconds until one of d's requests finishes (by max_tokens; EOS only makes it sooner)."""
+        n, ctx = self.decode_load(d)
+        step = d.model.predict(n, n, ctx)
+        left = [r.req.params.max_tokens - len(r.tokens) for i in d.requests if (r := self.requests.get(i)) is not None]
+        return step * min(left) if left else 0.0
+
+    def shed(self, st: RequestState, why: str) -> None:
+        log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, why)
+        self.slo.shed[st.priority] += 1
+        self.error(st.iid, "slo_unattainable", why)
 
     def park(self, st: RequestState) -> None:
         if st.phase != "pending":
@@ -271,17 +342,19 @@ class Coordinator:
             self.pending.append(st.iid)
 
     def retry_pending(self, now: float) -> None:
-        for _ in range(len(self.pending)):
-            iid = self.pending.popleft()
-            st = self.requests.get(iid)
-            if st is None or st.phase != "pending":
-                continue
+        if not self.pending:
+            return
+        waiting = [self.requests[i] for i in self.pending if i in self.requests and self.requests[i].phase == "pending"]
+        self.pending = []
+        # earliest deadline first, higher priority classes before lower
+        waiting.sort(key=lambda r: (-r.priority, r.arrival + self.cfg.targets(r.priority, r.req.ttft_ms, r.req.tpot_ms).ttft_s))
+        for st in waiting:
             if now - st.arrival > self.cfg.pending_timeout_s:
-                self.error(iid, "overloaded", "no decode worker had room for this request in time")
+                self.error(st.iid, "overloaded", "no decode worker had room for this request in time")
                 continue
             st.phase = "new"
             st.attempts -= 1  # waiting for room is not a new attempt
-            self.place(st)  # parks it again if it still does not fit
+            self.place(st, parked=True)
 
     # ------------------------------------------------------------------ workers
 
@@ -302,21 +375,22 @@ class Coordinator:
         w.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
             w.beat = msg
+            w.model.add(msg.steps)
             w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == "admitting")
         elif isinstance(msg, Granted):
             self.on_granted(w, msg)
         elif isinstance(msg, AdmitRefused):
             st = self.requests.get(msg.request_id)
-            self.unreserve(st)
             if st is not None:
-                w.requests.discard(st.iid)
-                st.decode = None
+                self.unplace(st)
                 self.park(st)
         elif isinstance(msg, TokenBatch):
             for item in msg.items:
                 self.on_token(item)
         elif isinstance(msg, PrefillDone):
-            w.queued_tokens = max(0, w.queued_tokens - msg.num_tokens)
+            st = self.requests.get(msg.request_id)
+            if st is not None:
+                self.release_backlog(st)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
             self.kv["seconds"] += msg.kv_seconds
@@ -340,7 +414,7 @@ class Coordinator:
             self.drop_worker(h.worker_id, "worker re-registered")
             old = None
         if old is None:
-            self.workers[h.worker_id] = WorkerState(h, ident, time.monotonic())
+            self.workers[h.worker_id] = WorkerState(h, ident, time.monotonic(), model=StepModel(h.profile))
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
         else:
             old.last_seen = time.monotonic()
@@ -352,19 +426,16 @@ class Coordinator:
             self.send_worker(d, Release(msg.request_id))
             return
         self.unreserve(st)
-        prefills = self.alive(Role.PREFILL)
-        if not prefills:
-            self.send_worker(d, Release(msg.request_id))
-            self.error(st.iid, "no_workers", "no prefill worker is registered")
+        p = self.workers.get(st.prefill)
+        if p is None:
+            self.retry(st, "its prefill worker was lost")
             return
-        p = min(prefills, key=lambda w: (w.queued_tokens, len(w.requests)))
         backend = self.choose_backend(p.hello, d.hello)
-        st.prefill, st.phase = p.hello.worker_id, "prefilling"
-        p.requests.add(st.iid)
-        p.queued_tokens += st.num_tokens
+        st.phase = "prefilling"
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, backend,
             d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [], list(st.tokens),
+            st.priority,
         ))
 
     def choose_backend(self, p: Hello, d: Hello) -> str:
@@ -397,21 +468,29 @@ class Coordinator:
             self.send_worker(self.workers[st.decode], Release(st.iid))  # a lost prefill sends no KV: free the grant now
         else:
             self.tell_workers(st, Abort(st.iid))  # each live worker frees what it holds
-        self.unreserve(st)
-        if st.phase == "prefilling" and st.prefill in self.workers:
-            p = self.workers[st.prefill]
-            p.queued_tokens = max(0, p.queued_tokens - st.num_tokens)
-        for wid in (st.prefill, st.decode):
-            if wid in self.workers:
-                self.workers[wid].requests.discard(st.iid)
-        st.prefill = st.decode = None
+        self.unplace(st)
         if st.attempts >= self.cfg.max_attempts:
             self.error(st.iid, "worker_lost", f"{why}; gave up after {st.attempts} attempts")
             return
         self.counts["retries"] += 1
         log.info("retrying %s (%d tokens done): %s", st.iid, len(st.tokens), why)
         st.phase = "new"
-        self.place(st)
+        self.place(st, parked=True)  # an admitted request is never shed on a retry
+
+    def release_backlog(self, st: RequestState) -> None:
+        p = self.workers.get(st.prefill)
+        if p is not None and st.backlog:
+            p.queued_tokens = max(0, p.queued_tokens - st.backlog)
+        st.backlog = 0
+
+    def unplace(self, st: RequestState) -> None:
+        """Undo the coordinator's own accounting of st on its workers."""
+        self.unreserve(st)
+        self.release_backlog(st)
+        for wid in (st.prefill, st.decode):
+            if wid in self.workers:
+                self.workers[wid].requests.discard(st.iid)
+        st.prefill = st.decode = None
 
     # ------------------------------------------------------------------ tokens and endings
 
@@ -446,33 +525,37 @@ class Coordinator:
             if wid in self.workers:
                 self.send_worker(self.workers[wid], msg)
 
-    def finish(self, iid: str, reason: int, tell: bool = True) -> None:
+    def close(self, iid: str, tell: bool = True) -> RequestState | None:
+        """Forget request iid: workers that may hold it are told to abort, accounting undone."""
         st = self.requests.pop(iid, None)
         if st is None:
-            return
+            return None
         self.by_client.pop((st.client, st.client_rid), None)
-        self.unreserve(st)
         if tell and st.phase in ("admitting", "prefilling", "decoding", "colocated"):
             self.tell_workers(st, Abort(iid))
-        for wid in (st.prefill, st.decode):
-            if wid in self.workers:
-                self.workers[wid].requests.discard(iid)
+        names = st.prefill, st.decode
+        self.unplace(st)
+        st.prefill, st.decode = names  # kept for the Final message
+        return st
+
+    def finish(self, iid: str, reason: int, tell: bool = True) -> None:
+        st = self.close(iid, tell)
+        if st is None:
+            return
         self.counts[f"finished:{FINISH_NAMES.get(reason, reason)}"] += 1
-        ttft = st.token_times[0] if st.token_times else 0.0
+        times = st.token_times
+        ttft = times[0] if times else 0.0
+        if times and reason != 2:
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
         self.send_client(st.client, Final(
-            st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, st.token_times, st.detok.stopped_by, st.prefill, st.decode,
+            st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))
 
     def error(self, iid: str, code: str, message: str) -> None:
-        st = self.requests.pop(iid, None)
+        st = self.close(iid)
         if st is None:
             return
-        self.by_client.pop((st.client, st.client_rid), None)
-        self.unreserve(st)
-        self.tell_workers(st, Abort(iid))
-        for wid in (st.prefill, st.decode):
-            if wid in self.workers:
-                self.workers[wid].requests.discard(iid)
         self.counts[f"error:{code}"] += 1
         self.send_client(st.client, ErrorReply(st.client_rid, code, message))
 
@@ -496,6 +579,7 @@ class Coordinator:
             "requests": dict(self.counts),
             "active_requests": len(self.requests),
             "pending": len(self.pending),
+            "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
         }
 
 

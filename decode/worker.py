@@ -30,7 +30,7 @@ from coordinator.protocol import (
 from kvtransfer.pool import KVPool, dtype_name, host_identity
 from kvtransfer.transfer import KVReceiver
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.engine import LLMEngine, StepOutput, build_model
+from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
 from runtime.weights import load_checkpoint
@@ -69,13 +69,14 @@ class DecodeWorker:
             "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", self.worker_id, num_blocks, engine_cfg.block_size,
             num_blocks * engine_cfg.block_size, self.pool.nbytes / 2**20, f" in {self.pool.path}" if self.pool.path else "",
         )
+        profile = self.engine.profile()
         self.ctx = zmq.Context()
         self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind)
         host, boot = host_identity()
         hello = Hello(
             PROTOCOL_VERSION, self.worker_id, int(role), os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, num_blocks, engine_cfg.block_size, self.receiver.endpoint, self.pool.path,
-            list(shape), dtype_name(engine_cfg.torch_dtype),
+            list(shape), dtype_name(engine_cfg.torch_dtype), profile,
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
         self.link.watch(self.receiver.sock, lambda sock: self.receiver.recv())
@@ -90,6 +91,7 @@ class DecodeWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
+            steps=drain_steps(self.engine),
         )
 
     def run(self) -> None:
@@ -162,13 +164,13 @@ class DecodeWorker:
         self.receiver.copy_in(msg, frames)
         out = self.engine.add_prefilled(
             msg.request_id, msg.prompt_token_ids, msg.output_token_ids, msg.params, grant.block_ids,
-            msg.num_computed, msg.logprob, msg.top_logprobs,
+            msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority,
         )
         self.emit([out])
 
     def on_generate(self, msg: Generate) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority)
         except PdserveError as e:
             self.link.send(WorkerError(msg.request_id, e.code, str(e)))
 

@@ -131,19 +131,68 @@ def _generate_local(prompt, address, model, dtype, chat, timeout, sampling):
     click.echo("")
     click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
 
+def _slo_options(f):
+    opts = [
+        click.option("--slo/--no-slo", default=True, show_default=True, help="predict latency, place by it, shed what cannot meet the targets"),
+        click.option("--ttft-p99-ms", default=3000.0, show_default=True, help="p99 time-to-first-token target (priority class 0)"),
+        click.option("--tpot-p99-ms", default=250.0, show_default=True, help="p99 time-per-output-token target (priority class 0)"),
+        click.option("--class-target", multiple=True, help="PRIORITY:TTFT_MS:TPOT_MS targets of another priority class"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _class_targets(specs) -> dict:
+    out = {}
+    for spec in specs:
+        try:
+            prio, ttft, tpot = spec.split(":")
+            out[int(prio)] = (float(ttft), float(tpot))
+        except ValueError:
+            raise click.BadParameter(f"--class-target wants PRIORITY:TTFT_MS:TPOT_MS, got {spec!r}") from None
+    return out
+
+
 @main.command()
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--model", default=None, help="the model whose tokenizer to load")
 @click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]), show_default=True)
-@click.option("--worker-timeout", default=3.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
+@click.option("--worker-timeout", default=2.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
+@click.option("--pending-timeout", default=60.0, show_default=True, help="seconds a request may wait for KV room before it is shed")
+@_slo_options
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, verbose):
+def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, slo, ttft_p99_ms, tpot_p99_ms, class_target, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
     _logging(verbose)
-    serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, kv_backend=kv_backend))
+    serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
+                            kv_backend=kv_backend, slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
+                            class_targets=_class_targets(class_target)))
+
+
+@main.command()
+@click.option("--coordinator", "address", default=COORDINATOR_CLIENTS, show_default=True, help="coordinator client port")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--model", default=None, help="the served model, for its tokenizer and name (default: SmolLM2-135M-Instruct)")
+@click.option("--served-model-name", default=None, help="the name clients ask for (default: the model's file or directory name)")
+@click.option("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
+@click.option("--request-timeout", default=600.0, show_default=True, help="seconds one request may take")
+@click.option("-v", "--verbose", is_flag=True)
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, verbose):
+    """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
+    from coordinator.gateway import GatewayConfig, serve
+    from runtime.errors import PdserveError
+
+    _logging(verbose)
+    try:
+        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout)
+    except PdserveError as e:
+        raise click.BadParameter(str(e)) from e
+    serve(cfg)
 
 
 @main.command()
@@ -199,7 +248,13 @@ def stats(address, timeout):
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
-def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg):
+@click.option("--gateway/--no-gateway", default=True, show_default=True, help="the OpenAI HTTP gateway, beside the coordinator")
+@click.option("--http-host", default="127.0.0.1", show_default=True)
+@click.option("--http-port", default=8000, show_default=True, type=int)
+@click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
+@_slo_options
+def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
+           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -215,10 +270,24 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
     plan.engine_args += [a for arg in engine_arg for a in arg.split("=", 1)]
+    plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
+    plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
+    plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
 
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
         click.echo(f"pdserve ready: clients -> {plan.client_addr}; workers: {workers}", err=True)
+        if plan.gateway:
+            click.echo(f"OpenAI API -> {plan.http_url}/v1 (metrics at {plan.http_url}/metrics)", err=True)
         click.echo("stop with Ctrl-C", err=True)
 
     sys.exit(Launcher(plan, log_dir).run_forever(ready))
+
+
+@main.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args):
+    """Benchmark serving latency and throughput, like `vllm bench serve` (see `pdserve bench --help`)."""
+    from pdserve.bench import main as bench_main
+
+    sys.exit(bench_main(list(args)))

@@ -5,8 +5,9 @@ Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node nam
 the coordinator first if this node runs it, then the workers, each a child process of this
 one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
-gateway, until it answers /health) -> print the endpoints -> wait. SIGINT/SIGTERM, or any child exiting on its own, stops everything: SIGTERM to each
-child, SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
+gateway, until it answers /health) -> print the endpoints -> wait. SIGINT/SIGTERM, or any child
+exiting on its own, stops everything: SIGTERM to each child, SIGKILL after a grace period, and
+every shared-memory KV pool a child left is unlinked.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from coordinator.protocol import (
 from kvtransfer.pool import host_identity
 from kvtransfer.transfer import KVSender
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.engine import LLMEngine, build_model
+from runtime.engine import LLMEngine, build_model, drain_steps
 from runtime.errors import PdserveError
 from runtime.sequence import FinishReason, Sequence
 from runtime.weights import load_checkpoint
@@ -53,12 +53,13 @@ class PrefillWorker:
         cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
         self.engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg)
         self.scheduler = self.engine.scheduler
+        profile = self.engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         self.ctx = zmq.Context()
         self.sender = KVSender(self.ctx, self.worker_id)
         host, boot = host_identity()
         hello = Hello(
             PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
-            self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size,
+            self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
         self.jobs: dict[str, Handoff] = {}
@@ -68,7 +69,7 @@ class PrefillWorker:
         return Heartbeat(
             self.worker_id, self.engine.blocks.free_blocks, len(self.scheduler.running), len(self.scheduler.waiting),
             sum(j.seq.num_uncomputed for j in list(self.jobs.values())), kv_bytes_sent=self.sender.bytes_sent,
-            kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages,
+            kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages, steps=drain_steps(self.engine),
         )
 
     def run(self) -> None:
@@ -97,7 +98,7 @@ class PrefillWorker:
             self.running = False
 
     def on_prefill(self, msg: Prefill) -> None:
-        seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
+        seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids, msg.priority)
         try:
             self.engine.validate(seq.prompt_token_ids + seq.output_token_ids, msg.params)
         except PdserveError as e:
@@ -132,10 +133,8 @@ class PrefillWorker:
         if not sched.scheduled:
             return
         t0 = time.perf_counter()
-        samplers, sampled = self.engine.runner.execute(sched.scheduled)
+        samplers, sampled = self.engine.execute(sched.scheduled)
         compute = time.perf_counter() - t0
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
         for i, seq in enumerate(samplers):
             self.hand_off(self.jobs.pop(seq.request_id), sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], compute)
 
@@ -144,7 +143,7 @@ class PrefillWorker:
         n_blocks = self.engine.blocks.blocks_for(seq.num_tokens)
         ready = KVReady(
             msg.request_id, seq.prompt_token_ids, seq.output_token_ids + [token], msg.params, msg.dest_block_ids,
-            seq.num_tokens, msg.backend, logprob, top,
+            seq.num_tokens, msg.backend, logprob, top, msg.priority,
         )
         t0 = time.perf_counter()
         try:

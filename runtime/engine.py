@@ -9,7 +9,9 @@ and the reference outputs of the disaggregated tests both run this engine.
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +71,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # (sequences, tokens computed, context tokens, seconds) of recent steps: the coordinator's
+        # latency model is fitted from these (read by the worker's I/O thread; deque ops are atomic)
+        self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=256)
 
     @classmethod
     def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> "LLMEngine":
@@ -92,13 +97,13 @@ class LLMEngine:
             raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    output_token_ids: list[int] | None = None) -> Sequence:
+                    output_token_ids: list[int] | None = None, priority: int = 0) -> Sequence:
         """Queue a request; output_token_ids (already generated elsewhere) are recomputed, not resampled."""
         self.validate(list(prompt_token_ids) + list(output_token_ids or ()), params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        seq = Sequence(rid, prompt_token_ids, params, output_token_ids)
+        seq = Sequence(rid, prompt_token_ids, params, output_token_ids, priority)
         self.seqs[rid] = seq
         if self.tokenizer is not None:
             self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
@@ -106,11 +111,11 @@ class LLMEngine:
         return seq
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
-                      block_table: list[int], num_computed: int, logprob=None, top_logprobs=None) -> StepOutput:
+                      block_table: list[int], num_computed: int, logprob=None, top_logprobs=None, priority: int = 0) -> StepOutput:
         """Join a request prefilled elsewhere: its KV for num_computed tokens is in block_table
         (owned from now on by this engine), its last output token is new. Returns that token's
         output, already checked against the stop conditions."""
-        seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1])
+        seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1], priority)
         seq.block_table = block_table
         seq.num_computed_tokens = num_computed
         self.seqs[request_id] = seq
@@ -134,12 +139,38 @@ class LLMEngine:
         outs = [self._finish(seq, FinishReason.LENGTH, already=True) for seq in sched.finished]
         if not sched.scheduled:
             return outs
-        samplers, sampled = self.runner.execute(sched.scheduled)
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+        samplers, sampled = self.execute(sched.scheduled)
         for i, seq in enumerate(samplers):
             outs.append(self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i]))
         return outs
+
+    def execute(self, scheduled: list[tuple[Sequence, int]]):
+        """Run one scheduled step, advance num_computed_tokens, and log the step's size and time."""
+        t0 = time.perf_counter()
+        samplers, sampled = self.runner.execute(scheduled)
+        dt = time.perf_counter() - t0
+        ctx = 0
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            ctx += seq.num_computed_tokens
+        self.step_log.append((len(scheduled), sum(n for _, n in scheduled), ctx, dt))
+        return samplers, sampled
+
+    def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4) -> list[tuple[int, int, int, float]]:
+        """Time a few prefill and decode steps on random tokens (before serving), so the
+        coordinator's latency model has data from the first request on. Frees everything."""
+        g = torch.Generator().manual_seed(0)
+        params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+        prompt_len = min(prompt_len, self.max_model_len - decode_steps - 2)
+        self.step_log.clear()
+        for b in batches:
+            if self.blocks.blocks_for(prompt_len + decode_steps + 1) * b > self.blocks.num_blocks:
+                break
+            prompts = [torch.randint(0, self.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            self.generate(prompts, params)
+        samples = list(self.step_log)
+        self.step_log.clear()
+        return samples
 
     def _append(self, seq: Sequence, token: int, logprob, top) -> StepOutput:
         seq.output_token_ids.append(token)
@@ -203,3 +234,11 @@ class LLMEngine:
                 if out.finish_reason is not None:
                     c.finish_reason = out.finish_reason
         return [done[rid] for rid in order]
+
+def drain_steps(engine) -> list[tuple[int, int, int, float]]:
+    """Take the step samples logged since the last call (for the worker's heartbeat)."""
+    out = []
+    log = engine.step_log
+    while log:
+        out.append(log.popleft())
+    return out

@@ -58,7 +58,9 @@ class Scheduler:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
-                victim = queue.pop() if queue else seq
+                victim = min(queue + [seq], key=lambda s: (s.priority, -s.arrival_time))
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break

@@ -30,10 +30,11 @@ class FinishReason(enum.IntEnum):
 class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
-        "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text",
+        "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None,
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = list(output_token_ids or [])
@@ -46,6 +47,7 @@ class Sequence:
         self.logprobs: list[float | None] = []
         self.top_logprobs: list = []
         self.stop_text: str | None = None  # the stop string that ended it, if any
+        self.priority = priority  # preemption takes the lowest priority, then the latest arrival
 
     @property
     def num_tokens(self) -> int:

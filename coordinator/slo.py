@@ -1,0 +1,104 @@
+"""Latency prediction and SLO admission control for the coordinator.
+
+Lifecycle: each worker's `StepModel` is seeded from the start-up profile in its Hello and then
+refitted online from the step samples in every heartbeat (least squares over a sliding window:
+seconds ~ a + b*seqs + c*tokens + d*context_tokens). For each new request the coordinator asks
+`predict_pair` for every (prefill, decode) pair: TTFT = time waited + the prefill worker's
+backlog and this prompt + hand-off + relay overhead; TPOT = the decode worker's step time with
+one more sequence. The pair with the lowest TTFT whose TPOT meets the target wins; if none can
+meet TTFT (or TPOT, with no room coming soon) the request is shed at once. Served requests feed
+`LatencyWindow`s (p50/p90/p99 per priority class) and the prediction-error record.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger("pdserve.slo")
+
+RELAY_OVERHEAD_S = 0.003  # coordinator + socket hops around a prefill, measured on loopback
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    ttft_s: float
+    tpot_s: float
+
+
+class StepModel:
+    """seconds of one step ~ a + b*seqs + c*tokens + d*context, fitted on a sliding window."""
+
+    def __init__(self, samples=(), window: int = 256):
+        self.samples: collections.deque = collections.deque(maxlen=window)
+        self.coef: np.ndarray | None = None
+        self.add(samples)
+
+    def add(self, samples) -> None:
+        for s in samples:
+            self.samples.append(tuple(s))
+        if samples:
+            self.coef = None
+
+    def _fit(self) -> np.ndarray:
+        if self.coef is None:
+            data = np.array(self.samples, dtype=np.float64) if self.samples else np.zeros((0, 4))
+            if len(data) == 0:
+                self.coef = np.zeros(4)
+            else:
+                x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2] / 1000.0])
+                # a small ridge keeps collinear features (decode: seqs == tokens) well posed
+                lam = 1e-6 * np.eye(4)
+                self.coef = np.linalg.solve(x.T @ x + lam, x.T @ data[:, 3])
+        return self.coef
+
+    def predict(self, seqs: int, tokens: int, context: int) -> float:
+        if not self.samples:
+            return 0.0
+        c = self._fit()
+        t = c[0] + c[1] * seqs + c[2] * tokens + c[3] * context / 1000.0
+        return max(float(t), min(s[3] for s in self.samples))
+
+
+class LatencyWindow:
+    """The last `size` values of one latency, with percentiles."""
+
+    def __init__(self, size: int = 2000):
+        self.values: collections.deque = collections.deque(maxlen=size)
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+
+    def percentiles(self) -> dict:
+        if not self.values:
+            return {"count": 0}
+        a = np.fromiter(self.values, dtype=np.float64)
+        p50, p90, p99 = np.percentile(a, [50, 90, 99])
+        return {"count": len(a), "p50": p50, "p90": p90, "p99": p99}
+
+
+class SloRecorder:
+    """Per priority class TTFT/TPOT windows and predicted-vs-actual TTFT."""
+
+    def __init__(self):
+        self.ttft: dict[int, LatencyWindow] = collections.defaultdict(LatencyWindow)
+        self.tpot: dict[int, LatencyWindow] = collections.defaultdict(LatencyWindow)
+        self.ttft_error = LatencyWindow()  # |predicted - actual| / actual
+        self.shed = collections.Counter()
+
+    def record(self, priority: int, ttft: float, tpot: float | None, predicted_ttft: float | None) -> None:
+        self.ttft[priority].add(ttft)
+        if tpot is not None:
+            self.tpot[priority].add(tpot)
+        if predicted_ttft is not None and ttft > 0:
+            self.ttft_error.add(abs(predicted_ttft - ttft) / ttft)
+
+    def summary(self) -> dict:
+        classes = sorted(set(self.ttft) | set(self.tpot))
+        return {
+            "classes": {str(c): {"ttft": self.ttft[c].percentiles(), "tpot": self.tpot[c].percentiles()} for c in classes},
+            "ttft_prediction_error": self.ttft_error.percentiles(),
+            "shed": dict(self.shed),
+        }
