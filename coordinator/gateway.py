@@ -176,19 +176,22 @@ class Gateway:
 
     async def run(self, request, req, jobs, fmt) -> Response:
         fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
+        streaming = False
         try:
             if not req.stream:
                 results = await unless_disconnected(request.receive, fanout.results_in_order(jobs))
                 return encode_json(fmt.whole(jobs, results))
             await unless_disconnected(request.receive, fanout.first())
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            streaming = True  # from here the EventStream closes the fanout
+            return EventStream(self.events(fanout, fmt, jobs, include_usage), fanout.close)
         except ClientGone:
-            await fanout.close()
             return Response(status_code=400)  # never sent: nobody is listening
         except Exception as e:
-            await fanout.close()
             raise self.api_error(e) from None
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(self.events(fanout, fmt, jobs, include_usage), fanout.close)
+        finally:
+            if not streaming:
+                await fanout.close()  # aborts whatever still runs (a disconnect, an error, a cancelled handler)
 
     async def events(self, fanout: Fanout, fmt, jobs, include_usage: bool):
         for chunk in fmt.opening(sorted(j.index for j in jobs)):

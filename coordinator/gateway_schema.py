@@ -2,10 +2,11 @@
 
 Lifecycle: a request body is decoded once into `CompletionRequest` or `ChatCompletionRequest`
 (unknown fields are ignored, as OpenAI's own server does; a wrong type names the field);
-`jobs()` turns it into one coordinator job per (prompt, sample) with validated sampling
-parameters, raising `ApiError` (status + OpenAI error body) before anything is sent. Responses
-and stream chunks are built from the response Structs here and encoded with msgspec. The same
-Structs generate `/openapi.json`, so the schema cannot drift from what the code accepts.
+`completion_jobs()` or `chat_jobs()` turns it into one coordinator job per (prompt, sample)
+with validated sampling parameters, raising `ApiError` (status + OpenAI error body) before
+anything is sent. Responses and stream chunks are built from the response Structs here and
+encoded with msgspec. The same Structs generate `/openapi.json`, so the schema cannot drift
+from what the code accepts.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ MAX_N = 128  # OpenAI's limit on choices per request
 class ApiError(Exception):
     """An HTTP error in OpenAI's JSON shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, code: str | None, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers or {}

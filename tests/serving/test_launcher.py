@@ -49,12 +49,12 @@ def pdserve(*args, **kw):
 def test_launch_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
     clients, workers = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
-                   "--log-dir", str(tmp_path), "--engine-arg=--kv-cache-mb=8", stderr=subprocess.PIPE, text=True)
+                   "--http-port", str(free_port()), "--log-dir", str(tmp_path), "--engine-arg=--kv-cache-mb=8", stderr=subprocess.PIPE, text=True)
     try:
         stats = wait_ready(proc, clients, 2)
         assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill"]
         kids = children_of(proc.pid)
-        assert len(kids) == 3  # coordinator, prefill, decode
+        assert len(kids) == 4  # coordinator, HTTP gateway, prefill, decode
         pools = glob.glob("/dev/shm/pdserve-kv-*")
         assert any(p.endswith(tuple(str(k) for k in kids)) for p in pools)
         out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--coordinator", clients, "--raw", "--max-tokens", "6",
@@ -95,7 +95,7 @@ host = "127.0.0.1"
 decode = 1
 threads = 1
 """)
-    a = pdserve("launch", "--config", str(cfg), "--node", "a", "--log-dir", str(tmp_path / "a"))
+    a = pdserve("launch", "--config", str(cfg), "--node", "a", "--log-dir", str(tmp_path / "a"), "--http-port", str(free_port()))
     b = pdserve("launch", "--config", str(cfg), "--node", "b", "--log-dir", str(tmp_path / "b"))
     try:
         stats = wait_ready(a, f"tcp://127.0.0.1:{cport}", 2)

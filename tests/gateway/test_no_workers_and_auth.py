@@ -1,0 +1,66 @@
+"""The gateway of a service with no workers yet (coordinator and gateway only, real processes
+on loopback) and an API key: /health says 503, requests are 503 `no_workers`, a missing or wrong
+bearer key is 401, and /health and /metrics stay open without the key."""
+import httpx
+import openai
+import pytest
+
+from tests.gateway.helpers import scrape, start_gateway_cluster, value
+from tests.helpers import save_tiny_served_model
+
+KEY = "test-key-0f3a"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d)  # the coordinator and the gateway read only its tokenizer
+    return d
+
+
+@pytest.fixture(scope="module")
+def service(model_dir, tmp_path_factory):
+    launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), prefill=0, decode=0, api_key=KEY)
+    yield launcher
+    launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir.name
+
+
+def client(service, key=KEY):
+    return openai.OpenAI(base_url=f"{service.plan.http_url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_health_is_503_without_workers(service):
+    r = httpx.get(f"{service.plan.http_url}/health", timeout=10)
+    assert r.status_code == 503
+    assert r.json()["status"] == "unavailable" and "no prefill+decode pair" in r.json()["reason"]
+    samples, _ = scrape(service.plan.http_url)
+    assert value(samples, "pdserve:coordinator_up") == 1 and value(samples, "pdserve:num_workers") == 0
+
+
+def test_requests_are_503_without_workers(service, model):
+    with client(service) as c:
+        assert [m.id for m in c.models.list().data] == [model]
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as e:
+                c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=stream)
+            assert e.value.status_code == 503 and e.value.code == "no_workers"
+    samples, _ = scrape(service.plan.http_url)
+    assert value(samples, "pdserve:request_errors_total", error_type="no_workers") == 2
+
+
+def test_api_key_is_required(service, model):
+    with client(service, key="wrong") as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model=model, prompt="hi", max_tokens=1)
+        assert e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    r = httpx.post(f"{service.plan.http_url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(f"{service.plan.http_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200
