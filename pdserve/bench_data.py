@@ -1,0 +1,155 @@
+"""Benchmark workloads: the requests `pdserve bench` sends, built before the clock starts.
+
+Lifecycle: `build_requests(args, tokenizer)` makes the whole list once, deterministically from
+`--seed`: `random` draws prompts of whole-word tokens that re-tokenize to exactly the same ids
+(so every backend, whether it takes token ids or text, sees the same prompt and the same
+length), `jsonl` reads a ShareGPT-style file (the shipped `pdserve/data/prompts.jsonl` by
+default) and keeps each first user turn as a chat request. The run then only reads them.
+`arrival_intervals` gives the gaps between sends (Poisson, or gamma with `--burstiness`), as in
+`vllm bench serve`.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+SHIPPED_PROMPTS = "prompts.jsonl"
+WORD_MARKERS = ("\u0120", "\u2581")  # byte-level BPE's "Ġ" and sentencepiece's "▁": a leading space
+
+
+@dataclass
+class BenchRequest:
+    prompt: str  # the text a completions endpoint gets
+    prompt_len: int  # tokens, as this tokenizer counts them
+    output_len: int
+    token_ids: list[int] | None = None  # exact prompt ids (pdserve backend, in-process rows)
+    messages: list[dict] | None = None  # chat requests: what a chat endpoint gets
+    extra: dict = field(default_factory=dict)
+
+
+def shipped_prompts_path() -> Path:
+    return Path(str(resources.files("pdserve") / "data" / SHIPPED_PROMPTS))
+
+
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] around length, as vLLM's --random-range-ratio."""
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {ratio}")
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
+# ------------------------------------------------------------------ random
+
+def word_tokens(tokenizer, limit: int = 4000) -> list[int]:
+    """Ids of whole lower-case words with a leading space that encode back to themselves alone."""
+    vocab = tokenizer.get_vocab()
+    picks = []
+    for piece, tid in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if len(piece) >= 4 and piece[0] in WORD_MARKERS and piece[1:].isascii() and piece[1:].isalpha() and piece[1:].islower():
+            if tokenizer.encode(tokenizer.decode([tid]), add_special_tokens=False) == [tid]:
+                picks.append(tid)
+                if len(picks) >= limit:
+                    break
+    return picks
+
+
+def random_prompt(tokenizer, words: list[int], n: int, rng: random.Random) -> tuple[str, list[int]]:
+    """A prompt of about n tokens; returns (text, ids) with ids == encode(text) exactly."""
+    ids = [rng.choice(words) for _ in range(n)] if words else [rng.randrange(1000, len(tokenizer) - 1) for _ in range(n)]
+    text = tokenizer.decode(ids)
+    back = tokenizer.encode(text, add_special_tokens=False)
+    return text, back
+
+
+def random_requests(tokenizer, num: int, input_len: int, output_len: int, ratio: float, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    words = word_tokens(tokenizer)
+    in_lo, in_hi = length_range(input_len, ratio)
+    out_lo, out_hi = length_range(output_len, ratio)
+    reqs = []
+    for _ in range(num):
+        text, ids = random_prompt(tokenizer, words, rng.randint(in_lo, in_hi), rng)
+        reqs.append(BenchRequest(text, len(ids), rng.randint(out_lo, out_hi), token_ids=ids))
+    return reqs
+
+
+# ------------------------------------------------------------------ ShareGPT-style JSONL
+
+def first_exchange(row: dict) -> tuple[str, str | None] | None:
+    """(first user turn, the reply after it) of a ShareGPT ("conversations": from/value),
+    OpenAI ("messages": role/content) or plain ("prompt"[, "completion"]) row."""
+    if "prompt" in row:
+        return str(row["prompt"]), row.get("completion")
+    turns = row.get("conversations") or row.get("messages") or []
+    norm = [(t.get("from") or t.get("role"), t.get("value") if "value" in t else t.get("content")) for t in turns]
+    for i, (who, text) in enumerate(norm):
+        if who in ("human", "user") and text:
+            reply = norm[i + 1][1] if i + 1 < len(norm) and norm[i + 1][0] in ("gpt", "assistant") else None
+            return str(text), reply
+    return None
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, str | None]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                ex = first_exchange(json.loads(line))
+                if ex is not None:
+                    rows.append(ex)
+    if not rows:
+        raise ValueError(f"{path}: no prompts found (expected ShareGPT 'conversations', 'messages' or 'prompt' rows)")
+    return rows
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """The chat template as text (for completions endpoints) and as ids; plain text without a template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        text = messages[-1]["content"]
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return text, list(ids)
+
+
+def jsonl_requests(tokenizer, path: str | Path | None, num: int, output_len: int | None, seed: int) -> list[BenchRequest]:
+    """num requests from the file, shuffled with seed and repeated if the file is shorter.
+    output_len None: each reply's token count (at least 4), 128 where a row has no reply."""
+    rows = read_jsonl(path or shipped_prompts_path())
+    random.Random(seed).shuffle(rows)
+    reqs = []
+    for i in range(num):
+        question, reply = rows[i % len(rows)]
+        messages = [{"role": "user", "content": question}]
+        text, ids = chat_prompt(tokenizer, messages)
+        n_out = output_len or (max(4, len(tokenizer.encode(reply, add_special_tokens=False))) if reply else 128)
+        reqs.append(BenchRequest(text, len(ids), n_out, token_ids=ids, messages=messages))
+    return reqs
+
+
+def build_requests(dataset: str, tokenizer, num: int, input_len: int, output_len: int | None, ratio: float, seed: int,
+                   path: str | None = None) -> list[BenchRequest]:
+    if num < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if dataset == "random":
+        return random_requests(tokenizer, num, input_len, output_len or 128, ratio, seed)
+    if dataset == "jsonl":
+        return jsonl_requests(tokenizer, path, num, output_len, seed)
+    raise ValueError(f"unknown dataset {dataset!r} (random, jsonl)")
+
+
+# ------------------------------------------------------------------ arrivals
+
+def arrival_intervals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait after each send: 0 at rate inf; else gamma(shape=burstiness,
+    scale=1/(rate*burstiness)), whose mean is 1/rate (burstiness 1 = Poisson arrivals)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    if not rate > 0 or not burstiness > 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
