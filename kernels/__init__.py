@@ -49,6 +49,8 @@ def paged_attention(
     """
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
     impl = _backend_impl(backend, q)
+    if seq_lens.numel() == 0:
+        return q.new_empty(q.shape)
     return impl(
         q, k_cache, v_cache,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,

@@ -1,12 +1,13 @@
 """Paged attention in plain torch: the production path on CPU (and a fallback anywhere else).
 
 Lifecycle: stateless; `paged_attention_torch` is called once per layer per forward step.
-Decode batches (every sequence has one query token) gather all sequences' pages in one indexing
-op and run a single masked `F.scaled_dot_product_attention`; a lone sequence instead takes the
-per-sequence path so that its arithmetic is bit-identical to transformers' sdpa decode. Any
-batch with a longer query (prefill, chunked prefill over a cached prefix, mixed batches) runs
-per sequence: gather its pages, then one sdpa call shaped exactly like transformers' Llama sdpa
-path (`is_causal=True` when there is no cached prefix, otherwise a bottom-right causal mask).
+Decode batches (every sequence has one query token) gather the sequences' pages with one
+index_select per chunk of sequences and run one masked `F.scaled_dot_product_attention` per
+chunk; a lone sequence instead takes the per-sequence path so that its arithmetic is
+bit-identical to transformers' sdpa decode. Any batch with a longer query (prefill, chunked
+prefill over a cached prefix, mixed batches) runs per sequence: gather its pages, then one sdpa
+call shaped like transformers' Llama sdpa path (`is_causal=True` when there is no cached
+prefix, otherwise a bottom-right causal mask).
 """
 from __future__ import annotations
 
@@ -38,17 +39,23 @@ def paged_attention_torch(
 def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """One query token per sequence, q (B, H, D): batched gather + masked sdpa, in chunks of sequences.
 
-    Chunking keeps each gathered K/V copy near _GATHER_BYTES: one huge gather costs page faults
-    on every call (large allocations go straight to mmap), which made it 3x slower on CPU.
+    On CPU the chunks share one gather buffer of about _GATHER_BYTES per cache: a gather of the
+    whole batch is a fresh multi-MB allocation each step, whose page faults cost more than the
+    copy itself; a small reused buffer bounds that cost.
     """
     lens = seq_lens.tolist()
-    rows = _rows_per_chunk(k_cache, max(lens)) if not q.is_cuda else len(lens)
-    if rows >= len(lens):
-        return _decode_chunk(q, k_cache, v_cache, seq_lens, block_tables, max(lens), scale)
-    out = torch.empty_like(q)
+    rows = len(lens) if q.is_cuda else min(len(lens), _rows_per_chunk(k_cache, max(lens)))
+    pages_per_seq = -(-max(lens) // k_cache.shape[1])
+    k_buf = k_cache.new_empty((rows * pages_per_seq, *k_cache.shape[1:]))  # (rows*NB, bs, KVH, D)
+    v_buf = v_cache.new_empty(k_buf.shape)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for s in range(0, len(lens), rows):
         e = s + rows
-        out[s:e] = _decode_chunk(q[s:e], k_cache, v_cache, seq_lens[s:e], block_tables[s:e], max(lens[s:e]), scale)
+        n_blocks = -(-max(lens[s:e]) // k_cache.shape[1])
+        pages = block_tables[s:e, :n_blocks].reshape(-1).long()  # (r*NB,)
+        k = torch.index_select(k_cache, 0, pages, out=k_buf[: pages.numel()])
+        v = torch.index_select(v_cache, 0, pages, out=v_buf[: pages.numel()])
+        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale)
     return out
 
 
@@ -56,24 +63,21 @@ _GATHER_BYTES = 4 << 20
 
 
 def _rows_per_chunk(k_cache, max_len: int) -> int:
-    block_size = k_cache.shape[1]
-    bytes_per_seq = -(-max_len // block_size) * k_cache[0].numel() * k_cache.element_size()
+    bytes_per_seq = -(-max_len // k_cache.shape[1]) * k_cache[0].numel() * k_cache.element_size()
     return max(1, _GATHER_BYTES // bytes_per_seq)
 
 
-def _decode_chunk(q, k_cache, v_cache, seq_lens, block_tables, max_len: int, scale: float) -> torch.Tensor:
-    """q (B, H, D), one token per sequence, against pages padded to max_len; returns (B, H, D).
+def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float) -> torch.Tensor:
+    """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D).
 
     Slots past a sequence's length are masked but still read: a cache must hold finite values
     everywhere (allocate it with torch.zeros), since sdpa computes 0 * NaN = NaN.
     """
     batch, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    n_blocks = -(-max_len // block_size)
-    pages = block_tables[:, :n_blocks].reshape(-1).long()  # (B*NB,)
-    k = k_cache.index_select(0, pages).view(batch, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, pages).view(batch, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(n_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]  # (B, NB*bs)
+    kv_heads = k_pages.shape[2]
+    k = k_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # (B, KVH, NB*bs, D)
+    v = v_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, NB*bs)
     # GQA by folding each KV head's query group into sdpa's query-length axis: no K/V repeat,
     # and faster than enable_gqa on CPU.
     q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # (B, KVH, group, D)
@@ -83,7 +87,7 @@ def _decode_chunk(q, k_cache, v_cache, seq_lens, block_tables, max_len: int, sca
 
 def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float):
     """Any mix of query lengths: one gather and one sdpa per sequence."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]

@@ -166,14 +166,17 @@ def paged_attention_triton(
 
 def _launch_decode(args, consts, batch: int, kv_heads: int) -> None:
     block_h = max(16, triton.next_power_of_2(consts["GROUP"]))
-    block_n = max(64 if _native() else 32, consts["BLOCK_SIZE"])
+    block_n = 32 if _INTERPRETED or consts["BLOCK_D"] > 128 else 64
+    block_n = max(block_n, consts["BLOCK_SIZE"])
     _decode_kernel[(batch, kv_heads)](*args, **consts, BLOCK_H=block_h, BLOCK_N=block_n)
 
 
 def _launch_varlen(args, consts, batch: int, max_query_len: int, heads: int) -> None:
-    # Native tiles sized like common flash-attention configs; the interpreter prefers small ones.
-    block_m = 64 if _native() else 16
-    block_n = max(64 if _native() and consts["BLOCK_D"] <= 64 else 32, consts["BLOCK_SIZE"])
+    # Native tiles like common flash-attention configs, smaller for wide heads so that float32
+    # stays within about 100 KB of shared memory; the interpreter prefers small tiles.
+    block_m = 16 if _INTERPRETED else (64 if consts["BLOCK_D"] <= 128 else 32)
+    block_n = 32 if _INTERPRETED or consts["BLOCK_D"] > 64 else 64
+    block_n = max(block_n, consts["BLOCK_SIZE"])
     grid = (batch, triton.cdiv(max_query_len, block_m), heads)
     _varlen_kernel[grid](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n)
 
@@ -205,7 +208,3 @@ def _common_consts(q, k_cache) -> dict:
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _native() -> bool:
-    return not _INTERPRETED

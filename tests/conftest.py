@@ -1,11 +1,12 @@
 """Shared pytest set-up: Triton runs in its interpreter on CPU-only machines; `gpu` tests skip without CUDA."""
 import os
 
-# Must precede the first `import triton` anywhere in the test process.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton runs in its interpreter where there is no GPU; this must precede the first `import triton`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

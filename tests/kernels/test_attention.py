@@ -104,6 +104,14 @@ def test_bfloat16_close_to_reference(backend, name):
     assert_matches_reference(backend, name, 16, 9, 3, 64, dtype=torch.bfloat16, tol=3e-2)
 
 
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("head_dim", (16, 80, 256))
+def test_other_head_dims(backend, head_dim):
+    """Beyond 64 and 128: a small and a large power of two, and 80, which triton pads to 128."""
+    for name in ("decode", "mixed"):
+        assert_matches_reference(backend, name, 16, 4, 2, head_dim)
+
+
 @pytest.mark.parametrize("gather_bytes", (1, 40_000))
 def test_torch_decode_in_chunks(monkeypatch, gather_bytes):
     """A tiny gather budget forces the decode batch through one or a few sequences per chunk."""
@@ -111,22 +119,26 @@ def test_torch_decode_in_chunks(monkeypatch, gather_bytes):
     assert_matches_reference("torch", "decode", 16, 9, 3, 64)
 
 
-def test_torch_prefill_is_bit_identical_to_hf_sdpa():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("length", (45, 600))
+def test_torch_prefill_is_bit_identical_to_hf_sdpa(length, dtype):
     """No cached prefix: the same sdpa call as transformers' Llama (repeat_kv, is_causal=True)."""
-    q, k_cache, v_cache, kw = make_case([45], [45], block_size=16, heads=9, kv_heads=3, head_dim=64)
+    q, k_cache, v_cache, kw = make_case([length], [length], block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
     out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
-    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 45)
+    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], length)
     hf = F.scaled_dot_product_attention(
         q.unsqueeze(0).transpose(1, 2), _repeat_kv(k, 3), _repeat_kv(v, 3), is_causal=True, scale=kw["scale"],
     )[0].transpose(0, 1)
     assert torch.equal(out, hf)
 
 
-def test_torch_single_decode_is_bit_identical_to_hf_sdpa():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("length", (53, 700))
+def test_torch_single_decode_is_bit_identical_to_hf_sdpa(length, dtype):
     """One sequence decoding: no mask, no padding, exactly transformers' sdpa decode call."""
-    q, k_cache, v_cache, kw = make_case([1], [53], block_size=16, heads=9, kv_heads=3, head_dim=64)
+    q, k_cache, v_cache, kw = make_case([1], [length], block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
     out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
-    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 53)
+    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], length)
     hf = F.scaled_dot_product_attention(q.view(1, 9, 1, 64), _repeat_kv(k, 3), _repeat_kv(v, 3), scale=kw["scale"])
     assert torch.equal(out, hf.view(1, 9, 64))
 
@@ -184,6 +196,18 @@ def test_write_then_attend_round_trip():
         scale=0.125,
     )
     assert (out - dense.view(1, heads, head_dim)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_empty_batch(backend):
+    q = torch.empty(0, 4, 64)
+    k_cache = torch.zeros(2, 8, 2, 64)
+    out = kernels.paged_attention(
+        q, k_cache, k_cache.clone(), query_start_loc=torch.zeros(1, dtype=torch.int32),
+        seq_lens=torch.empty(0, dtype=torch.int32), block_tables=torch.empty(0, 1, dtype=torch.int32),
+        max_query_len=1, scale=0.125, backend=backend,
+    )
+    assert out.shape == (0, 4, 64)
 
 
 def test_unknown_backend_raises():
