@@ -38,8 +38,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue in arrival order within a priority class, higher classes first."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if not self.waiting or self.waiting[-1].priority >= seq.priority:
+            self.waiting.append(seq)
+            return
+        at = next(i for i, s in enumerate(self.waiting) if s.priority < seq.priority)
+        self.waiting.insert(at, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose KV is already in its blocks (a prefill hand-off) to the batch."""

@@ -75,3 +75,11 @@ def test_scheduler_preempts_newest_and_drops_unfittable():
     s.add(huge)
     out = s.schedule()
     assert out.finished == [huge] and huge.finish_reason == FinishReason.LENGTH and bm.free_blocks == 3
+
+
+def test_waiting_queue_respects_priority_then_arrival():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = [Sequence(name, [1, 2], SamplingParams(), priority=p) for name, p in (("a", 0), ("b", 1), ("c", 0), ("d", 1), ("e", 2))]
+    for x in seqs:
+        s.add(x)
+    assert [x.request_id for x in s.waiting] == ["e", "b", "d", "a", "c"]
