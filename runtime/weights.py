@@ -120,29 +120,27 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_gguf(path: Path, progress: bool):
     import gguf
 
+    from runtime.gguf_file import read_gguf
+
     if not _has_gguf_magic(path):
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
     try:
-        reader = gguf.GGUFReader(str(path))
-        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
-        infos = list(reader.tensors)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+        meta, infos = read_gguf(str(path))
+    except Exception as e:  # ValueError/struct.error/OSError on a bad file
         raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from e
     cfg = _gguf_config(meta, {t.name for t in infos})
-    bad = sorted({t.tensor_type.name for t in infos} - set(GGUF_TYPES))
+    bad = sorted({t.qtype.name for t in infos} - set(GGUF_TYPES))
     if bad:
         raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)} (supported: {', '.join(GGUF_TYPES)})")
     tensors = {}
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
         name = _gguf_name(t.name)
-        if name is None:
-            continue
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(t.data, t.qtype).reshape(tuple(reversed(t.shape)))
         except Exception as e:
             raise ModelLoadError(f"cannot dequantize {t.name} in {path.name}: truncated or corrupt GGUF ({e})") from e
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only memmaps
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
         if cfg.architecture == "LlamaForCausalLM" and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             w = unpermute_qk(w, heads)
