@@ -1,0 +1,126 @@
+"""Multiple hosts on one machine: coordinator, prefill and decode each in its own network
+namespace (veth pairs on a bridge, real addresses, KV over tcp, CurveZMQ keys since nothing
+binds loopback), each started with `pdserve launch --config cluster.toml --node NAME`.
+Requests succeed; cutting the decode host's link ends its requests with a typed error within
+5 s (as a kill does); restoring the link lets the worker rejoin, and requests succeed again."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from coordinator.client import Client, RequestError
+from coordinator.security import keygen
+from tests.helpers import save_tiny_served_model, wait_all_blocks_free
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces")
+
+SUBNET = "10.231.77"  # addresses of this test's own namespaces only; nothing else is ever contacted
+HOSTS = {"c": 1, "p": 2, "d": 3}
+
+
+def sh(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def net():
+    tag = uuid.uuid4().hex[:5]
+    bridge = f"pdbr{tag}"
+    names = {h: f"pd{h}{tag}" for h in HOSTS}
+    sh("link", "add", bridge, "type", "bridge")
+    sh("addr", "add", f"{SUBNET}.254/24", "dev", bridge)
+    sh("link", "set", bridge, "up")
+    try:
+        for h, n in names.items():
+            sh("netns", "add", n)
+            sh("link", "add", f"v{h}{tag}", "type", "veth", "peer", "name", f"b{h}{tag}")
+            sh("link", "set", f"v{h}{tag}", "netns", n)
+            sh("link", "set", f"b{h}{tag}", "master", bridge, "up")
+            sh("-n", n, "addr", "add", f"{SUBNET}.{HOSTS[h]}/24", "dev", f"v{h}{tag}")
+            sh("-n", n, "link", "set", f"v{h}{tag}", "up")
+            sh("-n", n, "link", "set", "lo", "up")
+        yield names, tag
+    finally:
+        for n in names.values():
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def test_three_hosts_cut_and_restore_decode_link(net, tmp_path):
+    names, tag = net
+    model = tmp_path / "model"
+    save_tiny_served_model(model)
+    keys = keygen(str(tmp_path / "keys"))
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f"""
+[cluster]
+coordinator_host = "{SUBNET}.1"
+client_port = 7555
+worker_port = 7556
+model = "{model}"
+kv_backend = "tcp"
+kv_cache_mb = 8
+keys = "{keys}"
+
+[nodes.c]
+host = "{SUBNET}.1"
+coordinator = true
+threads = 1
+
+[nodes.p]
+host = "{SUBNET}.2"
+prefill = 1
+threads = 1
+
+[nodes.d]
+host = "{SUBNET}.3"
+decode = 1
+threads = 1
+""")
+    procs = {}
+    for h in ("c", "p", "d"):
+        procs[h] = subprocess.Popen(["ip", "netns", "exec", names[h], sys.executable, "-m", "pdserve", "launch", "--config", str(cfg),
+                                     "--node", h, "--no-gateway", "--log-dir", str(tmp_path / h)])
+    address = f"tcp://{SUBNET}.1:7555"
+    try:
+        with Client(address, keys=str(keys), timeout=30) as c:
+            deadline = time.monotonic() + 120
+            while len(c.stats()["workers"]) < 2:
+                assert time.monotonic() < deadline, "workers did not register across hosts"
+                assert all(p.poll() is None for p in procs.values())
+                time.sleep(0.3)
+            r = c.generate(token_ids=[11, 12, 13, 14], temperature=0, max_tokens=6, ignore_eos=True)
+            assert r.completion_tokens == 6 and c.stats()["kv_transfer"]["handoffs"] == 1
+
+            # Cut the decode host's link in the middle of a long stream.
+            stream = c.stream(token_ids=[21, 22, 23], temperature=0, max_tokens=900, ignore_eos=True)
+            next(stream)
+            sh("link", "set", f"bd{tag}", "down")
+            t_cut = time.monotonic()
+            with pytest.raises(RequestError) as err:
+                for _ in stream:
+                    pass
+            assert time.monotonic() - t_cut < 5.0
+            assert err.value.code in ("worker_lost", "no_workers")
+
+            sh("link", "set", f"bd{tag}", "up")
+            deadline = time.monotonic() + 30
+            while "d-decode-0" not in {w["id"] for w in c.stats()["workers"]}:
+                assert time.monotonic() < deadline, "decode worker did not rejoin"
+                time.sleep(0.3)
+            r = c.generate(token_ids=[31, 32, 33], temperature=0, max_tokens=5, ignore_eos=True)
+            assert r.completion_tokens == 5
+            wait_all_blocks_free(c, timeout=10)
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
