@@ -123,3 +123,31 @@ class ClusterCollector(Collector):
         active.add_metric(m, s.get("active_requests", 0))
         yield pending
         yield active
+        yield from self._slo(s.get("slo", {}))
+
+    def _slo(self, slo: dict):
+        """The coordinator's sliding-window p50/p90/p99 TTFT and TPOT per priority class, its
+        targets, prediction error and sheds (SLO control)."""
+        m = [self.model]
+        labels = ["model_name", "priority", "quantile"]
+        fams = {kind: GaugeMetricFamily(f"pdserve:slo_{kind}_seconds", f"Coordinator-measured {kind.upper()} over a sliding window, per priority class",
+                                        labels=labels) for kind in ("ttft", "tpot")}
+        for prio, kinds in slo.get("classes", {}).items():
+            for kind, window in kinds.items():
+                for q in ("p50", "p90", "p99"):
+                    if q in window:
+                        fams[kind].add_metric([self.model, prio, q], window[q])
+        yield from fams.values()
+        for kind in ("ttft", "tpot"):
+            target = GaugeMetricFamily(f"pdserve:slo_{kind}_target_seconds", f"p99 {kind.upper()} target of priority class 0", labels=["model_name"])
+            target.add_metric(m, slo.get(f"{kind}_ms", 0.0) / 1000)
+            yield target
+        err = slo.get("ttft_prediction_error", {})
+        if "p50" in err:
+            fam = GaugeMetricFamily("pdserve:slo_ttft_prediction_error", "Median |predicted - actual| / actual TTFT", labels=["model_name"])
+            fam.add_metric(m, err["p50"])
+            yield fam
+        shed = CounterMetricFamily("pdserve:slo_shed_requests", "Requests shed because their targets could not be met", labels=["model_name", "priority"])
+        for prio, n in slo.get("shed", {}).items():
+            shed.add_metric([self.model, prio], n)
+        yield shed

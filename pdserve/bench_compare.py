@@ -91,7 +91,8 @@ def pdserve_row(args, requests, mode: str, log_dir: str):
     counts = dict(prefill=0, decode=0, colocated=1) if mode == "colocated" else dict(prefill=1, decode=1)
     plan = NodePlan(**counts, model=args.model, kv_backend=args.kv_backend, threads=args.threads, name="cmp",
                     client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
-                    engine_args=["--max-num-seqs", str(max(64, len(requests)))])
+                    engine_args=["--max-num-seqs", str(max(64, len(requests)))],
+                    coordinator_args=["--no-slo"])  # a throughput comparison: every request is served, none shed
     launcher = Launcher(plan, log_dir=os.path.join(log_dir, mode))
     launcher.start()
     try:

@@ -332,3 +332,6 @@ def test_metrics_parse_and_move(service, client, model, tok):
     usage = {dict(ls)["worker"]: v for (n, ls), v in after.items() if n == "pdserve:kv_cache_usage_perc"}
     assert set(usage) == {"t-prefill-0", "t-decode-0"} and all(0 <= v <= 1 for v in usage.values())
     assert ("pdserve:num_requests_waiting", (("model_name", model), ("role", "decode"), ("worker", "t-decode-0"))) in after
+    # SLO windows: the coordinator's own p99 TTFT of priority class 0 and its targets
+    assert value(after, "pdserve:slo_ttft_seconds", priority="0", quantile="p99") > 0
+    assert value(after, "pdserve:slo_ttft_target_seconds") > 0 and types["pdserve:slo_tpot_seconds"] == "gauge"
