@@ -130,6 +130,8 @@ class Hello(_Msg):
     kv_shape: list[int] = []
     kv_dtype: str = "float32"
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
+    kv_device: str = ""  # PCI bus id of the GPU holding this worker's KV pool; "" for a CPU pool
+    kv_backends: list[str] = []  # GPU kv backends it can use ("cuda_ipc", "nccl"): CUDA pool and cupy present
 
 
 class Welcome(_Msg):
@@ -176,7 +178,7 @@ class Prefill(_Msg):
     dest_worker: str
     dest_kv_endpoint: str
     dest_block_ids: list[int]
-    backend: str  # "shm" | "tcp"
+    backend: str  # "shm" | "tcp" | "cuda_ipc" | "nccl" (kvtransfer.transfer.choose_backend)
     dest_shm_path: str = ""
     dest_kv_shape: list[int] = []
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
@@ -263,7 +265,30 @@ class KVFailed(_Msg):
     reason: str
 
 
-PrefillToDecode = Union[KVReady, KVFailed]
+class KVConnect(_Msg):
+    """Prefill -> decode, once per (destination, GPU backend) before the first hand-off: what does
+    the backend need? nccl: the prefill side's ncclUniqueId; it joins as rank 0, the decode side as 1."""
+
+    sender_id: str
+    backend: str  # "cuda_ipc" | "nccl"
+    nonce: int  # echoed in KVAccept, so a late answer to an abandoned attempt is never taken for this one
+    nccl_id: bytes = b""
+
+
+class KVAccept(_Msg):
+    """Decode -> prefill on the kv socket: the answer to KVConnect; `error` set means refused."""
+
+    backend: str
+    nonce: int
+    kv_shape: list[int]  # (layers, 2, num_blocks, block_size, kv_heads, head_dim) of the decode pool
+    kv_dtype: str
+    device: str = ""  # PCI bus id of the pool's GPU (device ordinals differ between processes)
+    ipc_handle: bytes = b""  # cuda_ipc: the cudaIpcMemHandle_t of the pool's allocation
+    ipc_offset: int = 0  # cuda_ipc: bytes from the allocation's base to the pool's first byte
+    error: str = ""
+
+
+PrefillToDecode = Union[KVReady, KVFailed, KVConnect]
 
 
 # ------------------------------------------------------------------ codecs

@@ -1,7 +1,7 @@
 """The decode worker (`pdserve decode`), and in colocated mode the whole engine in one worker.
 
-Lifecycle: load the model, put the KV pool in shared memory (its size from the memory
-budget, logged at start), bind the kv socket, say Hello. Then loop:
+Lifecycle: load the model, put the KV pool in shared memory (on a GPU: one CUDA allocation
+that prefill workers map over CUDA IPC; its size from the memory budget, logged at start), bind the kv socket, say Hello. Then loop:
   drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused); KVReady -> copy tcp frames
   into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
@@ -27,8 +27,11 @@ from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, KVFailed, KVReady, Reject, Release,
     Role, Shutdown, TokenBatch, TokenOut, WorkerError,
 )
+from kvtransfer.cuda_ipc import CudaKVPool, device_id, gpu_pool
+from kvtransfer.errors import KVTransferError
 from kvtransfer.pool import KVPool, dtype_name, host_identity
-from kvtransfer.transfer import KVReceiver
+from kvtransfer.transfer import KVReceiver, gpu_backends
+from runtime import cuda_graphs
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
@@ -63,20 +66,27 @@ class DecodeWorker:
         model = build_model(cfg, tensors, engine_cfg)
         num_blocks = engine_cfg.blocks_for_budget(cfg)
         shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)
-        self.pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=worker_cfg.shared_pool, name=f"{os.getpid()}")
+        if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
+            self.pool = gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
+        else:
+            self.pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=worker_cfg.shared_pool, name=f"{os.getpid()}")
         self.engine = LLMEngine(model, None, engine_cfg, kv_cache=self.pool.tensor)
+        if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs:
+            cuda_graphs.enable(self.engine)
         log.info(
             "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", self.worker_id, num_blocks, engine_cfg.block_size,
             num_blocks * engine_cfg.block_size, self.pool.nbytes / 2**20, f" in {self.pool.path}" if self.pool.path else "",
         )
         profile = self.engine.profile()
         self.ctx = zmq.Context()
-        self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind)
+        self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind,
+                                   ipc=self.pool.accept() if isinstance(self.pool, CudaKVPool) else None)
         host, boot = host_identity()
         hello = Hello(
             PROTOCOL_VERSION, self.worker_id, int(role), os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, num_blocks, engine_cfg.block_size, self.receiver.endpoint, self.pool.path,
             list(shape), dtype_name(engine_cfg.torch_dtype), profile,
+            kv_device=device_id(self.pool.tensor), kv_backends=gpu_backends(self.pool.tensor),
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
         self.link.watch(self.receiver.sock, lambda sock: self.receiver.recv())
@@ -161,7 +171,12 @@ class DecodeWorker:
             if isinstance(msg, KVFailed) and not grant.cancelled:
                 self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", msg.reason))
             return
-        self.receiver.copy_in(msg, frames)
+        try:
+            self.receiver.copy_in(msg, frames)
+        except KVTransferError as e:  # nccl: the blocks never arrived; the communicator is already dropped
+            self.engine.blocks.free(grant.block_ids)
+            self.link.send(WorkerError(msg.request_id, e.code, str(e)))
+            return
         out = self.engine.add_prefilled(
             msg.request_id, msg.prompt_token_ids, msg.output_token_ids, msg.params, grant.block_ids,
             msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority,

@@ -8,11 +8,16 @@ bytes with the chosen backend and then delivers the `KVReady` header:
        the header follows on the kv socket, so it is seen only after the bytes are in place.
   tcp: one zero-copy frame per layer after the header; the receiver copies the frames into
        its granted blocks before it hands the header on.
+  cuda_ipc, nccl (GPU pools): before the first hand-off to a destination the sender asks once
+       on the kv socket (KVConnect -> KVAccept: the pool's IPC handle, or the join of an NCCL
+       communicator), then cuda_ipc writes into the mapped pool and waits on a CUDA event before
+       the header; nccl sends the layers after the header and the receiver scatters them in
+       `copy_in` (kvtransfer.cuda_ipc, kvtransfer.nccl). Their failures raise KVTransferError.
 Both sides validate shapes and block ids; a bad hand-off is counted and dropped, never fatal.
-Backends `cuda_ipc` and `nccl` plug into the same two classes (GPU, not built yet).
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import msgspec
@@ -20,17 +25,31 @@ import torch
 import zmq
 
 from coordinator.protocol import KVFailed, KVReady, PrefillToDecode, decoder, encode
-from kvtransfer.pool import DTYPES, KVPool
+from coordinator.protocol import KVAccept, KVConnect
+from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.pool import DTYPES, KVPool, dtype_name
+from runtime.errors import NotSupportedError
 
 BACKENDS = ("shm", "tcp")
+GPU_BACKENDS = ("cuda_ipc", "nccl")
 
 
-def choose_backend(src_host: str, src_boot: str, dst_host: str, dst_boot: str, dst_shm_path: str, forced: str | None = None) -> str:
-    """shm when both workers share a machine (same host and boot id) and the pool is shared."""
-    if forced in ("cuda_ipc", "nccl"):
-        from runtime.errors import NotSupportedError
+def choose_backend(src_host: str, src_boot: str, dst_host: str, dst_boot: str, dst_shm_path: str, forced: str | None = None,
+                   src_gpu: list[str] | None = None, dst_gpu: list[str] | None = None) -> str:
+    """shm when both workers share a machine (same host and boot id) and the pool is shared.
 
-        raise NotSupportedError(f"kv backend {forced!r} needs the GPU build, which is not available yet")
+    src_gpu/dst_gpu: the GPU backends each worker offers (Hello.kv_backends); None = not known.
+    When both are known, auto takes cuda_ipc on one machine and nccl otherwise if both offer it.
+    """
+    same = src_host == dst_host and src_boot == dst_boot
+    if forced in GPU_BACKENDS:
+        return _forced_gpu(forced, same, src_gpu, dst_gpu)
+    if (forced is None or forced == "auto") and src_gpu is not None and dst_gpu is not None:
+        both = set(src_gpu) & set(dst_gpu)
+        if same and "cuda_ipc" in both:
+            return "cuda_ipc"
+        if "nccl" in both:
+            return "nccl"
     if forced is not None and forced != "auto":
         if forced not in BACKENDS:
             raise ValueError(f"unknown kv backend {forced!r} (choose from auto, {', '.join(BACKENDS)})")
@@ -38,6 +57,29 @@ def choose_backend(src_host: str, src_boot: str, dst_host: str, dst_boot: str, d
             raise ValueError("kv backend shm needs both workers on one machine and a shared decode pool")
         return forced
     return "shm" if dst_shm_path and src_host == dst_host and src_boot == dst_boot else "tcp"
+
+
+def _forced_gpu(forced: str, same: bool, src_gpu, dst_gpu) -> str:
+    if forced == "cuda_ipc" and not same:
+        raise ValueError("kv backend cuda_ipc needs both workers on one machine")
+    for side, offers in (("prefill", src_gpu), ("decode", dst_gpu)):
+        if offers is not None and forced not in offers:
+            raise NotSupportedError(f"kv backend {forced} needs a CUDA KV pool and cupy on both workers; the {side} worker offers {list(offers) or 'none'}")
+    return forced
+
+
+def backend_for(p, d, forced: str | None = None) -> str:
+    """choose_backend for a prefill and a decode worker's Hellos (coordinator.protocol.Hello)."""
+    return choose_backend(p.host, p.boot_id, d.host, d.boot_id, d.shm_path, forced, list(p.kv_backends), list(d.kv_backends))
+
+
+def gpu_backends(pool: torch.Tensor) -> list[str]:
+    """The GPU backends a worker with this KV pool can take part in (for its Hello)."""
+    from kvtransfer import cuda_ipc, nccl
+
+    if not pool.is_cuda or not cuda_ipc.has_cupy():
+        return []
+    return ["cuda_ipc"] + (["nccl"] if nccl.available(pool.device) else [])
 
 
 def block_runs(src: list[int], dst: list[int]):
@@ -58,9 +100,13 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_id
 
 
 class KVSender:
-    def __init__(self, ctx: zmq.Context, identity: str):
+    def __init__(self, ctx: zmq.Context, identity: str, timeout: float = 10.0):
         self.ctx = ctx
         self.identity = identity
+        self.timeout = timeout  # GPU backends: the longest wait for an answer, a join or a copy
+        self.peers: dict[tuple[str, str], object] = {}  # (endpoint, backend) -> cuda_ipc.IpcPeer | nccl.NcclSender
+        self._nonce = itertools.count(1)
+        self._accept = decoder(KVAccept)
         self.sockets: dict[str, zmq.Socket] = {}
         self.pools: dict[str, KVPool] = {}
         self.bytes_sent = 0
@@ -95,9 +141,11 @@ class KVSender:
             copy_blocks(dst, src, src_ids, msg.block_ids)
             sock.send(encode(msg))
         elif msg.backend == "tcp":
-            idx = torch.tensor(src_ids, dtype=torch.int64)
-            frames = [src[layer].index_select(1, idx).contiguous() for layer in range(src.shape[0])]
+            idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
+            frames = [src[layer].index_select(1, idx).contiguous().cpu() for layer in range(src.shape[0])]  # GPU pools: via host
             sock.send_multipart([encode(msg), *[f.view(torch.uint8).numpy() for f in frames]], copy=False)
+        elif msg.backend in GPU_BACKENDS:
+            self._send_gpu(src, src_ids, msg, endpoint, sock)
         else:
             raise ValueError(f"unknown kv backend {msg.backend!r}")
         self.bytes_sent += nbytes
@@ -107,7 +155,59 @@ class KVSender:
     def fail(self, endpoint: str, request_id: str, reason: str) -> None:
         self._socket(endpoint).send(encode(KVFailed(request_id, reason)))
 
+    def _send_gpu(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str, sock: zmq.Socket) -> None:
+        try:
+            peer = self._peer(endpoint, msg.backend, src)
+            peer.send(src, src_ids, msg.block_ids, lambda: sock.send(encode(msg)))
+        except BaseException:
+            self._drop_peer(endpoint, msg.backend)  # the next hand-off asks again and builds a fresh one
+            raise
+
+    def _peer(self, endpoint: str, backend: str, src: torch.Tensor):
+        from kvtransfer import cuda_ipc, nccl
+
+        peer = self.peers.get((endpoint, backend))
+        if peer is not None:
+            return peer
+        try:
+            uid = nccl.unique_id() if backend == "nccl" else b""
+            accept = self._handshake(endpoint, KVConnect(self.identity, backend, next(self._nonce), uid))
+            if backend == "cuda_ipc":
+                peer = cuda_ipc.IpcPeer.open(accept, self.timeout)
+            else:
+                peer = nccl.NcclSender.connect(uid, src.device, accept.kv_shape, self.timeout)
+        except NotSupportedError as e:  # no cupy here: a failed hand-off, not a dead worker
+            raise KVTransferError(str(e)) from e
+        self.peers[(endpoint, backend)] = peer
+        return peer
+
+    def _handshake(self, endpoint: str, ask: KVConnect) -> KVAccept:
+        """KVConnect on the kv socket, then the KVAccept with its nonce (bounded wait)."""
+        sock = self._socket(endpoint)
+        sock.send(encode(ask))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                raise KVTransferTimeout(f"{ask.backend}: no answer from {endpoint} within {self.timeout:g} s")
+            try:
+                reply = self._accept.decode(sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if reply.nonce == ask.nonce:
+                break
+        if reply.error:
+            raise KVTransferError(f"{ask.backend} refused by {endpoint}: {reply.error}")
+        return reply
+
+    def _drop_peer(self, endpoint: str, backend: str) -> None:
+        peer = self.peers.pop((endpoint, backend), None)
+        if peer is not None:
+            peer.close()
+
     def close(self) -> None:
+        for endpoint, backend in list(self.peers):
+            self._drop_peer(endpoint, backend)
         for s in self.sockets.values():
             s.close(linger=0)
         self.sockets.clear()
@@ -115,8 +215,12 @@ class KVSender:
 
 
 class KVReceiver:
-    def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*"):
+    def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*", ipc: KVAccept | None = None,
+                 timeout: float = 10.0):
         self.pool = pool
+        self.ipc = ipc  # cuda_ipc: this pool's export (cuda_ipc.CudaKVPool.accept), the answer to every KVConnect
+        self.nccl = None  # nccl.NcclInbox, made at the first nccl KVConnect
+        self.timeout = timeout
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
@@ -137,10 +241,15 @@ class KVReceiver:
         frames = self.sock.recv_multipart(copy=False)
         try:
             msg = self.decode.decode(frames[1].buffer)
+            if isinstance(msg, KVConnect):
+                self._connect(frames[0].bytes, msg)
+                return None
             if isinstance(msg, KVReady):
                 self._check(msg, frames[2:])
+                if msg.backend == "nccl":  # receives posted now, for every header, keep sends and receives paired
+                    return msg, self.nccl.post(frames[0].bytes, len(msg.block_ids))
             return msg, frames[2:]
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError):
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, KVTransferError):
             self.bad_messages += 1
             return None
 
@@ -148,8 +257,12 @@ class KVReceiver:
         pool = self.pool
         if not msg.block_ids or any(not 0 <= b < pool.shape[2] for b in msg.block_ids):
             raise ValueError("block id out of range")
-        if msg.backend not in BACKENDS:
+        if msg.backend not in BACKENDS and msg.backend not in GPU_BACKENDS:
             raise ValueError("unknown backend")
+        if msg.backend in GPU_BACKENDS and frames:
+            raise ValueError(f"{msg.backend} hand-off with block frames")
+        if (msg.backend == "cuda_ipc" and self.ipc is None) or (msg.backend == "nccl" and self.nccl is None):
+            raise ValueError(f"{msg.backend} hand-off that was never set up")
         if msg.backend == "tcp":
             if len(frames) != pool.shape[0]:
                 raise ValueError(f"{len(frames)} layer frames, expected {pool.shape[0]}")
@@ -158,20 +271,44 @@ class KVReceiver:
                 raise ValueError("layer frame of the wrong size")
 
     def copy_in(self, msg: KVReady, frames) -> None:
-        """Copy tcp block frames (checked by recv) into msg.block_ids; shm bytes are already there."""
+        """Copy tcp block frames (checked by recv) into msg.block_ids, or for nccl (frames: the
+        receives recv posted) wait for them and scatter them, raising KVTransferError on failure;
+        shm and cuda_ipc bytes are already there."""
+        if msg.backend == "nccl":
+            self.bytes_received += self.nccl.finish(frames, msg.block_ids)
+            return
         if msg.backend != "tcp":
             return
         pool = self.pool
         shape = (2, len(msg.block_ids), *pool.shape[3:])
         want = len(frames[0].buffer)
-        idx = torch.tensor(msg.block_ids, dtype=torch.int64)
+        idx = torch.tensor(msg.block_ids, dtype=torch.int64, device=pool.device)
         for layer, f in enumerate(frames):
             data = torch.frombuffer(f.buffer, dtype=pool.dtype).view(shape)
-            pool[layer].index_copy_(1, idx, data)
+            pool[layer].index_copy_(1, idx, data.to(pool.device))  # a GPU pool takes tcp frames through host memory
         self.bytes_received += want * len(frames)
 
+    def _connect(self, peer: bytes, ask: KVConnect) -> None:
+        """Answer a prefill worker's KVConnect (on the I/O thread): the pool's export, or why not."""
+        from kvtransfer import nccl
+
+        reply = None
+        if ask.backend == "cuda_ipc" and self.ipc is not None:
+            reply = msgspec.structs.replace(self.ipc, nonce=ask.nonce)
+        elif ask.backend == "nccl" and ask.nccl_id and nccl.available(self.pool.device):
+            if self.nccl is None:
+                self.nccl = nccl.NcclInbox(self.pool, self.timeout)
+            self.nccl.connect(peer, ask.nccl_id)
+            reply = KVAccept("nccl", ask.nonce, list(self.pool.shape), dtype_name(self.pool.dtype))
+        if reply is None:
+            why = f"kv backend {ask.backend!r} is not available here (KV pool on {self.pool.device}, cupy and NCCL needed)"
+            reply = KVAccept(ask.backend, ask.nonce, list(self.pool.shape), dtype_name(self.pool.dtype), error=why)
+        self.sock.send_multipart([peer, encode(reply)])
+
     def close(self) -> None:
+        if self.nccl is not None:
+            self.nccl.close()
         self.sock.close(linger=0)
 
 
-__all__ = ["BACKENDS", "DTYPES", "KVPool", "KVReceiver", "KVSender", "choose_backend", "copy_blocks"]
+__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "backend_for", "choose_backend", "copy_blocks", "gpu_backends"]

@@ -27,7 +27,8 @@ from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Heartbeat, Hello, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError,
 )
 from kvtransfer.pool import host_identity
-from kvtransfer.transfer import KVSender
+from kvtransfer.cuda_ipc import device_id
+from kvtransfer.transfer import KVSender, gpu_backends
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, build_model, drain_steps
 from runtime.errors import PdserveError
@@ -60,6 +61,7 @@ class PrefillWorker:
         hello = Hello(
             PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
+            kv_device=device_id(self.engine.runner.kv_cache), kv_backends=gpu_backends(self.engine.runner.kv_cache),
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
         self.jobs: dict[str, Handoff] = {}

@@ -122,7 +122,7 @@ class ModelConfig:
 class EngineConfig:
     """How one process runs the model: dtype, KV pool size, batching limits."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on a CUDA device, float32 on the CPU
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int = 512 * 2**20
@@ -131,10 +131,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position
+    cuda_graphs: bool = True  # on a CUDA device the decode worker replays captured decode steps (runtime.cuda_graphs)
 
     def __post_init__(self):
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise InvalidRequestError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -1,0 +1,184 @@
+"""CUDA IPC: prefill workers on a decode worker's node write KV blocks straight into its GPU pool.
+
+Lifecycle: the decode worker `CudaKVPool.create`s its pool once, as one dedicated cudaMalloc made
+through cupy (so the IPC handle's base is the pool's first byte and no caching allocator owns
+it), and hands `CudaKVPool.accept()` (handle, offset, PCI bus id, shape, dtype) to its KVReceiver,
+which answers every prefill worker's KVConnect with it. A prefill worker `IpcPeer.open`s that
+answer once per destination (cudaIpcOpenMemHandle on the GPU with that bus id) and per hand-off
+`IpcPeer.send` copies the granted blocks device-to-device on a side stream, records a CUDA event,
+waits on it (bounded) and only then delivers KVReady, so the decode side never reads a block
+before its bytes are in place. `IpcPeer.close` unmaps; `CudaKVPool.close` frees the allocation
+when the decode worker exits. cupy is imported inside functions only: this module imports, and
+its CPU paths run, on machines with neither a GPU nor cupy.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from coordinator.protocol import KVAccept
+from kvtransfer.errors import KVTransferError, wait_done
+from kvtransfer.pool import DTYPES, dtype_name
+from runtime.errors import NotSupportedError
+
+
+def require_cupy():
+    """The cupy module, or NotSupportedError naming the missing piece."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a cupy built for another CUDA failing to load
+        raise NotSupportedError(f"the GPU kv backends need cupy (pip install -e '.[gpu]'): {e}") from e
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def has_cupy() -> bool:
+    try:
+        require_cupy()
+    except NotSupportedError:
+        return False
+    return True
+
+
+def pci_bus_id(device: torch.device) -> str:
+    """The PCI bus id of a CUDA device: the same GPU in every process, whatever its ordinal there."""
+    cupy = require_cupy()
+    return cupy.cuda.runtime.deviceGetPCIBusId(_index(device))
+
+
+def local_device(bus_id: str) -> torch.device:
+    cupy = require_cupy()
+    return torch.device("cuda", cupy.cuda.runtime.deviceGetByPCIBusId(bus_id))
+
+
+def device_id(tensor: torch.Tensor) -> str:
+    """What a Hello says about where a KV pool lives: "" on the CPU, else the GPU's PCI bus id."""
+    if not tensor.is_cuda:
+        return ""
+    return pci_bus_id(tensor.device) if has_cupy() else str(tensor.device)
+
+
+def gpu_pool(shape, dtype: torch.dtype, device):
+    """A decode worker's KV pool on `device`: exportable (CudaKVPool) with cupy, else plain (tcp only)."""
+    from kvtransfer.pool import KVPool
+
+    if has_cupy():
+        return CudaKVPool.create(shape, dtype, device)
+    return KVPool(torch.zeros(shape, dtype=dtype, device=device))
+
+
+def _index(device: torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _wrap(ptr: int, nbytes: int, owner, device: torch.device, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view (shape, dtype) of nbytes of device memory at ptr; `owner` stays alive with it."""
+    cupy = require_cupy()
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=_index(device))
+    flat = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    # cupy has no bfloat16: share bytes through DLPack, then reinterpret in torch.
+    return torch.from_dlpack(flat).view(dtype).view(shape)
+
+
+class CudaKVPool:
+    """The decode worker's KV pool on its GPU, exportable over CUDA IPC (same interface as KVPool)."""
+
+    def __init__(self, tensor: torch.Tensor, memory, device: torch.device):
+        self.tensor = tensor  # (layers, 2, num_blocks, block_size, KVH, D)
+        self.memory = memory  # the cupy allocation; freed when the last reference goes
+        self.device = device
+        self.path = ""  # not in /dev/shm: the shm backend never applies
+        self.owner = True
+
+    @classmethod
+    def create(cls, shape, dtype: torch.dtype, device) -> "CudaKVPool":
+        cupy = require_cupy()
+        device = torch.device("cuda", _index(device))
+        nbytes = _nbytes(shape, dtype)
+        with cupy.cuda.Device(device.index):
+            memory = cupy.cuda.Memory(nbytes)  # one cudaMalloc, not the memory pool: its handle's base is ours
+        tensor = _wrap(memory.ptr, nbytes, memory, device, shape, dtype)
+        tensor.zero_()  # an unwritten page must be harmless if read
+        return cls(tensor, memory, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def accept(self, nonce: int = 0) -> KVAccept:
+        """The KVConnect answer for cuda_ipc: what a prefill worker needs to map this pool."""
+        cupy = require_cupy()
+        handle = cupy.cuda.runtime.ipcGetMemHandle(self.memory.ptr)
+        return KVAccept("cuda_ipc", nonce, list(self.tensor.shape), dtype_name(self.tensor.dtype), pci_bus_id(self.device),
+                        bytes(handle), 0)
+
+    def close(self) -> None:
+        # The allocation lives while any view of it does; drop ours, the worker drops the engine.
+        self.owner = False
+
+
+class IpcPeer:
+    """A prefill worker's mapping of one decode worker's pool, and the copy into it."""
+
+    def __init__(self, dst: torch.Tensor, timeout: float, closer=None):
+        self.dst = dst  # (layers, 2, num_blocks, block_size, KVH, D), the decode worker's pool
+        self.timeout = timeout
+        self.closer = closer
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @classmethod
+    def open(cls, accept: KVAccept, timeout: float) -> "IpcPeer":
+        cupy = require_cupy()
+        if accept.kv_dtype not in DTYPES or not accept.ipc_handle:
+            raise KVTransferError(f"cuda_ipc: unusable pool export (dtype {accept.kv_dtype!r}, handle of {len(accept.ipc_handle)} bytes)")
+        device = local_device(accept.device)
+        dtype = DTYPES[accept.kv_dtype]
+        nbytes = _nbytes(accept.kv_shape, dtype)
+        with cupy.cuda.Device(device.index):
+            base = cupy.cuda.runtime.ipcOpenMemHandle(accept.ipc_handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+        dst = _wrap(base + accept.ipc_offset, nbytes, None, device, accept.kv_shape, dtype)
+
+        def close():
+            with cupy.cuda.Device(device.index):
+                cupy.cuda.runtime.ipcCloseMemHandle(base)
+
+        return cls(dst, timeout, close)
+
+    def check(self, src: torch.Tensor) -> None:
+        if src.shape[:2] != self.dst.shape[:2] or src.shape[3:] != self.dst.shape[3:] or src.dtype != self.dst.dtype:
+            raise KVTransferError(f"pool {tuple(src.shape)} {src.dtype} cannot fill destination {tuple(self.dst.shape)} {self.dst.dtype}")
+
+    def send(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], deliver) -> None:
+        """Copy src's blocks into dst_ids, wait until they are in place, then deliver() the header."""
+        from kvtransfer.transfer import copy_blocks
+
+        self.check(src)
+        if not src.is_cuda:  # the CPU tests' stand-in for a mapped pool
+            copy_blocks(self.dst, src, src_ids, dst_ids)
+            deliver()
+            return
+        stream = self.streams.get(src.device)
+        if stream is None:
+            stream = self.streams[src.device] = torch.cuda.Stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))  # the prefill forward that wrote src
+        with torch.cuda.stream(stream):
+            copy_blocks(self.dst, src, src_ids, dst_ids)
+            done = torch.cuda.Event()
+            done.record(stream)
+        wait_done(done, self.timeout, f"cuda_ipc copy of {len(src_ids)} blocks")
+        deliver()
+
+    def close(self) -> None:
+        self.dst = None
+        if self.closer is not None:
+            self.closer()
+            self.closer = None
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
