@@ -132,6 +132,18 @@ class StreamDelta:
     top_logprobs: list | None = None  # per token: [(token_id, logprob), ...] when logprobs were asked for
 
 
+def encode_request(req: GenerateRequest) -> bytes:
+    """The request's wire bytes. One over the coordinator's message limit would make it drop this
+    connection, and every other stream on it, so it is refused here as invalid instead."""
+    try:
+        data = encode(req)
+    except (OverflowError, UnicodeEncodeError) as e:  # an int past 64 bits, a lone surrogate: msgpack cannot carry them
+        raise InvalidRequest("invalid_request", f"the request cannot be encoded: {e}") from None
+    if len(data) > MAX_CONTROL_MESSAGE:
+        raise InvalidRequest("invalid_request", f"the request encodes to {len(data)} bytes; the limit is {MAX_CONTROL_MESSAGE}")
+    return data
+
+
 def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0,
                   ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> GenerateRequest:
     try:
@@ -188,7 +200,7 @@ class Client:
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
-        self.sock.send(encode(req))
+        self.sock.send(encode_request(req))
         done = False
         try:
             while True:
@@ -275,6 +287,7 @@ class AsyncClient:
     async def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
                ttft_ms=0.0, tpot_ms=0.0, **sampling):
         req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms)
+        data = encode_request(req)
         self._ensure_reader()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q
@@ -282,7 +295,7 @@ class AsyncClient:
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
         done = False
-        await self.sock.send(encode(req))
+        await self.sock.send(data)
         try:
             while True:
                 left = deadline - time.monotonic()

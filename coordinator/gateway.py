@@ -49,6 +49,7 @@ DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
 _STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
 _CODE_STATUS = {"unknown_request": 503}
+MAX_BODY_BYTES = 8 * 2**20  # a longer request body is refused (413) as it arrives; well under the coordinator's message limit
 
 
 @dataclass
@@ -78,6 +79,22 @@ def served_name(model: str | None) -> str:
     if path.is_dir():
         return path.name
     return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)
+
+
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 once it passes `limit` bytes (it is never held whole)."""
+    size = request.headers.get("content-length", "")
+    chunks, n = [], int(size) if size.isdigit() else 0
+    if n <= limit:
+        n = 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                break
+            chunks.append(chunk)
+    if n > limit:
+        raise ApiError(413, f"the request body is over the limit of {limit} bytes", "request_too_large")
+    return b"".join(chunks)
 
 
 def encode_json(obj, status: int = 200, headers: dict | None = None) -> Response:
@@ -154,7 +171,7 @@ class Gateway:
 
     async def completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await request.body(), CompletionRequest)
+        req = decode_body(await read_body(request), CompletionRequest)
         self.check_model(req.model)
         jobs = completion_jobs(req, len(self.tok))
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
@@ -162,7 +179,7 @@ class Gateway:
 
     async def chat_completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await request.body(), ChatCompletionRequest)
+        req = decode_body(await read_body(request), ChatCompletionRequest)
         self.check_model(req.model)
         jobs = chat_jobs(req, await self.context_len())
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)

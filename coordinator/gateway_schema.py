@@ -20,6 +20,7 @@ from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
+MAX_CHOICES = 1024  # prompts x n of one request: each choice is one coordinator request
 
 
 class ApiError(Exception):
@@ -216,6 +217,8 @@ def validate_sampling(kw: dict) -> None:
 
 def _fan_out(inputs: list[dict], sampling: dict, n: int) -> list[Job]:
     """n samples of each prompt; choice index = prompt index * n + sample (as vLLM orders them)."""
+    if len(inputs) * n > MAX_CHOICES:
+        raise bad_request(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} choices; the limit is {MAX_CHOICES}", "prompt")
     jobs = []
     for p, given in enumerate(inputs):
         for i in range(n):

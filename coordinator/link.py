@@ -30,6 +30,8 @@ class CoordinatorRestarted:
 
 
 class WorkerLink:
+    INBOX_SIZE = 65536  # messages the model loop has not taken yet; beyond this they are dropped and counted
+
     def __init__(self, ctx: zmq.Context, address: str, hello: Hello, heartbeat, interval: float = 0.5, curve: dict | None = None):
         self.ctx = ctx
         self.address = address
@@ -37,7 +39,8 @@ class WorkerLink:
         self.heartbeat = heartbeat  # () -> Heartbeat, called from the I/O thread
         self.interval = interval
         self.curve = curve or {}
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue(maxsize=self.INBOX_SIZE)  # bounded: see _put
+        self.dropped = 0  # messages dropped because the inbox was full (reported in heartbeats)
         self.registered = threading.Event()
         self.bad_messages = 0
         self._pipe = f"inproc://link-{uuid.uuid4().hex}"
@@ -118,7 +121,7 @@ class WorkerLink:
                     else:
                         msg = handlers[sock](sock)
                         if msg is not None:
-                            self.inbox.put(msg)
+                            self._put(msg)
         finally:
             dealer.close(linger=0)
             self._pull.close(linger=0)
@@ -135,13 +138,22 @@ class WorkerLink:
         elif isinstance(msg, Reject):
             if msg.reason == "unregistered":
                 if self.registered.is_set():
-                    self.inbox.put(CoordinatorRestarted())
+                    self._put(CoordinatorRestarted())
                 self.registered.clear()  # the coordinator restarted: say Hello again
             else:
                 log.error("coordinator rejected this worker: %s", msg.reason)
-                self.inbox.put(msg)
+                self._put(msg)
         else:
-            self.inbox.put(msg)
+            self._put(msg)
+
+    def _put(self, msg) -> None:
+        """Never block the I/O thread (it must keep heartbeating): a full inbox drops and counts."""
+        try:
+            self.inbox.put_nowait(msg)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("inbox full (%d messages): %d dropped so far", self.inbox.maxsize, self.dropped)
 
 
 def _send(sock: zmq.Socket, data: bytes) -> bool:

@@ -154,6 +154,7 @@ class Heartbeat(_Msg):
     bad_messages: int = 0
     preemptions: int = 0
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
+    inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
 
 
 class Admit(_Msg):

@@ -20,6 +20,7 @@ import collections
 import itertools
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ class CoordinatorConfig:
     tpot_ms: float = 250.0
     class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
     slo_headroom: float = 0.8  # admit against this fraction of each target: predictions err low under load
+    max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
+    max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
+    send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
+    max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -123,6 +128,8 @@ class Coordinator:
         self._ids = itertools.count()
         self.client_sock = self._router(cfg.client_addr)
         self.worker_sock = self._router(cfg.worker_addr)
+        self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
+        self.client_load = collections.Counter()  # client identity -> its requests in flight
         self.client_dec = decoder(ClientToCoordinator)
         self.worker_dec = decoder(WorkerToCoordinator)
         self.stopping = asyncio.Event()
@@ -132,7 +139,7 @@ class Coordinator:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
         sock.bind(addr)
         return sock
 
@@ -198,10 +205,18 @@ class Coordinator:
     # ------------------------------------------------------------------ clients
 
     def send_client(self, ident: bytes, msg) -> None:
-        try:
-            self.client_sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
+        # zmq.asyncio reports a failed NOBLOCK send in the (already done) future instead of raising
+        fut = self.client_sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
             self.counts["client_send_failures"] += 1
+            self.drop_client(ident)
+
+    def drop_client(self, ident: bytes) -> None:
+        """End every request of a client that can no longer be reached; their blocks are freed."""
+        for (who, _), iid in list(self.by_client.items()):
+            if who == ident and self.close(iid) is not None:
+                self.counts["finished:abort"] += 1
+                self.counts["client_gone_aborts"] += 1
 
     def on_client(self, ident: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):
@@ -232,6 +247,13 @@ class Coordinator:
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)
+        if len(self.requests) >= self.cfg.max_active_requests or self.client_load[ident] >= self.cfg.max_client_requests:
+            mine = len(self.requests) < self.cfg.max_active_requests
+            n, limit = (self.client_load[ident], self.cfg.max_client_requests) if mine else (len(self.requests), self.cfg.max_active_requests)
+            self.counts["error:overloaded"] += 1
+            self.send_client(ident, ErrorReply(req.request_id, "overloaded",
+                                               f"{'this client' if mine else 'the coordinator'} has {n} requests in flight (limit {limit}); retry later"))
+            return
         if key in self.by_client:
             self.send_client(ident, ErrorReply(req.request_id, "invalid_request", f"request id {req.request_id!r} is already running"))
             return
@@ -251,8 +273,14 @@ class Coordinator:
         st = RequestState(iid, ident, req.request_id, prompt, req, time.monotonic(), IncrementalDetokenizer(self.tok, prompt, req.params.stop))
         self.requests[iid] = st
         self.by_client[key] = iid
+        self.client_load[ident] += 1
         self.counts["requests"] += 1
-        self.place(st)
+        try:
+            self.place(st)
+        except Exception:  # a bug in placement must not leave the request (and its client) waiting forever
+            log.exception("placing %s failed", iid)
+            self.counts["internal_errors"] += 1
+            self.error(iid, "internal_error", "the coordinator failed to place this request")
 
     # ------------------------------------------------------------------ placement
 
@@ -352,6 +380,8 @@ class Coordinator:
         # earliest deadline first, higher priority classes before lower
         waiting.sort(key=lambda r: (-r.priority, r.arrival + self.cfg.targets(r.priority, r.req.ttft_ms, r.req.tpot_ms).ttft_s))
         for st in waiting:
+            if st.iid not in self.requests:
+                continue  # ended meanwhile: its client went away (drop_client)
             if now - st.arrival > self.cfg.pending_timeout_s:
                 self.error(st.iid, "overloaded", "no decode worker had room for this request in time")
                 continue
@@ -376,6 +406,9 @@ class Coordinator:
             self.worker_sock.send_multipart([ident, encode(Reject("unregistered"))])
             return
         w.last_seen = time.monotonic()
+        if not numbers_ok(msg):
+            self.counts["invalid_worker_messages"] += 1
+            return
         if isinstance(msg, Heartbeat):
             w.beat = msg
             w.model.add(msg.steps)
@@ -408,9 +441,12 @@ class Coordinator:
         return None
 
     def on_hello(self, ident: bytes, h: Hello) -> None:
-        if h.version != PROTOCOL_VERSION:
+        problem = f"protocol version {h.version} != {PROTOCOL_VERSION}" if h.version != PROTOCOL_VERSION else hello_problem(h)
+        if problem is None and h.worker_id not in self.workers and len(self.workers) >= self.cfg.max_workers:
+            problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
+        if problem is not None:
             self.counts["rejected_workers"] += 1
-            self.worker_sock.send_multipart([ident, encode(Reject(f"protocol version {h.version} != {PROTOCOL_VERSION}"))])
+            self.worker_sock.send_multipart([ident, encode(Reject(problem))])
             return
         old = self.workers.get(h.worker_id)
         if old is not None and old.identity != ident:
@@ -534,6 +570,9 @@ class Coordinator:
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
+        self.client_load[st.client] -= 1
+        if self.client_load[st.client] <= 0:
+            del self.client_load[st.client]
         if tell and st.phase in ("admitting", "prefilling", "decoding", "colocated"):
             self.tell_workers(st, Abort(iid))
         names = st.prefill, st.decode
@@ -575,6 +614,7 @@ class Coordinator:
                 "block_size": w.hello.block_size, "max_model_len": w.hello.max_model_len, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
+                "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0,
             })
         return {
             "workers": workers,
@@ -584,6 +624,34 @@ class Coordinator:
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
         }
+
+
+def hello_problem(h: Hello) -> str | None:
+    """Why a Hello cannot describe a worker (None if it can): checked before any state changes,
+    since a registered worker's fields drive placement (a role outside Role or a block size of 0
+    would fail every later placement)."""
+    if h.role not in {int(r) for r in Role}:
+        return f"invalid hello: role {h.role} is not one of {sorted(int(r) for r in Role)}"
+    if not 0 < len(h.worker_id) <= 256:
+        return "invalid hello: worker_id must have 1 to 256 characters"
+    if h.block_size < 1 or h.max_model_len < 1 or h.num_blocks < 0:
+        return "invalid hello: block_size and max_model_len must be >= 1 and num_blocks >= 0"
+    if any(not all(math.isfinite(v) and v >= 0 for v in step) for step in h.profile):
+        return "invalid hello: profile steps must be finite and >= 0"
+    return None
+
+
+def numbers_ok(msg) -> bool:
+    """A worker's counters and timings must be finite and >= 0: they feed sums, the latency model
+    and the stats JSON, where one NaN would break every later answer."""
+    if isinstance(msg, Heartbeat):
+        values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
+                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, *(v for s in msg.steps for v in s)]
+    elif isinstance(msg, PrefillDone):
+        values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
+    else:
+        return True
+    return all(math.isfinite(v) and v >= 0 for v in values)
 
 
 def serve(cfg: CoordinatorConfig) -> None:

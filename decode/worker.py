@@ -101,7 +101,7 @@ class DecodeWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
-            steps=drain_steps(self.engine),
+            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped,
         )
 
     def run(self) -> None:

@@ -24,7 +24,7 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.protocol import KVFailed, KVReady, PrefillToDecode, decoder, encode
+from coordinator.protocol import MAX_CONTROL_MESSAGE, KVFailed, KVReady, PrefillToDecode, decoder, encode
 from coordinator.protocol import KVAccept, KVConnect
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
 from kvtransfer.pool import DTYPES, KVPool, dtype_name
@@ -117,8 +117,13 @@ class KVSender:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)  # it only sends: nothing large may come back
             sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)  # an unusable endpoint (from a broken Hello) leaves no socket behind
+                raise
             self.sockets[endpoint] = sock
         return sock
 
@@ -152,8 +157,14 @@ class KVSender:
         self.seconds += time.perf_counter() - t0
         return nbytes
 
-    def fail(self, endpoint: str, request_id: str, reason: str) -> None:
-        self._socket(endpoint).send(encode(KVFailed(request_id, reason)))
+    def fail(self, endpoint: str, request_id: str, reason: str) -> bool:
+        """Tell the decode side its hand-off will not come. Runs on error paths, so it never raises:
+        False if the endpoint is unusable (the decode side's grant then expires on its own)."""
+        try:
+            self._socket(endpoint).send(encode(KVFailed(request_id, reason)))
+            return True
+        except zmq.ZMQError:
+            return False
 
     def _send_gpu(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str, sock: zmq.Socket) -> None:
         try:
@@ -223,7 +234,7 @@ class KVReceiver:
         self.timeout = timeout
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
         layer_bytes = pool[0].numel() * pool.element_size()
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, 2**20))  # no frame can exceed one layer of the pool
         self.sock.bind(bind)

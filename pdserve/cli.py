@@ -161,14 +161,17 @@ def _class_targets(specs) -> dict:
 @click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]), show_default=True)
 @click.option("--worker-timeout", default=2.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
 @click.option("--pending-timeout", default=60.0, show_default=True, help="seconds a request may wait for KV room before it is shed")
+@click.option("--max-active-requests", default=4096, show_default=True, help="requests in flight before new ones are refused (overloaded)")
+@click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
 @_slo_options
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, slo, ttft_p99_ms, tpot_p99_ms, class_target, verbose):
+def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
     _logging(verbose)
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
+                            max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             kv_backend=kv_backend, slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target)))
 

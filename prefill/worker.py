@@ -72,6 +72,7 @@ class PrefillWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(self.scheduler.running), len(self.scheduler.waiting),
             sum(j.seq.num_uncomputed for j in list(self.jobs.values())), kv_bytes_sent=self.sender.bytes_sent,
             kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages, steps=drain_steps(self.engine),
+            inbox_dropped=self.link.dropped,
         )
 
     def run(self) -> None:

@@ -17,6 +17,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+_INT_MAX = 2**63 - 1  # every integer travels as msgpack int64; JSON may carry bigger ones
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
@@ -50,14 +51,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
 
 def _first_problem(p: SamplingParams) -> str | None:
     # Comparisons are written so that NaN fails them.
-    if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
-        return f"max_tokens must be an integer >= 1, got {p.max_tokens!r}"
+    if not (isinstance(p.max_tokens, int) and 1 <= p.max_tokens <= _INT_MAX):
+        return f"max_tokens must be an integer in [1, 2**63 - 1], got {p.max_tokens!r}"
     if not (math.isfinite(p.temperature) and p.temperature >= 0):
         return f"temperature must be a finite number >= 0, got {p.temperature!r}"
     if not (0 < p.top_p <= 1):
         return f"top_p must be in (0, 1], got {p.top_p!r}"
-    if not (isinstance(p.top_k, int) and p.top_k >= -1):
-        return f"top_k must be -1 or 0 (off) or an integer >= 1, got {p.top_k!r}"
+    if not (isinstance(p.top_k, int) and -1 <= p.top_k <= _INT_MAX):
+        return f"top_k must be -1 or 0 (off) or an integer in [1, 2**63 - 1], got {p.top_k!r}"
     if not (0 <= p.min_p <= 1):
         return f"min_p must be in [0, 1], got {p.min_p!r}"
     if not (-2 <= p.presence_penalty <= 2):
@@ -70,8 +71,8 @@ def _first_problem(p: SamplingParams) -> str | None:
         return f"seed must be a 64-bit integer in [-2**63, 2**64 - 1], got {p.seed!r}"
     if any(not s for s in p.stop):
         return "stop must not contain empty strings"
-    if any(not (isinstance(t, int) and t >= 0) for t in p.stop_token_ids):
-        return f"stop_token_ids must be integers >= 0, got {p.stop_token_ids!r}"
+    if any(not (isinstance(t, int) and 0 <= t <= _INT_MAX) for t in p.stop_token_ids):
+        return f"stop_token_ids must be integers in [0, 2**63 - 1], got {p.stop_token_ids!r}"
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
     if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
