@@ -35,6 +35,21 @@ class RequestTimeout(ClientError):
     code = "timeout"
 
 
+class CoordinatorUnreachable(ClientError):
+    """No connection to the coordinator could take the message (down, or the keys are wrong)."""
+
+    code = "unreachable"
+
+
+def _send_now(sock, data: bytes):
+    """Send without blocking: a DEALER with no live connection would otherwise wait forever.
+    On an asyncio socket this returns an already-completed future."""
+    try:
+        return sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        raise CoordinatorUnreachable("no connection to the coordinator (is it running? are the CurveZMQ keys right?)") from None
+
+
 class RequestError(ClientError):
     """The coordinator or a worker refused or ended the request; `code` says why."""
 
@@ -155,7 +170,11 @@ def build_request(prompt, messages, token_ids, sampling: dict, request_id: str |
                            priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
 
 
-def _socket(ctx, address: str, curve: dict | None):
+def _socket(ctx, address: str, curve: dict | None, keys: str | None = None):
+    if keys is not None:
+        from coordinator.security import client_options
+
+        curve = {**client_options(keys), **(curve or {})}
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
@@ -166,10 +185,10 @@ def _socket(ctx, address: str, curve: dict | None):
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None, keys: str | None = None):
         self.timeout = timeout
         self.ctx = zmq.Context()
-        self.sock = _socket(self.ctx, address, curve)
+        self.sock = _socket(self.ctx, address, curve, keys)
         self.dec = decoder(CoordinatorToClient)
 
     def __enter__(self):
@@ -192,7 +211,7 @@ class Client:
             if self.sock.poll(int(wait * 1000)):
                 return self.dec.decode(self.sock.recv())
             if request_id:
-                self.sock.send(encode(StatusRequest(request_id)))
+                _send_now(self.sock, encode(StatusRequest(request_id)))
 
     def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
                ttft_ms=0.0, tpot_ms=0.0, **sampling):
@@ -200,7 +219,7 @@ class Client:
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
-        self.sock.send(encode_request(req))
+        _send_now(self.sock, encode_request(req))
         done = False
         try:
             while True:
@@ -220,7 +239,10 @@ class Client:
                     raise request_error(msg)
         finally:
             if not done:
-                self.abort(req.request_id)
+                try:
+                    self.abort(req.request_id)
+                except CoordinatorUnreachable:
+                    pass  # nothing to abort on a coordinator we cannot reach
 
     def generate(self, prompt=None, **kw) -> Result:
         last = None
@@ -229,10 +251,10 @@ class Client:
         return last.result
 
     def abort(self, request_id: str) -> None:
-        self.sock.send(encode(AbortRequest(request_id)))
+        _send_now(self.sock, encode(AbortRequest(request_id)))
 
     def stats(self, timeout: float = 10.0) -> dict:
-        self.sock.send(encode(StatsRequest()))
+        _send_now(self.sock, encode(StatsRequest()))
         deadline = time.monotonic() + timeout
         while True:
             msg = self._recv(deadline)
@@ -241,10 +263,10 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None, keys: str | None = None):
         self.timeout = timeout
         self.ctx = zmq.asyncio.Context()
-        self.sock = _socket(self.ctx, address, curve)
+        self.sock = _socket(self.ctx, address, curve, keys)
         self.dec = decoder(CoordinatorToClient)
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats_waiters: list[asyncio.Future] = []
@@ -295,7 +317,7 @@ class AsyncClient:
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
         done = False
-        await self.sock.send(data)
+        await _send_now(self.sock, data)
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -304,7 +326,7 @@ class AsyncClient:
                 try:
                     msg = await asyncio.wait_for(q.get(), min(left, PROBE_S))
                 except asyncio.TimeoutError:
-                    await self.sock.send(encode(StatusRequest(req.request_id)))
+                    await _send_now(self.sock, encode(StatusRequest(req.request_id)))
                     continue
                 if isinstance(msg, Delta):
                     result.add(msg, t0)
@@ -320,7 +342,10 @@ class AsyncClient:
         finally:
             self.queues.pop(req.request_id, None)
             if not done:
-                self.sock.send(encode(AbortRequest(req.request_id)))
+                try:
+                    _send_now(self.sock, encode(AbortRequest(req.request_id)))
+                except CoordinatorUnreachable:
+                    pass
 
     async def generate(self, prompt=None, **kw) -> Result:
         last = None
@@ -329,11 +354,11 @@ class AsyncClient:
         return last.result
 
     async def abort(self, request_id: str) -> None:
-        await self.sock.send(encode(AbortRequest(request_id)))
+        await _send_now(self.sock, encode(AbortRequest(request_id)))
 
     async def stats(self, timeout: float = 10.0) -> dict:
         self._ensure_reader()
         fut = asyncio.get_running_loop().create_future()
         self.stats_waiters.append(fut)
-        await self.sock.send(encode(StatsRequest()))
+        await _send_now(self.sock, encode(StatsRequest()))
         return await asyncio.wait_for(fut, timeout)

@@ -63,6 +63,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     retry_after_s: int = 1  # told to clients of a shed request (429)
     stats_timeout_s: float = 2.0
+    keys: str | None = None  # CurveZMQ keys directory for the coordinator connection
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -132,7 +133,7 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s)
+        self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s, keys=self.cfg.keys)
         try:
             yield
         finally:

@@ -33,6 +33,7 @@ from coordinator.protocol import (
     ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
     StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
+from coordinator import security
 from coordinator.slo import RELAY_OVERHEAD_S, SloRecorder, SloTargets, StepModel
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
@@ -50,14 +51,16 @@ class CoordinatorConfig:
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     kv_backend: str = "auto"
     slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
-    ttft_ms: float = 3000.0  # p99 targets of priority class 0 (sized for the default model on 2 CPU cores)
-    tpot_ms: float = 250.0
+    ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
+    tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
     class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
     slo_headroom: float = 0.8  # admit against this fraction of each target: predictions err low under load
     max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
     max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
     send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
     max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
+    keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
+    insecure: bool = False  # allow a non-loopback bind without keys
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -117,7 +120,10 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        for addr in (cfg.client_addr, cfg.worker_addr):
+            security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.asyncio.Context()
+        self.auth = security.start_authenticator(self.ctx, cfg.keys)
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -140,6 +146,7 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
+        security.apply(sock, security.server_options(self.cfg.keys))
         sock.bind(addr)
         return sock
 
@@ -155,6 +162,8 @@ class Coordinator:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.client_sock.close(linger=0)
             self.worker_sock.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
 
     async def _client_loop(self) -> None:
@@ -331,7 +340,7 @@ class Coordinator:
         t = SloTargets(target.ttft_s * self.cfg.slo_headroom, target.tpot_s * self.cfg.slo_headroom)
         waited = time.monotonic() - st.arrival
         prefill_s = {p.hello.worker_id: self.predict_prefill(p, st.num_tokens) for p in prefills}
-        p = min(prefills, key=lambda w: prefill_s[w.hello.worker_id])
+        p = min(prefills, key=lambda w: (prefill_s[w.hello.worker_id], w.queued_tokens, len(w.requests)))
         ttft = waited + prefill_s[p.hello.worker_id] + RELAY_OVERHEAD_S
         tpot = {d.hello.worker_id: self.predict_tpot(d, st.num_tokens) for d in fits}
         # an idle decode worker always takes a request: its model may be stale from a busy spell
@@ -478,9 +487,9 @@ class Coordinator:
         ))
 
     def choose_backend(self, p: Hello, d: Hello) -> str:
-        from kvtransfer.transfer import choose_backend
+        from kvtransfer.transfer import backend_for
 
-        return choose_backend(p.host, p.boot_id, d.host, d.boot_id, d.shm_path, None if self.cfg.kv_backend == "auto" else self.cfg.kv_backend)
+        return backend_for(p, d, None if self.cfg.kv_backend == "auto" else self.cfg.kv_backend)
 
     def unreserve(self, st: RequestState | None) -> None:
         if st is not None and st.reserved and st.decode in self.workers:

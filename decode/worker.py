@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from coordinator import security
 from coordinator.link import CoordinatorRestarted, WorkerLink
 from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, KVFailed, KVReady, Reject, Release,
@@ -78,8 +79,10 @@ class DecodeWorker:
             num_blocks * engine_cfg.block_size, self.pool.nbytes / 2**20, f" in {self.pool.path}" if self.pool.path else "",
         )
         profile = self.engine.profile()
+        security.check_bind(worker_cfg.kv_bind, worker_cfg.keys, worker_cfg.insecure)
         self.ctx = zmq.Context()
-        self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind,
+        self.auth = security.start_authenticator(self.ctx, worker_cfg.keys)
+        self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind, security.server_options(worker_cfg.keys),
                                    ipc=self.pool.accept() if isinstance(self.pool, CudaKVPool) else None)
         host, boot = host_identity()
         hello = Hello(
@@ -88,7 +91,8 @@ class DecodeWorker:
             list(shape), dtype_name(engine_cfg.torch_dtype), profile,
             kv_device=device_id(self.pool.tensor), kv_backends=gpu_backends(self.pool.tensor),
         )
-        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
+        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
+                               security.client_options(worker_cfg.keys))
         self.link.watch(self.receiver.sock, lambda sock: self.receiver.recv())
         self.grants: dict[str, Grant] = {}
         self.running = True
@@ -120,6 +124,8 @@ class DecodeWorker:
     def close(self) -> None:
         self.link.stop()
         self.receiver.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy(linger=0)
         self.pool.close()
 

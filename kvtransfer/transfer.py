@@ -100,13 +100,14 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_id
 
 
 class KVSender:
-    def __init__(self, ctx: zmq.Context, identity: str, timeout: float = 10.0):
+    def __init__(self, ctx: zmq.Context, identity: str, curve: dict | None = None, timeout: float = 10.0):
         self.ctx = ctx
         self.identity = identity
         self.timeout = timeout  # GPU backends: the longest wait for an answer, a join or a copy
         self.peers: dict[tuple[str, str], object] = {}  # (endpoint, backend) -> cuda_ipc.IpcPeer | nccl.NcclSender
         self._nonce = itertools.count(1)
         self._accept = decoder(KVAccept)
+        self.curve = curve or {}  # CurveZMQ client options (coordinator.security.client_options)
         self.sockets: dict[str, zmq.Socket] = {}
         self.pools: dict[str, KVPool] = {}
         self.bytes_sent = 0
@@ -119,6 +120,8 @@ class KVSender:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)  # it only sends: nothing large may come back
             sock.setsockopt(zmq.SNDHWM, 0)
+            for opt, value in self.curve.items():
+                sock.setsockopt(opt, value)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:
@@ -226,8 +229,8 @@ class KVSender:
 
 
 class KVReceiver:
-    def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*", ipc: KVAccept | None = None,
-                 timeout: float = 10.0):
+    def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*", curve: dict | None = None,
+                 ipc: KVAccept | None = None, timeout: float = 10.0):
         self.pool = pool
         self.ipc = ipc  # cuda_ipc: this pool's export (cuda_ipc.CudaKVPool.accept), the answer to every KVConnect
         self.nccl = None  # nccl.NcclInbox, made at the first nccl KVConnect
@@ -237,6 +240,8 @@ class KVReceiver:
         self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
         layer_bytes = pool[0].numel() * pool.element_size()
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, 2**20))  # no frame can exceed one layer of the pool
+        for opt, value in (curve or {}).items():  # CurveZMQ server options (coordinator.security.server_options)
+            self.sock.setsockopt(opt, value)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.decode = decoder(PrefillToDecode)

@@ -20,7 +20,9 @@ def _logging(verbose: bool) -> None:
 def _engine_options(f):
     opts = [
         click.option("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)"),
-        click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="auto: bfloat16 on CUDA, float32 on the CPU"),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--kv-cache-mb", default=512, show_default=True, type=int, help="KV pool memory budget"),
         click.option("--num-blocks", default=None, type=int, help="KV pool size in blocks (overrides --kv-cache-mb)"),
@@ -33,15 +35,16 @@ def _engine_options(f):
     ]
     for o in reversed(opts):
         f = o(f)
-    return f
+    return _security_options(f)
 
 
-def _configs(model, dtype, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr, **extra):
+def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr,
+             **extra):
     from runtime.config import EngineConfig, WorkerConfig
     from runtime.errors import PdserveError
 
     try:
-        ecfg = EngineConfig(dtype=dtype, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads, **extra)
     except PdserveError as e:
@@ -78,22 +81,26 @@ def _sampling_options(f):
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--chat/--raw", default=True, show_default=True, help="apply the model's chat template")
 @click.option("--timeout", default=120.0, show_default=True)
+@click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
 @_sampling_options
-def generate(prompt, address, local, model, dtype, chat, timeout, **sampling):
+def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampling):
     """Stream a completion for PROMPT to the terminal (from the running service, or --local)."""
     from runtime.errors import PdserveError
 
     try:
-        (_generate_local if local else _generate_remote)(prompt, address, model, dtype, chat, timeout, sampling)
+        if local:
+            _generate_local(prompt, model, dtype, chat, sampling)
+        else:
+            _generate_remote(prompt, address, chat, timeout, keys, sampling)
     except PdserveError as e:
         raise click.ClickException(f"{e.code}: {e}") from e
 
 
-def _generate_remote(prompt, address, model, dtype, chat, timeout, sampling):
+def _generate_remote(prompt, address, chat, timeout, keys, sampling):
     from coordinator.client import Client, ClientError
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-    with Client(address, timeout=timeout) as client:
+    with Client(address, timeout=timeout, keys=keys) as client:
         try:
             for delta in client.stream(**kw, **sampling):
                 click.echo(delta.text, nl=False)
@@ -107,7 +114,7 @@ def _generate_remote(prompt, address, model, dtype, chat, timeout, sampling):
             raise click.ClickException(f"{e} (is the service running? start it with scripts/serve)") from e
 
 
-def _generate_local(prompt, address, model, dtype, chat, timeout, sampling):
+def _generate_local(prompt, model, dtype, chat, sampling):
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
     from runtime.sampling import SamplingParams
@@ -131,11 +138,16 @@ def _generate_local(prompt, address, model, dtype, chat, timeout, sampling):
     click.echo("")
     click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
 
+def _security_options(f):
+    f = click.option("--insecure", is_flag=True, help="allow binding beyond loopback without CurveZMQ keys")(f)
+    return click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")(f)
+
+
 def _slo_options(f):
     opts = [
         click.option("--slo/--no-slo", default=True, show_default=True, help="predict latency, place by it, shed what cannot meet the targets"),
-        click.option("--ttft-p99-ms", default=3000.0, show_default=True, help="p99 time-to-first-token target (priority class 0)"),
-        click.option("--tpot-p99-ms", default=250.0, show_default=True, help="p99 time-per-output-token target (priority class 0)"),
+        click.option("--ttft-p99-ms", default=5000.0, show_default=True, help="p99 time-to-first-token target (priority class 0)"),
+        click.option("--tpot-p99-ms", default=500.0, show_default=True, help="p99 time-per-output-token target (priority class 0)"),
         click.option("--class-target", multiple=True, help="PRIORITY:TTFT_MS:TPOT_MS targets of another priority class"),
     ]
     for o in reversed(opts):
@@ -158,14 +170,16 @@ def _class_targets(specs) -> dict:
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--model", default=None, help="the model whose tokenizer to load")
-@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]), show_default=True)
+@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True)
 @click.option("--worker-timeout", default=2.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
 @click.option("--pending-timeout", default=60.0, show_default=True, help="seconds a request may wait for KV room before it is shed")
 @click.option("--max-active-requests", default=4096, show_default=True, help="requests in flight before new ones are refused (overloaded)")
 @click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
 @_slo_options
+@_security_options
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target, verbose):
+def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+                keys, insecure, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -173,7 +187,7 @@ def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pen
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             kv_backend=kv_backend, slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
-                            class_targets=_class_targets(class_target)))
+                            class_targets=_class_targets(class_target), keys=keys, insecure=insecure))
 
 
 @main.command()
@@ -184,15 +198,16 @@ def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pen
 @click.option("--served-model-name", default=None, help="the name clients ask for (default: the model's file or directory name)")
 @click.option("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
 @click.option("--request-timeout", default=600.0, show_default=True, help="seconds one request may take")
+@click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, verbose):
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, verbose):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from coordinator.gateway import GatewayConfig, serve
     from runtime.errors import PdserveError
 
     _logging(verbose)
     try:
-        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout)
+        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys)
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     serve(cfg)
@@ -227,11 +242,12 @@ def decode(verbose, kv_bind, colocated, **kw):
 @main.command()
 @click.option("--coordinator", "address", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--timeout", default=10.0, show_default=True)
-def stats(address, timeout):
+@click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
+def stats(address, timeout, keys):
     """Print the coordinator's stats as JSON."""
     from coordinator.client import Client, ClientError
 
-    with Client(address, timeout=timeout) as c:
+    with Client(address, timeout=timeout, keys=keys) as c:
         try:
             click.echo(json.dumps(c.stats(timeout), indent=2))
         except ClientError as e:
@@ -245,7 +261,7 @@ def stats(address, timeout):
 @click.option("--config", "config_path", default=None, type=click.Path(exists=True), help="cluster TOML")
 @click.option("--node", default=None, help="this node's name in the cluster TOML")
 @click.option("--model", default=None)
-@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp"]))
+@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]))
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
@@ -256,8 +272,9 @@ def stats(address, timeout):
 @click.option("--http-port", default=8000, show_default=True, type=int)
 @click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
 @_slo_options
+@_security_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target):
+           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -275,6 +292,8 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.engine_args += [a for arg in engine_arg for a in arg.split("=", 1)]
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
+    plan.keys = keys or plan.keys
+    plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
 
     def ready(stats):
@@ -294,3 +313,13 @@ def bench(args):
     from pdserve.bench import main as bench_main
 
     sys.exit(bench_main(list(args)))
+
+
+@main.command()
+@click.argument("directory", type=click.Path())
+def keygen(directory):
+    """Write CurveZMQ keys for a cluster into DIRECTORY (copy it to every node; pass --keys DIRECTORY)."""
+    from coordinator.security import keygen as make_keys
+
+    d = make_keys(directory)
+    click.echo(f"wrote server and client keypairs to {d} (authorized client keys in {d / 'authorized'})")

@@ -44,6 +44,12 @@ class NodePlan:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     api_key: str | None = None
+    keys: str | None = None  # CurveZMQ keys directory, passed to every role
+    insecure: bool = False  # allow binds beyond loopback without keys
+
+    @property
+    def security_args(self) -> list[str]:
+        return (["--keys", self.keys] if self.keys else []) + (["--insecure"] if self.insecure else [])
 
     @property
     def num_workers(self) -> int:
@@ -77,6 +83,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}",
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
         engine_args=engine_args, threads=n.get("threads"), name=node,
+        keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)),
     )
 
 
@@ -109,19 +116,19 @@ class Launcher:
         if p.model:
             args += ["--model", p.model]
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
-        return args + ["--threads", str(threads)]
+        return args + ["--threads", str(threads)] + p.security_args
 
     def _gateway_args(self) -> list[str]:
         p = self.plan
         args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
         args += ["--model", p.model] if p.model else []
-        return args + (["--api-key", p.api_key] if p.api_key else [])
+        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else [])
 
     def start(self) -> None:
         p = self.plan
         if p.coordinator:
             args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr, "--kv-backend", p.kv_backend]
-            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args)
+            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args)
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
@@ -140,7 +147,7 @@ class Launcher:
         deadline = time.monotonic() + timeout
         mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),
                                                               ("colocated", self.plan.colocated)) for i in range(n)}
-        with Client(self.plan.client_addr, timeout=2.0) as client:
+        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
             while time.monotonic() < deadline:
                 self.check_children()
                 try:

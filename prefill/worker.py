@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from coordinator import security
 from coordinator.link import CoordinatorRestarted, WorkerLink
 from coordinator.protocol import (
     PROTOCOL_VERSION, Abort, Heartbeat, Hello, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError,
@@ -56,14 +57,15 @@ class PrefillWorker:
         self.scheduler = self.engine.scheduler
         profile = self.engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         self.ctx = zmq.Context()
-        self.sender = KVSender(self.ctx, self.worker_id)
+        self.sender = KVSender(self.ctx, self.worker_id, security.client_options(worker_cfg.keys))
         host, boot = host_identity()
         hello = Hello(
             PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
             kv_device=device_id(self.engine.runner.kv_cache), kv_backends=gpu_backends(self.engine.runner.kv_cache),
         )
-        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s)
+        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
+                               security.client_options(worker_cfg.keys))
         self.jobs: dict[str, Handoff] = {}
         self.running = True
 

@@ -172,6 +172,8 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     grant_timeout_s: float = 30.0  # decode: a grant whose KV never arrives is freed after this
     threads: int | None = None  # torch threads; None = torch's default
+    keys: str | None = None  # CurveZMQ keys directory (pdserve keygen)
+    insecure: bool = False  # allow a non-loopback kv bind without keys
 
     def __post_init__(self):
         if self.kv_backend not in ("auto", "shm", "tcp", "cuda_ipc", "nccl"):

@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory):
     launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), engine_args=["--num-blocks", str(NUM_BLOCKS)],
-                                     coordinator_args=["--pending-timeout", str(PENDING_TIMEOUT)])
+                                     coordinator_args=["--no-slo", "--pending-timeout", str(PENDING_TIMEOUT)])  # requests wait for KV room
     yield launcher
     launcher.stop()
 
