@@ -360,8 +360,8 @@ class Coordinator:
         return f"decode full: {why}"
 
     def predict_prefill(self, p: WorkerState, tokens: int) -> float:
-        queued = p.queued_tokens + tokens
-        return p.model.predict(len(p.requests) + 1, queued, queued)
+        """This prompt's own step plus the backlog ahead of it at the worker's measured token rate."""
+        return p.model.predict(1, tokens, tokens) + p.queued_tokens / p.model.tokens_per_second()
 
     def decode_load(self, d: WorkerState) -> tuple[int, int]:
         reqs = [self.requests[i] for i in d.requests if i in self.requests]

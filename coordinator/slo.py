@@ -54,6 +54,11 @@ class StepModel:
                 self.coef = np.linalg.solve(x.T @ x + lam, x.T @ data[:, 3])
         return self.coef
 
+    def tokens_per_second(self) -> float:
+        """Throughput over the window: what a backlog of queued tokens drains at."""
+        seconds = sum(s[3] for s in self.samples)
+        return sum(s[1] for s in self.samples) / seconds if seconds > 0 else float("inf")
+
     def predict(self, seqs: int, tokens: int, context: int) -> float:
         if not self.samples:
             return 0.0

@@ -99,7 +99,8 @@ def test_decode_worker_killed_mid_stream(model_dir, expected, tmp_path):
 def test_prefill_worker_killed_holding_handoffs(model_dir, expected, tmp_path):
     # A 1.5 s batching window keeps prompts queued on the prefill worker long enough to kill it.
     launcher = start_cluster(model_dir, tmp_path, prefill=2, decode=1, engine_args=["--kv-cache-mb", "16"],
-                             prefill_args=["--batch-window-ms", "1500"])
+                             prefill_args=["--batch-window-ms", "1500"],
+                             coordinator_args=["--no-slo"])  # placement by queued tokens: both prefill workers hold prompts
     try:
         victim = proc(launcher, "prefill-0")
 

@@ -52,7 +52,9 @@ async def run_all(address, jobs):
 @pytest.mark.parametrize("mode", ["shm", "tcp", "colocated"])
 def test_concurrent_requests_equal_single_process_runtime(model_dir, expected, tmp_path, mode):
     kwargs = dict(colocated=1, prefill=0, decode=0) if mode == "colocated" else dict(prefill=2, decode=2, kv_backend=mode)
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"], **kwargs)
+    # --no-slo: placement by load, so both workers of each role are used (with SLO control a
+    # tiny model's predictions are noise and may favour one worker throughout)
+    launcher = start_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"], coordinator_args=["--no-slo"], **kwargs)
     try:
         results = asyncio.run(run_all(launcher.plan.client_addr, workload()))
         for i, (r, want) in enumerate(zip(results, expected)):
