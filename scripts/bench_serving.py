@@ -38,7 +38,8 @@ async def concurrent(addr, ps, out_len):
 
 def run_backend(args, backend):
     plan = NodePlan(model=args.model, kv_backend=backend, client_addr=f"tcp://127.0.0.1:{free_port()}",
-                    worker_addr=f"tcp://127.0.0.1:{free_port()}", engine_args=["--kv-cache-mb", "512"], threads=args.threads, name="b")
+                    worker_addr=f"tcp://127.0.0.1:{free_port()}", engine_args=["--kv-cache-mb", "512"], threads=args.threads, name="b",
+                    coordinator_args=["--no-slo"])  # throughput: serve every request
     launcher = Launcher(plan, log_dir=tempfile.mkdtemp(prefix="pdserve-bench-"))
     launcher.start()
     try:
