@@ -159,6 +159,20 @@ def encode_request(req: GenerateRequest) -> bytes:
     return data
 
 
+def to_delta(msg, result: Result, t0: float) -> StreamDelta | None:
+    """Fold one coordinator message for this request into `result`: a Delta or the closing
+    Final becomes a StreamDelta (the last one carries the result); an ErrorReply raises."""
+    if isinstance(msg, Delta):
+        result.add(msg, t0)
+        return StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
+    if isinstance(msg, Final):
+        result.end(msg, t0)
+        return StreamDelta("", [], None, result.finish_reason, result)
+    if isinstance(msg, ErrorReply):
+        raise request_error(msg)
+    return None
+
+
 def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0,
                   ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> GenerateRequest:
     try:
@@ -226,17 +240,16 @@ class Client:
                 msg = self._recv(deadline, req.request_id)
                 if getattr(msg, "request_id", None) != req.request_id:
                     continue  # a late message of an earlier, abandoned request
-                if isinstance(msg, Delta):
-                    result.add(msg, t0)
-                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
-                elif isinstance(msg, Final):
-                    done = True
-                    result.end(msg, t0)
-                    yield StreamDelta("", [], None, result.finish_reason, result)
+                try:
+                    delta = to_delta(msg, result, t0)
+                except RequestError:
+                    done = True  # the coordinator ended it: nothing to abort
+                    raise
+                done = delta is not None and delta.result is not None
+                if delta is not None:
+                    yield delta
+                if done:
                     return
-                elif isinstance(msg, ErrorReply):
-                    done = True
-                    raise request_error(msg)
         finally:
             if not done:
                 try:
@@ -328,17 +341,16 @@ class AsyncClient:
                 except asyncio.TimeoutError:
                     await _send_now(self.sock, encode(StatusRequest(req.request_id)))
                     continue
-                if isinstance(msg, Delta):
-                    result.add(msg, t0)
-                    yield StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
-                elif isinstance(msg, Final):
-                    done = True
-                    result.end(msg, t0)
-                    yield StreamDelta("", [], None, result.finish_reason, result)
+                try:
+                    delta = to_delta(msg, result, t0)
+                except RequestError:
+                    done = True  # the coordinator ended it: nothing to abort
+                    raise
+                done = delta is not None and delta.result is not None
+                if delta is not None:
+                    yield delta
+                if done:
                     return
-                elif isinstance(msg, ErrorReply):
-                    done = True
-                    raise request_error(msg)
         finally:
             self.queues.pop(req.request_id, None)
             if not done:
