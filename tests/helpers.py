@@ -147,15 +147,16 @@ def free_port() -> int:
 
 
 def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), prefill_args=(),
-                  coordinator_args=(), keys=None, timeout=120.0):
-    """A coordinator and workers as real processes on loopback; returns the started Launcher."""
+                  coordinator_args=(), keys=None, timeout=120.0, **plan):
+    """A coordinator and workers as real processes on loopback; returns the started Launcher.
+    `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key)."""
     from pdserve.launch import Launcher, NodePlan
 
     plan = NodePlan(
         prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,
         client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
         engine_args=list(engine_args), prefill_args=list(prefill_args), coordinator_args=list(coordinator_args), threads=1, name="t",
-        keys=None if keys is None else str(keys),
+        keys=None if keys is None else str(keys), **plan,
     )
     launcher = Launcher(plan, log_dir=str(log_dir))
     launcher.start()

@@ -7,27 +7,15 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.launch import Launcher, NodePlan
-from tests.helpers import free_port
+from tests.helpers import free_port, start_cluster
 
 
 def start_gateway_cluster(model_dir, log_dir, prefill=1, decode=1, engine_args=(), coordinator_args=(), api_key=None,
-                          timeout=120.0) -> Launcher:
+                          timeout=120.0):
     """Coordinator, gateway and workers as real processes on loopback; returns once the
     workers are registered and the gateway answers /health."""
-    plan = NodePlan(
-        prefill=prefill, decode=decode, model=str(model_dir), client_addr=f"tcp://127.0.0.1:{free_port()}",
-        worker_addr=f"tcp://127.0.0.1:{free_port()}", engine_args=list(engine_args), threads=1, name="t",
-        coordinator_args=list(coordinator_args), gateway=True, http_port=free_port(), api_key=api_key,
-    )
-    launcher = Launcher(plan, log_dir=str(log_dir))
-    launcher.start()
-    try:
-        launcher.wait_ready(timeout)
-    except BaseException:
-        launcher.stop()
-        raise
-    return launcher
+    return start_cluster(model_dir, log_dir, prefill=prefill, decode=decode, engine_args=engine_args,
+                         coordinator_args=coordinator_args, timeout=timeout, gateway=True, http_port=free_port(), api_key=api_key)
 
 
 def scrape(url: str, headers: dict | None = None) -> tuple[dict, dict]:
