@@ -40,6 +40,7 @@ from coordinator.gateway_schema import (
 from coordinator.gateway_stream import ClientGone, EventStream, Fanout, unless_disconnected
 from coordinator.metrics import CONTENT_TYPE, GatewayMetrics
 from runtime.errors import InvalidRequestError
+from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path
 from runtime.tokenizer import load_tokenizer
 
@@ -274,6 +275,7 @@ def serve(cfg: GatewayConfig) -> None:
     except ImportError:  # uvloop is optional on platforms without it
         loop = "asyncio"
     app = build_app(cfg)
+    freeze_startup_heap()
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         log.warning("gateway listens on %s without an API key", cfg.host)
     log.info("gateway: http://%s:%d/v1 -> coordinator %s", cfg.host, cfg.port, cfg.coordinator)

@@ -36,6 +36,7 @@ from coordinator.protocol import (
 from coordinator import security
 from coordinator.slo import RELAY_OVERHEAD_S, SloRecorder, SloTargets, StepModel
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from runtime.heap import freeze_startup_heap
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
 log = logging.getLogger("pdserve.coordinator")
@@ -675,6 +676,7 @@ def serve(cfg: CoordinatorConfig) -> None:
 
     async def main():
         coord = Coordinator(cfg)
+        freeze_startup_heap()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stopping.set)

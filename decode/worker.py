@@ -36,6 +36,7 @@ from runtime import cuda_graphs
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
+from runtime.heap import freeze_startup_heap
 from runtime.kv_cache import kv_cache_shape
 from runtime.weights import load_checkpoint
 
@@ -219,6 +220,7 @@ class DecodeWorker:
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig, role: Role = Role.DECODE) -> None:
     worker = DecodeWorker(engine_cfg, worker_cfg, role)
+    freeze_startup_heap()
 
     def stop(*_):
         worker.running = False

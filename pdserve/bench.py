@@ -19,6 +19,8 @@ import sys
 import time
 from datetime import datetime
 
+from runtime.heap import freeze_startup_heap
+
 DEFAULT_PLOT = "bench-sweep.png"
 
 
@@ -208,6 +210,7 @@ def run(args) -> int:
     tokenizer, tokenizer_id = load_bench_tokenizer(args)
     requests = build_requests(args.dataset, tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
                               args.dataset_path)
+    freeze_startup_heap()  # no full-collection pause inside the measured latencies
     runs = asyncio.run(run_rates(args, requests, tokenizer, rates))
     results = report(args, runs, tokenizer_id)
     if args.sweep:

@@ -33,6 +33,7 @@ from kvtransfer.transfer import KVSender, gpu_backends
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, build_model, drain_steps
 from runtime.errors import PdserveError
+from runtime.heap import freeze_startup_heap
 from runtime.sequence import FinishReason, Sequence
 from runtime.weights import load_checkpoint
 
@@ -170,6 +171,7 @@ class PrefillWorker:
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig) -> None:
     worker = PrefillWorker(engine_cfg, worker_cfg)
+    freeze_startup_heap()
 
     def stop(*_):
         worker.running = False
