@@ -43,9 +43,13 @@ class CoordinatorUnreachable(ClientError):
 
 def _send_now(sock, data: bytes):
     """Send without blocking: a DEALER with no live connection would otherwise wait forever.
-    On an asyncio socket this returns an already-completed future."""
+    On an asyncio socket the send is attempted at once too and its outcome comes back as a
+    completed future, whose error is raised here (so none is left unretrieved)."""
     try:
-        return sock.send(data, zmq.NOBLOCK)
+        sent = sock.send(data, zmq.NOBLOCK)
+        if sent is not None and sent.done() and sent.exception() is not None:
+            raise sent.exception()
+        return sent
     except zmq.Again:
         raise CoordinatorUnreachable("no connection to the coordinator (is it running? are the CurveZMQ keys right?)") from None
 
@@ -356,7 +360,7 @@ class AsyncClient:
             if not done:
                 try:
                     _send_now(self.sock, encode(AbortRequest(req.request_id)))
-                except CoordinatorUnreachable:
+                except (CoordinatorUnreachable, zmq.ZMQError):  # unreachable, or the client is closing
                     pass
 
     async def generate(self, prompt=None, **kw) -> Result:

@@ -21,7 +21,7 @@ import msgspec
 
 from runtime.params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Admit, Granted and AdmitRefused carry the admission number
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 
 
@@ -160,16 +160,19 @@ class Heartbeat(_Msg):
 class Admit(_Msg):
     request_id: str
     num_tokens: int
+    admission: int = 0  # counts this request's Admits; echoed so a late answer to an older one is ignored
 
 
 class Granted(_Msg):
     request_id: str
     block_ids: list[int]
+    admission: int = 0
 
 
 class AdmitRefused(_Msg):
     request_id: str
     reason: str
+    admission: int = 0
 
 
 class Prefill(_Msg):

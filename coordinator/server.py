@@ -50,6 +50,7 @@ class CoordinatorConfig:
     worker_timeout_s: float = 2.0
     max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
+    admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
     kv_backend: str = "auto"
     slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
     ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
@@ -105,6 +106,7 @@ class RequestState:
     token_times: list[float] = field(default_factory=list)
     reserved: int = 0
     attempts: int = 0
+    admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
     backlog: int = 0  # tokens this request adds to its prefill worker's queue until handed off
     predicted_ttft: float | None = None
 
@@ -129,6 +131,7 @@ class Coordinator:
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
+        self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
         self.kv = collections.Counter()
@@ -211,6 +214,7 @@ class Coordinator:
             for wid in [w for w, s in self.workers.items() if now - s.last_seen > self.cfg.worker_timeout_s]:
                 self.drop_worker(wid, "worker stopped answering")
             self.retry_pending(now)
+            self.admission_timeouts(now)
 
     # ------------------------------------------------------------------ clients
 
@@ -314,7 +318,10 @@ class Coordinator:
             p.queued_tokens += st.num_tokens
             d.requests.add(st.iid)
             p.requests.add(st.iid)
-            self.send_worker(d, Admit(st.iid, st.num_tokens))
+            self.admitting.pop(st.iid, None)
+            self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
+            st.admissions += 1
+            self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions))
             return
         colocated = self.alive(Role.COLOCATED)
         if colocated:
@@ -374,13 +381,28 @@ class Coordinator:
 
     def shed(self, st: RequestState, why: str) -> None:
         log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, why)
-        self.slo.shed[st.priority] += 1
+        self.slo.record_shed(st.priority)
         self.error(st.iid, "slo_unattainable", why)
 
     def park(self, st: RequestState) -> None:
         if st.phase != "pending":
             st.phase = "pending"
             self.pending.append(st.iid)
+
+    def admission_timeouts(self, now: float) -> None:
+        """Place again a request whose decode worker never answered its Admit: a worker drops
+        messages past its inbox bound (counted in its heartbeat) rather than grow, so without
+        this the request would wait for its client's timeout and keep its reservation."""
+        while self.admitting:
+            iid, sent = next(iter(self.admitting.items()))
+            if now - sent < self.cfg.admit_timeout_s:
+                return
+            del self.admitting[iid]
+            st = self.requests.get(iid)
+            if st is not None and st.phase == "admitting":
+                self.counts["admission_timeouts"] += 1
+                self.retry(st, f"decode worker {st.decode} did not answer the admission within {self.cfg.admit_timeout_s:g} s",
+                           code="overloaded")
 
     def retry_pending(self, now: float) -> None:
         if not self.pending:
@@ -427,7 +449,7 @@ class Coordinator:
             self.on_granted(w, msg)
         elif isinstance(msg, AdmitRefused):
             st = self.requests.get(msg.request_id)
-            if st is not None:
+            if st is not None and st.phase == "admitting" and msg.admission == st.admissions:
                 self.unplace(st)
                 self.park(st)
         elif isinstance(msg, TokenBatch):
@@ -471,9 +493,12 @@ class Coordinator:
 
     def on_granted(self, d: WorkerState, msg: Granted) -> None:
         st = self.requests.get(msg.request_id)
+        if st is not None and msg.admission != st.admissions:
+            return  # answers an admission that was retried: the worker freed that grant on the Abort before the new Admit
         if st is None or st.phase != "admitting":
             self.send_worker(d, Release(msg.request_id))
             return
+        self.admitting.pop(st.iid, None)
         self.unreserve(st)
         p = self.workers.get(st.prefill)
         if p is None:
@@ -511,7 +536,7 @@ class Coordinator:
             if st is not None:
                 self.retry(st, f"worker {wid} was lost ({why})")
 
-    def retry(self, st: RequestState, why: str) -> None:
+    def retry(self, st: RequestState, why: str, code: str = "worker_lost") -> None:
         """Take st off its workers (freeing what they hold for it) and place it again."""
         if st.phase == "prefilling" and st.decode in self.workers and st.prefill not in self.workers:
             self.send_worker(self.workers[st.decode], Release(st.iid))  # a lost prefill sends no KV: free the grant now
@@ -519,7 +544,7 @@ class Coordinator:
             self.tell_workers(st, Abort(st.iid))  # each live worker frees what it holds
         self.unplace(st)
         if st.attempts >= self.cfg.max_attempts:
-            self.error(st.iid, "worker_lost", f"{why}; gave up after {st.attempts} attempts")
+            self.error(st.iid, code, f"{why}; gave up after {st.attempts} attempts")
             return
         self.counts["retries"] += 1
         log.info("retrying %s (%d tokens done): %s", st.iid, len(st.tokens), why)
@@ -534,6 +559,7 @@ class Coordinator:
 
     def unplace(self, st: RequestState) -> None:
         """Undo the coordinator's own accounting of st on its workers."""
+        self.admitting.pop(st.iid, None)
         self.unreserve(st)
         self.release_backlog(st)
         for wid in (st.prefill, st.decode):

@@ -84,26 +84,45 @@ class LatencyWindow:
         return {"count": len(a), "p50": p50, "p90": p90, "p99": p99}
 
 
+MAX_CLASSES = 16  # priority classes with their own windows; further ones share OTHER_CLASS
+OTHER_CLASS = "other"
+
+
 class SloRecorder:
-    """Per priority class TTFT/TPOT windows and predicted-vs-actual TTFT."""
+    """Per priority class TTFT/TPOT windows and predicted-vs-actual TTFT. Priority is any int a
+    client sends, so the number of classes kept apart is bounded: the first MAX_CLASSES seen
+    get their own windows and shed counts, later ones are pooled under OTHER_CLASS."""
 
     def __init__(self):
-        self.ttft: dict[int, LatencyWindow] = collections.defaultdict(LatencyWindow)
-        self.tpot: dict[int, LatencyWindow] = collections.defaultdict(LatencyWindow)
+        self.ttft: dict[int | str, LatencyWindow] = collections.defaultdict(LatencyWindow)
+        self.tpot: dict[int | str, LatencyWindow] = collections.defaultdict(LatencyWindow)
         self.ttft_error = LatencyWindow()  # |predicted - actual| / actual
         self.shed = collections.Counter()
+        self.classes: set[int] = set()
+
+    def class_of(self, priority: int) -> int | str:
+        if priority in self.classes:
+            return priority
+        if len(self.classes) < MAX_CLASSES:
+            self.classes.add(priority)
+            return priority
+        return OTHER_CLASS
+
+    def record_shed(self, priority: int) -> None:
+        self.shed[self.class_of(priority)] += 1
 
     def record(self, priority: int, ttft: float, tpot: float | None, predicted_ttft: float | None) -> None:
-        self.ttft[priority].add(ttft)
+        c = self.class_of(priority)
+        self.ttft[c].add(ttft)
         if tpot is not None:
-            self.tpot[priority].add(tpot)
+            self.tpot[c].add(tpot)
         if predicted_ttft is not None and ttft > 0:
             self.ttft_error.add(abs(predicted_ttft - ttft) / ttft)
 
     def summary(self) -> dict:
-        classes = sorted(set(self.ttft) | set(self.tpot))
+        classes = sorted(set(self.ttft) | set(self.tpot), key=str)
         return {
             "classes": {str(c): {"ttft": self.ttft[c].percentiles(), "tpot": self.tpot[c].percentiles()} for c in classes},
             "ttft_prediction_error": self.ttft_error.percentiles(),
-            "shed": dict(self.shed),
+            "shed": {str(c): n for c, n in self.shed.items()},
         }

@@ -161,13 +161,14 @@ class DecodeWorker:
             grant.cancelled = True  # freed when the prefill side answers, or at the grant deadline
 
     def on_admit(self, msg: Admit) -> None:
+        self.free_grant(msg.request_id)  # a newer admission of the same request replaces the old grant
         blocks = self.engine.blocks
         ids = blocks.allocate(blocks.blocks_for(msg.num_tokens)) if msg.num_tokens > 0 else None
         if ids is None:
-            self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free"))
+            self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
         self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.wcfg.grant_timeout_s)
-        self.link.send(Granted(msg.request_id, ids))
+        self.link.send(Granted(msg.request_id, ids, msg.admission))
 
     def on_kv(self, msg, frames) -> None:
         grant = self.grants.pop(msg.request_id, None)

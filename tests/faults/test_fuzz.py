@@ -340,7 +340,7 @@ class RogueDecode(threading.Thread):
                     continue  # Abort, Release, ...
                 if isinstance(msg, Admit):
                     self.admits += 1
-                    self.sock.send(encode(Granted(msg.request_id, list(range(-(-msg.num_tokens // BLOCK))))))
+                    self.sock.send(encode(Granted(msg.request_id, list(range(-(-msg.num_tokens // BLOCK))), msg.admission)))
         self.sock.close()
 
 

@@ -1,0 +1,146 @@
+"""The coordinator's latency model and SLO bookkeeping, and its admission deadline.
+
+Lifecycle: the model/recorder tests are plain in-process checks. The admission tests start a
+real `Coordinator` on this test's event loop, bound to loopback, with two stub workers speaking
+the worker protocol on real DEALER sockets (a prefill worker, and a decode worker that answers
+Admits late or never, as one whose bounded inbox dropped them would) and the real AsyncClient.
+"""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.client import AsyncClient, Overloaded
+from coordinator.protocol import (
+    PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Granted, Hello, Prefill, Role, Welcome, decoder, encode,
+)
+from coordinator.server import Coordinator, CoordinatorConfig
+from coordinator.slo import MAX_CLASSES, OTHER_CLASS, LatencyWindow, SloRecorder, StepModel
+from tests.helpers import free_port
+
+
+def test_step_model_recovers_a_linear_step_time():
+    a, b, c, d = 0.004, 0.0015, 0.0002, 0.03  # seconds: fixed, per sequence, per token, per 1000 context tokens
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(200):
+        seqs = int(rng.integers(1, 32))
+        tokens = seqs if rng.random() < 0.7 else int(rng.integers(seqs, 512))  # decode steps and prefill chunks
+        ctx = int(rng.integers(tokens, 8000))
+        samples.append((seqs, tokens, ctx, a + b * seqs + c * tokens + d * ctx / 1000))
+    m = StepModel(samples)
+    for seqs, tokens, ctx in [(8, 8, 3000), (32, 32, 6000), (4, 400, 900)]:  # inside the sampled range
+        assert m.predict(seqs, tokens, ctx) == pytest.approx(a + b * seqs + c * tokens + d * ctx / 1000, rel=1e-3)
+    assert m.tokens_per_second() == pytest.approx(sum(s[1] for s in samples) / sum(s[3] for s in samples))
+
+
+def test_step_model_window_follows_a_change_and_never_predicts_below_a_measured_step():
+    m = StepModel([(1, 1, 10, 0.01)] * 10, window=16)
+    m.add([(1, 1, 10, 0.05)] * 16)  # the worker became 5x slower: the old samples leave the window
+    assert m.predict(1, 1, 10) == pytest.approx(0.05)
+    assert StepModel().predict(8, 8, 100) == 0.0 and StepModel().tokens_per_second() == float("inf")
+    falling = StepModel([(s, s, 0, 0.02) for s in range(1, 9)] + [(16, 16, 0, 0.005)])  # a negative slope fits
+    assert falling.predict(64, 64, 0) >= 0.005  # clamped to the fastest measured step, never below 0
+
+
+def test_latency_window_is_bounded_and_reports_percentiles():
+    w = LatencyWindow(size=100)
+    for v in range(1000):
+        w.add(float(v))
+    p = w.percentiles()
+    assert p["count"] == 100 and p["p50"] == pytest.approx(949.5) and p["p99"] == pytest.approx(998.01)
+    assert LatencyWindow().percentiles() == {"count": 0}
+
+
+def test_recorder_keeps_a_bounded_number_of_priority_classes():
+    r = SloRecorder()
+    for prio in range(MAX_CLASSES + 50):  # any int is a valid priority: a client could send millions
+        r.record(prio, 0.1, 0.01, 0.12)
+        r.record_shed(prio)
+    s = r.summary()
+    assert len(s["classes"]) == MAX_CLASSES + 1 and str(OTHER_CLASS) in s["classes"]
+    assert s["classes"][OTHER_CLASS]["ttft"]["count"] == 50 and s["shed"][OTHER_CLASS] == 50 and s["shed"]["0"] == 1
+    assert s["ttft_prediction_error"]["p50"] == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------------ admission deadline, live sockets
+
+class StubWorker:
+    """A registered worker on a real socket that answers only what the test tells it to."""
+
+    def __init__(self, ctx, addr: str, wid: str, role: Role):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.hello = Hello(PROTOCOL_VERSION, wid, int(role), 1, "stub-host", "stub-boot", "m", 256, 64, 16, kv_endpoint="tcp://127.0.0.1:1")
+        self.dec = decoder(CoordinatorToWorker)
+
+    async def register(self):
+        await self.sock.send(encode(self.hello))
+        assert isinstance(await self.recv(), Welcome)
+
+    async def recv(self, timeout: float = 5.0):
+        return self.dec.decode(await asyncio.wait_for(self.sock.recv(), timeout))
+
+    async def recv_type(self, kind, timeout: float = 5.0):
+        while True:
+            msg = await self.recv(timeout)
+            if isinstance(msg, kind):
+                return msg
+
+
+async def with_coordinator(body, **cfg):
+    cfg = CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", slo=False, worker_timeout_s=60, **cfg)
+    coord = Coordinator(cfg, tokenizer=object())  # token-id prompts only: nothing to tokenize
+    task = asyncio.create_task(coord.run())
+    ctx = zmq.asyncio.Context()
+    try:
+        prefill = StubWorker(ctx, cfg.worker_addr, "p0", Role.PREFILL)
+        decode = StubWorker(ctx, cfg.worker_addr, "d0", Role.DECODE)
+        await prefill.register()
+        await decode.register()
+        async with AsyncClient(cfg.client_addr, timeout=30) as client:
+            await body(coord, client, prefill, decode)
+    finally:
+        coord.stopping.set()
+        await asyncio.wait_for(task, 10)
+        ctx.destroy(linger=0)
+
+
+def test_an_admission_never_answered_is_placed_again_then_refused_as_overloaded():
+    async def body(coord, client, prefill, decode):
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded, match="did not answer the admission"):
+            await client.generate(token_ids=[5, 6, 7], max_tokens=2)
+        elapsed = time.monotonic() - t0
+        assert 0.4 <= elapsed < 3.0, elapsed  # two deadlines of 0.2 s each, then the typed error at once
+        seen = []
+        while len(seen) < 4:  # Admit 1, Abort, Admit 2, Abort, in that order
+            seen.append(await decode.recv())
+        assert [type(m) for m in seen] == [Admit, Abort, Admit, Abort]
+        assert [m.admission for m in seen if isinstance(m, Admit)] == [1, 2]
+        assert coord.counts["admission_timeouts"] == 2 and coord.counts["error:overloaded"] == 1
+        assert not coord.requests and not coord.admitting and coord.workers["d0"].reserved_blocks == 0
+
+    asyncio.run(with_coordinator(body, admit_timeout_s=0.2, max_attempts=2))
+
+
+def test_a_late_grant_for_an_older_admission_is_ignored():
+    async def body(coord, client, prefill, decode):
+        gen = asyncio.create_task(client.generate(token_ids=list(range(5, 25)), max_tokens=2))
+        first = await decode.recv_type(Admit)
+        second = await decode.recv_type(Admit)  # the first timed out and was placed again
+        assert (first.admission, second.admission) == (1, 2) and first.request_id == second.request_id
+        # the late answer to admission 1 arrives first; granting its blocks would hand the
+        # prefill worker blocks the decode worker already freed on the Abort
+        await decode.sock.send(encode(Granted(first.request_id, [7, 8], 1)))
+        await decode.sock.send(encode(Granted(second.request_id, [3, 4], 2)))
+        job = await prefill.recv_type(Prefill)
+        assert job.request_id == second.request_id and job.dest_block_ids == [3, 4]
+        assert coord.requests[job.request_id].phase == "prefilling" and not coord.admitting
+        gen.cancel()
+
+    asyncio.run(with_coordinator(body, admit_timeout_s=0.3, max_attempts=3))
