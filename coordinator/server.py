@@ -56,7 +56,8 @@ class CoordinatorConfig:
     ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
     tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
     class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
-    slo_headroom: float = 0.8  # admit against this fraction of each target: predictions err low under load
+    ttft_headroom: float = 0.8  # admit against this fraction of the TTFT target: queueing predictions err low under load
+    tpot_headroom: float = 0.9  # and of the TPOT target: a step time fitted from the worker's own steps errs less
     max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
     max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
     send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
@@ -345,7 +346,7 @@ class Coordinator:
             d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
             return min(prefills, key=lambda w: (w.queued_tokens, len(w.requests))), d, None
         target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        t = SloTargets(target.ttft_s * self.cfg.slo_headroom, target.tpot_s * self.cfg.slo_headroom)
+        t = SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
         waited = time.monotonic() - st.arrival
         prefill_s = {p.hello.worker_id: self.predict_prefill(p, st.num_tokens) for p in prefills}
         p = min(prefills, key=lambda w: (prefill_s[w.hello.worker_id], w.queued_tokens, len(w.requests)))
