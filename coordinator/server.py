@@ -1,4 +1,5 @@
-"""The coordinator (`pdserve coordinator`): one asyncio loop (uvloop) owning two ROUTERs.
+"""The coordinator (`pdserve coordinator`): one asyncio loop (uvloop) owning two ROUTERs, read
+and written through `SocketIO` (coordinator/loop_io.py: no future per message).
 
 Lifecycle of a request here: a client's GenerateRequest is validated and tokenized, then
 placed: on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from coordinator.protocol import (
     FINISH_NAMES, MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
@@ -34,6 +34,7 @@ from coordinator.protocol import (
     StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 from coordinator import security
+from coordinator.loop_io import SocketIO
 from coordinator.slo import RELAY_OVERHEAD_S, SloRecorder, SloTargets, StepModel
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
@@ -76,6 +77,7 @@ class WorkerState:
     identity: bytes
     last_seen: float
     beat: Heartbeat | None = None
+    beats: int = 0  # heartbeats received
     requests: set = field(default_factory=set)
     queued_tokens: int = 0  # prefill: tokens placed here and not yet handed off
     reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
@@ -126,7 +128,7 @@ class Coordinator:
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (coordinator/loop_io.py)
         self.auth = security.start_authenticator(self.ctx, cfg.keys)
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
@@ -140,6 +142,8 @@ class Coordinator:
         self.client_sock = self._router(cfg.client_addr)
         self.worker_sock = self._router(cfg.worker_addr)
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
+        self.client_io, self.worker_io = SocketIO(self.client_sock), SocketIO(self.worker_sock)
+        self.by_ident: dict[bytes, str] = {}  # worker socket identity -> worker id
         self.client_load = collections.Counter()  # client identity -> its requests in flight
         self.client_dec = decoder(ClientToCoordinator)
         self.worker_dec = decoder(WorkerToCoordinator)
@@ -158,6 +162,8 @@ class Coordinator:
     # ------------------------------------------------------------------ loops
 
     async def run(self) -> None:
+        self.client_io.start()
+        self.worker_io.start()
         tasks = [asyncio.create_task(t) for t in (self._client_loop(), self._worker_loop(), self._housekeeping())]
         try:
             await self.stopping.wait()
@@ -165,6 +171,8 @@ class Coordinator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.client_io.stop()
+            self.worker_io.stop()
             self.client_sock.close(linger=0)
             self.worker_sock.close(linger=0)
             if self.auth is not None:
@@ -172,8 +180,7 @@ class Coordinator:
             self.ctx.term()
 
     async def _client_loop(self) -> None:
-        while True:
-            frames = await self.client_sock.recv_multipart()
+        async for frames in self.client_io.messages():
             if len(frames) != 2:
                 self.counts["bad_client_messages"] += 1
                 continue
@@ -191,8 +198,7 @@ class Coordinator:
                 self.counts["internal_errors"] += 1
 
     async def _worker_loop(self) -> None:
-        while True:
-            frames = await self.worker_sock.recv_multipart()
+        async for frames in self.worker_io.messages():
             if len(frames) != 2:
                 self.counts["bad_worker_messages"] += 1
                 continue
@@ -220,9 +226,7 @@ class Coordinator:
     # ------------------------------------------------------------------ clients
 
     def send_client(self, ident: bytes, msg) -> None:
-        # zmq.asyncio reports a failed NOBLOCK send in the (already done) future instead of raising
-        fut = self.client_sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
-        if fut.done() and fut.exception() is not None:  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
+        if not self.client_io.send([ident, encode(msg)]):  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
             self.counts["client_send_failures"] += 1
             self.drop_client(ident)
 
@@ -425,9 +429,7 @@ class Coordinator:
     # ------------------------------------------------------------------ workers
 
     def send_worker(self, w: WorkerState, msg) -> None:
-        try:
-            self.worker_sock.send_multipart([w.identity, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
+        if not self.worker_io.send([w.identity, encode(msg)]):  # its queue is full (EAGAIN at send_hwm): counted
             self.counts["worker_send_failures"] += 1
 
     def on_worker(self, ident: bytes, msg) -> None:
@@ -436,7 +438,7 @@ class Coordinator:
             return
         w = self.worker_by_ident(ident)
         if w is None:
-            self.worker_sock.send_multipart([ident, encode(Reject("unregistered"))])
+            self.worker_io.send([ident, encode(Reject("unregistered"))])
             return
         w.last_seen = time.monotonic()
         if not numbers_ok(msg):
@@ -444,6 +446,7 @@ class Coordinator:
             return
         if isinstance(msg, Heartbeat):
             w.beat = msg
+            w.beats += 1
             w.model.add(msg.steps)
             w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == "admitting")
         elif isinstance(msg, Granted):
@@ -468,10 +471,8 @@ class Coordinator:
             self.error(msg.request_id, msg.code, msg.message)
 
     def worker_by_ident(self, ident: bytes) -> WorkerState | None:
-        for w in self.workers.values():
-            if w.identity == ident:
-                return w
-        return None
+        wid = self.by_ident.get(ident)
+        return self.workers.get(wid) if wid is not None else None
 
     def on_hello(self, ident: bytes, h: Hello) -> None:
         problem = f"protocol version {h.version} != {PROTOCOL_VERSION}" if h.version != PROTOCOL_VERSION else hello_problem(h)
@@ -479,7 +480,7 @@ class Coordinator:
             problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
         if problem is not None:
             self.counts["rejected_workers"] += 1
-            self.worker_sock.send_multipart([ident, encode(Reject(problem))])
+            self.worker_io.send([ident, encode(Reject(problem))])
             return
         old = self.workers.get(h.worker_id)
         if old is not None and old.identity != ident:
@@ -487,10 +488,11 @@ class Coordinator:
             old = None
         if old is None:
             self.workers[h.worker_id] = WorkerState(h, ident, time.monotonic(), model=StepModel(h.profile))
+            self.by_ident[ident] = h.worker_id
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
         else:
             old.last_seen = time.monotonic()
-        self.worker_sock.send_multipart([ident, encode(Welcome(PROTOCOL_VERSION))])
+        self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION))])
 
     def on_granted(self, d: WorkerState, msg: Granted) -> None:
         st = self.requests.get(msg.request_id)
@@ -530,6 +532,8 @@ class Coordinator:
         w = self.workers.pop(wid, None)
         if w is None:
             return
+        if self.by_ident.get(w.identity) == wid:
+            del self.by_ident[w.identity]
         log.warning("dropping worker %s: %s", wid, why)
         self.counts["workers_lost"] += 1
         for iid in list(w.requests):
@@ -651,7 +655,7 @@ class Coordinator:
                 "block_size": w.hello.block_size, "max_model_len": w.hello.max_model_len, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
-                "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0,
+                "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
             })
         return {
             "workers": workers,

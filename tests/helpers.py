@@ -169,13 +169,17 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
 
 
 def wait_all_blocks_free(client, timeout: float = 5.0) -> dict:
-    """Poll the coordinator's stats until every worker reports all its KV blocks free."""
+    """Poll the coordinator's stats until every worker reports all its KV blocks free in a
+    heartbeat sent after this call began: the second one counted from now (the first may have
+    left before the work ended; a quick run can finish between two heartbeats)."""
     import time
 
     deadline = time.monotonic() + timeout
+    first = {w["id"]: w["heartbeats"] for w in client.stats()["workers"]}
     while True:
         stats = client.stats()
-        if all(w["free_blocks"] == w["total_blocks"] and w["running"] == 0 for w in stats["workers"]):
+        fresh = all(w["heartbeats"] >= first.get(w["id"], 0) + 2 for w in stats["workers"])
+        if fresh and all(w["free_blocks"] == w["total_blocks"] and w["running"] == 0 for w in stats["workers"]):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held: {[(w['id'], w['free_blocks'], w['total_blocks'], w['running']) for w in stats['workers']]}")
