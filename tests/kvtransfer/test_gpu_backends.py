@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from coordinator.protocol import (
-    Hello, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
+    Admit, Hello, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
 )
 from kvtransfer import cuda_ipc, nccl
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
@@ -433,7 +433,7 @@ def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl):
     fake_nccl.plan.append({"deliver": False})
     d = decode_side(pair.receiver, SHAPE[2])
     p, job = prefill_side(pair.sender, torch.randn(SHAPE))
-    d.on_admit(SimpleNamespace(request_id="r", num_tokens=10))  # grants 3 blocks of 4 tokens
+    d.on_admit(Admit("r", 10))  # grants 3 blocks of 4 tokens
     granted = d.grants["r"].block_ids
     assert d.engine.blocks.free_blocks == SHAPE[2] - 3
     h = job("r", 10, granted, pair.receiver.endpoint, "nccl")
@@ -452,7 +452,7 @@ def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl):
     fake_nccl.plan.append({"fail_send": True})
     d = decode_side(pair.receiver, SHAPE[2])
     p, job = prefill_side(pair.sender, torch.randn(SHAPE))
-    d.on_admit(SimpleNamespace(request_id="r", num_tokens=5))
+    d.on_admit(Admit("r", 5))
     p.hand_off(job("r", 5, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl"), 42, None, None, 0.0)
     msg, frames = pair.pump.get()
     assert isinstance(msg, KVFailed)
@@ -469,7 +469,7 @@ def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl):
                                                                                 top_logprobs=None, finish_reason=None)
     d.emit = lambda outs: None
     p, job = prefill_side(pair.sender, src)
-    d.on_admit(SimpleNamespace(request_id="r", num_tokens=9))
+    d.on_admit(Admit("r", 9))
     h = job("r", 9, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl")
     src_ids = list(h.seq.block_table)
     p.hand_off(h, 42, None, None, 0.0)
