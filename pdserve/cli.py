@@ -173,18 +173,21 @@ def _class_targets(specs) -> dict:
 @click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True)
 @click.option("--worker-timeout", default=2.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
 @click.option("--pending-timeout", default=60.0, show_default=True, help="seconds a request may wait for KV room before it is shed")
+@click.option("--admit-timeout", default=10.0, show_default=True,
+              help="seconds a decode worker may leave an admission unanswered before the request is placed again")
 @click.option("--max-active-requests", default=4096, show_default=True, help="requests in flight before new ones are refused (overloaded)")
 @click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
 @_slo_options
 @_security_options
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
                 keys, insecure, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
     _logging(verbose)
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
+                            admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             kv_backend=kv_backend, slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure))
