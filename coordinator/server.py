@@ -79,7 +79,7 @@ class WorkerState:
     beat: Heartbeat | None = None
     beats: int = 0  # heartbeats received
     requests: set = field(default_factory=set)
-    queued_tokens: int = 0  # prefill: tokens placed here and not yet handed off
+    queued_tokens: int = 0  # prefill and colocated: prompt tokens placed here and not yet through their first step
     reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
     model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
 
@@ -330,8 +330,16 @@ class Coordinator:
             return
         colocated = self.alive(Role.COLOCATED)
         if colocated:
-            w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
-            st.decode, st.phase = w.hello.worker_id, "colocated"
+            if self.cfg.slo and not parked:
+                plan = self.plan_colocated(st, colocated)
+                if isinstance(plan, str):
+                    self.shed(st, plan)
+                    return
+                w, st.predicted_ttft = plan
+            else:
+                w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
+            st.decode, st.phase, st.backlog = w.hello.worker_id, "colocated", st.num_tokens
+            w.queued_tokens += st.num_tokens  # until its first token (on_token)
             w.requests.add(st.iid)
             self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
             return
@@ -371,6 +379,29 @@ class Coordinator:
         best_tpot = min(self.predict_tpot(d, st.num_tokens) for d in decodes)
         why = "no KV room" if not fits else f"predicted TPOT {best_tpot * 1000:.0f} ms with one more > target {t.tpot_s * 1000:.0f} ms"
         return f"decode full: {why}"
+
+    def plan_colocated(self, st: RequestState, workers: list[WorkerState]):
+        """(worker, predicted TTFT) with the lowest TTFT among colocated workers meeting both
+        targets (less the headroom), or a shed reason. TTFT as for a pair: the worker's prompt
+        backlog (this one included) at its measured token rate, then one step. TPOT: a decode
+        step with one more sequence, plus that backlog's prefill time spread over this
+        request's output tokens, since a colocated worker runs the prompts in the same steps as
+        the streams (without it the prediction erred low: p99 TPOT 392 ms at a 250 ms target)."""
+        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
+        t = SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
+        waited = time.monotonic() - st.arrival
+        best, why = None, ""
+        for w in workers:
+            step, prefill = self.predict_tpot(w, st.num_tokens), self.predict_prefill(w, st.num_tokens)
+            ttft = waited + prefill + step + RELAY_OVERHEAD_S
+            tpot = step + prefill / max(1, min(st.req.params.max_tokens, 4096) - 1)
+            if tpot > t.tpot_s and w.requests:
+                why = f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {t.tpot_s * 1000:.0f} ms"
+            elif ttft > t.ttft_s:
+                why = f"predicted TTFT {ttft * 1000:.0f} ms > target {t.ttft_s * 1000:.0f} ms"
+            elif best is None or ttft < best[1]:
+                best = (w, ttft)
+        return best if best is not None else why
 
     def predict_prefill(self, p: WorkerState, tokens: int) -> float:
         """This prompt's own step plus the backlog ahead of it at the worker's measured token rate."""
@@ -557,7 +588,7 @@ class Coordinator:
         self.place(st, parked=True)  # an admitted request is never shed on a retry
 
     def release_backlog(self, st: RequestState) -> None:
-        p = self.workers.get(st.prefill)
+        p = self.workers.get(st.prefill if st.prefill is not None else st.decode)  # a colocated worker queues its own prompts
         if p is not None and st.backlog:
             p.queued_tokens = max(0, p.queued_tokens - st.backlog)
         st.backlog = 0
@@ -580,6 +611,8 @@ class Coordinator:
             return
         now = time.monotonic()
         st.phase = "decoding" if st.phase != "colocated" else st.phase
+        if st.backlog and st.phase == "colocated":
+            self.release_backlog(st)  # its prompt is done
         text = ""
         new = []
         if item.token_id >= 0:

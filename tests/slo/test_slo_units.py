@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from coordinator.client import AsyncClient, Overloaded
 from coordinator.protocol import (
-    PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Granted, Hello, Prefill, Role, Welcome, decoder, encode,
+    PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome, decoder, encode,
 )
 from coordinator.server import Coordinator, CoordinatorConfig
 from coordinator.slo import MAX_CLASSES, OTHER_CLASS, LatencyWindow, SloRecorder, StepModel
@@ -92,18 +92,18 @@ class StubWorker:
                 return msg
 
 
-async def with_coordinator(body, **cfg):
-    cfg = CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", slo=False, worker_timeout_s=60, **cfg)
+async def with_coordinator(body, roles=(("p0", Role.PREFILL), ("d0", Role.DECODE)), profile=(), **cfg):
+    cfg = CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", worker_timeout_s=60, **{"slo": False, **cfg})
     coord = Coordinator(cfg, tokenizer=object())  # token-id prompts only: nothing to tokenize
     task = asyncio.create_task(coord.run())
     ctx = zmq.asyncio.Context()
     try:
-        prefill = StubWorker(ctx, cfg.worker_addr, "p0", Role.PREFILL)
-        decode = StubWorker(ctx, cfg.worker_addr, "d0", Role.DECODE)
-        await prefill.register()
-        await decode.register()
+        workers = [StubWorker(ctx, cfg.worker_addr, wid, role) for wid, role in roles]
+        for w in workers:
+            w.hello.profile = list(profile)
+            await w.register()
         async with AsyncClient(cfg.client_addr, timeout=30) as client:
-            await body(coord, client, prefill, decode)
+            await body(coord, client, *workers)
     finally:
         coord.stopping.set()
         await asyncio.wait_for(task, 10)
@@ -144,3 +144,27 @@ def test_a_late_grant_for_an_older_admission_is_ignored():
         gen.cancel()
 
     asyncio.run(with_coordinator(body, admit_timeout_s=0.3, max_attempts=3))
+
+
+@pytest.mark.parametrize("step_s, shed", [(0.002, False), (3.0, True)])
+def test_colocated_worker_under_slo_control_sheds_what_its_step_model_cannot_serve(step_s, shed):
+    """The worker's start-up profile says one step takes step_s; with targets of 1 s TTFT the
+    slow one's request is shed at once with slo_unattainable, the fast one's is placed."""
+    async def body(coord, client, colocated):
+        t0 = time.monotonic()
+        task = asyncio.create_task(client.generate(token_ids=list(range(5, 37)), max_tokens=2))
+        if shed:
+            with pytest.raises(Overloaded) as e:
+                await task
+            assert e.value.code == "slo_unattainable" and "predicted TTFT" in e.value.message
+            assert time.monotonic() - t0 < 1.0 and coord.slo.shed[0] == 1
+            assert await colocated.sock.poll(100) == 0  # nothing was sent to the worker
+        else:
+            msg = await colocated.recv_type(Generate)
+            st = coord.requests[msg.request_id]
+            assert st.phase == "colocated" and 0 < st.predicted_ttft < 0.8
+            assert coord.workers["c0"].queued_tokens == 32  # released at its first token
+            task.cancel()
+
+    profile = [(1, 32, 32, step_s), (4, 4, 200, step_s), (1, 1, 40, step_s), (8, 8, 400, step_s)]
+    asyncio.run(with_coordinator(body, roles=(("c0", Role.COLOCATED),), profile=profile, slo=True, ttft_ms=1000, tpot_ms=500))
