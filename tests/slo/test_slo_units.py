@@ -163,7 +163,11 @@ def test_colocated_worker_under_slo_control_sheds_what_its_step_model_cannot_ser
             msg = await colocated.recv_type(Generate)
             st = coord.requests[msg.request_id]
             assert st.phase == "colocated" and 0 < st.predicted_ttft < 0.8
-            assert coord.workers["c0"].queued_tokens == 32  # released at its first token
+            w = coord.workers["c0"]
+            assert w.queued_tokens == 32 and w.admitted_tokens == 32  # the backlog until its first token; the window
+            # 32 prompt tokens placed in the 10 s window at the profile's 2 ms per 32-token step
+            assert coord.prefill_share(w, 32, time.monotonic()) == pytest.approx(32 * 0.002 / 32 / 10, rel=0.05)
+            assert coord.prefill_share(w, 32, time.monotonic() + 11) == 0.0 and w.admitted_tokens == 0  # aged out
             task.cancel()
 
     profile = [(1, 32, 32, step_s), (4, 4, 200, step_s), (1, 1, 40, step_s), (8, 8, 400, step_s)]
