@@ -31,6 +31,8 @@ def _engine_options(f):
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
         click.option("--coordinator", "coordinator_addr", default=COORDINATOR_WORKERS, show_default=True, help="coordinator worker port"),
+        click.option("--heartbeat-s", "heartbeat_s", default=0.5, show_default=True, type=float,
+                     help="seconds between heartbeats (load, free KV blocks, step times); keep well under the coordinator's --worker-timeout"),
         click.option("-v", "--verbose", is_flag=True),
     ]
     for o in reversed(opts):

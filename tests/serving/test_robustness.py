@@ -19,7 +19,8 @@ from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks
 def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
     save_tiny_served_model(d, max_position_embeddings=256)
-    launcher = start_cluster(d, tmp_path_factory.mktemp("logs"), prefill=1, decode=1, engine_args=["--kv-cache-mb", "8"])
+    # heartbeats every 0.1 s: the 1 s cancel test reads the blocks from heartbeats sent after the abort
+    launcher = start_cluster(d, tmp_path_factory.mktemp("logs"), prefill=1, decode=1, engine_args=["--kv-cache-mb", "8", "--heartbeat-s", "0.1"])
     yield launcher
     launcher.stop()
 
