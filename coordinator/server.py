@@ -174,13 +174,17 @@ class Coordinator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.client_io.stop()
-            self.worker_io.stop()
-            self.client_sock.close(linger=0)
-            self.worker_sock.close(linger=0)
-            if self.auth is not None:
-                self.auth.stop()
-            self.ctx.term()
+            self.release_sockets()
+
+    def release_sockets(self) -> None:
+        """Stop reading, close both ROUTERs, stop the authenticator and end the context."""
+        self.client_io.stop()
+        self.worker_io.stop()
+        self.client_sock.close(linger=0)
+        self.worker_sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
 
     async def _client_loop(self) -> None:
         async for frames in self.client_io.messages():
@@ -343,8 +347,7 @@ class Coordinator:
                 w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
             st.decode, st.phase, st.backlog = w.hello.worker_id, "colocated", st.num_tokens
             w.queued_tokens += st.num_tokens  # until its first token (on_token)
-            w.admitted.append((time.monotonic(), st.num_tokens))
-            w.admitted_tokens += st.num_tokens
+            self.note_placed(w, st.num_tokens, time.monotonic())
             w.requests.add(st.iid)
             self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
             return
@@ -362,8 +365,7 @@ class Coordinator:
                 return "wait"
             d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
             return min(prefills, key=lambda w: (w.queued_tokens, len(w.requests))), d, None
-        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        t = SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
+        t = self.admission_targets(st)
         waited = time.monotonic() - st.arrival
         prefill_s = {p.hello.worker_id: self.predict_prefill(p, st.num_tokens) for p in prefills}
         p = min(prefills, key=lambda w: (prefill_s[w.hello.worker_id], w.queued_tokens, len(w.requests)))
@@ -394,11 +396,10 @@ class Coordinator:
         spread over this request's output tokens: a colocated worker runs the prompts in the
         same steps as the streams. Measured (scripts/bench_slo.py): a plain decode step gave p99
         TPOT 392 ms at a 250 ms target, adding the backlog 325 ms, adding the share 204 ms."""
-        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        t = SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
-        waited = time.monotonic() - st.arrival
-        best, why = None, ""
+        t = self.admission_targets(st)
         now = time.monotonic()
+        waited = now - st.arrival
+        best, why = None, ""
         for w in workers:
             step, prefill = self.predict_tpot(w, st.num_tokens), self.predict_prefill(w, st.num_tokens)
             ttft = waited + prefill + step + RELAY_OVERHEAD_S
@@ -411,6 +412,19 @@ class Coordinator:
             elif best is None or ttft < best[1]:
                 best = (w, ttft)
         return best if best is not None else why
+
+    def admission_targets(self, st: RequestState) -> SloTargets:
+        """st's targets less the headroom: what a prediction must meet for st to be admitted."""
+        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
+        return SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
+
+    @staticmethod
+    def note_placed(w: WorkerState, tokens: int, now: float) -> None:
+        """Record a prompt placed on colocated worker w, keeping only the last ADMIT_WINDOW_S."""
+        w.admitted.append((now, tokens))
+        w.admitted_tokens += tokens
+        while now - w.admitted[0][0] > ADMIT_WINDOW_S:
+            w.admitted_tokens -= w.admitted.popleft()[1]
 
     def prefill_share(self, w: WorkerState, tokens: int, now: float) -> float:
         """Fraction of a colocated worker's time its prompts took lately: the prompt tokens

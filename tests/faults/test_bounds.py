@@ -45,11 +45,7 @@ def test_every_socket_has_a_message_size_limit():
             assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE
             assert 0 < sock.getsockopt(zmq.SNDHWM) <= coord.cfg.send_hwm  # 0 would be unbounded
     finally:
-        coord.client_sock.close(linger=0)
-        coord.worker_sock.close(linger=0)
-        if getattr(coord, "auth", None) is not None:
-            coord.auth.stop()
-        coord.ctx.term()
+        coord.release_sockets()
 
     with Client(f"tcp://127.0.0.1:{free_port()}") as c:
         assert c.sock.getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE
@@ -103,11 +99,7 @@ def test_worker_registrations_are_bounded_and_checked():
             assert coord.counts["invalid_worker_messages"] == 1 and coord.workers["w0"].beat is None
             msgspec.json.decode(json.dumps(coord.stats()).encode())  # strict JSON: no NaN got in
         finally:
-            coord.client_sock.close(linger=0)
-            coord.worker_sock.close(linger=0)
-            if getattr(coord, "auth", None) is not None:
-                coord.auth.stop()
-            coord.ctx.term()
+            coord.release_sockets()
 
     asyncio.run(go())
 
