@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 import zmq.auth
 
 from runtime.errors import PdserveError
@@ -93,14 +92,13 @@ def apply(sock: zmq.Socket, options: dict) -> None:
 
 
 def start_authenticator(ctx: zmq.Context, keys: str | None):
-    """A ZAP handler admitting only the public keys in KEYS/authorized (None without keys)."""
+    """A ZAP handler admitting only the public keys in KEYS/authorized (None without keys); it
+    runs on its own thread, so the CurveZMQ handshakes never wait on a server's event loop."""
     if keys is None:
         return None
-    if isinstance(ctx, zmq.asyncio.Context):
-        from zmq.auth.asyncio import AsyncioAuthenticator as Authenticator
-    else:
-        from zmq.auth.thread import ThreadAuthenticator as Authenticator
-    auth = Authenticator(ctx)
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=str(Path(keys) / "authorized"))
     return auth

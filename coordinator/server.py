@@ -113,7 +113,7 @@ class RequestState:
     reserved: int = 0
     attempts: int = 0
     admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
-    backlog: int = 0  # tokens this request adds to its prefill worker's queue until handed off
+    backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
 
     @property
