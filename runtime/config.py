@@ -132,6 +132,9 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position
     cuda_graphs: bool = True  # on a CUDA device the decode worker replays captured decode steps (runtime.cuda_graphs)
+    # float32 on the CPU: the fused forward of runtime.cpu_forward (off: the module forward, its twin)
+    fast_path: bool = True
+    linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -144,6 +147,8 @@ class EngineConfig:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.linear_kind not in ("auto", "torch", "onednn"):
+            raise InvalidRequestError(f"linear_kind must be auto, torch or onednn, got {self.linear_kind!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

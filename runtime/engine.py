@@ -51,7 +51,10 @@ class Completion:
 def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaModel:
     model = LlamaModel(cfg, econf.torch_dtype, econf.attention_backend)
     model.load_weights(tensors)
-    return model.to(econf.device).eval()
+    model = model.to(econf.device).eval()
+    if econf.fast_path and econf.attention_backend in ("auto", "torch"):
+        model.enable_fast_path(econf.linear_kind)
+    return model
 
 
 class LLMEngine:

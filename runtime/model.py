@@ -6,6 +6,9 @@ HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one ma
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
 position and its slot in the paged cache, each sequence its block table. It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
+`enable_fast_path()` (called by the engine after loading) switches `forward` to the fused CPU
+path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
+(`forward_modules`), which the tests compare it with.
 """
 from __future__ import annotations
 
@@ -108,6 +111,14 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
+        self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
+
+    def enable_fast_path(self, linear_kind: str = "auto") -> bool:
+        """Run `forward` through the fused CPU path where it can; True if it is on."""
+        from runtime.cpu_forward import CpuForward
+
+        self.fast = CpuForward.build(self, linear_kind)
+        return self.fast is not None
 
     @torch.inference_mode()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -135,8 +146,13 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
             param.data = src.to(self.dtype).contiguous()
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(batch, kv_cache)
+        return self.forward_modules(batch, kv_cache)
+
+    @torch.inference_mode()
+    def forward_modules(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: (layers, 2, num_blocks, block_size, KVH, D)
         h = self.embed_tokens(batch.input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):

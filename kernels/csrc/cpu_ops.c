@@ -1,0 +1,248 @@
+/* pdserve's fused CPU kernels, float32: called through ctypes by kernels/cpu_native.py.
+ *
+ * Each function does what a handful of small torch ops would, in one pass over memory and
+ * without a Python round trip per op; each has a torch twin in kernels/cpu_native.py that the
+ * tests compare it with. Built once per machine with `cc -O3 -march=native -fopenmp` and linked
+ * against the OpenMP runtime torch has already loaded, so both share one thread pool and the
+ * thread count torch.set_num_threads set.
+ *
+ * Rounding: elementwise arithmetic keeps torch's order of operations (the file is compiled with
+ * -ffp-contract=off, so a*b + c*d is two rounded products and a rounded sum, as in eager torch);
+ * reductions (RMSNorm's mean of squares, attention's dot products and softmax) sum in another
+ * order than torch, so results differ from the twins at the level of float32 rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) to about 2 ulp (Cephes' expf: range reduction by ln 2, degree-6 polynomial). The
+ * scalar form serves loop tails and non-AVX2 builds; exp8 is the same arithmetic 8 lanes wide. */
+static inline float pd_expf(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* y[i] = exp(x[i] - m) for i < n; returns the sum of the y (softmax's denominator). */
+static float exp_shifted(float *x, int n, float m) {
+    int i = 0;
+    float sum = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+#endif
+    for (; i < n; i++) {
+        x[i] = pd_expf(x[i] - m);
+        sum += x[i];
+    }
+    return sum;
+}
+
+/* A per-thread scratch buffer for attention scores, grown on demand and kept for the process. */
+static float *scratch(size_t n) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        cap = n < 4096 ? 4096 : n;
+        buf = (float *)malloc(cap * sizeof(float));
+    }
+    return buf;
+}
+
+/* One (sequence, kv head) item of decode attention: the G query heads qs (G, D), already scaled,
+ * against keys/values 0..len-1 of kv head kh, read page by page through `table`. s: G * len
+ * scores of scratch, acc: G * D. Always inlined with a constant D so that the D-loops compile
+ * to straight vector code (fused multiply-adds: attention is not bit-matched to torch anyway). */
+static inline __attribute__((always_inline)) void decode_item(
+    const float *qs, float *ob, float *s, float *acc, const float *k_cache, const float *v_cache,
+    const int32_t *table, int len, int kh, int G, int KVH, const int BS, const int D) {
+    for (int g = 0; g < G; g++) s[(int64_t)g * len] = 0.0f;
+    float mx[G];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    const float *kp = k_cache, *vp = v_cache;
+    const int64_t row = (int64_t)KVH * D;
+    for (int t = 0; t < len; t++) {
+        if (t % BS == 0) kp = k_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * D;
+        else kp += row;
+        for (int g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) dot = fmaf(qg[d], kp[d], dot);
+            s[(int64_t)g * len + t] = dot;
+            mx[g] = dot > mx[g] ? dot : mx[g];
+        }
+    }
+    float inv_sum[G];
+    for (int g = 0; g < G; g++) {
+        inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        if (t % BS == 0) vp = v_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * D;
+        else vp += row;
+        for (int g = 0; g < G; g++) {
+            const float w = s[(int64_t)g * len + t];
+            float *ag = acc + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ag[d] = fmaf(w, vp[d], ag[d]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+/* Decode attention straight from the pages: one query token per sequence, no gather.
+ *
+ * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
+ * k_cache, v_cache: (num_blocks, BS, KVH, D) contiguous. block_tables: (B, bt_stride) int32.
+ * The sequence sees keys 0..seq_lens[b]-1. Work item = (sequence, kv head): the G = H / KVH
+ * query heads that read one kv head share each key and value load. Returns 0, or 1 when a
+ * scratch allocation failed (out then holds garbage for the failed items).
+ */
+int pd_paged_decode_attention(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+    const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale) {
+    const int G = H / KVH;
+    int failed = 0;
+    int64_t work = 0;
+    for (int b = 0; b < B; b++) work += seq_lens[b];
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > 4096) reduction(| : failed)
+    for (int b = 0; b < B; b++) {
+        for (int kh = 0; kh < KVH; kh++) {
+            const int len = seq_lens[b];
+            const int32_t *table = block_tables + (int64_t)b * bt_stride;
+            const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
+            float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
+            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D);
+            if (s == NULL) { failed = 1; continue; }
+            float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
+            for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
+            if (D == 64)
+                (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, 16, 64)
+                         : decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, 64));
+            else if (D == 128)
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, 128);
+            else
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, D);
+        }
+    }
+    return failed;
+}
+
+/* RMSNorm of `rows` rows of x (row stride x_stride) into out (contiguous), as transformers'
+ * LlamaRMSNorm: out = w * (x * rsqrt(mean(x^2) + eps)). With residual != NULL it first adds x
+ * into the residual stream (residual += x) and normalises the sum (vLLM's fused_add_rms_norm). */
+void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float *w, float *out,
+                 int rows, int dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (int64_t)r * x_stride;
+        float *src = (float *)xr;
+        if (residual != NULL) {
+            src = residual + (int64_t)r * dim;
+#pragma omp simd
+            for (int i = 0; i < dim; i++) src[i] = src[i] + xr[i];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < dim; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + (int64_t)r * dim;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = w[i] * (src[i] * inv);
+    }
+}
+
+/* out (rows, inter) = silu(gate) * up for gate_up (rows, 2 * inter) = [gate | up]; silu(x) =
+ * x / (1 + exp(-x)), as torch's vectorised CPU silu. */
+static void silu_mul_row(const float *g, const float *u, float *o, int n) {
+    int i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = (g[i] / (1.0f + pd_expf(-g[i]))) * u[i];
+}
+
+void pd_silu_mul(const float *gate_up, float *out, int rows, int inter) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * inter >= 65536)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter;
+        silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+    }
+}
+
+/* Rotary embedding (rotate-half / NeoX layout, as transformers' Llama) applied in place to the
+ * q and k heads of the fused qkv rows (T, qkv_stride) = [q (H*D) | k (KVH*D) | v (KVH*D)], then
+ * k and v stored at their cache slots: the work of rope + write_kv in one pass.
+ * cos, sin: (max_position, D) tables; positions, slots: (T,) int64. */
+void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t,
+                      const float *sin_t, float *k_cache, float *v_cache, const int64_t *slots,
+                      int T, int H, int KVH, int D) {
+    const int half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + (int64_t)t * qkv_stride;
+        const float *c = cos_t + positions[t] * D;
+        const float *s = sin_t + positions[t] * D;
+        for (int h = 0; h < H + KVH; h++) {
+            float *x = row + (int64_t)h * D;
+            float tmp[half];
+#pragma omp simd
+            for (int i = 0; i < half; i++) tmp[i] = x[i];
+#pragma omp simd
+            for (int i = 0; i < half; i++) x[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+#pragma omp simd
+            for (int i = 0; i < half; i++) x[i + half] = x[i + half] * c[i + half] + tmp[i] * s[i + half];
+        }
+        const int64_t slot = slots[t];
+        memcpy(k_cache + slot * KVH * D, row + (int64_t)H * D, sizeof(float) * KVH * D);
+        memcpy(v_cache + slot * KVH * D, row + (int64_t)(H + KVH) * D, sizeof(float) * KVH * D);
+    }
+}

@@ -1,0 +1,119 @@
+"""The CPU fast path of `LlamaModel.forward`: the same math in fewer, fused steps.
+
+Lifecycle: `CpuForward.build(model)` is called once after the weights are loaded (by
+`LlamaModel.enable_fast_path`); it packs every projection into a `kernels.linear.PackedLinear`
+and loads the fused C kernels (kernels.cpu_native). It returns None where the fast path cannot
+run (not float32 on the CPU, or no C compiler), and the model keeps its module forward, which
+stays the slow twin this path is tested against. `__call__(batch, kv_cache)` then replaces the
+module forward for every step.
+
+Per layer it makes eight calls instead of about forty torch ops: RMSNorm fused with the
+residual add, the qkv GEMM, rotary embedding fused with the KV-cache write, attention, the o
+GEMM, the second fused add + RMSNorm, the gate/up GEMM, silu * up, the down GEMM. Decode rows
+(one query token) attend straight from the pages in C, all sequences in one call; a sequence
+with a longer query (prefill, chunked prefill) runs the torch path's per-sequence sdpa, shaped
+as transformers' so that a prompt's first token is computed as HF computes it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native
+from kernels.linear import PackedLinear
+from kernels.torch_paged import attend_one, gather_pages
+
+
+class CpuForward:
+    def __init__(self, model, ops: cpu_native.NativeOps, linear_kind: str = "auto"):
+        c = model.cfg
+        self.cfg = c
+        self.ops = ops
+        self.eps = c.rms_eps
+        self.scale = c.head_dim**-0.5
+        self.embed = model.embed_tokens.weight
+        self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
+        self.layers = [_Layer(layer, linear_kind) for layer in model.layers]
+        self.final_norm = model.norm.weight
+        self.lm_head = PackedLinear(model.lm_head.weight, None, linear_kind)
+
+    @classmethod
+    def build(cls, model, linear_kind: str = "auto") -> "CpuForward | None":
+        if model.embed_tokens.weight.device.type != "cpu" or model.dtype != torch.float32:
+            return None
+        ops = cpu_native.native()
+        return None if ops is None else cls(model, ops, linear_kind)
+
+    @torch.inference_mode()
+    def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        c, ops = self.cfg, self.ops
+        tokens = batch.input_ids.numel()
+        plan = _AttentionPlan.of(batch)
+        h = F.embedding(batch.input_ids, self.embed)  # (T, hidden): the residual stream, updated in place
+        x = torch.empty_like(h)
+        ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
+        delta = None
+        attn = torch.empty((tokens, c.q_size), dtype=h.dtype)
+        act = torch.empty((tokens, c.intermediate_size), dtype=h.dtype)
+        for i, layer in enumerate(self.layers):
+            if delta is not None:
+                ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            qkv = layer.qkv(x)  # (T, q + 2 kv)
+            ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads)
+            self._attention(plan, qkv, attn, k_cache, v_cache)
+            ops.rms_norm(layer.o(attn), layer.post_norm, x, self.eps, residual=h)
+            ops.silu_mul(layer.gate_up(x), act)
+            delta = layer.down(act)
+        rows = batch.logits_indices
+        last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
+        ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
+        return self.lm_head(last).float()  # (N, vocab)
+
+    def _attention(self, plan: "_AttentionPlan", qkv, attn, k_cache, v_cache) -> None:
+        c = self.cfg
+        if plan.decode_rows is not None:
+            self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale)
+        for start, end, table, seq_len in plan.prefills:
+            q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
+            k, v = gather_pages(k_cache, v_cache, table, seq_len)
+            attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
+
+
+class _Layer:
+    """One decoder layer's weights in fast-path form."""
+
+    def __init__(self, layer, kind: str):
+        a, m = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.qkv = PackedLinear(a.qkv_proj.weight, a.qkv_proj.bias, kind)
+        self.o = PackedLinear(a.o_proj.weight, None, kind)
+        self.gate_up = PackedLinear(m.gate_up_proj.weight, None, kind)
+        self.down = PackedLinear(m.down_proj.weight, None, kind)
+
+
+class _AttentionPlan:
+    """Which query rows decode (one token, C kernel, one call) and which sequences prefill (torch)."""
+
+    __slots__ = ("decode_rows", "decode_tables", "decode_lens", "prefills")
+
+    @classmethod
+    def of(cls, batch) -> "_AttentionPlan":
+        plan = cls()
+        starts = batch.query_start_loc.tolist()
+        lens = batch.seq_lens.tolist()
+        decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        plan.prefills = [
+            (starts[i], starts[i + 1], batch.block_tables[i], lens[i]) for i in range(len(lens)) if starts[i + 1] - starts[i] > 1
+        ]
+        plan.decode_rows = plan.decode_tables = plan.decode_lens = None
+        if len(decode) == len(lens):
+            plan.decode_rows = batch.query_start_loc[:-1].long()
+            plan.decode_tables, plan.decode_lens = batch.block_tables, batch.seq_lens
+        elif decode:
+            idx = torch.tensor(decode)
+            plan.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64)
+            plan.decode_tables = batch.block_tables.index_select(0, idx).contiguous()
+            plan.decode_lens = batch.seq_lens.index_select(0, idx).contiguous()
+        return plan
