@@ -34,6 +34,7 @@ from kvtransfer.pool import KVPool, dtype_name, host_identity
 from kvtransfer.transfer import KVReceiver, gpu_backends
 from runtime import cuda_graphs
 from runtime.config import EngineConfig, WorkerConfig
+from runtime.cores import CoreShare
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
 from runtime.heap import freeze_startup_heap
@@ -63,6 +64,7 @@ class DecodeWorker:
         self.wcfg = worker_cfg
         if worker_cfg.threads:
             torch.set_num_threads(worker_cfg.threads)
+        self.cores = CoreShare.open(worker_cfg.core_share)
         self.worker_id = worker_cfg.worker_id or f"{role.name.lower()}-{os.getpid()}"
         cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
         model = build_model(cfg, tensors, engine_cfg)
@@ -79,7 +81,9 @@ class DecodeWorker:
             "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", self.worker_id, num_blocks, engine_cfg.block_size,
             num_blocks * engine_cfg.block_size, self.pool.nbytes / 2**20, f" in {self.pool.path}" if self.pool.path else "",
         )
+        self.cores.busy()
         profile = self.engine.profile()
+        self.cores.idle()
         security.check_bind(worker_cfg.kv_bind, worker_cfg.keys, worker_cfg.insecure)
         self.ctx = zmq.Context()
         self.auth = security.start_authenticator(self.ctx, worker_cfg.keys)
@@ -114,15 +118,19 @@ class DecodeWorker:
         try:
             while self.running:
                 busy = self.engine.has_work()
+                if not busy:
+                    self.cores.idle()
                 for msg in self.link.drain(0 if busy else 0.05):
                     self.handle(msg)
                 if self.engine.has_work():
+                    self.cores.busy()
                     self.emit(self.engine.step())
                 self.expire_grants()
         finally:
             self.close()
 
     def close(self) -> None:
+        self.cores.close()
         self.link.stop()
         self.receiver.close()
         if self.auth is not None:

@@ -29,6 +29,7 @@ def _engine_options(f):
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
         click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="token budget of one step"),
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
+        click.option("--core-share", default=None, help="PATH:SLOT from the launcher: share the node's cores with its other busy workers"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
         click.option("--coordinator", "coordinator_addr", default=COORDINATOR_WORKERS, show_default=True, help="coordinator worker port"),
         click.option("--heartbeat-s", "heartbeat_s", default=0.5, show_default=True, type=float,
@@ -40,15 +41,16 @@ def _engine_options(f):
     return _security_options(f)
 
 
-def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, worker_id, coordinator_addr,
-             **extra):
+def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, core_share, worker_id,
+             coordinator_addr, **extra):
     from runtime.config import EngineConfig, WorkerConfig
     from runtime.errors import PdserveError
 
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens)
-        wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads, **extra)
+        wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
+                            core_share=core_share, **extra)
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     return ecfg, wcfg

@@ -100,6 +100,7 @@ class Launcher:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.stopping = False
+        self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = None
@@ -133,12 +134,23 @@ class Launcher:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
         kv_bind = f"tcp://{p.kv_bind_host}:*"
+        # Without --threads the node's workers share its cores by who is busy (runtime.cores).
+        if p.threads is None and p.num_workers:
+            from runtime.cores import create_share  # here: the launcher itself does not need torch
+
+            self.core_share = create_share(p.num_workers)
+        slots = iter(range(p.num_workers))
+
+        def share() -> list[str]:
+            return ["--core-share", f"{self.core_share}:{next(slots)}"] if self.core_share else []
+
         for i in range(p.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common, *p.prefill_args])
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common, *share(), *p.prefill_args])
         for i in range(p.decode):
-            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common])
+            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common, *share()])
         for i in range(p.colocated):
-            self._spawn(f"colocated-{i}", ["decode", "--colocated", "--worker-id", f"{p.name}-colocated-{i}", "--kv-bind", kv_bind, *common])
+            self._spawn(f"colocated-{i}", ["decode", "--colocated", "--worker-id", f"{p.name}-colocated-{i}", "--kv-bind", kv_bind,
+                                           *common, *share()])
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with the coordinator; returns its stats."""
@@ -197,6 +209,8 @@ class Launcher:
         for _, proc in self.procs:  # pools of children that could not clean up (SIGKILL)
             for path in glob.glob(f"/dev/shm/pdserve-kv-{proc.pid}"):
                 os.unlink(path)
+        if self.core_share and os.path.exists(self.core_share):
+            os.unlink(self.core_share)
 
     def run_forever(self, on_ready=None) -> int:
         stop = []

@@ -31,6 +31,7 @@ from kvtransfer.pool import host_identity
 from kvtransfer.cuda_ipc import device_id
 from kvtransfer.transfer import KVSender, gpu_backends
 from runtime.config import EngineConfig, WorkerConfig
+from runtime.cores import CoreShare
 from runtime.engine import LLMEngine, build_model, drain_steps
 from runtime.errors import PdserveError
 from runtime.heap import freeze_startup_heap
@@ -52,11 +53,14 @@ class PrefillWorker:
         self.wcfg = worker_cfg
         if worker_cfg.threads:
             torch.set_num_threads(worker_cfg.threads)
+        self.cores = CoreShare.open(worker_cfg.core_share)
         self.worker_id = worker_cfg.worker_id or f"prefill-{os.getpid()}"
         cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
         self.engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg)
         self.scheduler = self.engine.scheduler
+        self.cores.busy()
         profile = self.engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
+        self.cores.idle()
         self.ctx = zmq.Context()
         self.sender = KVSender(self.ctx, self.worker_id, security.client_options(worker_cfg.keys))
         host, boot = host_identity()
@@ -82,12 +86,16 @@ class PrefillWorker:
         self.link.start()
         try:
             while self.running:
+                if not self.jobs:
+                    self.cores.idle()
                 for msg in self.link.drain(0 if self.jobs else 0.05):
                     self.handle(msg)
                 if self.jobs:
                     self.wait_for_batch()
+                    self.cores.busy()
                     self.step()
         finally:
+            self.cores.close()
             self.link.stop()
             self.sender.close()
             self.ctx.destroy(linger=0)

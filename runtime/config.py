@@ -177,6 +177,7 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     grant_timeout_s: float = 30.0  # decode: a grant whose KV never arrives is freed after this
     threads: int | None = None  # torch threads; None = torch's default
+    core_share: str | None = None  # "PATH:SLOT": size threads by the launch's busy workers (runtime.cores)
     keys: str | None = None  # CurveZMQ keys directory (pdserve keygen)
     insecure: bool = False  # allow a non-loopback kv bind without keys
 

@@ -1,0 +1,90 @@
+"""Sharing one node's cores between the worker processes of one launch: the busy ones get them.
+
+Why: a static split (each of N workers on cores / N threads for its whole life) leaves the
+decode worker on one core while the prefill worker idles between bursts, and the reverse. Giving
+every worker all cores instead oversubscribes them whenever two are busy, and OpenMP's barriers
+then wait on preempted threads. Here each worker says when it is busy; a busy worker runs on
+cores // (busy workers) threads, re-read before every step.
+
+Lifecycle: the launcher calls `create_share(n_workers)` once (a file of one byte per worker in
+/dev/shm) and hands worker i the spec "PATH:i" (`--core-share`); it unlinks the file when it
+stops. A worker builds `CoreShare.open(spec, cores)`, calls `busy()` before each step it is
+about to run and `idle()` before it waits for work, and `close()` (idle) on exit. A worker
+started without a spec gets `StaticCores`, whose calls do nothing: it keeps the thread count it
+was given. A worker killed while busy leaves
+its byte set until it (or its replacement in the same slot) starts again: the others run on
+fewer threads meanwhile, never more, so the failure mode is slow, not oversubscribed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import torch
+
+
+def create_share(num_workers: int, directory: str | None = None) -> str:
+    """Create the shared busy flags for num_workers workers; returns the file's path."""
+    directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    fd, path = tempfile.mkstemp(prefix="pdserve-cores-", dir=directory)
+    try:
+        os.write(fd, bytes(max(1, num_workers)))
+    finally:
+        os.close(fd)
+    return path
+
+
+class CoreShare:
+    def __init__(self, path: str, slot: int, cores: int):
+        self.cores = max(1, cores)
+        with open(path, "r+b") as f:
+            self.flags = mmap.mmap(f.fileno(), 0)
+        if not 0 <= slot < len(self.flags):
+            raise ValueError(f"core-share slot {slot} outside the {len(self.flags)} workers of {path}")
+        self.slot = slot
+        self.threads = torch.get_num_threads()
+        self.flags[slot] = 0
+
+    @classmethod
+    def open(cls, spec: str | None, cores: int | None = None) -> "CoreShare | StaticCores":
+        """From a "PATH:SLOT" spec; without one, StaticCores (the worker keeps its threads)."""
+        if not spec:
+            return StaticCores()
+        path, _, slot = spec.rpartition(":")
+        if not path or not slot.isdigit():
+            raise ValueError(f"--core-share must be PATH:SLOT, got {spec!r}")
+        return cls(path, int(slot), cores or os.cpu_count() or 1)
+
+    def busy_workers(self) -> int:
+        return max(1, self.flags[:].count(1))
+
+    def busy(self) -> int:
+        """Mark this worker busy and size its thread pool for the busy workers; returns threads."""
+        self.flags[self.slot] = 1
+        threads = max(1, self.cores // self.busy_workers())
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+    def idle(self) -> None:
+        self.flags[self.slot] = 0
+
+    def close(self) -> None:
+        if not self.flags.closed:
+            self.idle()
+            self.flags.close()
+
+
+class StaticCores:
+    """The no-op share of a worker started without --core-share."""
+
+    def busy(self) -> int:
+        return torch.get_num_threads()
+
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

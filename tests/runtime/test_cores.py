@@ -1,0 +1,58 @@
+"""runtime.cores: busy workers split the cores, idle ones give theirs up; flags shared through
+the file between processes as the launcher sets them up."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.cores import CoreShare, StaticCores, create_share
+
+
+@pytest.fixture
+def share_path():
+    path = create_share(3)
+    yield path
+    os.unlink(path)
+
+
+def test_busy_workers_split_the_cores(share_path):
+    before = torch.get_num_threads()
+    try:
+        a = CoreShare.open(f"{share_path}:0", cores=4)
+        b = CoreShare.open(f"{share_path}:1", cores=4)
+        assert a.busy() == 4 and torch.get_num_threads() == 4  # alone: every core
+        assert b.busy() == 2  # two busy: half each
+        assert a.busy() == 2 and torch.get_num_threads() == 2
+        b.idle()
+        assert a.busy() == 4
+        b.close()
+        assert a.busy_workers() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_flags_are_shared_between_processes(share_path):
+    code = (
+        "import sys; from runtime.cores import CoreShare; "
+        f"s = CoreShare.open({share_path!r} + ':2', cores=2); s.busy(); print(s.busy_workers()); sys.stdout.flush()"
+    )
+    before = torch.get_num_threads()
+    try:
+        mine = CoreShare.open(f"{share_path}:0", cores=2)
+        mine.busy()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd(),
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert out.stdout.strip() == "2", out.stderr
+        assert mine.busy_workers() == 2 and mine.busy() == 1  # the other process's flag is still set
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_specs_are_refused(share_path):
+    with pytest.raises(ValueError, match="PATH:SLOT"):
+        CoreShare.open(share_path)
+    with pytest.raises(ValueError, match="slot 3"):
+        CoreShare.open(f"{share_path}:3")
+    assert isinstance(CoreShare.open(None), StaticCores)
