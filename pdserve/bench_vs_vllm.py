@@ -1,0 +1,232 @@
+"""`scripts/vs_vllm`: pdserve against vLLM's CPU build on this machine: same model, same client,
+same workloads, one run, one server at a time.
+
+Lifecycle: build the workloads once (random whole-word prompts of --input-len tokens, greedy,
+ignore_eos, --output-len tokens each): one stream (--stream-requests requests, one at a time),
+then every --bursts size sent at once. Then for each server row in turn: start it, wait until it
+answers, warm it up with two short requests, run every workload through the same OpenAI
+streaming client (`/v1/completions`, usage counted from the stream), stop it. Rows:
+- `vllm`: `peers/vllm_cpu.sh serve` (vLLM CPU 0.32.0, float32; `setup` is run first if its venv
+  is missing: a few minutes);
+- `colocated`, `disagg`: `pdserve launch` (one colocated worker; 1 prefill + 1 decode), with
+  the gateway, SLO control off (`--no-slo`: a throughput comparison, nothing shed);
+- `colocated-slo`, `disagg-slo`: the same with default settings (SLO control on), first burst
+  only: whether a burst is served without shedding;
+- `hf-batch`: HF transformers `generate` in this process, one static batch per workload.
+Prints per workload: requests served, output tok/s, TTFT p50/p99, mean TPOT and every row's
+ratio to vLLM, with the issue's goals; start-up seconds (process start to first answer) per
+server. `--save-result` writes every figure as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROWS = ("vllm", "colocated", "disagg", "colocated-slo", "disagg-slo", "hf-batch")
+ROW_NAMES = {"vllm": "vLLM CPU 0.32 (float32)", "colocated": "pdserve colocated", "disagg": "pdserve disagg 1P+1D",
+             "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on", "hf-batch": "HF static batch"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    requests: list
+    max_concurrency: int | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="scripts/vs_vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="pdserve's model (default: SmolLM2-135M-Instruct GGUF); vLLM gets its HF copy")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--bursts", default="32,64", help="request counts sent all at once")
+    ap.add_argument("--stream-requests", type=int, default=4, help="requests of the single-stream workload (0: skip it)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
+    ap.add_argument("--peers", default=str(REPO.parent / "shared" / "peers"), help="directory holding vllm_cpu.sh")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-result", default=None, metavar="FILE.json")
+    return ap
+
+
+def wait_http(url: str, procs, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"server exited with code {dead[0].returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"no answer from {url} after {timeout:.0f}s")
+
+
+def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
+    from pdserve.bench import send_all
+    from pdserve.bench_backends import OpenAIBackend, Sampling
+
+    async def go():
+        async with OpenAIBackend(base_url, "/v1/completions", None, Sampling(ignore_eos=True), 3600.0, chat=False,
+                                 tokenizer=tokenizer) as b:
+            warm = [dataclasses.replace(r, output_len=4) for r in workloads[0].requests[:2]]
+            await send_all(b, warm, float("inf"), 1.0, None, 0, False)
+            return {w.name: await send_all(b, w.requests, float("inf"), 1.0, w.max_concurrency, 0, False) for w in workloads}
+
+    return asyncio.run(go())
+
+
+def vllm_row(args, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
+    from pdserve.bench_overhead import free_port
+
+    script = Path(args.peers) / "vllm_cpu.sh"
+    if not script.exists():
+        raise FileNotFoundError(f"{script} not found (pass --peers DIR)")
+    env = {**os.environ, "PROJECT_PY": sys.executable, "VLLM_PORT": str(free_port())}
+    subprocess.run(["bash", str(script), "setup"], check=True, env=env, cwd=REPO)
+    log = open(os.path.join(log_dir, "vllm.log"), "wb")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(["bash", str(script), "serve"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{env['VLLM_PORT']}"
+        wait_http(url + "/v1/models", [proc], 900)
+        startup = time.perf_counter() - t0
+        return run_workloads(url, workloads, tokenizer), startup
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
+    from pdserve.bench_overhead import free_port
+    from pdserve.launch import Launcher, NodePlan
+
+    counts = dict(prefill=0, decode=0, colocated=1) if row.startswith("colocated") else dict(prefill=1, decode=1)
+    slo = row.endswith("-slo")
+    plan = NodePlan(**counts, coordinator=True, gateway=True, model=args.model, name="vs", http_port=free_port(),
+                    client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
+                    coordinator_args=[] if slo else ["--no-slo"])
+    t0 = time.perf_counter()
+    launcher = Launcher(plan, log_dir=os.path.join(log_dir, row))
+    launcher.start()
+    try:
+        launcher.wait_ready(timeout=600)
+        startup = time.perf_counter() - t0
+        return run_workloads(plan.http_url, workloads, tokenizer), startup
+    finally:
+        launcher.stop()
+
+
+def hf_row(args, workloads) -> dict:
+    from pdserve.bench_compare import hf_generate, load_hf, timed_output
+
+    model = load_hf(args.model, os.cpu_count() or 1)
+    pad = 0
+    hf_generate(model, [workloads[0].requests[0].token_ids[:8]], 2, pad)
+    out = {}
+    for w in workloads:
+        outputs, t0 = [], time.perf_counter()
+        groups = [[r] for r in w.requests] if w.max_concurrency == 1 else [w.requests]
+        for group in groups:
+            start = time.perf_counter()
+            times = hf_generate(model, [r.token_ids for r in group], max(r.output_len for r in group), pad)
+            outputs += [timed_output(r, start, times, r.output_len, t0) for r in group]
+        out[w.name] = (outputs, time.perf_counter() - t0)
+    return out
+
+
+def format_tables(metrics: dict, startups: dict, workloads) -> str:
+    lines = []
+    for w in workloads:
+        base = metrics.get("vllm", {}).get(w.name)
+        head = f"{w.name:22s} {'ok':>7s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT mean':>10s}  vs vLLM"
+        lines += ["", head, "-" * (len(head) + 24)]
+        for row in ROWS:
+            m = metrics.get(row, {}).get(w.name)
+            if m is None:
+                continue
+            lat = m.latency_ms
+            ratio = ""
+            if base is not None and row != "vllm" and base.output_throughput > 0:
+                ratio = (f"{m.output_throughput / base.output_throughput:.2f}x tok/s, "
+                         f"p99 TTFT {lat['ttft']['p99'] / max(base.latency_ms['ttft']['p99'], 1e-9):.2f}x, "
+                         f"TPOT {lat['tpot']['mean'] / max(base.latency_ms['tpot']['mean'], 1e-9):.2f}x")
+            lines.append(f"{ROW_NAMES[row]:22s} {m.completed:3d}/{m.completed + m.failed:<3d} {m.output_throughput:10.1f} "
+                         f"{lat['ttft']['median']:9.0f} {lat['ttft']['p99']:9.0f} {lat['tpot']['mean']:10.1f}  {ratio}")
+    lines += ["", "start-up, process start to first answer (s): "
+              + ", ".join(f"{ROW_NAMES[r]} {s:.1f}" for r, s in startups.items())]
+    lines.append("goals: colocated >= 1.0x vLLM tok/s at every burst, disagg >= 0.8x, single-stream TPOT <= vLLM's, "
+                 "p99 TTFT <= vLLM's; SLO-on rows: every request served")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        print(f"scripts/vs_vllm: unknown row {', '.join(bad)}", file=sys.stderr)
+        return 2
+    from pdserve.bench_compare import machine
+    from pdserve.bench_data import build_requests
+    from pdserve.bench_metrics import compute_metrics
+    from runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    workloads = []
+    if args.stream_requests:
+        reqs = build_requests("random", tokenizer, args.stream_requests, args.input_len, args.output_len, 0.0, args.seed)
+        workloads.append(Workload("1 stream", reqs, 1))
+    for n in (int(b) for b in args.bursts.split(",") if b):
+        workloads.append(Workload(f"{n} at once", build_requests("random", tokenizer, n, args.input_len, args.output_len, 0.0,
+                                                                  args.seed + n), None))
+    print(f"machine: {machine()}")
+    print(f"workloads: {args.input_len} prompt + {args.output_len} output tokens (random words), greedy, ignore_eos; "
+          f"{', '.join(w.name for w in workloads)}; client: OpenAI /v1/completions streaming")
+    print(f"reproduce: scripts/vs_vllm {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip(), flush=True)
+    log_dir = tempfile.mkdtemp(prefix="pdserve-vs-vllm-")
+    results, startups = {}, {}
+    for row in rows:
+        print(f"running {ROW_NAMES[row]} ...", file=sys.stderr, flush=True)
+        mine = workloads[1:2] if row.endswith("-slo") and len(workloads) > 1 else workloads
+        if row == "vllm":
+            results[row], startups[row] = vllm_row(args, mine, tokenizer, log_dir)
+        elif row == "hf-batch":
+            results[row] = hf_row(args, mine)
+        else:
+            results[row], startups[row] = pdserve_row(args, row, mine, tokenizer, log_dir)
+        for name, (outs, _) in results[row].items():
+            errors = sorted({o.error for o in outs if not o.success})
+            if errors:
+                print(f"{ROW_NAMES[row]} / {name}: {len(errors)} kind(s) of error, first: {errors[0][:200]}", file=sys.stderr)
+    metrics = {row: {name: compute_metrics(outs, dur) for name, (outs, dur) in r.items()} for row, r in results.items()}
+    print(format_tables(metrics, startups, workloads))
+    print(f"(server logs in {log_dir})")
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump({"machine": machine(), "args": vars(args), "startup_s": startups,
+                       "rows": {row: {n: dataclasses.asdict(m) for n, m in ms.items()} for row, ms in metrics.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

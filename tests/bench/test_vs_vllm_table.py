@@ -1,0 +1,26 @@
+"""scripts/vs_vllm's table: ratios to vLLM for every other row, from known metrics, and its
+command line (rows are checked before anything starts)."""
+from pdserve import bench_vs_vllm as vs
+from pdserve.bench_metrics import RequestOutput, compute_metrics
+
+
+def metrics(ttft: float, itl: float, n: int, duration: float):
+    outs = [RequestOutput(prompt_len=8, output_tokens=5, success=True, ttft=ttft, itl=[itl] * 4, latency=ttft + 4 * itl)
+            for _ in range(n)]
+    return compute_metrics(outs, duration)
+
+
+def test_table_gives_each_row_its_ratio_to_vllm():
+    w = [vs.Workload("2 at once", [], None)]
+    table = vs.format_tables(
+        {"vllm": {"2 at once": metrics(0.2, 0.05, 2, 1.0)}, "colocated": {"2 at once": metrics(0.1, 0.10, 2, 0.5)}},
+        {"vllm": 60.0, "colocated": 20.0}, w,
+    )
+    row = next(line for line in table.splitlines() if line.startswith("pdserve colocated"))
+    assert "2.00x tok/s" in row and "p99 TTFT 0.50x" in row and "TPOT 2.00x" in row
+    assert "vLLM CPU 0.32 (float32) 60.0" in table
+
+
+def test_unknown_rows_are_refused_before_anything_starts(capsys):
+    assert vs.main(["--rows", "vllm,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
