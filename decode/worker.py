@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from coordinator import security
-from coordinator.link import CoordinatorRestarted, WorkerLink
-from coordinator.protocol import (
+from wire import security
+from wire.link import CoordinatorRestarted, WorkerLink
+from wire.protocol import (
     PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, KVFailed, KVReady, Reject, Release,
     Role, Shutdown, TokenBatch, TokenOut, WorkerError,
 )
@@ -38,6 +38,7 @@ from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
 from runtime.heap import freeze_startup_heap
 from runtime.kv_cache import kv_cache_shape
+from runtime.sequence import FinishReason
 from runtime.weights import load_checkpoint
 
 log = logging.getLogger("pdserve.decode")
@@ -53,7 +54,7 @@ class Grant:
 def token_out(o: StepOutput) -> TokenOut:
     return TokenOut(
         o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs,
-        -1 if o.finish_reason is None else int(o.finish_reason),
+        o.finish_reason,
     )
 
 
@@ -87,7 +88,7 @@ class DecodeWorker:
                                    ipc=self.pool.accept() if isinstance(self.pool, CudaKVPool) else None)
         host, boot = host_identity()
         hello = Hello(
-            PROTOCOL_VERSION, self.worker_id, int(role), os.getpid(), host, boot, str(worker_cfg.model or "default"),
+            PROTOCOL_VERSION, self.worker_id, role, os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, num_blocks, engine_cfg.block_size, self.receiver.endpoint, self.pool.path,
             list(shape), dtype_name(engine_cfg.torch_dtype), profile,
             kv_device=device_id(self.pool.tensor), kv_backends=gpu_backends(self.pool.tensor),
@@ -201,7 +202,7 @@ class DecodeWorker:
         if rid in self.grants:
             self.grants[rid].cancelled = True  # the prefill side may still be writing into it
         elif self.engine.abort(rid):
-            self.emit([StepOutput(rid, None, finish_reason=2)])
+            self.emit([StepOutput(rid, None, finish_reason=FinishReason.ABORT)])
 
     def free_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid, None)

@@ -17,9 +17,9 @@ import functools
 
 import torch
 
-from coordinator.protocol import KVAccept
+from wire.protocol import KVAccept
 from kvtransfer.errors import KVTransferError, wait_done
-from kvtransfer.pool import DTYPES, dtype_name
+from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name
 from runtime.errors import NotSupportedError
 
 
@@ -61,8 +61,6 @@ def device_id(tensor: torch.Tensor) -> str:
 
 def gpu_pool(shape, dtype: torch.dtype, device):
     """A decode worker's KV pool on `device`: exportable (CudaKVPool) with cupy, else plain (tcp only)."""
-    from kvtransfer.pool import KVPool
-
     if has_cupy():
         return CudaKVPool.create(shape, dtype, device)
     return KVPool(torch.zeros(shape, dtype=dtype, device=device))
@@ -152,8 +150,6 @@ class IpcPeer:
 
     def send(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], deliver) -> None:
         """Copy src's blocks into dst_ids, wait until they are in place, then deliver() the header."""
-        from kvtransfer.transfer import copy_blocks
-
         self.check(src)
         if not src.is_cuda:  # the CPU tests' stand-in for a mapped pool
             copy_blocks(self.dst, src, src_ids, dst_ids)

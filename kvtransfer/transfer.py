@@ -24,10 +24,10 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.protocol import MAX_CONTROL_MESSAGE, KVFailed, KVReady, PrefillToDecode, decoder, encode
-from coordinator.protocol import KVAccept, KVConnect
+from wire.protocol import MAX_CONTROL_MESSAGE, KVFailed, KVReady, PrefillToDecode, decoder, encode
+from wire.protocol import KVAccept, KVConnect
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
-from kvtransfer.pool import DTYPES, KVPool, dtype_name
+from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name
 from runtime.errors import NotSupportedError
 
 BACKENDS = ("shm", "tcp")
@@ -69,7 +69,7 @@ def _forced_gpu(forced: str, same: bool, src_gpu, dst_gpu) -> str:
 
 
 def backend_for(p, d, forced: str | None = None) -> str:
-    """choose_backend for a prefill and a decode worker's Hellos (coordinator.protocol.Hello)."""
+    """choose_backend for a prefill and a decode worker's Hellos (wire.protocol.Hello)."""
     return choose_backend(p.host, p.boot_id, d.host, d.boot_id, d.shm_path, forced, list(p.kv_backends), list(d.kv_backends))
 
 
@@ -82,23 +82,6 @@ def gpu_backends(pool: torch.Tensor) -> list[str]:
     return ["cuda_ipc"] + (["nccl"] if nccl.available(pool.device) else [])
 
 
-def block_runs(src: list[int], dst: list[int]):
-    """Coalesce paired block ids into runs (src_start, dst_start, length) of consecutive ids."""
-    runs = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return runs
-
-
-def copy_blocks(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
-    # dst, src: (layers, 2, num_blocks, block_size, KVH, D); block ids index dim 2
-    for s, d, n in block_runs(src_ids, dst_ids):
-        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
-
-
 class KVSender:
     def __init__(self, ctx: zmq.Context, identity: str, curve: dict | None = None, timeout: float = 10.0):
         self.ctx = ctx
@@ -107,7 +90,7 @@ class KVSender:
         self.peers: dict[tuple[str, str], object] = {}  # (endpoint, backend) -> cuda_ipc.IpcPeer | nccl.NcclSender
         self._nonce = itertools.count(1)
         self._accept = decoder(KVAccept)
-        self.curve = curve or {}  # CurveZMQ client options (coordinator.security.client_options)
+        self.curve = curve or {}  # CurveZMQ client options (wire.security.client_options)
         self.sockets: dict[str, zmq.Socket] = {}
         self.pools: dict[str, KVPool] = {}
         self.bytes_sent = 0
@@ -240,7 +223,7 @@ class KVReceiver:
         self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
         layer_bytes = pool[0].numel() * pool.element_size()
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, 2**20))  # no frame can exceed one layer of the pool
-        for opt, value in (curve or {}).items():  # CurveZMQ server options (coordinator.security.server_options)
+        for opt, value in (curve or {}).items():  # CurveZMQ server options (wire.security.server_options)
             self.sock.setsockopt(opt, value)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -180,7 +180,7 @@ class Handoff:
 
 
 def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks: int, rng: random.Random, tag: str) -> float:
-    from coordinator.protocol import KVReady
+    from wire.protocol import KVReady
     from runtime.params import SamplingParams
 
     num_blocks = shape[2]

@@ -99,7 +99,7 @@ def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampli
 
 
 def _generate_remote(prompt, address, chat, timeout, keys, sampling):
-    from coordinator.client import Client, ClientError
+    from client.library import Client, ClientError
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     with Client(address, timeout=timeout, keys=keys) as client:
@@ -207,7 +207,7 @@ def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pen
 @click.option("-v", "--verbose", is_flag=True)
 def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, verbose):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
-    from coordinator.gateway import GatewayConfig, serve
+    from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
 
     _logging(verbose)
@@ -236,7 +236,7 @@ def prefill(verbose, batch_window_ms, **kw):
 @click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
 def decode(verbose, kv_bind, colocated, **kw):
     """Run a decode worker: continuous batching over a paged KV cache."""
-    from coordinator.protocol import Role
+    from wire.protocol import Role
     from decode.worker import serve
 
     _logging(verbose)
@@ -250,7 +250,7 @@ def decode(verbose, kv_bind, colocated, **kw):
 @click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
 def stats(address, timeout, keys):
     """Print the coordinator's stats as JSON."""
-    from coordinator.client import Client, ClientError
+    from client.library import Client, ClientError
 
     with Client(address, timeout=timeout, keys=keys) as c:
         try:
@@ -324,7 +324,7 @@ def bench(args):
 @click.argument("directory", type=click.Path())
 def keygen(directory):
     """Write CurveZMQ keys for a cluster into DIRECTORY (copy it to every node; pass --keys DIRECTORY)."""
-    from coordinator.security import keygen as make_keys
+    from wire.security import keygen as make_keys
 
     d = make_keys(directory)
     click.echo(f"wrote server and client keypairs to {d} (authorized client keys in {d / 'authorized'})")

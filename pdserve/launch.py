@@ -142,7 +142,7 @@ class Launcher:
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with the coordinator; returns its stats."""
-        from coordinator.client import Client, ClientError
+        from client.library import Client, ClientError
 
         deadline = time.monotonic() + timeout
         mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from coordinator import security
-from coordinator.link import CoordinatorRestarted, WorkerLink
-from coordinator.protocol import (
+from wire import security
+from wire.link import CoordinatorRestarted, WorkerLink
+from wire.protocol import (
     PROTOCOL_VERSION, Abort, Heartbeat, Hello, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError,
 )
 from kvtransfer.pool import host_identity
@@ -61,7 +61,7 @@ class PrefillWorker:
         self.sender = KVSender(self.ctx, self.worker_id, security.client_options(worker_cfg.keys))
         host, boot = host_identity()
         hello = Hello(
-            PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
+            PROTOCOL_VERSION, self.worker_id, Role.PREFILL, os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
             kv_device=device_id(self.engine.runner.kv_cache), kv_backends=gpu_backends(self.engine.runner.kv_cache),
         )

@@ -22,8 +22,8 @@ import pytest
 import torch
 import zmq
 
-from coordinator.client import Client, WorkerLost
-from coordinator.protocol import (
+from client.library import Client, WorkerLost
+from wire.protocol import (
     PROTOCOL_VERSION, AbortRequest, Admit, AdmitRefused, ChatMessage, ClientToCoordinator, CoordinatorToClient, Delta,
     ErrorReply, GenerateRequest, Granted, Heartbeat, Hello, KVFailed, KVReady, PrefillDone, Role, StatsRequest, StatusRequest,
     TokenBatch, TokenOut, Welcome, WorkerError, WorkerToCoordinator, decoder, encode,

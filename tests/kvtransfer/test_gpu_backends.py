@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq
 
-from coordinator.protocol import (
+from wire.protocol import (
     Admit, Hello, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
 )
 from kvtransfer import cuda_ipc, nccl

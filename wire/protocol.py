@@ -1,6 +1,6 @@
 """The wire protocol: every message between pdserve processes, as msgspec Structs.
 
-Lifecycle of one request (see ../shared/DESIGN.md):
+Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its states):
   client  -> coordinator   GenerateRequest
   coord   -> decode        Admit            decode reserves KV blocks for the prompt
   decode  -> coord         Granted | AdmitRefused
@@ -20,8 +20,9 @@ from typing import Union
 import msgspec
 
 from runtime.params import SamplingParams
+from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 2  # 2: Admit, Granted and AdmitRefused carry the admission number
+PROTOCOL_VERSION = 3  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and finish reasons
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 
 
@@ -29,15 +30,6 @@ class Role(enum.IntEnum):
     PREFILL = 0
     DECODE = 1
     COLOCATED = 2
-
-
-class FinishReason(enum.IntEnum):  # same values as runtime.sequence.FinishReason
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-
-FINISH_NAMES = {0: "stop", 1: "length", 2: "abort"}
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -88,7 +80,7 @@ class Delta(_Msg):
 
 class Final(_Msg):
     request_id: str
-    finish_reason: int  # FinishReason
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     ttft: float  # seconds from arrival at the coordinator to the first token
@@ -117,7 +109,7 @@ CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 class Hello(_Msg):
     version: int
     worker_id: str
-    role: int  # Role
+    role: Role
     pid: int
     host: str
     boot_id: str  # two workers share memory only if host and boot id match
@@ -212,7 +204,7 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     token_id: int = -1  # -1: no new token (the request ended on its own)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: int = -1  # -1: still running
+    finish_reason: FinishReason | None = None  # None: still running
 
 
 class TokenBatch(_Msg):

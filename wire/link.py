@@ -20,7 +20,7 @@ import uuid
 import msgspec
 import zmq
 
-from coordinator.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello, Reject, Welcome, decoder, encode
+from wire.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello, Reject, Welcome, decoder, encode
 
 log = logging.getLogger("pdserve.link")
 
