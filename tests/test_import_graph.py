@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "prefill", "decode", "coordinator", "client", "gateway", "pdserve")
+PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve")
 
 
 def module_name(path: Path) -> str:

@@ -32,6 +32,7 @@ from runtime.config import EngineConfig
 from runtime.errors import NotSupportedError
 from runtime.kv_cache import BlockManager
 from runtime.params import SamplingParams
+from tests.helpers import FakeLink, save_tiny_model, tiny_engine
 
 _REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 16, 4, 2, 8)  # (layers, 2, num_blocks, block_size, KVH, D)
@@ -389,58 +390,50 @@ def test_nccl_peer_that_never_joins_times_out(pair, fake_nccl):
 # ------------------------------------------------------------------ both workers free their blocks
 
 
-class FakeLink:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-
 def decode_side(receiver: KVReceiver, num_blocks: int):
     from decode.worker import DecodeWorker
 
-    d = DecodeWorker.__new__(DecodeWorker)  # the worker's message handlers, without a model or a coordinator
-    d.engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]))
-    d.receiver, d.link, d.grants = receiver, FakeLink(), {}
-    d.wcfg = SimpleNamespace(grant_timeout_s=30.0)
+    engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]))  # the grant bookkeeping, without a model
+    return DecodeWorker("decode-1", engine, receiver, FakeLink())
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_model(tmp_path_factory):
+    """A tiny checkpoint whose KV pool has SHAPE's layers, heads and head size."""
+    d = tmp_path_factory.mktemp("tiny-kv")
+    save_tiny_model(d, hidden_size=32, num_attention_heads=4, num_key_value_heads=SHAPE[4], num_hidden_layers=SHAPE[0])
     return d
 
 
-def prefill_side(sender: KVSender, src: torch.Tensor):
-    from prefill.worker import Handoff, PrefillWorker
-    from runtime.scheduler import Scheduler
-    from runtime.sequence import Sequence
+def prefill_side(sender: KVSender, model_dir):
+    """A prefill worker in prefill mode on a pool of SHAPE; returns it and a job maker (Prefill messages)."""
+    from prefill.worker import PrefillWorker
 
-    p = PrefillWorker.__new__(PrefillWorker)
-    blocks = BlockManager(src.shape[2], src.shape[3])
-    p.engine = SimpleNamespace(blocks=blocks, runner=SimpleNamespace(kv_cache=src))
-    p.scheduler = Scheduler(blocks, 4, 256)
-    p.sender, p.link = sender, FakeLink()
+    engine, pool = tiny_engine(model_dir, prefill_only=True, num_blocks=SHAPE[2], block_size=SHAPE[3])
+    assert tuple(pool.shape) == SHAPE
+    p = PrefillWorker("prefill-1", engine, pool, sender, FakeLink())
+    sent_from = []  # the source block ids of each hand-off
+    real_send = sender.send
+    sender.send = lambda src, src_ids, *a: sent_from.append(list(src_ids)) or real_send(src, src_ids, *a)
 
     def job(rid, prompt_len, dest_blocks, endpoint, backend):
-        seq = Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams())
-        p.scheduler.add(seq)
-        p.scheduler.schedule()  # takes its blocks, as the prefill step would
-        seq.num_computed_tokens = prompt_len
-        msg = Prefill(rid, seq.prompt_token_ids, seq.params, "decode-1", endpoint, dest_blocks, backend)
-        return Handoff(msg, seq, time.perf_counter())
+        return Prefill(rid, list(range(1, prompt_len + 1)), SamplingParams(), "decode-1", endpoint, dest_blocks, backend)
 
+    p.sent_from = sent_from
     return p, job
 
 
-def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl):
+def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl, tiny_kv_model):
     fake_nccl.plan.append({"deliver": False})
     d = decode_side(pair.receiver, SHAPE[2])
-    p, job = prefill_side(pair.sender, torch.randn(SHAPE))
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 10))  # grants 3 blocks of 4 tokens
     granted = d.grants["r"].block_ids
     assert d.engine.blocks.free_blocks == SHAPE[2] - 3
-    h = job("r", 10, granted, pair.receiver.endpoint, "nccl")
-    assert p.engine.blocks.free_blocks == SHAPE[2] - 3
+    p.handle(job("r", 10, granted, pair.receiver.endpoint, "nccl"))
 
-    p.hand_off(h, 42, None, None, 0.0)  # the send times out
-    assert p.engine.blocks.free_blocks == SHAPE[2]
+    p.step()  # the prompt runs; its send times out
+    assert p.sent_from == [[0, 1, 2]] and p.engine.blocks.free_blocks == SHAPE[2]
     assert [(type(m), m.code) for m in p.link.sent] == [(WorkerError, "kv_transfer_failed")]
     for _ in range(2):  # the header, then the KVFailed the prefill side sent after the timeout
         d.handle(pair.pump.get())
@@ -448,12 +441,13 @@ def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl):
     assert [m.code for m in d.link.sent if isinstance(m, WorkerError)] == ["kv_transfer_timeout"]
 
 
-def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl):
+def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl, tiny_kv_model):
     fake_nccl.plan.append({"fail_send": True})
     d = decode_side(pair.receiver, SHAPE[2])
-    p, job = prefill_side(pair.sender, torch.randn(SHAPE))
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 5))
-    p.hand_off(job("r", 5, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl"), 42, None, None, 0.0)
+    p.handle(job("r", 5, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl"))
+    p.step()
     msg, frames = pair.pump.get()
     assert isinstance(msg, KVFailed)
     d.handle((msg, frames))
@@ -461,22 +455,20 @@ def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl):
     assert [m.code for m in d.link.sent if isinstance(m, WorkerError)] == ["kv_transfer_failed"]
 
 
-def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl):
-    src = torch.randn(SHAPE)
+def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl, tiny_kv_model):
     d = decode_side(pair.receiver, SHAPE[2])
     added = []
     d.engine.add_prefilled = lambda *a, **k: added.append(a) or SimpleNamespace(request_id=a[0], token_id=a[2][-1], logprob=None,
                                                                                 top_logprobs=None, finish_reason=None)
     d.emit = lambda outs: None
-    p, job = prefill_side(pair.sender, src)
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 9))
-    h = job("r", 9, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl")
-    src_ids = list(h.seq.block_table)
-    p.hand_off(h, 42, None, None, 0.0)
+    p.handle(job("r", 9, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl"))
+    p.step()
     assert p.engine.blocks.free_blocks == SHAPE[2] and type(p.link.sent[0]).__name__ == "PrefillDone"
     d.handle(pair.pump.get())
-    assert added and added[0][0] == "r" and added[0][2] == [42]
-    assert torch.equal(pair.dst[:, :, added[0][4]], src[:, :, src_ids])
+    assert added and added[0][0] == "r" and len(added[0][2]) == 1  # the first token, sampled by the prefill side
+    assert torch.equal(pair.dst[:, :, added[0][4]], p.pool[:, :, p.sent_from[0]]) and p.pool.abs().sum() > 0
 
 
 # ------------------------------------------------------------------ on a GPU
