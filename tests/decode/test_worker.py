@@ -5,24 +5,16 @@ worker (prefill mode) hands it prompts.
 Disaggregated in one process gives the single-process engine's tokens; admissions, aborts,
 failed hand-offs and expired grants each end with every block free.
 """
-import pytest
 
 from decode.worker import DecodeWorker
 from kvtransfer.local import LocalKV
 from prefill.worker import PrefillWorker
 from runtime.sampling import SamplingParams
-from tests.helpers import FakeLink, save_tiny_model, tiny_engine
+from tests.helpers import FakeLink, tiny_engine
 from wire.protocol import Abort, Admit, AdmitRefused, Granted, KVFailed, Prefill, Release, TokenBatch, WorkerError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 DEST = "local://decode-1"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(d, max_position_embeddings=128)
-    return d
 
 
 def workers(tiny, **config):

@@ -4,24 +4,16 @@ the in-process KV transport (kvtransfer.local) and a fake link in place of the c
 Each test drives the worker's loop one `turn` at a time and ends with every block of its pool
 free: a hand-off's blocks are released as soon as they are sent, on failure too.
 """
-import pytest
 import torch
 
 from kvtransfer.local import LocalKV
 from prefill.worker import PrefillWorker
 from runtime.sampling import SamplingParams
-from tests.helpers import FakeLink, save_tiny_model, tiny_engine
+from tests.helpers import FakeLink, tiny_engine
 from wire.protocol import Abort, KVFailed, KVReady, Prefill, PrefillDone, WorkerError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 DEST = "local://decode-1"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(d, max_position_embeddings=128)
-    return d
 
 
 def prefill_worker(tiny, batch_window_ms=0.0, **config):
