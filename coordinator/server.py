@@ -55,7 +55,6 @@ class CoordinatorConfig:
     max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
-    kv_backend: str = "auto"
     slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
     ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
     tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
@@ -442,18 +441,10 @@ class Coordinator:
         if p is None:
             self.retry(st, "its prefill worker was lost")
             return
-        backend = self.choose_backend(p.hello, d.hello)
         st.phase = Phase.PREFILLING
         self.send_worker(p, Prefill(
-            st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, backend,
-            d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [], list(st.tokens),
-            st.priority,
+            st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
         ))
-
-    def choose_backend(self, p: Hello, d: Hello) -> str:
-        from kvtransfer.transfer import backend_for
-
-        return backend_for(p, d, None if self.cfg.kv_backend == "auto" else self.cfg.kv_backend)
 
     def unreserve(self, st: RequestState | None) -> None:
         if st is not None and st.reserved and st.decode in self.workers:

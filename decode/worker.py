@@ -96,8 +96,8 @@ class DecodeWorker:
         ctx = zmq.Context()
         auth = security.start_authenticator(ctx, wcfg.keys)
         receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys),
-                              ipc=pool.accept() if isinstance(pool, CudaKVPool) else None)
-        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint, pool.path))
+                              ipc=pool.accept() if isinstance(pool, CudaKVPool) else None, shm_path=pool.path)
+        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close])

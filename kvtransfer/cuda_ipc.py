@@ -106,11 +106,11 @@ class CudaKVPool:
         return self.tensor.numel() * self.tensor.element_size()
 
     def accept(self, nonce: int = 0) -> KVAccept:
-        """The KVConnect answer for cuda_ipc: what a prefill worker needs to map this pool."""
+        """What a prefill worker needs to map this pool (the KVReceiver adds the rest of its description)."""
         cupy = require_cupy()
         handle = cupy.cuda.runtime.ipcGetMemHandle(self.memory.ptr)
-        return KVAccept("cuda_ipc", nonce, list(self.tensor.shape), dtype_name(self.tensor.dtype), pci_bus_id(self.device),
-                        bytes(handle), 0)
+        return KVAccept(nonce, list(self.tensor.shape), dtype_name(self.tensor.dtype), device=pci_bus_id(self.device),
+                        ipc_handle=bytes(handle), ipc_offset=0)
 
     def close(self) -> None:
         # The allocation lives while any view of it does; drop ours, the worker drops the engine.

@@ -28,7 +28,7 @@ class LocalKV:
         self.pools[endpoint] = pool
         return self.inboxes.setdefault(endpoint, [])
 
-    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str, *_) -> int:
+    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
         """Copy src's blocks src_ids into the destination's msg.block_ids, then deliver msg."""
         if len(src_ids) != len(msg.block_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")

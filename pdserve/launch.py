@@ -127,14 +127,15 @@ class Launcher:
     def start(self) -> None:
         p = self.plan
         if p.coordinator:
-            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr, "--kv-backend", p.kv_backend]
+            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr]
             self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args)
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
         kv_bind = f"tcp://{p.kv_bind_host}:*"
         for i in range(p.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common, *p.prefill_args])
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", "--kv-backend", p.kv_backend, *common,
+                                         *p.prefill_args])
         for i in range(p.decode):
             self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common])
         for i in range(p.colocated):

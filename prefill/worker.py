@@ -11,8 +11,9 @@ loops:
   budget is full) so several prompts pack into one forward;
   step: the engine packs waiting prompts up to the token budget and chunks long ones; a prompt
   whose last chunk ran comes back with its first token and its blocks still held;
-  hand off: its blocks go to the decode worker (shm: written into its pool; tcp: frames; GPU:
-  cuda_ipc or nccl), KVReady follows; release: the engine frees its blocks here at once.
+  hand off: its blocks go to the decode worker by the backend the sender picked from that
+  worker's pool description (shm: written into its pool; tcp: frames; GPU: cuda_ipc or nccl),
+  KVReady follows; release: the engine frees its blocks here at once.
 A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
 (WorkerError).
 """
@@ -68,7 +69,7 @@ class PrefillWorker:
         engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
         profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         ctx = zmq.Context()
-        sender = KVSender(ctx, wid, security.client_options(wcfg.keys))
+        sender = KVSender(ctx, wid, security.client_options(wcfg.keys), backend=wcfg.kv_backend)
         link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
         return cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx)
 
@@ -157,13 +158,13 @@ class PrefillWorker:
         seq = self.engine.seqs[msg.request_id]
         ready = KVReady(
             msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids,
-            seq.num_computed_tokens, msg.backend, out.logprob, out.top_logprobs, msg.priority,
+            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority,  # the sender names its backend
         )
         t0 = time.perf_counter()
         try:
             if len(msg.dest_block_ids) != len(seq.block_table):
                 raise ValueError(f"granted {len(msg.dest_block_ids)} blocks for {len(seq.block_table)} needed")
-            nbytes = self.sender.send(self.pool, seq.block_table, ready, msg.dest_kv_endpoint, msg.dest_shm_path, msg.dest_kv_shape)
+            nbytes = self.sender.send(self.pool, seq.block_table, ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}")
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))

@@ -200,7 +200,7 @@ def ipc_rate(repeats: int = 20) -> tuple[float, float, float]:
 
     child = subprocess.Popen([sys.executable, __file__, "--ipc-child"], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
-    sender = KVSender(ctx, "bench", timeout=30)
+    sender = KVSender(ctx, "bench", timeout=30, backend="cuda_ipc")
     try:
         endpoint = child.stdout.readline().strip()
         src = torch.randn(IPC_SHAPE, device="cuda").to(torch.bfloat16)

@@ -5,6 +5,7 @@ Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its
   coord   -> decode        Admit            decode reserves KV blocks for the prompt
   decode  -> coord         Granted | AdmitRefused
   coord   -> prefill       Prefill          with the decode worker's block ids and kv endpoint
+  prefill -> decode        KVConnect -> KVAccept once per destination: its pool, whatever the backend
   prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket
   decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
   coord   -> client        Delta ... Final  (or ErrorReply at any point)
@@ -22,7 +23,8 @@ import msgspec
 from runtime.params import SamplingParams
 from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 3  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and finish reasons
+PROTOCOL_VERSION = 3  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+# finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill)
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 
 
@@ -117,13 +119,8 @@ class Hello(_Msg):
     max_model_len: int
     num_blocks: int
     block_size: int
-    kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady
-    shm_path: str = ""  # decode: its KV pool in shared memory, "" if none
-    kv_shape: list[int] = []
-    kv_dtype: str = "float32"
+    kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady (and ask KVConnect)
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
-    kv_device: str = ""  # PCI bus id of the GPU holding this worker's KV pool; "" for a CPU pool
-    kv_backends: list[str] = []  # GPU kv backends it can use ("cuda_ipc", "nccl"): CUDA pool and cupy present
 
 
 class Welcome(_Msg):
@@ -173,10 +170,7 @@ class Prefill(_Msg):
     params: SamplingParams
     dest_worker: str
     dest_kv_endpoint: str
-    dest_block_ids: list[int]
-    backend: str  # "shm" | "tcp" | "cuda_ipc" | "nccl" (kvtransfer.transfer.choose_backend)
-    dest_shm_path: str = ""
-    dest_kv_shape: list[int] = []
+    dest_block_ids: list[int]  # the transport is the prefill worker's choice (KVConnect -> KVAccept)
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
     priority: int = 0
 
@@ -250,7 +244,7 @@ class KVReady(_Msg):
     params: SamplingParams
     block_ids: list[int]
     num_computed: int
-    backend: str
+    backend: str  # how the blocks came: "shm" | "tcp" | "cuda_ipc" | "nccl" (set by the KVSender)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     priority: int = 0
@@ -262,22 +256,26 @@ class KVFailed(_Msg):
 
 
 class KVConnect(_Msg):
-    """Prefill -> decode, once per (destination, GPU backend) before the first hand-off: what does
-    the backend need? nccl: the prefill side's ncclUniqueId; it joins as rank 0, the decode side as 1."""
+    """Prefill -> decode on the kv socket, before the first hand-off to that destination: describe
+    your pool (no nccl_id), from which the prefill side picks the backend; then, for nccl only,
+    join a communicator with the prefill side's ncclUniqueId (it joins as rank 0, the decode side as 1)."""
 
     sender_id: str
-    backend: str  # "cuda_ipc" | "nccl"
     nonce: int  # echoed in KVAccept, so a late answer to an abandoned attempt is never taken for this one
     nccl_id: bytes = b""
 
 
 class KVAccept(_Msg):
-    """Decode -> prefill on the kv socket: the answer to KVConnect; `error` set means refused."""
+    """Decode -> prefill on the kv socket, the answer to KVConnect: the one description of the
+    destination pool, whatever the backend; `error` set means refused."""
 
-    backend: str
     nonce: int
     kv_shape: list[int]  # (layers, 2, num_blocks, block_size, kv_heads, head_dim) of the decode pool
     kv_dtype: str
+    host: str = ""  # with boot_id: two workers share memory only if both match
+    boot_id: str = ""
+    backends: list[str] = []  # what the pool can take besides tcp: "shm", "cuda_ipc", "nccl"
+    shm_path: str = ""  # shm: the pool's file in /dev/shm
     device: str = ""  # PCI bus id of the pool's GPU (device ordinals differ between processes)
     ipc_handle: bytes = b""  # cuda_ipc: the cudaIpcMemHandle_t of the pool's allocation
     ipc_offset: int = 0  # cuda_ipc: bytes from the allocation's base to the pool's first byte

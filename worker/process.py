@@ -1,8 +1,7 @@
 """What the prefill and the decode worker share: their Hello, their link, their process.
 
 Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...)` for what the
-coordinator learns about it (role, model limits, pool, start-up profile, where its pool can be
-reached) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
+coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
 `run`, with its heartbeat). `serve(worker)` freezes the start-up heap, turns SIGTERM and SIGINT
 into `worker.running = False`, and runs the worker's loop until then; the loop's own `finally`
 closes what the worker holds.
@@ -15,9 +14,7 @@ import signal
 import torch
 import zmq
 
-from kvtransfer.cuda_ipc import device_id
-from kvtransfer.pool import dtype_name, host_identity
-from kvtransfer.transfer import gpu_backends
+from kvtransfer.pool import host_identity
 from runtime.config import WorkerConfig
 from runtime.engine import LLMEngine
 from runtime.heap import freeze_startup_heap
@@ -31,13 +28,13 @@ def worker_id(role: Role, wcfg: WorkerConfig) -> str:
 
 
 def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: torch.Tensor, profile: list,
-          kv_endpoint: str = "", shm_path: str = "") -> Hello:
-    """The worker's Hello. pool: its KV pool, (layers, 2, num_blocks, block_size, KVH, D)."""
+          kv_endpoint: str = "") -> Hello:
+    """The worker's Hello. pool: its KV pool, (layers, 2, num_blocks, block_size, KVH, D); how to
+    reach it is asked on kv_endpoint (KVConnect), never told to the coordinator."""
     host, boot = host_identity()
     return Hello(
         PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
-        pool.shape[2], pool.shape[3], kv_endpoint, shm_path, list(pool.shape), dtype_name(pool.dtype), profile,
-        kv_device=device_id(pool), kv_backends=gpu_backends(pool),
+        pool.shape[2], pool.shape[3], kv_endpoint, profile,
     )
 
 

@@ -55,7 +55,7 @@ def test_handed_off_prompts_decode_to_the_single_process_tokens(tiny):
     p, d, inbox = workers(tiny)
     prompts = {"a": list(range(3, 23)), "b": list(range(40, 45)), "c": list(range(100, 141))}
     for rid, prompt in prompts.items():
-        p.link.inbox.append(Prefill(rid, prompt, GREEDY, "decode-1", DEST, admit(d, rid, len(prompt)), "shm"))
+        p.link.inbox.append(Prefill(rid, prompt, GREEDY, "decode-1", DEST, admit(d, rid, len(prompt))))
     while p.jobs or p.link.inbox:
         p.turn(0)
     deliver(d, inbox)
@@ -89,7 +89,7 @@ def test_a_failed_hand_off_frees_the_grant_and_is_reported(tiny):
 def test_an_abort_before_the_kv_arrives_frees_the_grant_when_the_prefill_side_answers(tiny):
     p, d, inbox = workers(tiny)
     blocks = admit(d, "a", 20)
-    p.link.inbox.append(Prefill("a", list(range(3, 23)), GREEDY, "decode-1", DEST, blocks, "shm"))
+    p.link.inbox.append(Prefill("a", list(range(3, 23)), GREEDY, "decode-1", DEST, blocks))
     d.link.inbox.append(Abort("a"))
     d.turn(0)
     assert d.grants["a"].cancelled and d.engine.blocks.free_blocks < d.engine.blocks.num_blocks  # the prefill side may be writing
@@ -113,7 +113,7 @@ def test_release_and_grant_expiry_free_blocks(tiny):
 
 def test_an_abort_mid_stream_ends_the_request_and_frees_its_blocks(tiny):
     p, d, inbox = workers(tiny)
-    p.link.inbox.append(Prefill("a", list(range(3, 23)), GREEDY, "decode-1", DEST, admit(d, "a", 20), "shm"))
+    p.link.inbox.append(Prefill("a", list(range(3, 23)), GREEDY, "decode-1", DEST, admit(d, "a", 20)))
     p.turn(0)
     deliver(d, inbox)
     d.turn(0)

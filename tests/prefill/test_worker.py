@@ -22,7 +22,7 @@ def prefill_worker(tiny, batch_window_ms=0.0, **config):
 
 
 def job(rid, prompt, blocks):
-    return Prefill(rid, prompt, GREEDY, "decode-1", DEST, blocks, "shm")
+    return Prefill(rid, prompt, GREEDY, "decode-1", DEST, blocks)
 
 
 def all_free(p: PrefillWorker) -> bool:
