@@ -37,8 +37,8 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     import zmq
 
     from wire.protocol import (
-        PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch, TokenOut, Welcome,
-        decoder, encode,
+        PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch,
+        TokenOut, Welcome, decoder, encode,
     )
     from kvtransfer.pool import host_identity
 
@@ -48,7 +48,7 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     sock.connect(address)
     dec = decoder(CoordinatorToWorker)
     host, boot = host_identity()
-    hello = encode(Hello(PROTOCOL_VERSION, worker_id, int(Role.COLOCATED), os.getpid(), host, boot, "stub", 1 << 20, 1 << 20, 16))
+    hello = encode(Hello(PROTOCOL_VERSION, worker_id, Role.COLOCATED, os.getpid(), host, boot, "stub", 1 << 20, 1 << 20, 16))
     beat = encode(Heartbeat(worker_id, 1 << 20, 0, 0, 0))
     registered = False
     next_beat = 0.0
@@ -66,7 +66,7 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
             except zmq.Again:
                 break
             if isinstance(msg, Generate):
-                items.append(TokenOut(msg.request_id, msg.prompt_token_ids[0], None, None, 1))
+                items.append(TokenOut(msg.request_id, msg.prompt_token_ids[0], None, None, FinishReason.LENGTH))
             elif isinstance(msg, Welcome):
                 registered = True
             elif isinstance(msg, (Shutdown, Reject)):

@@ -121,3 +121,10 @@ def test_the_checks_see_circles_lazy_and_relative_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import zmq\n\ndef f():\n    from wire.protocol import Hello\n    from .pool import copy_blocks\n")
     assert imports_of(f, "kvtransfer.m") >= {"zmq", "wire.protocol", "kvtransfer.pool", "kvtransfer.pool.copy_blocks"}
+
+
+def test_the_old_client_import_path_still_works():
+    from client import AsyncClient, Client
+    from coordinator.client import AsyncClient as OldAsync, Client as OldClient
+
+    assert (OldClient, OldAsync) == (Client, AsyncClient)
