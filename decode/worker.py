@@ -53,10 +53,7 @@ class Grant:
 
 
 def token_out(o: StepOutput) -> TokenOut:
-    return TokenOut(
-        o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs,
-        o.finish_reason,
-    )
+    return TokenOut(o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs, o.finish_reason)
 
 
 class DecodeWorker:
