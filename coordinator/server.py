@@ -1,5 +1,5 @@
 """The coordinator (`pdserve coordinator`): one asyncio loop (uvloop) owning two ROUTERs, read
-and written through `SocketIO` (coordinator/loop_io.py: no future per message).
+and written through `SocketIO` (wire/loop_io.py: no future per message).
 
 Lifecycle of a request here: a client's GenerateRequest is validated and tokenized, then
 placed: on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers
@@ -28,20 +28,22 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from coordinator.protocol import (
-    FINISH_NAMES, MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
-    ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
-    StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
-)
-from coordinator import security
-from coordinator.loop_io import SocketIO
-from coordinator.slo import RELAY_OVERHEAD_S, SloRecorder, SloTargets, StepModel
+from coordinator import placement
+from coordinator.placement import Decision, Outcome, RequestView
+from coordinator.slo import SloRecorder, SloTargets, StepModel
+from coordinator.state import Phase, RequestState, WorkerState
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
+from wire import security
+from wire.loop_io import SocketIO
+from wire.protocol import (
+    MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
+    ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
+    StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+)
 
 log = logging.getLogger("pdserve.coordinator")
-ADMIT_WINDOW_S = 10.0  # colocated workers: the window of placed prompt tokens behind their prefill share
 
 
 @dataclass
@@ -53,7 +55,6 @@ class CoordinatorConfig:
     max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
-    kv_backend: str = "auto"
     slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
     ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
     tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
@@ -72,66 +73,13 @@ class CoordinatorConfig:
         return SloTargets((ttft_ms or base[0]) / 1000, (tpot_ms or base[1]) / 1000)
 
 
-@dataclass
-class WorkerState:
-    hello: Hello
-    identity: bytes
-    last_seen: float
-    beat: Heartbeat | None = None
-    beats: int = 0  # heartbeats received
-    requests: set = field(default_factory=set)
-    queued_tokens: int = 0  # prefill and colocated: prompt tokens placed here and not yet through their first step
-    reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
-    model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
-    admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
-    admitted_tokens: int = 0  # their sum
-
-    @property
-    def role(self) -> Role:
-        return Role(self.hello.role)
-
-    @property
-    def free_blocks(self) -> int:
-        free = self.beat.free_blocks if self.beat else self.hello.num_blocks
-        return free - self.reserved_blocks
-
-
-@dataclass
-class RequestState:
-    iid: str
-    client: bytes
-    client_rid: str
-    prompt: list[int]
-    req: GenerateRequest
-    arrival: float
-    detok: IncrementalDetokenizer
-    prefill: str | None = None
-    decode: str | None = None
-    phase: str = "new"  # new -> admitting -> prefilling -> decoding (or pending, colocated)
-    tokens: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    reserved: int = 0
-    attempts: int = 0
-    admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
-    backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
-    predicted_ttft: float | None = None
-
-    @property
-    def priority(self) -> int:
-        return self.req.priority
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
-        self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (coordinator/loop_io.py)
+        self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
         self.auth = security.start_authenticator(self.ctx, cfg.keys)
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
@@ -250,7 +198,7 @@ class Coordinator:
         elif isinstance(msg, AbortRequest):
             iid = self.by_client.get((ident, msg.request_id))
             if iid is not None:
-                self.finish(iid, 2)
+                self.finish(iid, FinishReason.ABORT)
         elif isinstance(msg, StatsRequest):
             self.send_client(ident, StatsReply(json.dumps(self.stats()).encode()))
         elif isinstance(msg, StatusRequest):
@@ -314,139 +262,61 @@ class Coordinator:
         return [w for w in self.workers.values() if w.role == role]
 
     def place(self, st: RequestState, parked: bool = False) -> None:
-        """Put st on a (prefill, decode) pair, else a colocated worker; park it if no decode
-        worker has room yet; shed it at once if its targets cannot be met (not once parked)."""
+        """Put st on a (prefill, decode) pair, else a colocated worker, as `placement` decides:
+        park it if no decode worker has room yet; shed it at once if its targets cannot be met
+        (never once parked)."""
         st.attempts += 1
-        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
-        if prefills and decodes:
-            plan = self.plan_pair(st, prefills, decodes, parked)
-            if isinstance(plan, str):
-                self.park(st) if parked or plan == "wait" else self.shed(st, plan)
-                return
-            p, d, st.predicted_ttft = plan
-            need = -(-st.num_tokens // d.hello.block_size)
-            st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, "admitting", need, st.num_tokens
-            d.reserved_blocks += need
-            p.queued_tokens += st.num_tokens
-            d.requests.add(st.iid)
-            p.requests.add(st.iid)
-            self.admitting.pop(st.iid, None)
-            self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
-            st.admissions += 1
-            self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions))
-            return
-        colocated = self.alive(Role.COLOCATED)
-        if colocated:
-            if self.cfg.slo and not parked:
-                plan = self.plan_colocated(st, colocated)
-                if isinstance(plan, str):
-                    self.shed(st, plan)
-                    return
-                w, st.predicted_ttft = plan
-            else:
-                w = max(colocated, key=lambda w: (w.free_blocks, -len(w.requests)))
-            st.decode, st.phase, st.backlog = w.hello.worker_id, "colocated", st.num_tokens
-            w.queued_tokens += st.num_tokens  # until its first token (on_token)
-            self.note_placed(w, st.num_tokens, time.monotonic())
-            w.requests.add(st.iid)
-            self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
-            return
-        self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
-
-    def plan_pair(self, st: RequestState, prefills: list[WorkerState], decodes: list[WorkerState], parked: bool = False):
-        """(prefill, decode, predicted TTFT), or "wait" (no decode room yet), or a shed reason.
-        Without SLO control every request waits for KV room. With it a new request is placed
-        only where both predictions meet the targets (less a headroom) and is shed otherwise; a
-        parked request (admitted already: a retry after a lost worker) takes the first room."""
-        need = -(-st.num_tokens // decodes[0].hello.block_size)
-        fits = [d for d in decodes if d.free_blocks >= need]
-        if not self.cfg.slo:
-            if not fits:
-                return "wait"
-            d = max(fits, key=lambda w: (w.free_blocks, -len(w.requests)))
-            return min(prefills, key=lambda w: (w.queued_tokens, len(w.requests))), d, None
-        t = self.admission_targets(st)
-        waited = time.monotonic() - st.arrival
-        prefill_s = {p.hello.worker_id: self.predict_prefill(p, st.num_tokens) for p in prefills}
-        p = min(prefills, key=lambda w: (prefill_s[w.hello.worker_id], w.queued_tokens, len(w.requests)))
-        ttft = waited + prefill_s[p.hello.worker_id] + RELAY_OVERHEAD_S
-        tpot = {d.hello.worker_id: self.predict_tpot(d, st.num_tokens) for d in fits}
-        # an idle decode worker always takes a request: its model may be stale from a busy spell
-        open_ = [d for d in fits if tpot[d.hello.worker_id] <= t.tpot_s or not d.requests]
-        if open_:
-            d = max(open_, key=lambda w: (w.free_blocks, -len(w.requests)))
-            ttft += tpot[d.hello.worker_id]  # the decode worker may be mid-step when the KV lands
-            if ttft <= t.ttft_s or parked:
-                return p, d, ttft
-            return f"predicted TTFT {ttft * 1000:.0f} ms > target {t.ttft_s * 1000:.0f} ms"
-        if parked:
-            return "wait"
-        # Shed rather than queue: a request that waits for decode room has a TTFT that depends on
-        # when others finish, which this model predicts poorly (measured: p99 TTFT 3-5x target).
-        best_tpot = min(self.predict_tpot(d, st.num_tokens) for d in decodes)
-        why = "no KV room" if not fits else f"predicted TPOT {best_tpot * 1000:.0f} ms with one more > target {t.tpot_s * 1000:.0f} ms"
-        return f"decode full: {why}"
-
-    def plan_colocated(self, st: RequestState, workers: list[WorkerState]):
-        """(worker, predicted TTFT) with the lowest TTFT among colocated workers meeting both
-        targets (less the headroom), or a shed reason. TTFT as for a pair: the worker's prompt
-        backlog (this one included) at its measured token rate, then one step. TPOT: a decode
-        step with one more sequence, stretched by the share of the worker's time that prompts
-        placed on it lately took (`prefill_share`), plus the present backlog's prefill time
-        spread over this request's output tokens: a colocated worker runs the prompts in the
-        same steps as the streams. Measured (scripts/bench_slo.py): a plain decode step gave p99
-        TPOT 392 ms at a 250 ms target, adding the backlog 325 ms, adding the share 204 ms."""
-        t = self.admission_targets(st)
         now = time.monotonic()
-        waited = now - st.arrival
-        best, why = None, ""
-        for w in workers:
-            step, prefill = self.predict_tpot(w, st.num_tokens), self.predict_prefill(w, st.num_tokens)
-            ttft = waited + prefill + step + RELAY_OVERHEAD_S
-            busy = min(0.9, self.prefill_share(w, st.num_tokens, now))
-            tpot = step / (1 - busy) + prefill / max(1, min(st.req.params.max_tokens, 4096) - 1)
-            if tpot > t.tpot_s and w.requests:
-                why = f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {t.tpot_s * 1000:.0f} ms"
-            elif ttft > t.ttft_s:
-                why = f"predicted TTFT {ttft * 1000:.0f} ms > target {t.ttft_s * 1000:.0f} ms"
-            elif best is None or ttft < best[1]:
-                best = (w, ttft)
-        return best if best is not None else why
+        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        colocated = self.alive(Role.COLOCATED)
+        if not (prefills and decodes) and not colocated:
+            self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
+            return
+        req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
+        targets = self.admission_targets(st) if self.cfg.slo else None
+        if prefills and decodes:
+            decision = placement.place_pair(req, self.snapshots(prefills, now), self.snapshots(decodes, now), targets)
+        else:
+            decision = placement.place_colocated(req, self.snapshots(colocated, now), targets)
+        if decision.outcome is Outcome.WAIT:
+            self.park(st)
+        elif decision.outcome is Outcome.SHED:
+            self.shed(st, decision.detail)
+        elif decision.prefill is not None:
+            self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
+        else:
+            self.generate_on(st, self.workers[decision.worker], decision, now)
+
+    def snapshots(self, workers: list[WorkerState], now: float) -> list[placement.WorkerSnapshot]:
+        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now) for w in workers]
+
+    def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
+        """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
+        need = placement.blocks_needed(st.num_tokens, d.hello.block_size)
+        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, st.num_tokens
+        st.predicted_ttft = decision.predicted_ttft
+        d.reserved_blocks += need
+        p.queued_tokens += st.num_tokens
+        d.requests.add(st.iid)
+        p.requests.add(st.iid)
+        self.admitting.pop(st.iid, None)
+        self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
+        st.admissions += 1
+        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions))
+
+    def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
+        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens
+        if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
+            st.predicted_ttft = decision.predicted_ttft
+        w.queued_tokens += st.num_tokens  # until its first token (on_token)
+        w.note_placed(st.num_tokens, now)
+        w.requests.add(st.iid)
+        self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
 
     def admission_targets(self, st: RequestState) -> SloTargets:
         """st's targets less the headroom: what a prediction must meet for st to be admitted."""
         target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
         return SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
-
-    @staticmethod
-    def note_placed(w: WorkerState, tokens: int, now: float) -> None:
-        """Record a prompt placed on colocated worker w, keeping only the last ADMIT_WINDOW_S."""
-        w.admitted.append((now, tokens))
-        w.admitted_tokens += tokens
-        while now - w.admitted[0][0] > ADMIT_WINDOW_S:
-            w.admitted_tokens -= w.admitted.popleft()[1]
-
-    def prefill_share(self, w: WorkerState, tokens: int, now: float) -> float:
-        """Fraction of a colocated worker's time its prompts took lately: the prompt tokens
-        placed on it over the last ADMIT_WINDOW_S at the per-token cost of a prompt this long.
-        Streams get the rest, so their steps stretch by 1 / (1 - share)."""
-        while w.admitted and now - w.admitted[0][0] > ADMIT_WINDOW_S:
-            w.admitted_tokens -= w.admitted.popleft()[1]
-        if not w.admitted:
-            return 0.0
-        return w.admitted_tokens * w.model.predict(1, tokens, tokens) / tokens / ADMIT_WINDOW_S
-
-    def predict_prefill(self, p: WorkerState, tokens: int) -> float:
-        """This prompt's own step plus the backlog ahead of it at the worker's measured token rate."""
-        return p.model.predict(1, tokens, tokens) + p.queued_tokens / p.model.tokens_per_second()
-
-    def decode_load(self, d: WorkerState) -> tuple[int, int]:
-        reqs = [self.requests[i] for i in d.requests if i in self.requests]
-        return len(reqs), sum(r.num_tokens for r in reqs)
-
-    def predict_tpot(self, d: WorkerState, tokens: int) -> float:
-        n, ctx = self.decode_load(d)
-        return d.model.predict(n + 1, n + 1, ctx + tokens) + RELAY_OVERHEAD_S / 3
 
     def shed(self, st: RequestState, why: str) -> None:
         log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, why)
@@ -454,8 +324,8 @@ class Coordinator:
         self.error(st.iid, "slo_unattainable", why)
 
     def park(self, st: RequestState) -> None:
-        if st.phase != "pending":
-            st.phase = "pending"
+        if st.phase != Phase.PENDING:
+            st.phase = Phase.PENDING
             self.pending.append(st.iid)
 
     def admission_timeouts(self, now: float) -> None:
@@ -468,7 +338,7 @@ class Coordinator:
                 return
             del self.admitting[iid]
             st = self.requests.get(iid)
-            if st is not None and st.phase == "admitting":
+            if st is not None and st.phase == Phase.ADMITTING:
                 self.counts["admission_timeouts"] += 1
                 self.retry(st, f"decode worker {st.decode} did not answer the admission within {self.cfg.admit_timeout_s:g} s",
                            code="overloaded")
@@ -476,7 +346,7 @@ class Coordinator:
     def retry_pending(self, now: float) -> None:
         if not self.pending:
             return
-        waiting = [self.requests[i] for i in self.pending if i in self.requests and self.requests[i].phase == "pending"]
+        waiting = [self.requests[i] for i in self.pending if i in self.requests and self.requests[i].phase == Phase.PENDING]
         self.pending = []
         # earliest deadline first, higher priority classes before lower
         waiting.sort(key=lambda r: (-r.priority, r.arrival + self.cfg.targets(r.priority, r.req.ttft_ms, r.req.tpot_ms).ttft_s))
@@ -486,7 +356,7 @@ class Coordinator:
             if now - st.arrival > self.cfg.pending_timeout_s:
                 self.error(st.iid, "overloaded", "no decode worker had room for this request in time")
                 continue
-            st.phase = "new"
+            st.phase = Phase.NEW
             st.attempts -= 1  # waiting for room is not a new attempt
             self.place(st, parked=True)
 
@@ -512,12 +382,12 @@ class Coordinator:
             w.beat = msg
             w.beats += 1
             w.model.add(msg.steps)
-            w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == "admitting")
+            w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == Phase.ADMITTING)
         elif isinstance(msg, Granted):
             self.on_granted(w, msg)
         elif isinstance(msg, AdmitRefused):
             st = self.requests.get(msg.request_id)
-            if st is not None and st.phase == "admitting" and msg.admission == st.admissions:
+            if st is not None and st.phase == Phase.ADMITTING and msg.admission == st.admissions:
                 self.unplace(st)
                 self.park(st)
         elif isinstance(msg, TokenBatch):
@@ -562,7 +432,7 @@ class Coordinator:
         st = self.requests.get(msg.request_id)
         if st is not None and msg.admission != st.admissions:
             return  # answers an admission that was retried: the worker freed that grant on the Abort before the new Admit
-        if st is None or st.phase != "admitting":
+        if st is None or st.phase != Phase.ADMITTING:
             self.send_worker(d, Release(msg.request_id))
             return
         self.admitting.pop(st.iid, None)
@@ -571,18 +441,10 @@ class Coordinator:
         if p is None:
             self.retry(st, "its prefill worker was lost")
             return
-        backend = self.choose_backend(p.hello, d.hello)
-        st.phase = "prefilling"
+        st.phase = Phase.PREFILLING
         self.send_worker(p, Prefill(
-            st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, backend,
-            d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [], list(st.tokens),
-            st.priority,
+            st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
         ))
-
-    def choose_backend(self, p: Hello, d: Hello) -> str:
-        from kvtransfer.transfer import backend_for
-
-        return backend_for(p, d, None if self.cfg.kv_backend == "auto" else self.cfg.kv_backend)
 
     def unreserve(self, st: RequestState | None) -> None:
         if st is not None and st.reserved and st.decode in self.workers:
@@ -607,7 +469,7 @@ class Coordinator:
 
     def retry(self, st: RequestState, why: str, code: str = "worker_lost") -> None:
         """Take st off its workers (freeing what they hold for it) and place it again."""
-        if st.phase == "prefilling" and st.decode in self.workers and st.prefill not in self.workers:
+        if st.phase == Phase.PREFILLING and st.decode in self.workers and st.prefill not in self.workers:
             self.send_worker(self.workers[st.decode], Release(st.iid))  # a lost prefill sends no KV: free the grant now
         else:
             self.tell_workers(st, Abort(st.iid))  # each live worker frees what it holds
@@ -617,7 +479,7 @@ class Coordinator:
             return
         self.counts["retries"] += 1
         log.info("retrying %s (%d tokens done): %s", st.iid, len(st.tokens), why)
-        st.phase = "new"
+        st.phase = Phase.NEW
         self.place(st, parked=True)  # an admitted request is never shed on a retry
 
     def release_backlog(self, st: RequestState) -> None:
@@ -643,8 +505,9 @@ class Coordinator:
         if st is None:
             return
         now = time.monotonic()
-        st.phase = "decoding" if st.phase != "colocated" else st.phase
-        if st.backlog and st.phase == "colocated":
+        if st.phase != Phase.COLOCATED:
+            st.phase = Phase.DECODING
+        elif st.backlog:
             self.release_backlog(st)  # its prompt is done
         text = ""
         new = []
@@ -654,16 +517,16 @@ class Coordinator:
             new.append(item.token_id)
             text = st.detok.step(item.token_id)
         reason = item.finish_reason
-        if st.detok.stopped_by is not None and reason < 0:
-            reason = 0
+        if st.detok.stopped_by is not None and reason is None:
+            reason = FinishReason.STOP
             self.tell_workers(st, Abort(st.iid))
-        if reason >= 0:
+        if reason is not None:
             text += st.detok.flush()
         if new or text:
             st_lp = [item.logprob] if item.logprob is not None and new else None
             st_top = [item.top_logprobs] if item.top_logprobs is not None and new else None
             self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top))
-        if reason >= 0:
+        if reason is not None:
             self.finish(st.iid, reason, tell=False)
 
     def tell_workers(self, st: RequestState, msg) -> None:
@@ -680,21 +543,21 @@ class Coordinator:
         self.client_load[st.client] -= 1
         if self.client_load[st.client] <= 0:
             del self.client_load[st.client]
-        if tell and st.phase in ("admitting", "prefilling", "decoding", "colocated"):
+        if tell and st.phase.on_workers:
             self.tell_workers(st, Abort(iid))
         names = st.prefill, st.decode
         self.unplace(st)
         st.prefill, st.decode = names  # kept for the Final message
         return st
 
-    def finish(self, iid: str, reason: int, tell: bool = True) -> None:
+    def finish(self, iid: str, reason: FinishReason, tell: bool = True) -> None:
         st = self.close(iid, tell)
         if st is None:
             return
-        self.counts[f"finished:{FINISH_NAMES.get(reason, reason)}"] += 1
+        self.counts[f"finished:{reason.name.lower()}"] += 1
         times = st.token_times
         ttft = times[0] if times else 0.0
-        if times and reason != 2:
+        if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
         self.send_client(st.client, Final(

@@ -1,13 +1,11 @@
-"""Latency prediction and SLO admission control for the coordinator.
+"""The coordinator's latency models and SLO records.
 
 Lifecycle: each worker's `StepModel` is seeded from the start-up profile in its Hello and then
 refitted online from the step samples in every heartbeat (least squares over a sliding window:
-seconds ~ a + b*seqs + c*tokens + d*context_tokens). For each new request the coordinator asks
-`predict_pair` for every (prefill, decode) pair: TTFT = time waited + the prefill worker's
-backlog and this prompt + hand-off + relay overhead; TPOT = the decode worker's step time with
-one more sequence. The pair with the lowest TTFT whose TPOT meets the target wins; if none can
-meet TTFT (or TPOT, with no room coming soon) the request is shed at once. Served requests feed
-`LatencyWindow`s (p50/p90/p99 per priority class) and the prediction-error record.
+seconds ~ a + b*seqs + c*tokens + d*context_tokens). Placement (coordinator/placement.py)
+predicts TTFT and TPOT from these models for each new request and places or sheds it. Served
+requests feed `LatencyWindow`s (p50/p90/p99 per priority class, in `SloRecorder`) and the
+prediction-error record; shed requests are counted there too.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The decode worker (`pdserve decode`), and in colocated mode the whole engine in one worker.
 
-Lifecycle: load the model, put the KV pool in shared memory (on a GPU: one CUDA allocation
-that prefill workers map over CUDA IPC; its size from the memory budget, logged at start), bind the kv socket, say Hello. Then loop:
+Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memory (on a GPU:
+one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
+logged at start), binds the kv socket and makes the link that says Hello; the worker itself is
+built from those parts (tests pass an in-process transport and link). Then `run` loops:
   drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused); KVReady -> copy tcp frames
   into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
@@ -15,31 +17,31 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from coordinator import security
-from coordinator.link import CoordinatorRestarted, WorkerLink
-from coordinator.protocol import (
-    PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, KVFailed, KVReady, Reject, Release,
-    Role, Shutdown, TokenBatch, TokenOut, WorkerError,
-)
-from kvtransfer.cuda_ipc import CudaKVPool, device_id, gpu_pool
+from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from kvtransfer.errors import KVTransferError
-from kvtransfer.pool import KVPool, dtype_name, host_identity
-from kvtransfer.transfer import KVReceiver, gpu_backends
+from kvtransfer.pool import KVPool
+from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.cores import CoreShare
+from runtime.cores import CoreShare, StaticCores
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
-from runtime.heap import freeze_startup_heap
 from runtime.kv_cache import kv_cache_shape
+from runtime.sequence import FinishReason
 from runtime.weights import load_checkpoint
+from wire import security
+from wire.link import CoordinatorRestarted
+from wire.protocol import (
+    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, Reject, Release, Role, Shutdown, TokenBatch,
+    TokenOut, WorkerError,
+)
+from worker import process
 
 log = logging.getLogger("pdserve.decode")
 
@@ -52,55 +54,56 @@ class Grant:
 
 
 def token_out(o: StepOutput) -> TokenOut:
-    return TokenOut(
-        o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs,
-        -1 if o.finish_reason is None else int(o.finish_reason),
-    )
+    return TokenOut(o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs, o.finish_reason)
 
 
 class DecodeWorker:
-    def __init__(self, engine_cfg: EngineConfig, worker_cfg: WorkerConfig, role: Role = Role.DECODE):
-        self.role = role
-        self.wcfg = worker_cfg
-        if worker_cfg.threads:
-            torch.set_num_threads(worker_cfg.threads)
-        self.cores = CoreShare.open(worker_cfg.core_share)
-        self.worker_id = worker_cfg.worker_id or f"{role.name.lower()}-{os.getpid()}"
-        cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
+    def __init__(self, worker_id: str, engine: LLMEngine, receiver, link, grant_timeout_s: float = 30.0,
+                 closing: list | None = None, cores: CoreShare | StaticCores | None = None):
+        self.worker_id = worker_id
+        self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
+        self.engine = engine
+        self.receiver = receiver  # KVReceiver, or kvtransfer.local.LocalKV
+        self.link = link  # WorkerLink, or anything with send, drain, start, stop, bad_messages, dropped
+        self.grant_timeout_s = grant_timeout_s
+        self.closing = closing or []  # what close() ends after the link and receiver: authenticator, context, pool
+        self.grants: dict[str, Grant] = {}
+        self.running = True
+
+    @classmethod
+    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig, role: Role = Role.DECODE) -> "DecodeWorker":
+        if wcfg.threads:
+            torch.set_num_threads(wcfg.threads)
+        cores = CoreShare.open(wcfg.core_share)
+        wid = process.worker_id(role, wcfg)
+        cfg, tensors = load_checkpoint(wcfg.model, progress=False)
         model = build_model(cfg, tensors, engine_cfg)
         num_blocks = engine_cfg.blocks_for_budget(cfg)
         shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)
         if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
-            self.pool = gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
+            pool = gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
         else:
-            self.pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=worker_cfg.shared_pool, name=f"{os.getpid()}")
-        self.engine = LLMEngine(model, None, engine_cfg, kv_cache=self.pool.tensor)
+            pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=wcfg.shared_pool, name=f"{os.getpid()}")
+        engine = LLMEngine(model, None, engine_cfg, kv_cache=pool.tensor)
         if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs:
-            cuda_graphs.enable(self.engine)
+            cuda_graphs.enable(engine)
         log.info(
-            "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", self.worker_id, num_blocks, engine_cfg.block_size,
-            num_blocks * engine_cfg.block_size, self.pool.nbytes / 2**20, f" in {self.pool.path}" if self.pool.path else "",
+            "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", wid, num_blocks, engine_cfg.block_size,
+            num_blocks * engine_cfg.block_size, pool.nbytes / 2**20, f" in {pool.path}" if pool.path else "",
         )
-        self.cores.busy()
-        profile = self.engine.profile()
-        self.cores.idle()
-        security.check_bind(worker_cfg.kv_bind, worker_cfg.keys, worker_cfg.insecure)
-        self.ctx = zmq.Context()
-        self.auth = security.start_authenticator(self.ctx, worker_cfg.keys)
-        self.receiver = KVReceiver(self.ctx, self.pool.tensor, worker_cfg.kv_bind, security.server_options(worker_cfg.keys),
-                                   ipc=self.pool.accept() if isinstance(self.pool, CudaKVPool) else None)
-        host, boot = host_identity()
-        hello = Hello(
-            PROTOCOL_VERSION, self.worker_id, int(role), os.getpid(), host, boot, str(worker_cfg.model or "default"),
-            self.engine.max_model_len, num_blocks, engine_cfg.block_size, self.receiver.endpoint, self.pool.path,
-            list(shape), dtype_name(engine_cfg.torch_dtype), profile,
-            kv_device=device_id(self.pool.tensor), kv_backends=gpu_backends(self.pool.tensor),
-        )
-        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
-                               security.client_options(worker_cfg.keys))
-        self.link.watch(self.receiver.sock, lambda sock: self.receiver.recv())
-        self.grants: dict[str, Grant] = {}
-        self.running = True
+        cores.busy()
+        profile = engine.profile()
+        cores.idle()
+        security.check_bind(wcfg.kv_bind, wcfg.keys, wcfg.insecure)
+        ctx = zmq.Context()
+        auth = security.start_authenticator(ctx, wcfg.keys)
+        receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys),
+                              ipc=pool.accept() if isinstance(pool, CudaKVPool) else None, shm_path=pool.path)
+        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint))
+        link.watch(receiver.sock, lambda sock: receiver.recv())
+        closing = [auth.stop] if auth is not None else []
+        return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
+                   cores)
 
     # ------------------------------------------------------------------ loop
 
@@ -114,29 +117,31 @@ class DecodeWorker:
         )
 
     def run(self) -> None:
-        self.link.start()
+        self.link.start(self.heartbeat)
         try:
             while self.running:
-                busy = self.engine.has_work()
-                if not busy:
-                    self.cores.idle()
-                for msg in self.link.drain(0 if busy else 0.05):
-                    self.handle(msg)
-                if self.engine.has_work():
-                    self.cores.busy()
-                    self.emit(self.engine.step())
-                self.expire_grants()
+                self.turn(0 if self.engine.has_work() else 0.05)
         finally:
             self.close()
+
+    def turn(self, timeout: float) -> None:
+        """One pass of the loop: messages (waiting up to timeout for the first), a step of the
+        engine with its tokens sent, expired grants freed."""
+        if not self.engine.has_work():
+            self.cores.idle()
+        for msg in self.link.drain(timeout):
+            self.handle(msg)
+        if self.engine.has_work():
+            self.cores.busy()
+            self.emit(self.engine.step())
+        self.expire_grants()
 
     def close(self) -> None:
         self.cores.close()
         self.link.stop()
         self.receiver.close()
-        if self.auth is not None:
-            self.auth.stop()
-        self.ctx.destroy(linger=0)
-        self.pool.close()
+        for end in self.closing:
+            end()
 
     def emit(self, outs: list[StepOutput]) -> None:
         if outs:
@@ -175,7 +180,7 @@ class DecodeWorker:
         if ids is None:
             self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
-        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.wcfg.grant_timeout_s)
+        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s)
         self.link.send(Granted(msg.request_id, ids, msg.admission))
 
     def on_kv(self, msg, frames) -> None:
@@ -209,7 +214,7 @@ class DecodeWorker:
         if rid in self.grants:
             self.grants[rid].cancelled = True  # the prefill side may still be writing into it
         elif self.engine.abort(rid):
-            self.emit([StepOutput(rid, None, finish_reason=2)])
+            self.emit([StepOutput(rid, None, finish_reason=FinishReason.ABORT)])
 
     def free_grant(self, rid: str) -> None:
         grant = self.grants.pop(rid, None)
@@ -228,12 +233,4 @@ class DecodeWorker:
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig, role: Role = Role.DECODE) -> None:
-    worker = DecodeWorker(engine_cfg, worker_cfg, role)
-    freeze_startup_heap()
-
-    def stop(*_):
-        worker.running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    worker.run()
+    process.serve(DecodeWorker.build(engine_cfg, worker_cfg, role))

@@ -17,9 +17,9 @@ import functools
 
 import torch
 
-from coordinator.protocol import KVAccept
+from wire.protocol import KVAccept
 from kvtransfer.errors import KVTransferError, wait_done
-from kvtransfer.pool import DTYPES, dtype_name
+from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name
 from runtime.errors import NotSupportedError
 
 
@@ -61,8 +61,6 @@ def device_id(tensor: torch.Tensor) -> str:
 
 def gpu_pool(shape, dtype: torch.dtype, device):
     """A decode worker's KV pool on `device`: exportable (CudaKVPool) with cupy, else plain (tcp only)."""
-    from kvtransfer.pool import KVPool
-
     if has_cupy():
         return CudaKVPool.create(shape, dtype, device)
     return KVPool(torch.zeros(shape, dtype=dtype, device=device))
@@ -108,11 +106,11 @@ class CudaKVPool:
         return self.tensor.numel() * self.tensor.element_size()
 
     def accept(self, nonce: int = 0) -> KVAccept:
-        """The KVConnect answer for cuda_ipc: what a prefill worker needs to map this pool."""
+        """What a prefill worker needs to map this pool (the KVReceiver adds the rest of its description)."""
         cupy = require_cupy()
         handle = cupy.cuda.runtime.ipcGetMemHandle(self.memory.ptr)
-        return KVAccept("cuda_ipc", nonce, list(self.tensor.shape), dtype_name(self.tensor.dtype), pci_bus_id(self.device),
-                        bytes(handle), 0)
+        return KVAccept(nonce, list(self.tensor.shape), dtype_name(self.tensor.dtype), device=pci_bus_id(self.device),
+                        ipc_handle=bytes(handle), ipc_offset=0)
 
     def close(self) -> None:
         # The allocation lives while any view of it does; drop ours, the worker drops the engine.
@@ -152,8 +150,6 @@ class IpcPeer:
 
     def send(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], deliver) -> None:
         """Copy src's blocks into dst_ids, wait until they are in place, then deliver() the header."""
-        from kvtransfer.transfer import copy_blocks
-
         self.check(src)
         if not src.is_cuda:  # the CPU tests' stand-in for a mapped pool
             copy_blocks(self.dst, src, src_ids, dst_ids)

@@ -5,6 +5,7 @@ Lifecycle: the decode worker `create`s its pool once (shared=True puts it in a f
 unlinks the file. A prefill worker on the same host `attach`es by path and writes granted
 blocks straight into it; attaching never unlinks. torch maps the file MAP_SHARED, so no
 multiprocessing resource tracker is involved (it would unlink a segment when an attacher exits).
+`copy_blocks` moves granted blocks between two pools (shm and cuda_ipc write with it).
 """
 from __future__ import annotations
 
@@ -66,6 +67,23 @@ class KVPool:
             except FileNotFoundError:
                 pass
             self.owner = False
+
+
+def block_runs(src: list[int], dst: list[int]):
+    """Coalesce paired block ids into runs (src_start, dst_start, length) of consecutive ids."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return runs
+
+
+def copy_blocks(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
+    # dst, src: (layers, 2, num_blocks, block_size, KVH, D); block ids index dim 2
+    for s, d, n in block_runs(src_ids, dst_ids):
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
 
 
 def host_identity() -> tuple[str, str]:

@@ -2,18 +2,23 @@
 
 Lifecycle: the decode side builds one `KVReceiver` over its pool; it binds a ROUTER (the
 "kv endpoint" announced in its Hello) and is polled by the decode worker's I/O thread.
-The prefill side builds one `KVSender`; per hand-off it calls `send(...)`, which moves the
-bytes with the chosen backend and then delivers the `KVReady` header:
+The prefill side builds one `KVSender`. Before its first hand-off to a destination it asks on
+the kv socket (KVConnect -> KVAccept: the one description of that pool, whatever the backend:
+shape, dtype, host and boot id, its shm file, its GPU and IPC handle, what it can take) and picks
+the backend from it (`choose_backend`: shm on one machine with a shared pool, cuda_ipc or nccl
+between GPU pools, else tcp, or the one the worker was told to use). Per hand-off `send(...)`
+moves the bytes with that backend and then delivers the `KVReady` header:
   shm: map the destination pool (once per destination) and copy blocks into it directly;
        the header follows on the kv socket, so it is seen only after the bytes are in place.
   tcp: one zero-copy frame per layer after the header; the receiver copies the frames into
        its granted blocks before it hands the header on.
-  cuda_ipc, nccl (GPU pools): before the first hand-off to a destination the sender asks once
-       on the kv socket (KVConnect -> KVAccept: the pool's IPC handle, or the join of an NCCL
-       communicator), then cuda_ipc writes into the mapped pool and waits on a CUDA event before
-       the header; nccl sends the layers after the header and the receiver scatters them in
-       `copy_in` (kvtransfer.cuda_ipc, kvtransfer.nccl). Their failures raise KVTransferError.
-Both sides validate shapes and block ids; a bad hand-off is counted and dropped, never fatal.
+  cuda_ipc: map the pool from its IPC handle (once), write into it and wait on a CUDA event
+       before the header (kvtransfer.cuda_ipc).
+  nccl: join a communicator (a second KVConnect, with the ncclUniqueId), send the layers after
+       the header; the receiver scatters them in `copy_in` (kvtransfer.nccl).
+GPU failures raise KVTransferError. A failed hand-off forgets the destination, so the next one
+asks again. Both sides validate shapes and block ids; a bad hand-off is counted and dropped,
+never fatal.
 """
 from __future__ import annotations
 
@@ -24,10 +29,9 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.protocol import MAX_CONTROL_MESSAGE, KVFailed, KVReady, PrefillToDecode, decoder, encode
-from coordinator.protocol import KVAccept, KVConnect
+from wire.protocol import MAX_CONTROL_MESSAGE, KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode, decoder, encode
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
-from kvtransfer.pool import DTYPES, KVPool, dtype_name
+from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
 from runtime.errors import NotSupportedError
 
 BACKENDS = ("shm", "tcp")
@@ -38,7 +42,7 @@ def choose_backend(src_host: str, src_boot: str, dst_host: str, dst_boot: str, d
                    src_gpu: list[str] | None = None, dst_gpu: list[str] | None = None) -> str:
     """shm when both workers share a machine (same host and boot id) and the pool is shared.
 
-    src_gpu/dst_gpu: the GPU backends each worker offers (Hello.kv_backends); None = not known.
+    src_gpu/dst_gpu: the GPU backends each worker offers (KVAccept.backends); None = not known.
     When both are known, auto takes cuda_ipc on one machine and nccl otherwise if both offer it.
     """
     same = src_host == dst_host and src_boot == dst_boot
@@ -68,13 +72,8 @@ def _forced_gpu(forced: str, same: bool, src_gpu, dst_gpu) -> str:
     return forced
 
 
-def backend_for(p, d, forced: str | None = None) -> str:
-    """choose_backend for a prefill and a decode worker's Hellos (coordinator.protocol.Hello)."""
-    return choose_backend(p.host, p.boot_id, d.host, d.boot_id, d.shm_path, forced, list(p.kv_backends), list(d.kv_backends))
-
-
 def gpu_backends(pool: torch.Tensor) -> list[str]:
-    """The GPU backends a worker with this KV pool can take part in (for its Hello)."""
+    """The GPU backends a worker with this KV pool can take part in."""
     from kvtransfer import cuda_ipc, nccl
 
     if not pool.is_cuda or not cuda_ipc.has_cupy():
@@ -82,32 +81,18 @@ def gpu_backends(pool: torch.Tensor) -> list[str]:
     return ["cuda_ipc"] + (["nccl"] if nccl.available(pool.device) else [])
 
 
-def block_runs(src: list[int], dst: list[int]):
-    """Coalesce paired block ids into runs (src_start, dst_start, length) of consecutive ids."""
-    runs = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return runs
-
-
-def copy_blocks(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
-    # dst, src: (layers, 2, num_blocks, block_size, KVH, D); block ids index dim 2
-    for s, d, n in block_runs(src_ids, dst_ids):
-        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
-
-
 class KVSender:
-    def __init__(self, ctx: zmq.Context, identity: str, curve: dict | None = None, timeout: float = 10.0):
+    def __init__(self, ctx: zmq.Context, identity: str, curve: dict | None = None, timeout: float = 10.0, backend: str = "auto"):
         self.ctx = ctx
         self.identity = identity
-        self.timeout = timeout  # GPU backends: the longest wait for an answer, a join or a copy
-        self.peers: dict[tuple[str, str], object] = {}  # (endpoint, backend) -> cuda_ipc.IpcPeer | nccl.NcclSender
+        self.timeout = timeout  # the longest wait for an answer, a join or a GPU copy
+        self.forced = None if backend == "auto" else backend  # WorkerConfig.kv_backend
+        self.host, self.boot_id = host_identity()
+        self.dests: dict[str, tuple[KVAccept, str]] = {}  # endpoint -> (its pool, the backend chosen)
+        self.peers: dict[str, object] = {}  # endpoint -> cuda_ipc.IpcPeer | nccl.NcclSender
         self._nonce = itertools.count(1)
         self._accept = decoder(KVAccept)
-        self.curve = curve or {}  # CurveZMQ client options (coordinator.security.client_options)
+        self.curve = curve or {}  # CurveZMQ client options (wire.security.client_options)
         self.sockets: dict[str, zmq.Socket] = {}
         self.pools: dict[str, KVPool] = {}
         self.bytes_sent = 0
@@ -118,7 +103,7 @@ class KVSender:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)  # it only sends: nothing large may come back
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)  # nothing large may come back
             sock.setsockopt(zmq.SNDHWM, 0)
             for opt, value in self.curve.items():
                 sock.setsockopt(opt, value)
@@ -130,35 +115,54 @@ class KVSender:
             self.sockets[endpoint] = sock
         return sock
 
-    def _pool(self, path: str, shape: list[int], dtype: torch.dtype) -> KVPool:
-        pool = self.pools.get(path)
-        if pool is None:
-            pool = self.pools[path] = KVPool.attach(path, shape, dtype)
-        return pool
+    def destination(self, endpoint: str, src: torch.Tensor) -> tuple[KVAccept, str]:
+        """(the pool at endpoint, the backend to reach it from src), asked once per destination."""
+        dest = self.dests.get(endpoint)
+        if dest is None:
+            pool = self._handshake(endpoint, KVConnect(self.identity, next(self._nonce)))
+            gpu = [b for b in pool.backends if b in GPU_BACKENDS]
+            try:
+                # a forced backend is tried as it is: a GPU one this side cannot do fails at its first use
+                backend = choose_backend(self.host, self.boot_id, pool.host, pool.boot_id, pool.shm_path, self.forced,
+                                         None if self.forced else gpu_backends(src), gpu)
+            except (ValueError, NotSupportedError) as e:
+                raise KVTransferError(f"{endpoint}: {e}") from e
+            dest = self.dests[endpoint] = (pool, backend)
+        return dest
 
-    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str, shm_path: str = "", shm_shape: list[int] | None = None) -> int:
+    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
         """Move src's blocks src_ids into the destination's msg.block_ids, then deliver msg. Returns bytes moved."""
         if len(src_ids) != len(msg.block_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")
         t0 = time.perf_counter()
-        per_block = src[:, :, 0].numel() * src.element_size()
-        nbytes = per_block * len(src_ids)
-        sock = self._socket(endpoint)
-        if msg.backend == "shm":
-            dst = self._pool(shm_path, shm_shape, src.dtype).tensor
-            copy_blocks(dst, src, src_ids, msg.block_ids)
-            sock.send(encode(msg))
-        elif msg.backend == "tcp":
-            idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-            frames = [src[layer].index_select(1, idx).contiguous().cpu() for layer in range(src.shape[0])]  # GPU pools: via host
-            sock.send_multipart([encode(msg), *[f.view(torch.uint8).numpy() for f in frames]], copy=False)
-        elif msg.backend in GPU_BACKENDS:
-            self._send_gpu(src, src_ids, msg, endpoint, sock)
-        else:
-            raise ValueError(f"unknown kv backend {msg.backend!r}")
+        nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)
+        try:
+            pool, backend = self.destination(endpoint, src)
+            msg = msgspec.structs.replace(msg, backend=backend)
+            sock = self._socket(endpoint)
+            if backend == "shm":
+                copy_blocks(self._pool(pool).tensor, src, src_ids, msg.block_ids)
+                sock.send(encode(msg))
+            elif backend == "tcp":
+                idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
+                frames = [src[layer].index_select(1, idx).contiguous().cpu() for layer in range(src.shape[0])]  # GPU pools: via host
+                sock.send_multipart([encode(msg), *[f.view(torch.uint8).numpy() for f in frames]], copy=False)
+            else:
+                self._peer(endpoint, backend, pool, src).send(src, src_ids, msg.block_ids, lambda: sock.send(encode(msg)))
+        except BaseException:
+            self.forget(endpoint)  # the next hand-off asks again and builds what it needs afresh
+            raise
         self.bytes_sent += nbytes
         self.seconds += time.perf_counter() - t0
         return nbytes
+
+    def _pool(self, pool: KVAccept) -> KVPool:
+        mapped = self.pools.get(pool.shm_path)
+        if mapped is None:
+            if pool.kv_dtype not in DTYPES:
+                raise ValueError(f"unknown kv dtype {pool.kv_dtype!r}")
+            mapped = self.pools[pool.shm_path] = KVPool.attach(pool.shm_path, pool.kv_shape, DTYPES[pool.kv_dtype])
+        return mapped
 
     def fail(self, endpoint: str, request_id: str, reason: str) -> bool:
         """Tell the decode side its hand-off will not come. Runs on error paths, so it never raises:
@@ -169,41 +173,34 @@ class KVSender:
         except zmq.ZMQError:
             return False
 
-    def _send_gpu(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str, sock: zmq.Socket) -> None:
-        try:
-            peer = self._peer(endpoint, msg.backend, src)
-            peer.send(src, src_ids, msg.block_ids, lambda: sock.send(encode(msg)))
-        except BaseException:
-            self._drop_peer(endpoint, msg.backend)  # the next hand-off asks again and builds a fresh one
-            raise
-
-    def _peer(self, endpoint: str, backend: str, src: torch.Tensor):
+    def _peer(self, endpoint: str, backend: str, pool: KVAccept, src: torch.Tensor):
         from kvtransfer import cuda_ipc, nccl
 
-        peer = self.peers.get((endpoint, backend))
+        peer = self.peers.get(endpoint)
         if peer is not None:
             return peer
         try:
-            uid = nccl.unique_id() if backend == "nccl" else b""
-            accept = self._handshake(endpoint, KVConnect(self.identity, backend, next(self._nonce), uid))
             if backend == "cuda_ipc":
-                peer = cuda_ipc.IpcPeer.open(accept, self.timeout)
+                peer = cuda_ipc.IpcPeer.open(pool, self.timeout)
             else:
+                uid = nccl.unique_id()
+                accept = self._handshake(endpoint, KVConnect(self.identity, next(self._nonce), uid))
                 peer = nccl.NcclSender.connect(uid, src.device, accept.kv_shape, self.timeout)
         except NotSupportedError as e:  # no cupy here: a failed hand-off, not a dead worker
             raise KVTransferError(str(e)) from e
-        self.peers[(endpoint, backend)] = peer
+        self.peers[endpoint] = peer
         return peer
 
     def _handshake(self, endpoint: str, ask: KVConnect) -> KVAccept:
         """KVConnect on the kv socket, then the KVAccept with its nonce (bounded wait)."""
+        what = "nccl" if ask.nccl_id else "pool description"
         sock = self._socket(endpoint)
         sock.send(encode(ask))
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                raise KVTransferTimeout(f"{ask.backend}: no answer from {endpoint} within {self.timeout:g} s")
+                raise KVTransferTimeout(f"{what}: no answer from {endpoint} within {self.timeout:g} s")
             try:
                 reply = self._accept.decode(sock.recv())
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -211,28 +208,45 @@ class KVSender:
             if reply.nonce == ask.nonce:
                 break
         if reply.error:
-            raise KVTransferError(f"{ask.backend} refused by {endpoint}: {reply.error}")
+            raise KVTransferError(f"{what} refused by {endpoint}: {reply.error}")
         return reply
 
-    def _drop_peer(self, endpoint: str, backend: str) -> None:
-        peer = self.peers.pop((endpoint, backend), None)
+    def forget(self, endpoint: str) -> None:
+        """Drop what this sender knows of a destination: its description, GPU peer and mapping."""
+        dest = self.dests.pop(endpoint, None)
+        if dest is not None and dest[0].shm_path:
+            self.pools.pop(dest[0].shm_path, None)
+        peer = self.peers.pop(endpoint, None)
         if peer is not None:
             peer.close()
 
     def close(self) -> None:
-        for endpoint, backend in list(self.peers):
-            self._drop_peer(endpoint, backend)
+        for endpoint in list(self.dests) + list(self.peers):
+            self.forget(endpoint)
         for s in self.sockets.values():
             s.close(linger=0)
         self.sockets.clear()
         self.pools.clear()
 
 
+def describe(pool: torch.Tensor, ipc: KVAccept | None = None, shm_path: str = "", nonce: int = 0) -> KVAccept:
+    """A decode pool as KVAccept tells it: shape, dtype, where it lives, which backends can reach it.
+    ipc: its CUDA IPC export (cuda_ipc.CudaKVPool.accept); shm_path: its file in /dev/shm."""
+    from kvtransfer import nccl
+    from kvtransfer.cuda_ipc import device_id
+
+    host, boot = host_identity()
+    offers = (["shm"] if shm_path else []) + (["cuda_ipc"] if ipc is not None else []) + (["nccl"] if nccl.available(pool.device) else [])
+    base = ipc if ipc is not None else KVAccept(0, list(pool.shape), dtype_name(pool.dtype), device=device_id(pool))
+    return msgspec.structs.replace(base, nonce=nonce, host=host, boot_id=boot, backends=offers, shm_path=shm_path)
+
+
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*", curve: dict | None = None,
-                 ipc: KVAccept | None = None, timeout: float = 10.0):
+                 ipc: KVAccept | None = None, timeout: float = 10.0, shm_path: str = ""):
         self.pool = pool
-        self.ipc = ipc  # cuda_ipc: this pool's export (cuda_ipc.CudaKVPool.accept), the answer to every KVConnect
+        self.ipc = ipc  # cuda_ipc: this pool's export (cuda_ipc.CudaKVPool.accept)
+        self.shm_path = shm_path  # shm: the pool's file in /dev/shm ("" if private)
         self.nccl = None  # nccl.NcclInbox, made at the first nccl KVConnect
         self.timeout = timeout
         self.sock = ctx.socket(zmq.ROUTER)
@@ -240,7 +254,7 @@ class KVReceiver:
         self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
         layer_bytes = pool[0].numel() * pool.element_size()
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, 2**20))  # no frame can exceed one layer of the pool
-        for opt, value in (curve or {}).items():  # CurveZMQ server options (coordinator.security.server_options)
+        for opt, value in (curve or {}).items():  # CurveZMQ server options (wire.security.server_options)
             self.sock.setsockopt(opt, value)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -305,20 +319,19 @@ class KVReceiver:
         self.bytes_received += want * len(frames)
 
     def _connect(self, peer: bytes, ask: KVConnect) -> None:
-        """Answer a prefill worker's KVConnect (on the I/O thread): the pool's export, or why not."""
+        """Answer a prefill worker's KVConnect (on the I/O thread): this pool's description, or
+        for an nccl join, the join (made on a thread of the inbox's own), or why not."""
         from kvtransfer import nccl
 
-        reply = None
-        if ask.backend == "cuda_ipc" and self.ipc is not None:
-            reply = msgspec.structs.replace(self.ipc, nonce=ask.nonce)
-        elif ask.backend == "nccl" and ask.nccl_id and nccl.available(self.pool.device):
-            if self.nccl is None:
-                self.nccl = nccl.NcclInbox(self.pool, self.timeout)
-            self.nccl.connect(peer, ask.nccl_id)
-            reply = KVAccept("nccl", ask.nonce, list(self.pool.shape), dtype_name(self.pool.dtype))
-        if reply is None:
-            why = f"kv backend {ask.backend!r} is not available here (KV pool on {self.pool.device}, cupy and NCCL needed)"
-            reply = KVAccept(ask.backend, ask.nonce, list(self.pool.shape), dtype_name(self.pool.dtype), error=why)
+        reply = describe(self.pool, self.ipc, self.shm_path, ask.nonce)
+        if ask.nccl_id:
+            if "nccl" in reply.backends:
+                if self.nccl is None:
+                    self.nccl = nccl.NcclInbox(self.pool, self.timeout)
+                self.nccl.connect(peer, ask.nccl_id)
+            else:
+                why = f"kv backend 'nccl' is not available here (KV pool on {self.pool.device}, cupy and NCCL needed)"
+                reply = msgspec.structs.replace(reply, error=why)
         self.sock.send_multipart([peer, encode(reply)])
 
     def close(self) -> None:
@@ -327,4 +340,4 @@ class KVReceiver:
         self.sock.close(linger=0)
 
 
-__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "backend_for", "choose_backend", "copy_blocks", "gpu_backends"]
+__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "choose_backend", "copy_blocks", "describe", "gpu_backends"]

@@ -36,9 +36,9 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     """Register as a COLOCATED worker and answer every Generate with one final token at once."""
     import zmq
 
-    from coordinator.protocol import (
-        PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch, TokenOut, Welcome,
-        decoder, encode,
+    from wire.protocol import (
+        PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch,
+        TokenOut, Welcome, decoder, encode,
     )
     from kvtransfer.pool import host_identity
 
@@ -48,7 +48,7 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     sock.connect(address)
     dec = decoder(CoordinatorToWorker)
     host, boot = host_identity()
-    hello = encode(Hello(PROTOCOL_VERSION, worker_id, int(Role.COLOCATED), os.getpid(), host, boot, "stub", 1 << 20, 1 << 20, 16))
+    hello = encode(Hello(PROTOCOL_VERSION, worker_id, Role.COLOCATED, os.getpid(), host, boot, "stub", 1 << 20, 1 << 20, 16))
     beat = encode(Heartbeat(worker_id, 1 << 20, 0, 0, 0))
     registered = False
     next_beat = 0.0
@@ -66,7 +66,7 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
             except zmq.Again:
                 break
             if isinstance(msg, Generate):
-                items.append(TokenOut(msg.request_id, msg.prompt_token_ids[0], None, None, 1))
+                items.append(TokenOut(msg.request_id, msg.prompt_token_ids[0], None, None, FinishReason.LENGTH))
             elif isinstance(msg, Welcome):
                 registered = True
             elif isinstance(msg, (Shutdown, Reject)):
@@ -84,7 +84,7 @@ class LoadGenerator:
     def __init__(self, address: str, prompt: list[int]):
         import zmq
 
-        from coordinator.protocol import CoordinatorToClient, decoder
+        from wire.protocol import CoordinatorToClient, decoder
 
         self.zmq = zmq
         self.ctx = zmq.Context()
@@ -97,7 +97,7 @@ class LoadGenerator:
         self.prompt = prompt
 
     def encoded(self, prefix: str, n: int) -> list[bytes]:
-        from coordinator.protocol import GenerateRequest, encode
+        from wire.protocol import GenerateRequest, encode
         from runtime.params import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -105,7 +105,7 @@ class LoadGenerator:
 
     def finals(self, timeout_s: float = 30.0):
         """Yield (request_id, error or None) for each request that ended, as messages arrive."""
-        from coordinator.protocol import ErrorReply, Final
+        from wire.protocol import ErrorReply, Final
 
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("the coordinator stopped answering")
@@ -169,7 +169,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def wait_registered(client_addr: str, worker_id: str, procs, timeout: float = 60.0) -> None:
-    from coordinator.client import Client, ClientError
+    from client.library import Client, ClientError
 
     deadline = time.monotonic() + timeout
     with Client(client_addr, timeout=2.0) as c:
@@ -187,7 +187,7 @@ def wait_registered(client_addr: str, worker_id: str, procs, timeout: float = 60
 
 
 def coordinator_stats(client_addr: str) -> dict:
-    from coordinator.client import Client
+    from client.library import Client
 
     with Client(client_addr, timeout=5.0) as c:
         return c.stats()

@@ -180,14 +180,14 @@ class Handoff:
 
 
 def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks: int, rng: random.Random, tag: str) -> float:
-    from coordinator.protocol import KVReady
+    from wire.protocol import KVReady
     from runtime.params import SamplingParams
 
     num_blocks = shape[2]
     src_ids, dst_ids = rng.sample(range(num_blocks), n_blocks), rng.sample(range(num_blocks), n_blocks)
-    msg = KVReady(tag, [1], [2], SamplingParams(), dst_ids, n_blocks * shape[3], backend)
+    msg = KVReady(tag, [1], [2], SamplingParams(), dst_ids, n_blocks * shape[3], "")
     t0 = time.perf_counter()
-    sender.send(src, src_ids, msg, receiver.endpoint, dst_pool.path, list(shape))
+    sender.send(src, src_ids, msg, receiver.endpoint)
     got = receiver.recv()
     receiver.copy_in(*got)
     seconds = time.perf_counter() - t0
@@ -200,6 +200,7 @@ def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks
 def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: int = 20, backends=("shm", "tcp")) -> list[Handoff]:
     """Median hand-off time of one `tokens`-token prompt's blocks, per backend, with random block ids."""
     import os
+    import threading
 
     import zmq
 
@@ -213,23 +214,30 @@ def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: in
     src = torch.rand(shape)
     dst_pool = KVPool.create(shape, torch.float32, shared=True, name=f"bench-{os.getpid()}")
     ctx = zmq.Context()
-    receiver, sender = KVReceiver(ctx, dst_pool.tensor), KVSender(ctx, "bench")
+    receiver = KVReceiver(ctx, dst_pool.tensor, shm_path=dst_pool.path)
+    senders = {b: KVSender(ctx, f"bench-{b}", backend=b) for b in {"shm", *backends}}
     rng = random.Random(0)
     nbytes = n_blocks * src[:, :, 0].numel() * src.element_size()
     flat_src, flat_dst = src.view(-1)[: nbytes // 4], dst_pool.tensor.view(-1)[: nbytes // 4]
     try:
-        _handoff_once(sender, receiver, src, dst_pool, shape, "shm", n_blocks, rng, "attach")
-        for pool in (dst_pool, *sender.pools.values()):
+        for sender in senders.values():  # each asks the receiver for its pool once (answered here, on another thread)
+            answer = threading.Thread(target=lambda: receiver.sock.poll(10_000) and receiver.recv())
+            answer.start()
+            sender.destination(receiver.endpoint, src)
+            answer.join()
+        _handoff_once(senders["shm"], receiver, src, dst_pool, shape, "shm", n_blocks, rng, "attach")
+        for pool in (dst_pool, *senders["shm"].pools.values()):
             pool.tensor.zero_()  # fault every page into both mappings, as in a worker that has run a while
         memcpy_s = timed(lambda: flat_dst.copy_(flat_src), repeats)
         out = []
         for backend in backends:
-            times = [_handoff_once(sender, receiver, src, dst_pool, shape, backend, n_blocks, rng, f"{backend}-{i}")
+            times = [_handoff_once(senders[backend], receiver, src, dst_pool, shape, backend, n_blocks, rng, f"{backend}-{i}")
                      for i in range(repeats + 1)]
             out.append(Handoff(backend, tokens, nbytes, statistics.median(times[1:]), memcpy_s))
         return out
     finally:
-        sender.close()
+        for sender in senders.values():
+            sender.close()
         receiver.close()
         ctx.destroy(linger=0)
         dst_pool.close()

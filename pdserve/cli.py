@@ -101,7 +101,7 @@ def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampli
 
 
 def _generate_remote(prompt, address, chat, timeout, keys, sampling):
-    from coordinator.client import Client, ClientError
+    from client.library import Client, ClientError
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     with Client(address, timeout=timeout, keys=keys) as client:
@@ -174,7 +174,6 @@ def _class_targets(specs) -> dict:
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--model", default=None, help="the model whose tokenizer to load")
-@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True)
 @click.option("--worker-timeout", default=2.0, show_default=True, help="seconds without a heartbeat before a worker is dropped")
 @click.option("--pending-timeout", default=60.0, show_default=True, help="seconds a request may wait for KV room before it is shed")
 @click.option("--admit-timeout", default=10.0, show_default=True,
@@ -184,7 +183,7 @@ def _class_targets(specs) -> dict:
 @_slo_options
 @_security_options
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
                 keys, insecure, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
@@ -193,7 +192,7 @@ def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pen
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
                             admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
-                            kv_backend=kv_backend, slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
+                            slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure))
 
 
@@ -209,7 +208,7 @@ def coordinator(client_addr, worker_addr, model, kv_backend, worker_timeout, pen
 @click.option("-v", "--verbose", is_flag=True)
 def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, verbose):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
-    from coordinator.gateway import GatewayConfig, serve
+    from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
 
     _logging(verbose)
@@ -223,12 +222,14 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
 @main.command()
 @_engine_options
 @click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
-def prefill(verbose, batch_window_ms, **kw):
+@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True,
+              help="how to hand KV to decode workers (auto: from each decode pool's description)")
+def prefill(verbose, batch_window_ms, kv_backend, **kw):
     """Run a prefill worker: prompt forward passes, first token, KV hand-off."""
     from prefill.worker import serve
 
     _logging(verbose)
-    ecfg, wcfg = _configs(batch_window_ms=batch_window_ms, **kw)
+    ecfg, wcfg = _configs(batch_window_ms=batch_window_ms, kv_backend=kv_backend, **kw)
     serve(ecfg, wcfg)
 
 
@@ -238,7 +239,7 @@ def prefill(verbose, batch_window_ms, **kw):
 @click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
 def decode(verbose, kv_bind, colocated, **kw):
     """Run a decode worker: continuous batching over a paged KV cache."""
-    from coordinator.protocol import Role
+    from wire.protocol import Role
     from decode.worker import serve
 
     _logging(verbose)
@@ -252,7 +253,7 @@ def decode(verbose, kv_bind, colocated, **kw):
 @click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
 def stats(address, timeout, keys):
     """Print the coordinator's stats as JSON."""
-    from coordinator.client import Client, ClientError
+    from client.library import Client, ClientError
 
     with Client(address, timeout=timeout, keys=keys) as c:
         try:
@@ -326,7 +327,7 @@ def bench(args):
 @click.argument("directory", type=click.Path())
 def keygen(directory):
     """Write CurveZMQ keys for a cluster into DIRECTORY (copy it to every node; pass --keys DIRECTORY)."""
-    from coordinator.security import keygen as make_keys
+    from wire.security import keygen as make_keys
 
     d = make_keys(directory)
     click.echo(f"wrote server and client keypairs to {d} (authorized client keys in {d / 'authorized'})")

@@ -128,7 +128,7 @@ class Launcher:
     def start(self) -> None:
         p = self.plan
         if p.coordinator:
-            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr, "--kv-backend", p.kv_backend]
+            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr]
             self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args)
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
@@ -145,7 +145,8 @@ class Launcher:
             return ["--core-share", f"{self.core_share}:{next(slots)}"] if self.core_share else []
 
         for i in range(p.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", *common, *share(), *p.prefill_args])
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", "--kv-backend", p.kv_backend, *common,
+                                         *share(), *p.prefill_args])
         for i in range(p.decode):
             self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common, *share()])
         for i in range(p.colocated):
@@ -154,7 +155,7 @@ class Launcher:
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with the coordinator; returns its stats."""
-        from coordinator.client import Client, ClientError
+        from client.library import Client, ClientError
 
         deadline = time.monotonic() + timeout
         mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),

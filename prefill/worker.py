@@ -1,103 +1,116 @@
 """The prefill worker (`pdserve prefill`): prompt forward passes, first token, KV hand-off.
 
-Lifecycle: load the model with a private KV pool, say Hello. Then loop:
-  drain the inbox: Prefill -> queue the prompt with its destination (decode worker, granted
-  block ids, backend); Abort -> drop it if not yet handed off, telling the decode side;
+Lifecycle: `PrefillWorker.build` loads the model into an engine in prefill mode with a private
+KV pool, times a few prompts, and makes the KV sender and the link that says Hello; the worker
+itself is built from those parts (tests pass an in-process transport and link). Then `run`
+loops:
+  drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
+  (decode worker, granted block ids); Abort -> drop it if not yet handed off, telling the
+  decode side;
   batching window: once a prompt waits, wait up to `batch_window_ms` (or until the token
   budget is full) so several prompts pack into one forward;
-  step: the runtime scheduler packs waiting prompts up to the token budget and chunks long
-  ones; a prompt whose last chunk ran samples its first token, its blocks are sent to the
-  decode worker (shm: written into its pool; tcp: frames), KVReady follows, and its blocks
-  here are freed at once. A failed hand-off tells the decode side (KVFailed, it frees the
-  grant) and the coordinator (WorkerError).
+  step: the engine packs waiting prompts up to the token budget and chunks long ones; a prompt
+  whose last chunk ran comes back with its first token and its blocks still held;
+  hand off: its blocks go to the decode worker by the backend the sender picked from that
+  worker's pool description (shm: written into its pool; tcp: frames; GPU: cuda_ipc or nccl),
+  KVReady follows; release: the engine frees its blocks here at once.
+A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
+(WorkerError).
 """
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from coordinator import security
-from coordinator.link import CoordinatorRestarted, WorkerLink
-from coordinator.protocol import (
-    PROTOCOL_VERSION, Abort, Heartbeat, Hello, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError,
-)
-from kvtransfer.pool import host_identity
-from kvtransfer.cuda_ipc import device_id
-from kvtransfer.transfer import KVSender, gpu_backends
+from kvtransfer.transfer import KVSender
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.cores import CoreShare
-from runtime.engine import LLMEngine, build_model, drain_steps
+from runtime.cores import CoreShare, StaticCores
+from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
-from runtime.heap import freeze_startup_heap
-from runtime.sequence import FinishReason, Sequence
+from runtime.kv_cache import allocate_kv_cache
 from runtime.weights import load_checkpoint
+from wire import security
+from wire.link import CoordinatorRestarted
+from wire.protocol import Abort, Heartbeat, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError
+from worker import process
 
 log = logging.getLogger("pdserve.prefill")
 
 
 @dataclass
-class Handoff:
+class Job:
     msg: Prefill
-    seq: Sequence
     t_start: float
 
 
 class PrefillWorker:
-    def __init__(self, engine_cfg: EngineConfig, worker_cfg: WorkerConfig):
-        self.wcfg = worker_cfg
-        if worker_cfg.threads:
-            torch.set_num_threads(worker_cfg.threads)
-        self.cores = CoreShare.open(worker_cfg.core_share)
-        self.worker_id = worker_cfg.worker_id or f"prefill-{os.getpid()}"
-        cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
-        self.engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg)
-        self.scheduler = self.engine.scheduler
-        self.cores.busy()
-        profile = self.engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
-        self.cores.idle()
-        self.ctx = zmq.Context()
-        self.sender = KVSender(self.ctx, self.worker_id, security.client_options(worker_cfg.keys))
-        host, boot = host_identity()
-        hello = Hello(
-            PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
-            self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
-            kv_device=device_id(self.engine.runner.kv_cache), kv_backends=gpu_backends(self.engine.runner.kv_cache),
-        )
-        self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
-                               security.client_options(worker_cfg.keys))
-        self.jobs: dict[str, Handoff] = {}
+    def __init__(self, worker_id: str, engine: LLMEngine, pool: torch.Tensor, sender, link, batch_window_ms: float = 2.0,
+                 ctx: zmq.Context | None = None, cores: CoreShare | StaticCores | None = None):
+        self.worker_id = worker_id
+        self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
+        self.engine = engine  # in prefill mode
+        self.pool = pool  # the engine's KV pool, (layers, 2, num_blocks, block_size, KVH, D): what hand-offs read
+        self.sender = sender  # KVSender, or kvtransfer.local.LocalKV
+        self.link = link  # WorkerLink, or anything with send, drain, start, stop, bad_messages, dropped
+        self.batch_window = batch_window_ms / 1000
+        self.ctx = ctx  # owned: destroyed by close()
+        self.jobs: dict[str, Job] = {}
         self.running = True
 
+    @classmethod
+    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig) -> "PrefillWorker":
+        if wcfg.threads:
+            torch.set_num_threads(wcfg.threads)
+        cores = CoreShare.open(wcfg.core_share)
+        wid = process.worker_id(Role.PREFILL, wcfg)
+        cfg, tensors = load_checkpoint(wcfg.model, progress=False)
+        pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
+        engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
+        cores.busy()
+        profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
+        cores.idle()
+        ctx = zmq.Context()
+        sender = KVSender(ctx, wid, security.client_options(wcfg.keys), backend=wcfg.kv_backend)
+        link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
+        return cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores)
+
     def heartbeat(self) -> Heartbeat:
+        sched = self.engine.scheduler
         return Heartbeat(
-            self.worker_id, self.engine.blocks.free_blocks, len(self.scheduler.running), len(self.scheduler.waiting),
-            sum(j.seq.num_uncomputed for j in list(self.jobs.values())), kv_bytes_sent=self.sender.bytes_sent,
-            kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages, steps=drain_steps(self.engine),
-            inbox_dropped=self.link.dropped,
+            self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting), self.engine.queued_tokens(),
+            kv_bytes_sent=self.sender.bytes_sent, kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages,
+            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped,
         )
 
     def run(self) -> None:
-        self.link.start()
+        self.link.start(self.heartbeat)
         try:
             while self.running:
-                if not self.jobs:
-                    self.cores.idle()
-                for msg in self.link.drain(0 if self.jobs else 0.05):
-                    self.handle(msg)
-                if self.jobs:
-                    self.wait_for_batch()
-                    self.cores.busy()
-                    self.step()
+                self.turn(0 if self.jobs else 0.05)
         finally:
-            self.cores.close()
-            self.link.stop()
-            self.sender.close()
+            self.close()
+
+    def turn(self, timeout: float) -> None:
+        """One pass of the loop: messages (waiting up to timeout for the first), then, with
+        prompts queued, the batching window, a step and its hand-offs."""
+        if not self.jobs:
+            self.cores.idle()
+        for msg in self.link.drain(timeout):
+            self.handle(msg)
+        if self.jobs:
+            self.wait_for_batch()
+            self.cores.busy()
+            self.step()
+
+    def close(self) -> None:
+        self.cores.close()
+        self.link.stop()
+        self.sender.close()
+        if self.ctx is not None:
             self.ctx.destroy(linger=0)
 
     def handle(self, msg) -> None:
@@ -112,65 +125,60 @@ class PrefillWorker:
             self.running = False
 
     def on_prefill(self, msg: Prefill) -> None:
-        seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids, msg.priority)
         try:
-            self.engine.validate(seq.prompt_token_ids + seq.output_token_ids, msg.params)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority)
         except PdserveError as e:
             self.fail(msg, e.code, str(e))
             return
-        self.jobs[msg.request_id] = Handoff(msg, seq, time.perf_counter())
-        self.scheduler.add(seq)
+        self.jobs[msg.request_id] = Job(msg, time.perf_counter())
 
     def on_abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)
         if job is not None:
-            self.scheduler.finish(job.seq, FinishReason.ABORT)
+            self.engine.abort(rid)
             self.sender.fail(job.msg.dest_kv_endpoint, rid, "aborted")
 
     def wait_for_batch(self) -> None:
         """Hold the first prompt up to the batching window so later ones share its forward."""
-        window = self.wcfg.batch_window_ms / 1000
-        budget = self.scheduler.max_num_batched_tokens
-        deadline = min(j.t_start for j in self.jobs.values()) + window
-        while time.perf_counter() < deadline and self.heartbeat().queued_tokens < budget:
-            msgs = self.link.drain(max(0.0, deadline - time.perf_counter()))
-            for msg in msgs:
+        budget = self.engine.config.max_num_batched_tokens
+        deadline = min(j.t_start for j in self.jobs.values()) + self.batch_window
+        while time.perf_counter() < deadline and self.engine.queued_tokens() < budget:
+            for msg in self.link.drain(max(0.0, deadline - time.perf_counter())):
                 self.handle(msg)
             if not self.jobs:
                 return
 
     def step(self) -> None:
-        sched = self.scheduler.schedule()
-        for seq in sched.finished:  # could never fit this worker's pool
-            job = self.jobs.pop(seq.request_id)
-            self.fail(job.msg, "prompt_too_long", "prompt does not fit the prefill worker's KV pool")
-        if not sched.scheduled:
-            return
         t0 = time.perf_counter()
-        samplers, sampled = self.engine.execute(sched.scheduled)
+        outs = self.engine.step()
         compute = time.perf_counter() - t0
-        for i, seq in enumerate(samplers):
-            self.hand_off(self.jobs.pop(seq.request_id), sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], compute)
+        for out in outs:
+            job = self.jobs.pop(out.request_id, None)
+            if job is None:
+                continue
+            if out.token_id is None:  # could never fit this worker's pool
+                self.fail(job.msg, "prompt_too_long", "prompt does not fit the prefill worker's KV pool")
+                continue
+            self.hand_off(job.msg, out, compute)
+            self.engine.release(out.request_id)
 
-    def hand_off(self, job: Handoff, token: int, logprob, top, compute: float) -> None:
-        seq, msg = job.seq, job.msg
-        n_blocks = self.engine.blocks.blocks_for(seq.num_tokens)
+    def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
+        """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
+        seq = self.engine.seqs[msg.request_id]
         ready = KVReady(
-            msg.request_id, seq.prompt_token_ids, seq.output_token_ids + [token], msg.params, msg.dest_block_ids,
-            seq.num_tokens, msg.backend, logprob, top, msg.priority,
+            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids,
+            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority,  # the sender names its backend
         )
         t0 = time.perf_counter()
         try:
-            if len(msg.dest_block_ids) != n_blocks:
-                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks for {n_blocks} needed")
-            nbytes = self.sender.send(self.engine.runner.kv_cache, seq.block_table[:n_blocks], ready, msg.dest_kv_endpoint, msg.dest_shm_path, msg.dest_kv_shape)
+            if len(msg.dest_block_ids) != len(seq.block_table):
+                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks for {len(seq.block_table)} needed")
+            nbytes = self.sender.send(self.pool, seq.block_table, ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
-            self.scheduler.finish(seq, FinishReason.ABORT)
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}")
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
             return
-        self.scheduler.finish(seq, FinishReason.STOP)
-        self.link.send(PrefillDone(msg.request_id, seq.num_tokens, nbytes, time.perf_counter() - t0, compute))
+        self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute))
 
     def fail(self, msg: Prefill, code: str, message: str) -> None:
         self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message)
@@ -178,12 +186,4 @@ class PrefillWorker:
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig) -> None:
-    worker = PrefillWorker(engine_cfg, worker_cfg)
-    freeze_startup_heap()
-
-    def stop(*_):
-        worker.running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    worker.run()
+    process.serve(PrefillWorker.build(engine_cfg, worker_cfg))

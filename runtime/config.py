@@ -170,7 +170,7 @@ class WorkerConfig:
     coordinator: str = "tcp://127.0.0.1:5556"
     model: str | None = None
     worker_id: str = ""  # "" = role-pid
-    kv_backend: str = "auto"  # prefill: force shm or tcp
+    kv_backend: str = "auto"  # prefill: auto (from each decode pool's description), or force shm, tcp, cuda_ipc, nccl
     kv_bind: str = "tcp://127.0.0.1:*"  # decode: where prefill workers deliver KV
     shared_pool: bool = True  # decode: put the KV pool in /dev/shm for the shm backend
     batch_window_ms: float = 2.0  # prefill: wait this long for more prompts to pack

@@ -6,6 +6,11 @@ queues it; each `step()` is schedule -> execute -> postprocess and returns what 
 produced; `abort` ends a request at any point. Finished or aborted sequences free their blocks
 at once. `generate()` drives the loop to completion for a list of prompts. The colocated worker
 and the reference outputs of the disaggregated tests both run this engine.
+
+Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
+its prompt is computed and its first token sampled; that step's output carries the token, and
+the sequence's blocks stay allocated (`seqs[request_id].block_table`) until `release(request_id)`,
+so the worker can hand them off first. Stop conditions are left to the engine that decodes.
 """
 from __future__ import annotations
 
@@ -58,8 +63,10 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaMo
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, kv_cache: torch.Tensor | None = None):
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, kv_cache: torch.Tensor | None = None,
+                 prefill_only: bool = False):
         self.model = model
+        self.prefill_only = prefill_only
         self.cfg = model.cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -132,8 +139,17 @@ class LLMEngine:
         self._finish(seq, FinishReason.ABORT)
         return True
 
+    def release(self, request_id: str) -> None:
+        """Prefill mode: free a handed-off sequence's blocks and forget it."""
+        self._finish(self.seqs[request_id], FinishReason.STOP)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def queued_tokens(self) -> int:
+        """Tokens queued or running and not yet computed (a prefill worker's backlog)."""
+        sched = self.scheduler
+        return sum(s.num_uncomputed for s in [*sched.waiting, *sched.running])
 
     # ------------------------------------------------------------------ the loop
 
@@ -181,6 +197,9 @@ class LLMEngine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
         out = StepOutput(seq.request_id, token, logprob=logprob, top_logprobs=top)
+        if self.prefill_only:
+            self.scheduler.hold(seq)  # its blocks wait for release()
+            return out
         detok = self.detoks.get(seq.request_id)
         if detok is not None:
             out.text = detok.step(token)
@@ -236,6 +255,9 @@ class LLMEngine:
                 c.text += out.text
                 if out.finish_reason is not None:
                     c.finish_reason = out.finish_reason
+                elif self.prefill_only and out.token_id is not None:
+                    self.release(out.request_id)  # prefill mode: the first token is all it makes
+                    c.finish_reason = FinishReason.LENGTH
         return [done[rid] for rid in order]
 
 def drain_steps(engine) -> list[tuple[int, int, int, float]]:

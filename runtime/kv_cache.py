@@ -3,7 +3,7 @@
 Lifecycle: a worker allocates the pool once (`allocate_kv_cache`, optionally over a buffer it
 shares with other processes) and builds one `BlockManager` over its block ids. Sequences grow
 their block tables through `BlockManager.ensure_slots`, which answers False, never raises, when
-the pool is short, so the scheduler can preempt; `free_seq` gives every block back. Ref counts
+the pool is short, so the scheduler can preempt; `free_table` gives every block back. Ref counts
 let a block be shared (a forked or prefix-shared sequence); a block returns to the free list
 when its count reaches zero. At shutdown `free_blocks == num_blocks` is the leak check.
 """

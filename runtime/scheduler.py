@@ -1,9 +1,10 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
-Lifecycle per step: `schedule()` decides, the runner executes, `finish_step()` records what
-was computed. Running sequences go first (a decode costs one token of the step's budget); if
-the pool cannot hold a running sequence's next token, the newest running sequence is preempted
-(blocks freed, back to the front of the queue for re-prefill). Then waiting sequences are
+Lifecycle per step: `schedule()` decides, the runner executes, and the engine advances each
+scheduled sequence's `num_computed_tokens` (`LLMEngine.execute`). Running sequences go first
+(a decode costs one token of the step's budget); if the pool cannot hold a running sequence's
+next token, the newest running sequence is preempted (blocks freed, back to the front of the
+queue for re-prefill). Then waiting sequences are
 admitted in arrival order while the token budget, the sequence cap and the pool allow; a long
 prompt is cut into chunks over several steps. The output is plain data, so it is tested on the
 CPU without a model.
@@ -22,10 +23,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended here: could never fit the pool
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
@@ -107,6 +104,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def hold(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch keeping its blocks (a prefill engine's
+        sequence after its first token: the hand-off reads them, then `finish` frees them)."""
+        self.running.remove(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take seq out of the scheduler (finished or aborted) and free its blocks."""

@@ -57,10 +57,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

@@ -170,7 +170,7 @@ def ipc_child() -> None:
     """The decode side: a CUDA IPC pool, answers KVConnect, takes hand-offs until told to stop."""
     import zmq
 
-    from coordinator.protocol import KVFailed
+    from wire.protocol import KVFailed
     from kvtransfer.cuda_ipc import CudaKVPool
     from kvtransfer.transfer import KVReceiver
 
@@ -194,13 +194,13 @@ def ipc_rate(repeats: int = 20) -> tuple[float, float, float]:
 
     import zmq
 
-    from coordinator.protocol import KVReady
+    from wire.protocol import KVReady
     from kvtransfer.transfer import KVSender
     from runtime.params import SamplingParams
 
     child = subprocess.Popen([sys.executable, __file__, "--ipc-child"], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
-    sender = KVSender(ctx, "bench", timeout=30)
+    sender = KVSender(ctx, "bench", timeout=30, backend="cuda_ipc")
     try:
         endpoint = child.stdout.readline().strip()
         src = torch.randn(IPC_SHAPE, device="cuda").to(torch.bfloat16)

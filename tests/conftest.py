@@ -16,3 +16,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random Llama checkpoint on disk (tests.helpers.save_tiny_model, 128 positions)."""
+    from tests.helpers import save_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(d, max_position_embeddings=128)
+    return d

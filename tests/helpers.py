@@ -184,3 +184,44 @@ def wait_all_blocks_free(client, timeout: float = 5.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held: {[(w['id'], w['free_blocks'], w['total_blocks'], w['running']) for w in stats['workers']]}")
         time.sleep(0.05)
+
+
+class FakeLink:
+    """A worker's link to the coordinator without a coordinator: the test puts messages in
+    `inbox` and reads what the worker sent from `sent`."""
+
+    def __init__(self):
+        self.inbox: list = []
+        self.sent: list = []
+        self.bad_messages = self.dropped = 0
+        self.heartbeat = None
+
+    def start(self, heartbeat=None):
+        self.heartbeat = heartbeat
+
+    def stop(self):
+        pass
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def drain(self, timeout):
+        items, self.inbox = self.inbox, []
+        return items
+
+    def taken(self, kind) -> list:
+        """The messages of one type sent so far."""
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+def tiny_engine(model_dir, prefill_only: bool = False, **config):
+    """(engine, its KV pool) on a tiny checkpoint, as a worker builds them; config: EngineConfig fields."""
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine, build_model
+    from runtime.kv_cache import allocate_kv_cache
+    from runtime.weights import load_checkpoint
+
+    econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, **config})
+    cfg, tensors = load_checkpoint(str(model_dir), progress=False)
+    pool = allocate_kv_cache(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.torch_dtype, econf.device)
+    return LLMEngine(build_model(cfg, tensors, econf), None, econf, kv_cache=pool, prefill_only=prefill_only), pool

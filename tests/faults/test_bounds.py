@@ -21,9 +21,9 @@ import pytest
 import torch
 import zmq
 
-from coordinator.client import AsyncClient, Client, InvalidRequest, Overloaded
-from coordinator.link import WorkerLink
-from coordinator.protocol import (
+from client.library import AsyncClient, Client, InvalidRequest, Overloaded
+from wire.link import WorkerLink
+from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, CoordinatorToClient, Delta, GenerateRequest, Heartbeat, Hello, Role, Welcome,
     WorkerToCoordinator, decoder, encode,
 )

@@ -22,8 +22,8 @@ import pytest
 import torch
 import zmq
 
-from coordinator.client import Client, WorkerLost
-from coordinator.protocol import (
+from client.library import Client, WorkerLost
+from wire.protocol import (
     PROTOCOL_VERSION, AbortRequest, Admit, AdmitRefused, ChatMessage, ClientToCoordinator, CoordinatorToClient, Delta,
     ErrorReply, GenerateRequest, Granted, Heartbeat, Hello, KVFailed, KVReady, PrefillDone, Role, StatsRequest, StatusRequest,
     TokenBatch, TokenOut, Welcome, WorkerError, WorkerToCoordinator, decoder, encode,
@@ -155,7 +155,7 @@ def _undecodable(dec, body: bytes) -> bool:
 
 def worker_templates() -> list[list[bytes]]:
     hello = Hello(PROTOCOL_VERSION, "fz-w", int(Role.DECODE), 1, "fz-host", "fz-boot", "m", CONTEXT, 100, BLOCK,
-                  "tcp://127.0.0.1:1", "", [LAYERS, 2, 100, BLOCK, KV_HEADS, HEAD_DIM], "float32", [(1, 64, 64, 0.01)])
+                  "tcp://127.0.0.1:1", [(1, 64, 64, 0.01)])
     msgs = [
         hello, Hello(PROTOCOL_VERSION, "fz-p", int(Role.PREFILL), 2, "fz-host", "fz-boot", "m", CONTEXT, 100, BLOCK),
         Heartbeat("fz-w", 100, 0, 0, 0, steps=[(1, 1, 1, 0.001)]), Granted("fz-r", [1, 2]), AdmitRefused("fz-r", "full"),

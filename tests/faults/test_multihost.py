@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from coordinator.client import Client, RequestError
-from coordinator.security import keygen
+from client.library import Client, RequestError
+from wire.security import keygen
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from coordinator.client import AsyncClient, Client, RequestError, RequestLost
+from client.library import AsyncClient, Client, RequestError, RequestLost
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams

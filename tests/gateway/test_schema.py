@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from coordinator.gateway import GatewayConfig, served_name
-from coordinator.gateway_schema import (
+from gateway.server import GatewayConfig, served_name
+from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, completion_inputs, completion_jobs, decode_body,
 )
-from coordinator.protocol import ChatMessage
+from wire.protocol import ChatMessage
 from runtime.errors import InvalidRequestError
 from runtime.model_path import default_model_path
 

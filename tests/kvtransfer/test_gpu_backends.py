@@ -22,16 +22,18 @@ import pytest
 import torch
 import zmq
 
-from coordinator.protocol import (
-    Admit, Hello, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
+from wire.protocol import (
+    Admit, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
 )
 from kvtransfer import cuda_ipc, nccl
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
-from kvtransfer.transfer import KVReceiver, KVSender, backend_for, choose_backend, gpu_backends
+from kvtransfer.pool import KVPool
+from kvtransfer.transfer import KVReceiver, KVSender, choose_backend, gpu_backends
 from runtime.config import EngineConfig
 from runtime.errors import NotSupportedError
 from runtime.kv_cache import BlockManager
 from runtime.params import SamplingParams
+from tests.helpers import FakeLink, save_tiny_model, tiny_engine
 
 _REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 16, 4, 2, 8)  # (layers, 2, num_blocks, block_size, KVH, D)
@@ -78,18 +80,39 @@ def ctx():
 
 def test_handshake_messages_round_trip():
     handle = bytes(range(64))
-    ask = KVConnect("prefill-1", "nccl", 7, bytes(range(128)))
+    ask = KVConnect("prefill-1", 7, bytes(range(128)))
     assert decoder(PrefillToDecode).decode(encode(ask)) == ask
-    ans = KVAccept("cuda_ipc", 7, list(SHAPE), "bfloat16", "0000:1B:00.0", handle, 512)
+    ans = KVAccept(7, list(SHAPE), "bfloat16", "h", "b", ["cuda_ipc"], "", "0000:1B:00.0", handle, 512)
     back = decoder(KVAccept).decode(encode(ans))
     assert back == ans and back.ipc_handle == handle and back.error == ""
 
 
-def test_hello_gpu_fields_are_optional():
-    old = Hello(1, "d", 1, 2, "h", "b", "m", 128, 16, 4)
-    new = msgspec.structs.replace(old, kv_device="0000:1B:00.0", kv_backends=["cuda_ipc", "nccl"])
-    assert decoder(Hello).decode(encode(old)).kv_backends == []
-    assert decoder(Hello).decode(encode(new)) == new
+def test_the_sender_picks_the_backend_from_the_pool_description(ctx):
+    """The decode side describes its pool on KVConnect; the prefill side takes shm for a shared
+    pool on its machine, tcp otherwise, or what it was told (a forced backend it cannot use fails typed)."""
+    shared = KVPool.create(SHAPE, torch.float32, shared=True, name=f"test-{os.getpid()}")
+    receivers = [KVReceiver(ctx, shared.tensor, shm_path=shared.path), KVReceiver(ctx, torch.zeros(SHAPE))]
+    pumps = [Pump(r) for r in receivers]
+    auto, tcp = KVSender(ctx, "prefill-1", timeout=5), KVSender(ctx, "prefill-2", timeout=5, backend="tcp")
+    src = torch.randn(SHAPE)
+    try:
+        for sender, receiver, pump, want in [(auto, receivers[0], pumps[0], "shm"), (auto, receivers[1], pumps[1], "tcp"),
+                                             (tcp, receivers[0], pumps[0], "tcp")]:
+            sender.send(src, [0, 5], ready("r", [2, 3], "?"), receiver.endpoint)
+            msg, frames = pump.get()
+            receiver.copy_in(msg, frames)
+            assert msg.backend == want and torch.equal(receiver.pool[:, :, [2, 3]], src[:, :, [0, 5]])
+            receiver.pool.zero_()
+        assert auto.dests[receivers[0].endpoint][0].shm_path == shared.path and auto.dests[receivers[0].endpoint][0].backends == ["shm"]
+        shm = KVSender(ctx, "prefill-3", timeout=5, backend="shm")
+        with pytest.raises(KVTransferError, match="shared decode pool"):
+            shm.send(src, [0], ready("r", [1], "?"), receivers[1].endpoint)
+        assert shm.dests == {} and pumps[1].out.empty()
+        shm.close()
+    finally:
+        for x in (*pumps, auto, tcp, *receivers):
+            x.close()
+        shared.close()
 
 
 def test_cpu_choice_is_unchanged():
@@ -101,7 +124,7 @@ def test_cpu_choice_is_unchanged():
         choose_backend("a", "x", "b", "y", "/dev/shm/pdserve-kv-1", "shm")
     with pytest.raises(ValueError):
         choose_backend("a", "x", "a", "x", "", "carrier-pigeon")
-    # without GPU offers (the coordinator does not pass them, or CPU pools) auto never picks a GPU backend
+    # without GPU offers (unknown, or CPU pools) auto never picks a GPU backend
     assert choose_backend("a", "x", "a", "x", "") == "tcp"
     assert choose_backend("a", "x", "a", "x", "", None, [], []) == "tcp"
 
@@ -117,14 +140,6 @@ def test_gpu_choice():
         choose_backend("a", "x", "b", "y", "", "cuda_ipc", both, both)
     with pytest.raises(NotSupportedError, match="decode worker offers none"):
         choose_backend("a", "x", "a", "x", "", "nccl", both, [])
-
-
-def test_backend_for_reads_hellos():
-    p = Hello(1, "p", 0, 1, "h", "b", "m", 128, 16, 4, kv_backends=["cuda_ipc", "nccl"])
-    d = Hello(1, "d", 1, 2, "h", "b", "m", 128, 16, 4, kv_device="0000:1B:00.0", kv_backends=["cuda_ipc", "nccl"])
-    assert backend_for(p, d) == "cuda_ipc"
-    assert backend_for(p, msgspec.structs.replace(d, host="other")) == "nccl"
-    assert backend_for(p, msgspec.structs.replace(d, kv_backends=[], shm_path="/dev/shm/pdserve-kv-2")) == "shm"
 
 
 def test_auto_dtype_is_bfloat16_on_cuda_only():
@@ -169,7 +184,7 @@ def fake_ipc(monkeypatch):
 
 
 def ipc_accept(pool: torch.Tensor, handle: bytes) -> KVAccept:
-    return KVAccept("cuda_ipc", 0, list(pool.shape), "float32", "0000:00:00.0", handle)
+    return KVAccept(0, list(pool.shape), "float32", device="0000:00:00.0", ipc_handle=handle)
 
 
 def test_cuda_ipc_handoff_writes_blocks_before_the_header(ctx, fake_ipc):
@@ -178,7 +193,7 @@ def test_cuda_ipc_handoff_writes_blocks_before_the_header(ctx, fake_ipc):
     fake_ipc.pools[handle] = dst
     receiver = KVReceiver(ctx, dst, ipc=ipc_accept(dst, handle))
     pump = Pump(receiver)
-    sender = KVSender(ctx, "prefill-1", timeout=5)
+    sender = KVSender(ctx, "prefill-1", timeout=5, backend="cuda_ipc")  # auto would not: the source is a CPU tensor
     src = torch.randn(SHAPE)
     try:
         for rid, (src_ids, dst_ids) in enumerate([([0, 1, 2], [9, 4, 5]), ([7], [3])]):
@@ -199,9 +214,9 @@ def test_cuda_ipc_handoff_writes_blocks_before_the_header(ctx, fake_ipc):
 def test_cuda_ipc_refused_by_a_cpu_pool_is_a_typed_failure(ctx):
     receiver = KVReceiver(ctx, torch.zeros(SHAPE))  # no export
     pump = Pump(receiver)
-    sender = KVSender(ctx, "prefill-1", timeout=5)
+    sender = KVSender(ctx, "prefill-1", timeout=5, backend="cuda_ipc")
     try:
-        with pytest.raises(KVTransferError, match="not available") as e:
+        with pytest.raises(KVTransferError, match="decode worker offers none") as e:
             sender.send(torch.randn(SHAPE), [0], ready("r", [1], "cuda_ipc"), receiver.endpoint)
         assert isinstance(e.value, RuntimeError)  # the prefill worker's hand-off failure path catches it
         assert sender.peers == {}
@@ -331,7 +346,7 @@ def pair(ctx):
     dst = torch.zeros(SHAPE)
     receiver = KVReceiver(ctx, dst, timeout=1.0)
     pump = Pump(receiver)
-    sender = KVSender(ctx, "prefill-1", timeout=1.0)
+    sender = KVSender(ctx, "prefill-1", timeout=1.0, backend="nccl")
     yield SimpleNamespace(dst=dst, receiver=receiver, pump=pump, sender=sender)
     pump.close()
     sender.close()
@@ -389,58 +404,50 @@ def test_nccl_peer_that_never_joins_times_out(pair, fake_nccl):
 # ------------------------------------------------------------------ both workers free their blocks
 
 
-class FakeLink:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, msg):
-        self.sent.append(msg)
-
-
 def decode_side(receiver: KVReceiver, num_blocks: int):
     from decode.worker import DecodeWorker
 
-    d = DecodeWorker.__new__(DecodeWorker)  # the worker's message handlers, without a model or a coordinator
-    d.engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]))
-    d.receiver, d.link, d.grants = receiver, FakeLink(), {}
-    d.wcfg = SimpleNamespace(grant_timeout_s=30.0)
+    engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]))  # the grant bookkeeping, without a model
+    return DecodeWorker("decode-1", engine, receiver, FakeLink())
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_model(tmp_path_factory):
+    """A tiny checkpoint whose KV pool has SHAPE's layers, heads and head size."""
+    d = tmp_path_factory.mktemp("tiny-kv")
+    save_tiny_model(d, hidden_size=32, num_attention_heads=4, num_key_value_heads=SHAPE[4], num_hidden_layers=SHAPE[0])
     return d
 
 
-def prefill_side(sender: KVSender, src: torch.Tensor):
-    from prefill.worker import Handoff, PrefillWorker
-    from runtime.scheduler import Scheduler
-    from runtime.sequence import Sequence
+def prefill_side(sender: KVSender, model_dir):
+    """A prefill worker in prefill mode on a pool of SHAPE; returns it and a job maker (Prefill messages)."""
+    from prefill.worker import PrefillWorker
 
-    p = PrefillWorker.__new__(PrefillWorker)
-    blocks = BlockManager(src.shape[2], src.shape[3])
-    p.engine = SimpleNamespace(blocks=blocks, runner=SimpleNamespace(kv_cache=src))
-    p.scheduler = Scheduler(blocks, 4, 256)
-    p.sender, p.link = sender, FakeLink()
+    engine, pool = tiny_engine(model_dir, prefill_only=True, num_blocks=SHAPE[2], block_size=SHAPE[3])
+    assert tuple(pool.shape) == SHAPE
+    p = PrefillWorker("prefill-1", engine, pool, sender, FakeLink())
+    sent_from = []  # the source block ids of each hand-off
+    real_send = sender.send
+    sender.send = lambda src, src_ids, *a: sent_from.append(list(src_ids)) or real_send(src, src_ids, *a)
 
-    def job(rid, prompt_len, dest_blocks, endpoint, backend):
-        seq = Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams())
-        p.scheduler.add(seq)
-        p.scheduler.schedule()  # takes its blocks, as the prefill step would
-        seq.num_computed_tokens = prompt_len
-        msg = Prefill(rid, seq.prompt_token_ids, seq.params, "decode-1", endpoint, dest_blocks, backend)
-        return Handoff(msg, seq, time.perf_counter())
+    def job(rid, prompt_len, dest_blocks, endpoint):
+        return Prefill(rid, list(range(1, prompt_len + 1)), SamplingParams(), "decode-1", endpoint, dest_blocks)
 
+    p.sent_from = sent_from
     return p, job
 
 
-def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl):
+def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl, tiny_kv_model):
     fake_nccl.plan.append({"deliver": False})
     d = decode_side(pair.receiver, SHAPE[2])
-    p, job = prefill_side(pair.sender, torch.randn(SHAPE))
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 10))  # grants 3 blocks of 4 tokens
     granted = d.grants["r"].block_ids
     assert d.engine.blocks.free_blocks == SHAPE[2] - 3
-    h = job("r", 10, granted, pair.receiver.endpoint, "nccl")
-    assert p.engine.blocks.free_blocks == SHAPE[2] - 3
+    p.handle(job("r", 10, granted, pair.receiver.endpoint))
 
-    p.hand_off(h, 42, None, None, 0.0)  # the send times out
-    assert p.engine.blocks.free_blocks == SHAPE[2]
+    p.step()  # the prompt runs; its send times out
+    assert p.sent_from == [[0, 1, 2]] and p.engine.blocks.free_blocks == SHAPE[2]
     assert [(type(m), m.code) for m in p.link.sent] == [(WorkerError, "kv_transfer_failed")]
     for _ in range(2):  # the header, then the KVFailed the prefill side sent after the timeout
         d.handle(pair.pump.get())
@@ -448,12 +455,13 @@ def test_nccl_timeout_frees_blocks_on_both_workers(pair, fake_nccl):
     assert [m.code for m in d.link.sent if isinstance(m, WorkerError)] == ["kv_transfer_timeout"]
 
 
-def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl):
+def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl, tiny_kv_model):
     fake_nccl.plan.append({"fail_send": True})
     d = decode_side(pair.receiver, SHAPE[2])
-    p, job = prefill_side(pair.sender, torch.randn(SHAPE))
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 5))
-    p.hand_off(job("r", 5, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl"), 42, None, None, 0.0)
+    p.handle(job("r", 5, d.grants["r"].block_ids, pair.receiver.endpoint))
+    p.step()
     msg, frames = pair.pump.get()
     assert isinstance(msg, KVFailed)
     d.handle((msg, frames))
@@ -461,22 +469,20 @@ def test_kv_failed_before_the_header_frees_the_grant(pair, fake_nccl):
     assert [m.code for m in d.link.sent if isinstance(m, WorkerError)] == ["kv_transfer_failed"]
 
 
-def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl):
-    src = torch.randn(SHAPE)
+def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl, tiny_kv_model):
     d = decode_side(pair.receiver, SHAPE[2])
     added = []
     d.engine.add_prefilled = lambda *a, **k: added.append(a) or SimpleNamespace(request_id=a[0], token_id=a[2][-1], logprob=None,
                                                                                 top_logprobs=None, finish_reason=None)
     d.emit = lambda outs: None
-    p, job = prefill_side(pair.sender, src)
+    p, job = prefill_side(pair.sender, tiny_kv_model)
     d.on_admit(Admit("r", 9))
-    h = job("r", 9, d.grants["r"].block_ids, pair.receiver.endpoint, "nccl")
-    src_ids = list(h.seq.block_table)
-    p.hand_off(h, 42, None, None, 0.0)
+    p.handle(job("r", 9, d.grants["r"].block_ids, pair.receiver.endpoint))
+    p.step()
     assert p.engine.blocks.free_blocks == SHAPE[2] and type(p.link.sent[0]).__name__ == "PrefillDone"
     d.handle(pair.pump.get())
-    assert added and added[0][0] == "r" and added[0][2] == [42]
-    assert torch.equal(pair.dst[:, :, added[0][4]], src[:, :, src_ids])
+    assert added and added[0][0] == "r" and len(added[0][2]) == 1  # the first token, sampled by the prefill side
+    assert torch.equal(pair.dst[:, :, added[0][4]], p.pool[:, :, p.sent_from[0]]) and p.pool.abs().sum() > 0
 
 
 # ------------------------------------------------------------------ on a GPU
@@ -530,7 +536,7 @@ def test_cuda_ipc_between_two_processes(tmp_path):
     try:
         endpoint = child.stdout.readline().strip()
         ctx = zmq.Context()
-        sender = KVSender(ctx, "prefill-gpu", timeout=30)
+        sender = KVSender(ctx, "prefill-gpu", timeout=30)  # auto: both pools are CUDA, on one machine: cuda_ipc
         src = torch.randn(SHAPE, device="cuda").to(torch.bfloat16)
         src_ids, dst_ids = [4, 5, 6, 11], [0, 13, 14, 2]
         sender.send(src, src_ids, ready("r", dst_ids, "cuda_ipc"), endpoint)
@@ -570,7 +576,7 @@ def test_nccl_between_two_processes(tmp_path):
     try:
         endpoint = child.stdout.readline().strip()
         ctx = zmq.Context()
-        sender = KVSender(ctx, "prefill-gpu", timeout=60)
+        sender = KVSender(ctx, "prefill-gpu", timeout=60, backend="nccl")  # one machine: auto would take cuda_ipc
         src = torch.randn(SHAPE, device="cuda:0").to(torch.bfloat16)
         sender.send(src, [1, 2, 3], ready("r", [7, 8, 0], "nccl"), endpoint)
         assert child.wait(90) == 0

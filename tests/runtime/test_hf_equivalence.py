@@ -36,9 +36,11 @@ def test_tiny_random_models_match_hf(tmp_path, name):
     refs = [hf_greedy(hf, p, 24, eos=False) for p in prompts]
     one_by_one = [engine.generate([p], params)[0].token_ids for p in prompts]
     batched = [c.token_ids for c in engine.generate(prompts, params)]
+    compared = 0
     for i, (tokens, logits) in enumerate(refs):
-        assert_greedy_equal(one_by_one[i], tokens, logits, f"{name} prompt {i} alone")
-        assert_greedy_equal(batched[i], tokens, logits, f"{name} prompt {i} in batch")
+        compared += assert_greedy_equal(one_by_one[i], tokens, logits, f"{name} prompt {i} alone")
+        compared += assert_greedy_equal(batched[i], tokens, logits, f"{name} prompt {i} in batch")
+    assert compared >= 0.9 * 2 * sum(len(t) for t, _ in refs)  # near-ties are rare, not the rule
     assert engine.blocks.free_blocks == engine.blocks.num_blocks
 
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from coordinator.client import Client, CoordinatorUnreachable, RequestTimeout
-from coordinator.security import InsecureBindError, check_bind, is_loopback, keygen
+from client.library import Client, CoordinatorUnreachable, RequestTimeout
+from wire.security import InsecureBindError, check_bind, is_loopback, keygen
 from tests.helpers import free_port, save_tiny_served_model, start_cluster
 
 

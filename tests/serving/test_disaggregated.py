@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from coordinator.client import AsyncClient, Client
+from client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams

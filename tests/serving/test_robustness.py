@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
-from coordinator.client import Client, InvalidRequest, PromptTooLong
-from coordinator.protocol import (
+from client.library import Client, InvalidRequest, PromptTooLong
+from wire.protocol import (
     PROTOCOL_VERSION, CoordinatorToClient, ErrorReply, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, decoder, encode,
 )
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.client import AsyncClient, Client, Overloaded
+from client.library import AsyncClient, Client, Overloaded
 from tests.helpers import save_tiny_served_model, start_cluster
 
 PROMPT, OUTPUT = 64, 48

@@ -13,11 +13,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordinator.client import AsyncClient, Overloaded
-from coordinator.protocol import (
+from client.library import AsyncClient, Overloaded
+from wire.protocol import (
     PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome, decoder, encode,
 )
+from coordinator.placement import prefill_share
 from coordinator.server import Coordinator, CoordinatorConfig
+from coordinator.state import Phase
 from coordinator.slo import MAX_CLASSES, OTHER_CLASS, LatencyWindow, SloRecorder, StepModel
 from tests.helpers import free_port
 
@@ -140,7 +142,7 @@ def test_a_late_grant_for_an_older_admission_is_ignored():
         await decode.sock.send(encode(Granted(second.request_id, [3, 4], 2)))
         job = await prefill.recv_type(Prefill)
         assert job.request_id == second.request_id and job.dest_block_ids == [3, 4]
-        assert coord.requests[job.request_id].phase == "prefilling" and not coord.admitting
+        assert coord.requests[job.request_id].phase == Phase.PREFILLING and not coord.admitting
         gen.cancel()
 
     asyncio.run(with_coordinator(body, admit_timeout_s=0.3, max_attempts=3))
@@ -162,12 +164,12 @@ def test_colocated_worker_under_slo_control_sheds_what_its_step_model_cannot_ser
         else:
             msg = await colocated.recv_type(Generate)
             st = coord.requests[msg.request_id]
-            assert st.phase == "colocated" and 0 < st.predicted_ttft < 0.8
+            assert st.phase == Phase.COLOCATED and 0 < st.predicted_ttft < 0.8
             w = coord.workers["c0"]
             assert w.queued_tokens == 32 and w.admitted_tokens == 32  # the backlog until its first token; the window
             # 32 prompt tokens placed in the 10 s window at the profile's 2 ms per 32-token step
-            assert coord.prefill_share(w, 32, time.monotonic()) == pytest.approx(32 * 0.002 / 32 / 10, rel=0.05)
-            assert coord.prefill_share(w, 32, time.monotonic() + 11) == 0.0 and w.admitted_tokens == 0  # aged out
+            assert prefill_share(w.snapshot([st], time.monotonic()), 32) == pytest.approx(32 * 0.002 / 32 / 10, rel=0.05)
+            assert prefill_share(w.snapshot([st], time.monotonic() + 11), 32) == 0.0 and w.admitted_tokens == 0  # aged out
             task.cancel()
 
     profile = [(1, 32, 32, step_s), (4, 4, 200, step_s), (1, 1, 40, step_s), (8, 8, 400, step_s)]

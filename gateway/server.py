@@ -4,9 +4,9 @@ uvicorn on uvloop) in front of the coordinator.
 Lifecycle: at start the gateway loads the model's tokenizer (token text for logprobs and the
 vocabulary size; never the weights); the app's lifespan opens one `AsyncClient` to the
 coordinator, which every HTTP request shares, and closes it at shutdown. A completion request
-is authorized (bearer key, when one is set), decoded and checked (gateway_schema) into one job
-per choice; a `Fanout` runs the jobs on the coordinator (gateway_stream) and the results
-return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway_format).
+is authorized (bearer key, when one is set), decoded and checked (gateway/schema.py) into one job
+per choice; a `Fanout` runs the jobs on the coordinator (gateway/stream.py) and the results
+return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway/format.py).
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
@@ -30,15 +30,15 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from coordinator.client import (
+from client.library import (
     DEFAULT_ADDRESS, AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
 )
-from coordinator.gateway_format import ChatFormatter, CompletionFormatter, TokenText, usage
-from coordinator.gateway_schema import (
+from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
+from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
 )
-from coordinator.gateway_stream import ClientGone, EventStream, Fanout, unless_disconnected
-from coordinator.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path

@@ -1,7 +1,7 @@
 """A worker's connection to the coordinator, run by one I/O thread.
 
-Lifecycle: `WorkerLink.start()` opens a DEALER to the coordinator's worker port and sends the
-worker's Hello; the thread then (a) forwards decoded coordinator messages into `inbox`,
+Lifecycle: `WorkerLink.start(heartbeat)` opens a DEALER to the coordinator's worker port and
+sends the worker's Hello; the thread then (a) forwards decoded coordinator messages into `inbox`,
 (b) sends what the model loop hands to `send()` (through an inproc socket owned by the calling
 thread, so no socket is ever shared between threads), (c) sends a Heartbeat every interval, and
 (d) polls any extra sockets registered with `watch()` (the decode worker's kv socket),
@@ -20,7 +20,7 @@ import uuid
 import msgspec
 import zmq
 
-from coordinator.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello, Reject, Welcome, decoder, encode
+from wire.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello, Reject, Welcome, decoder, encode
 
 log = logging.getLogger("pdserve.link")
 
@@ -32,11 +32,11 @@ class CoordinatorRestarted:
 class WorkerLink:
     INBOX_SIZE = 65536  # messages the model loop has not taken yet; beyond this they are dropped and counted
 
-    def __init__(self, ctx: zmq.Context, address: str, hello: Hello, heartbeat, interval: float = 0.5, curve: dict | None = None):
+    def __init__(self, ctx: zmq.Context, address: str, hello: Hello, heartbeat=None, interval: float = 0.5, curve: dict | None = None):
         self.ctx = ctx
         self.address = address
         self.hello = hello
-        self.heartbeat = heartbeat  # () -> Heartbeat, called from the I/O thread
+        self.heartbeat = heartbeat  # () -> Heartbeat, called from the I/O thread (given here or to start)
         self.interval = interval
         self.curve = curve or {}
         self.inbox: queue.Queue = queue.Queue(maxsize=self.INBOX_SIZE)  # bounded: see _put
@@ -55,7 +55,9 @@ class WorkerLink:
         """Poll sock in the I/O thread; handler(sock) returns a message for the inbox or None."""
         self._watched.append((sock, handler))
 
-    def start(self) -> None:
+    def start(self, heartbeat=None) -> None:
+        if heartbeat is not None:
+            self.heartbeat = heartbeat
         self._thread.start()
 
     def send(self, msg: msgspec.Struct) -> None:

@@ -1,4 +1,4 @@
-"""SocketIO (coordinator/loop_io.py): ZeroMQ sockets read from an asyncio loop by draining on
+"""SocketIO (wire/loop_io.py): ZeroMQ sockets read from an asyncio loop by draining on
 each wake-up. ZeroMQ's descriptor is edge-triggered and sends on the same socket consume its
 edge, so these tests interleave sends and receives on one ROUTER from two tasks and require
 that nothing is ever left unread (each bounded by a timeout: a missed edge shows as a hang;
@@ -11,7 +11,7 @@ import asyncio
 
 import zmq
 
-from coordinator.loop_io import SocketIO
+from wire.loop_io import SocketIO
 from tests.helpers import free_port
 
 

@@ -8,8 +8,8 @@ which decodes each token id alone (as vLLM does) and remembers the answer.
 """
 from __future__ import annotations
 
-from coordinator.client import Result, StreamDelta
-from coordinator.gateway_schema import (
+from client.library import Result, StreamDelta
+from gateway.schema import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
     CompletionLogprobs, CompletionResponse, DeltaMessage, Job, TokenLogprob, TopLogprob, Usage,
 )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from coordinator.protocol import ChatMessage
+from wire.protocol import ChatMessage
 from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams
 

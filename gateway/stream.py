@@ -16,8 +16,8 @@ import logging
 
 from starlette.responses import StreamingResponse
 
-from coordinator.client import AsyncClient, ClientError, Result, StreamDelta
-from coordinator.gateway_schema import Job
+from client.library import AsyncClient, ClientError, Result, StreamDelta
+from gateway.schema import Job
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from coordinator.client import Result
+from client.library import Result
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

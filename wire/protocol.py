@@ -1,10 +1,11 @@
 """The wire protocol: every message between pdserve processes, as msgspec Structs.
 
-Lifecycle of one request (see ../shared/DESIGN.md):
+Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its states):
   client  -> coordinator   GenerateRequest
   coord   -> decode        Admit            decode reserves KV blocks for the prompt
   decode  -> coord         Granted | AdmitRefused
   coord   -> prefill       Prefill          with the decode worker's block ids and kv endpoint
+  prefill -> decode        KVConnect -> KVAccept once per destination: its pool, whatever the backend
   prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket
   decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
   coord   -> client        Delta ... Final  (or ErrorReply at any point)
@@ -20,8 +21,10 @@ from typing import Union
 import msgspec
 
 from runtime.params import SamplingParams
+from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 2  # 2: Admit, Granted and AdmitRefused carry the admission number
+PROTOCOL_VERSION = 3  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+# finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill)
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 
 
@@ -29,15 +32,6 @@ class Role(enum.IntEnum):
     PREFILL = 0
     DECODE = 1
     COLOCATED = 2
-
-
-class FinishReason(enum.IntEnum):  # same values as runtime.sequence.FinishReason
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-
-FINISH_NAMES = {0: "stop", 1: "length", 2: "abort"}
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -88,7 +82,7 @@ class Delta(_Msg):
 
 class Final(_Msg):
     request_id: str
-    finish_reason: int  # FinishReason
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     ttft: float  # seconds from arrival at the coordinator to the first token
@@ -117,7 +111,7 @@ CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 class Hello(_Msg):
     version: int
     worker_id: str
-    role: int  # Role
+    role: Role
     pid: int
     host: str
     boot_id: str  # two workers share memory only if host and boot id match
@@ -125,13 +119,8 @@ class Hello(_Msg):
     max_model_len: int
     num_blocks: int
     block_size: int
-    kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady
-    shm_path: str = ""  # decode: its KV pool in shared memory, "" if none
-    kv_shape: list[int] = []
-    kv_dtype: str = "float32"
+    kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady (and ask KVConnect)
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
-    kv_device: str = ""  # PCI bus id of the GPU holding this worker's KV pool; "" for a CPU pool
-    kv_backends: list[str] = []  # GPU kv backends it can use ("cuda_ipc", "nccl"): CUDA pool and cupy present
 
 
 class Welcome(_Msg):
@@ -181,10 +170,7 @@ class Prefill(_Msg):
     params: SamplingParams
     dest_worker: str
     dest_kv_endpoint: str
-    dest_block_ids: list[int]
-    backend: str  # "shm" | "tcp" | "cuda_ipc" | "nccl" (kvtransfer.transfer.choose_backend)
-    dest_shm_path: str = ""
-    dest_kv_shape: list[int] = []
+    dest_block_ids: list[int]  # the transport is the prefill worker's choice (KVConnect -> KVAccept)
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
     priority: int = 0
 
@@ -212,7 +198,7 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     token_id: int = -1  # -1: no new token (the request ended on its own)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: int = -1  # -1: still running
+    finish_reason: FinishReason | None = None  # None: still running
 
 
 class TokenBatch(_Msg):
@@ -258,7 +244,7 @@ class KVReady(_Msg):
     params: SamplingParams
     block_ids: list[int]
     num_computed: int
-    backend: str
+    backend: str  # how the blocks came: "shm" | "tcp" | "cuda_ipc" | "nccl" (set by the KVSender)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     priority: int = 0
@@ -270,22 +256,26 @@ class KVFailed(_Msg):
 
 
 class KVConnect(_Msg):
-    """Prefill -> decode, once per (destination, GPU backend) before the first hand-off: what does
-    the backend need? nccl: the prefill side's ncclUniqueId; it joins as rank 0, the decode side as 1."""
+    """Prefill -> decode on the kv socket, before the first hand-off to that destination: describe
+    your pool (no nccl_id), from which the prefill side picks the backend; then, for nccl only,
+    join a communicator with the prefill side's ncclUniqueId (it joins as rank 0, the decode side as 1)."""
 
     sender_id: str
-    backend: str  # "cuda_ipc" | "nccl"
     nonce: int  # echoed in KVAccept, so a late answer to an abandoned attempt is never taken for this one
     nccl_id: bytes = b""
 
 
 class KVAccept(_Msg):
-    """Decode -> prefill on the kv socket: the answer to KVConnect; `error` set means refused."""
+    """Decode -> prefill on the kv socket, the answer to KVConnect: the one description of the
+    destination pool, whatever the backend; `error` set means refused."""
 
-    backend: str
     nonce: int
     kv_shape: list[int]  # (layers, 2, num_blocks, block_size, kv_heads, head_dim) of the decode pool
     kv_dtype: str
+    host: str = ""  # with boot_id: two workers share memory only if both match
+    boot_id: str = ""
+    backends: list[str] = []  # what the pool can take besides tcp: "shm", "cuda_ipc", "nccl"
+    shm_path: str = ""  # shm: the pool's file in /dev/shm
     device: str = ""  # PCI bus id of the pool's GPU (device ordinals differ between processes)
     ipc_handle: bytes = b""  # cuda_ipc: the cudaIpcMemHandle_t of the pool's allocation
     ipc_offset: int = 0  # cuda_ipc: bytes from the allocation's base to the pool's first byte

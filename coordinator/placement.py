@@ -1,0 +1,164 @@
+"""Where a request goes: plain functions over plain data, no sockets and no clock.
+
+Lifecycle: for each request to place, the server takes a `WorkerSnapshot` of every live worker
+(its step model, free blocks, prompt backlog, the requests placed on it), describes the request
+(`RequestView`: tokens, output budget, time waited, whether it was admitted before) and its
+targets less the headroom (None: SLO control is off), and calls `place_pair` (prefill + decode
+workers registered) or `place_colocated`. Each returns a `Decision`: PLACED on named workers
+with the predicted TTFT, WAIT for decode room, or SHED with a `ShedReason` and the numbers that
+decided it. The server applies it: Admit (pair), Generate (colocated), park, or shed.
+
+The predictions (README, "Latency targets"): TTFT = waited + the prefill worker's backlog and
+this prompt at its measured rate + relay + one decode step; TPOT = a decode step with one more
+sequence. A colocated worker runs prompts in the streams' steps, so its TPOT is stretched by the
+share of its time prompts placed on it lately took, plus the backlog spread over this request's
+output tokens.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from coordinator.slo import RELAY_OVERHEAD_S, SloTargets, StepModel
+
+ADMIT_WINDOW_S = 10.0  # colocated: the window of placed prompt tokens behind `prefill_share`
+MAX_SHARE = 0.9  # a colocated worker's prompts never take more than this share of its time in the TPOT prediction
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    worker_id: str
+    model: StepModel  # step seconds ~ a + b*seqs + c*tokens + d*context, fitted on its own steps
+    free_blocks: int = 0  # decode and colocated: KV blocks free, less those reserved by admissions in flight
+    block_size: int = 16
+    queued_tokens: int = 0  # prefill and colocated: prompt tokens placed and not yet through their first step
+    requests: int = 0  # requests placed on it
+    context_tokens: int = 0  # their tokens (prompt + output so far): the decode step's context
+    recent_prompt_tokens: int = 0  # colocated: prompt tokens placed in the last ADMIT_WINDOW_S
+
+
+@dataclass(frozen=True)
+class RequestView:
+    num_tokens: int  # prompt + tokens already generated (recomputed after a retry)
+    max_tokens: int = 16
+    waited_s: float = 0.0  # since it arrived at the coordinator
+    parked: bool = False  # admitted before (a retry or a wait for room): never shed, takes the first room
+
+
+class Outcome(enum.Enum):
+    PLACED = "placed"
+    WAIT = "wait"
+    SHED = "shed"
+
+
+class ShedReason(enum.Enum):
+    TTFT = "ttft"  # the best predicted TTFT misses the target
+    TPOT = "tpot"  # every worker with room would miss the TPOT target with one more sequence
+    NO_KV_ROOM = "no_kv_room"  # no decode worker has the blocks (SLO control sheds rather than queues)
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    worker: str | None = None  # the decode or colocated worker
+    prefill: str | None = None  # the prefill worker of a pair
+    predicted_ttft: float | None = None  # seconds; None without SLO control
+    reason: ShedReason | None = None
+    detail: str = ""  # SHED: the numbers, for the client's error and the log
+
+
+WAIT = Decision(Outcome.WAIT)
+
+
+def placed(worker: str, prefill: str | None = None, ttft: float | None = None) -> Decision:
+    return Decision(Outcome.PLACED, worker, prefill, ttft)
+
+
+def shed(reason: ShedReason, detail: str) -> Decision:
+    return Decision(Outcome.SHED, reason=reason, detail=detail)
+
+
+def blocks_needed(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def predict_prefill(w: WorkerSnapshot, tokens: int) -> float:
+    """This prompt's own step plus the backlog ahead of it at the worker's measured token rate."""
+    return w.model.predict(1, tokens, tokens) + w.queued_tokens / w.model.tokens_per_second()
+
+
+def predict_step(w: WorkerSnapshot, tokens: int) -> float:
+    """A decode step of w with one more sequence of `tokens` tokens (the TPOT of a pair)."""
+    return w.model.predict(w.requests + 1, w.requests + 1, w.context_tokens + tokens) + RELAY_OVERHEAD_S / 3
+
+
+def prefill_share(w: WorkerSnapshot, tokens: int) -> float:
+    """Fraction of a colocated worker's time its prompts took lately: the prompt tokens placed on
+    it over the last ADMIT_WINDOW_S at the per-token cost of a prompt this long. Streams get the
+    rest, so their steps stretch by 1 / (1 - share)."""
+    if not w.recent_prompt_tokens:
+        return 0.0
+    return w.recent_prompt_tokens * w.model.predict(1, tokens, tokens) / tokens / ADMIT_WINDOW_S
+
+
+def most_room(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
+    return max(workers, key=lambda w: (w.free_blocks, -w.requests))
+
+
+def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],
+               targets: SloTargets | None) -> Decision:
+    """A (prefill, decode) pair for req. Without SLO control (targets None) the least loaded
+    prefill and the decode worker with most room, or WAIT for room. With it, the prefill worker
+    with the lowest predicted TTFT and a decode worker whose predicted TPOT meets the target (an
+    idle one always does: its model may be stale from a busy spell), if the TTFT then meets its
+    target; else SHED. A parked request skips the TTFT check and waits rather than being shed."""
+    need = blocks_needed(req.num_tokens, decodes[0].block_size)
+    fits = [d for d in decodes if d.free_blocks >= need]
+    if targets is None:
+        if not fits:
+            return WAIT
+        p = min(prefills, key=lambda w: (w.queued_tokens, w.requests))
+        return placed(most_room(fits).worker_id, p.worker_id)
+    prefill_s = {p.worker_id: predict_prefill(p, req.num_tokens) for p in prefills}
+    p = min(prefills, key=lambda w: (prefill_s[w.worker_id], w.queued_tokens, w.requests))
+    ttft = req.waited_s + prefill_s[p.worker_id] + RELAY_OVERHEAD_S
+    tpot = {d.worker_id: predict_step(d, req.num_tokens) for d in fits}
+    open_ = [d for d in fits if tpot[d.worker_id] <= targets.tpot_s or not d.requests]
+    if open_:
+        d = most_room(open_)
+        ttft += tpot[d.worker_id]  # the decode worker may be mid-step when the KV lands
+        if ttft <= targets.ttft_s or req.parked:
+            return placed(d.worker_id, p.worker_id, ttft)
+        return shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
+    if req.parked:
+        return WAIT
+    # Shed rather than queue: a request that waits for decode room has a TTFT that depends on
+    # when others finish, which this model predicts poorly (measured: p99 TTFT 3-5x target).
+    if not fits:
+        return shed(ShedReason.NO_KV_ROOM, "decode full: no KV room")
+    best = min(predict_step(d, req.num_tokens) for d in decodes)
+    return shed(ShedReason.TPOT, f"decode full: predicted TPOT {best * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
+
+
+def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: SloTargets | None) -> Decision:
+    """A colocated worker for req: without SLO control, or for a parked request, the one with
+    most room (it queues the prompt itself: there is no WAIT). With it, the lowest predicted
+    TTFT among workers meeting both targets, else SHED with the last miss. Measured
+    (scripts/bench_slo.py): a plain decode step as TPOT gave p99 TPOT 392 ms at a 250 ms target,
+    adding the backlog 325 ms, adding the prefill share 204 ms."""
+    if targets is None or req.parked:
+        return placed(most_room(workers).worker_id)
+    best: tuple[WorkerSnapshot, float] | None = None
+    miss = None
+    for w in workers:
+        step, prefill = predict_step(w, req.num_tokens), predict_prefill(w, req.num_tokens)
+        ttft = req.waited_s + prefill + step + RELAY_OVERHEAD_S
+        busy = min(MAX_SHARE, prefill_share(w, req.num_tokens))
+        tpot = step / (1 - busy) + prefill / max(1, min(req.max_tokens, 4096) - 1)
+        if tpot > targets.tpot_s and w.requests:
+            miss = shed(ShedReason.TPOT, f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
+        elif ttft > targets.ttft_s:
+            miss = shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
+        elif best is None or ttft < best[1]:
+            best = (w, ttft)
+    return placed(best[0].worker_id, ttft=best[1]) if best is not None else miss

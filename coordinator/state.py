@@ -1,0 +1,106 @@
+"""What the coordinator knows about each worker and each request, as plain dataclasses.
+
+Lifecycle: a `WorkerState` is made when a worker's Hello is accepted, updated by its heartbeats
+and by the coordinator's own placements (queued tokens, reserved blocks, requests placed), and
+dropped when the worker leaves or falls silent. A `RequestState` is made when a client's request
+is tokenized and moves through `Phase` in order: NEW -> (PENDING: waiting for decode room) ->
+ADMITTING (Admit sent) -> PREFILLING (Prefill sent) -> DECODING (tokens arrive); a request on a
+colocated worker goes NEW -> COLOCATED. A retry after a lost worker sends it back to NEW. From
+ADMITTING on some worker may hold blocks for it, so ending it then tells its workers to abort.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+
+from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
+from coordinator.slo import StepModel
+from runtime.tokenizer import IncrementalDetokenizer
+from wire.protocol import GenerateRequest, Heartbeat, Hello, Role
+
+
+class Phase(enum.IntEnum):
+    NEW = 0  # not placed (yet, or again after a lost worker)
+    PENDING = 1  # waiting for a decode worker with room (no SLO control, or a retry)
+    ADMITTING = 2  # Admit sent to the decode worker; from here on a worker may hold its blocks
+    PREFILLING = 3  # granted; Prefill sent to the prefill worker
+    COLOCATED = 4  # Generate sent to a colocated worker (prompt and stream on one worker)
+    DECODING = 5  # tokens are arriving from the decode worker
+
+    @property
+    def on_workers(self) -> bool:
+        """Some worker may hold blocks or state for the request: ending it must tell them."""
+        return self >= Phase.ADMITTING
+
+
+@dataclass
+class WorkerState:
+    hello: Hello
+    identity: bytes
+    last_seen: float
+    beat: Heartbeat | None = None
+    beats: int = 0  # heartbeats received
+    requests: set = field(default_factory=set)
+    queued_tokens: int = 0  # prefill and colocated: prompt tokens placed here and not yet through their first step
+    reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
+    model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
+    admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
+    admitted_tokens: int = 0  # their sum
+
+    @property
+    def role(self) -> Role:
+        return Role(self.hello.role)
+
+    @property
+    def free_blocks(self) -> int:
+        free = self.beat.free_blocks if self.beat else self.hello.num_blocks
+        return free - self.reserved_blocks
+
+    def note_placed(self, tokens: int, now: float) -> None:
+        """Record a prompt placed on this (colocated) worker, keeping only the last ADMIT_WINDOW_S."""
+        self.admitted.append((now, tokens))
+        self.admitted_tokens += tokens
+        self.recent_prompt_tokens(now)
+
+    def recent_prompt_tokens(self, now: float) -> int:
+        """Prompt tokens placed here within the last ADMIT_WINDOW_S (older ones are forgotten)."""
+        while self.admitted and now - self.admitted[0][0] > ADMIT_WINDOW_S:
+            self.admitted_tokens -= self.admitted.popleft()[1]
+        return self.admitted_tokens
+
+    def snapshot(self, requests: list["RequestState"], now: float) -> WorkerSnapshot:
+        """What placement needs of this worker; `requests`: the live requests placed on it."""
+        return WorkerSnapshot(
+            self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
+            sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now),
+        )
+
+
+@dataclass
+class RequestState:
+    iid: str
+    client: bytes
+    client_rid: str
+    prompt: list[int]
+    req: GenerateRequest
+    arrival: float
+    detok: IncrementalDetokenizer
+    prefill: str | None = None
+    decode: str | None = None
+    phase: Phase = Phase.NEW
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    reserved: int = 0
+    attempts: int = 0
+    admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
+    backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
+    predicted_ttft: float | None = None
+
+    @property
+    def priority(self) -> int:
+        return self.req.priority
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.tokens)

@@ -1,0 +1,56 @@
+"""An in-process KV hand-off: the KVSender and KVReceiver interface without sockets, for tests.
+
+Lifecycle: one `LocalKV` stands for the wire between workers built in one process. A decode
+side registers its pool under an endpoint name (`register`, which returns the inbox its
+deliveries land in); a prefill side's `send` copies the granted blocks straight into that pool
+(as shm does) and appends (KVReady, []) to the inbox, `fail` appends (KVFailed, []). The decode
+worker takes inbox items with its ordinary `handle`, and `copy_in` has nothing left to do.
+Counters match the real classes' (bytes_sent, seconds, bytes_received, bad_messages).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtransfer.pool import copy_blocks
+from wire.protocol import KVFailed, KVReady
+
+
+class LocalKV:
+    def __init__(self):
+        self.pools: dict[str, torch.Tensor] = {}
+        self.inboxes: dict[str, list] = {}
+        self.bytes_sent = self.bytes_received = self.bad_messages = 0
+        self.seconds = 0.0
+
+    def register(self, endpoint: str, pool: torch.Tensor) -> list:
+        self.pools[endpoint] = pool
+        return self.inboxes.setdefault(endpoint, [])
+
+    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
+        """Copy src's blocks src_ids into the destination's msg.block_ids, then deliver msg."""
+        if len(src_ids) != len(msg.block_ids):
+            raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")
+        if endpoint not in self.pools:
+            raise ConnectionRefusedError(f"no pool is registered at {endpoint!r}")
+        t0 = time.perf_counter()
+        copy_blocks(self.pools[endpoint], src, src_ids, msg.block_ids)
+        nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)
+        self.inboxes[endpoint].append((msg, []))
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        self.seconds += time.perf_counter() - t0
+        return nbytes
+
+    def fail(self, endpoint: str, request_id: str, reason: str) -> bool:
+        if endpoint not in self.inboxes:
+            return False
+        self.inboxes[endpoint].append((KVFailed(request_id, reason), []))
+        return True
+
+    def copy_in(self, msg: KVReady, frames) -> None:
+        """The bytes are in place already (send copied them)."""
+
+    def close(self) -> None:
+        pass

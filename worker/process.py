@@ -1,0 +1,55 @@
+"""What the prefill and the decode worker share: their Hello, their link, their process.
+
+Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...)` for what the
+coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
+`run`, with its heartbeat). `serve(worker)` freezes the start-up heap, turns SIGTERM and SIGINT
+into `worker.running = False`, and runs the worker's loop until then; the loop's own `finally`
+closes what the worker holds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import zmq
+
+from kvtransfer.pool import host_identity
+from runtime.config import WorkerConfig
+from runtime.engine import LLMEngine
+from runtime.heap import freeze_startup_heap
+from wire import security
+from wire.link import WorkerLink
+from wire.protocol import PROTOCOL_VERSION, Hello, Role
+
+
+def worker_id(role: Role, wcfg: WorkerConfig) -> str:
+    return wcfg.worker_id or f"{role.name.lower()}-{os.getpid()}"
+
+
+def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: torch.Tensor, profile: list,
+          kv_endpoint: str = "") -> Hello:
+    """The worker's Hello. pool: its KV pool, (layers, 2, num_blocks, block_size, KVH, D); how to
+    reach it is asked on kv_endpoint (KVConnect), never told to the coordinator."""
+    host, boot = host_identity()
+    return Hello(
+        PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
+        pool.shape[2], pool.shape[3], kv_endpoint, profile,
+    )
+
+
+def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:
+    """The link to the coordinator that says h; the worker starts it with its heartbeat."""
+    return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=security.client_options(wcfg.keys))
+
+
+def serve(worker) -> None:
+    """Run worker (anything with `running` and `run()`) until SIGTERM or SIGINT."""
+    freeze_startup_heap()
+
+    def stop(*_):
+        worker.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
