@@ -23,6 +23,7 @@ MODELS = {
     "llama-d16": dict(arch="llama"),
     "qwen2-bias": dict(arch="qwen2"),
     "llama-d64-gqa3-tied": dict(arch="llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True),
+    "llama-onednn": dict(arch="llama", linear_kind="onednn"),
 }
 
 
@@ -63,9 +64,12 @@ def prompts():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fast_forward_matches_module_forward_step_by_step(tmp_path, name):
-    save_tiny_model(tmp_path, max_position_embeddings=256, **MODELS[name])
+    overrides = dict(MODELS[name])
+    kind = overrides.pop("linear_kind", "auto")
+    save_tiny_model(tmp_path, max_position_embeddings=256, **overrides)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    fast = engine(tmp_path, True)
+    fast = engine(tmp_path, True, linear_kind=kind)
+    assert fast.model.fast.lm_head.kind == ("onednn" if kind == "onednn" else "torch")
     assert fast.model.fast is not None, "the fast path should be on for float32 on the CPU"
     check = TwinCheck(fast.model)
     fast.model.fast = check
