@@ -37,6 +37,7 @@ from coordinator.gateway_format import ChatFormatter, CompletionFormatter, Token
 from coordinator.gateway_schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
 )
+from coordinator.gateway_tokenize import TokenizerRoutes
 from coordinator.gateway_stream import ClientGone, EventStream, Fanout, unless_disconnected
 from coordinator.metrics import CONTENT_TYPE, GatewayMetrics
 from runtime.errors import InvalidRequestError
@@ -128,6 +129,7 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            *TokenizerRoutes(self).routes(),
         ]
         handlers = {ApiError: self.on_api_error, HTTPException: self.on_http_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)

@@ -132,6 +132,7 @@ class Hello(_Msg):
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
     kv_device: str = ""  # PCI bus id of the GPU holding this worker's KV pool; "" for a CPU pool
     kv_backends: list[str] = []  # GPU kv backends it can use ("cuda_ipc", "nccl"): CUDA pool and cupy present
+    engine: dict[str, str | int | float | None] = {}  # its engine settings (EngineConfig.summary), shown in stats
 
 
 class Welcome(_Msg):

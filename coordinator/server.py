@@ -722,6 +722,7 @@ class Coordinator:
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
+                "engine": w.hello.engine,
             })
         return {
             "workers": workers,

@@ -91,6 +91,7 @@ class DecodeWorker:
             self.engine.max_model_len, num_blocks, engine_cfg.block_size, self.receiver.endpoint, self.pool.path,
             list(shape), dtype_name(engine_cfg.torch_dtype), profile,
             kv_device=device_id(self.pool.tensor), kv_backends=gpu_backends(self.pool.tensor),
+            engine=engine_cfg.summary(self.engine.max_model_len, num_blocks, self.pool.nbytes),
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
                                security.client_options(worker_cfg.keys))

@@ -64,6 +64,7 @@ class PrefillWorker:
             PROTOCOL_VERSION, self.worker_id, int(Role.PREFILL), os.getpid(), host, boot, str(worker_cfg.model or "default"),
             self.engine.max_model_len, self.engine.blocks.num_blocks, engine_cfg.block_size, profile=profile,
             kv_device=device_id(self.engine.runner.kv_cache), kv_backends=gpu_backends(self.engine.runner.kv_cache),
+            engine=engine_cfg.summary(self.engine.max_model_len, self.engine.blocks.num_blocks, self.engine.runner.kv_cache.nbytes),
         )
         self.link = WorkerLink(self.ctx, worker_cfg.coordinator, hello, self.heartbeat, worker_cfg.heartbeat_s,
                                security.client_options(worker_cfg.keys))

@@ -60,6 +60,8 @@ class LLMEngine:
         self.cfg = model.cfg
         self.config = config
         self.tokenizer = tokenizer
+        if config.max_model_len is not None and config.max_model_len > self.cfg.max_position:
+            raise InvalidRequestError(f"max_model_len {config.max_model_len} is longer than the model's context ({self.cfg.max_position} tokens)")
         self.max_model_len = min(config.max_model_len or self.cfg.max_position, self.cfg.max_position)
         num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
         if kv_cache is None:
