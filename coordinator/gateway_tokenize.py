@@ -10,8 +10,9 @@ token_strs}; /detokenize takes {model?, tokens} and answers {prompt}; /version a
 Lifecycle: `TokenizerRoutes(gateway)` is built once with the gateway and lends it three
 routes; each request is authorized like /v1 (bearer key, when one is set), decoded into the
 Structs here (a wrong type or a bad id is a 400 naming the field), and answered from the
-gateway's own tokenizer in a worker thread (nothing goes to the coordinator except, once, a
-stats call that learns the context length). A chat body is rendered with the same chat
+gateway's own tokenizer in a worker thread. Nothing goes to the coordinator but the stats
+call that learns max_model_len from the workers; until a worker has said it, the model files'
+own context length is answered. A chat body is rendered with the same chat
 template the coordinator applies, so /tokenize's count for a chat equals the prompt_tokens a
 chat completion of it reports.
 """
@@ -23,9 +24,8 @@ from importlib import metadata
 import msgspec
 from starlette.routing import Route
 
-from coordinator.gateway_schema import ApiError, ChatMessageIn, bad_request, chat_message, decode_body
+from coordinator.gateway_schema import ChatMessageIn, bad_request, chat_message, decode_body
 
-MAX_CONTEXT = 10**7  # a tokenizer's model_max_length above this is transformers' "unknown" sentinel
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -72,10 +72,25 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def model_context_len(model: str | None) -> int:
+    """The context length the model's own files state (config.json, or the GGUF metadata)."""
+    import json
+
+    from runtime.gguf_file import read_gguf
+    from runtime.model_path import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
+    meta, _ = read_gguf(str(path), keep=lambda key: key.endswith(".context_length"))
+    return int(next(iter(meta.values()), 2048))
+
+
 class TokenizerRoutes:
     def __init__(self, gateway):
         self.gw = gateway
         self.version = package_version()
+        self.model_context: int | None = None  # the model's own context, while no worker has said its max_model_len
 
     def routes(self) -> list[Route]:
         return [
@@ -130,10 +145,9 @@ class TokenizerRoutes:
             await self.gw.stats()  # learns it from the workers
         if self.gw.max_model_len is not None:
             return self.gw.max_model_len
-        known = getattr(self.gw.tok, "model_max_length", None)
-        if isinstance(known, int) and 0 < known < MAX_CONTEXT:
-            return known
-        raise ApiError(503, "no worker is registered to tell the context length", "no_workers")
+        if self.model_context is None:
+            self.model_context = await asyncio.to_thread(model_context_len, self.gw.cfg.model)
+        return self.model_context
 
     async def detokenize(self, request):
         req = decode_body(await self._body(request), DetokenizeRequest)
