@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from coordinator.phase_metrics import PhaseTracker
 from coordinator.protocol import (
     FINISH_NAMES, MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
     ErrorReply, Final, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
@@ -137,6 +138,7 @@ class Coordinator:
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
+        self.phases = PhaseTracker()  # per-phase time of each request (coordinator/phase_metrics.py)
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
@@ -527,6 +529,7 @@ class Coordinator:
             st = self.requests.get(msg.request_id)
             if st is not None:
                 self.release_backlog(st)
+                self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
             self.kv["seconds"] += msg.kv_seconds
@@ -578,6 +581,7 @@ class Coordinator:
             d.hello.shm_path if backend == "shm" else "", d.hello.kv_shape if backend == "shm" else [], list(st.tokens),
             st.priority,
         ))
+        self.phases.prefill_sent(st.iid)
 
     def choose_backend(self, p: Hello, d: Hello) -> str:
         from kvtransfer.transfer import backend_for
@@ -674,6 +678,7 @@ class Coordinator:
     def close(self, iid: str, tell: bool = True) -> RequestState | None:
         """Forget request iid: workers that may hold it are told to abort, accounting undone."""
         st = self.requests.pop(iid, None)
+        self.phases.forget(iid)
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
@@ -688,6 +693,8 @@ class Coordinator:
         return st
 
     def finish(self, iid: str, reason: int, tell: bool = True) -> None:
+        if reason != 2 and iid in self.requests:
+            self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
         st = self.close(iid, tell)
         if st is None:
             return
@@ -727,6 +734,7 @@ class Coordinator:
         return {
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
+            "phases": self.phases.snapshot(),
             "requests": dict(self.counts),
             "active_requests": len(self.requests),
             "pending": len(self.pending),
