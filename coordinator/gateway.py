@@ -37,6 +37,7 @@ from coordinator.gateway_format import ChatFormatter, CompletionFormatter, Token
 from coordinator.gateway_schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
 )
+from coordinator.gateway_structured import check_jobs
 from coordinator.gateway_tokenize import TokenizerRoutes
 from coordinator.gateway_stream import ClientGone, EventStream, Fanout, unless_disconnected
 from coordinator.metrics import CONTENT_TYPE, GatewayMetrics
@@ -178,6 +179,7 @@ class Gateway:
         req = decode_body(await read_body(request), CompletionRequest)
         self.check_model(req.model)
         jobs = completion_jobs(req, len(self.tok))
+        await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)
 
@@ -186,6 +188,7 @@ class Gateway:
         req = decode_body(await read_body(request), ChatCompletionRequest)
         self.check_model(req.model)
         jobs = chat_jobs(req, await self.context_len())
+        await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from coordinator.gateway_structured import structured_output
 from coordinator.protocol import ChatMessage
 from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams
@@ -74,6 +75,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    structured_outputs: dict | None = None  # vLLM's {json | regex | choice | json_object} (coordinator/gateway_structured.py)
+    guided_json: dict | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -149,8 +154,6 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
     _common_checks(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -204,6 +207,9 @@ def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None) -> di
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
+    spec = structured_output(req)
+    if spec is not None:
+        kw["structured"] = spec
     validate_sampling(kw)
     return kw
 

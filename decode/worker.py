@@ -32,7 +32,7 @@ from kvtransfer.cuda_ipc import CudaKVPool, device_id, gpu_pool
 from kvtransfer.errors import KVTransferError
 from kvtransfer.pool import KVPool, dtype_name, host_identity
 from kvtransfer.transfer import KVReceiver, gpu_backends
-from runtime import cuda_graphs
+from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
 from runtime.errors import PdserveError
@@ -65,6 +65,7 @@ class DecodeWorker:
             torch.set_num_threads(worker_cfg.threads)
         self.worker_id = worker_cfg.worker_id or f"{role.name.lower()}-{os.getpid()}"
         cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
+        structured.configure(model=worker_cfg.model)  # its tokenizer is loaded on the first structured request
         model = build_model(cfg, tensors, engine_cfg)
         num_blocks = engine_cfg.blocks_for_budget(cfg)
         shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)

@@ -30,6 +30,7 @@ from coordinator.protocol import (
 from kvtransfer.pool import host_identity
 from kvtransfer.cuda_ipc import device_id
 from kvtransfer.transfer import KVSender, gpu_backends
+from runtime import structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.engine import LLMEngine, build_model, drain_steps
 from runtime.errors import PdserveError
@@ -54,6 +55,7 @@ class PrefillWorker:
             torch.set_num_threads(worker_cfg.threads)
         self.worker_id = worker_cfg.worker_id or f"prefill-{os.getpid()}"
         cfg, tensors = load_checkpoint(worker_cfg.model, progress=False)
+        structured.configure(model=worker_cfg.model)  # its tokenizer is loaded on the first structured request
         self.engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg)
         self.scheduler = self.engine.scheduler
         profile = self.engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
