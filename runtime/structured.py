@@ -12,7 +12,7 @@ Lifecycle:
   by an in-process engine). Nothing is loaded until the first constrained row: then the
   tokenizer, xgrammar's vocabulary table and a grammar compiler (with its cache) are built.
 - Every step, `sample()` calls `constrain(logits, rows, eos)` only when a row carries a spec. A
-  row's matcher is kept between steps, keyed by its SamplingParams object, and caught up with
+  row's matcher is kept between steps, keyed by its sequence's output list, and caught up with
   the tokens the row generated since (so a decode worker taking over from a prefill worker, or
   a request recomputed elsewhere, rebuilds the state from the tokens); the row's logits outside
   the grammar's next tokens become -inf. Matchers of rows not seen for a while are dropped.
@@ -77,7 +77,8 @@ def check(spec: StructuredOutput) -> None:
 
 @dataclass
 class _Row:
-    params: object  # the SamplingParams the matcher belongs to (kept: its id is the key)
+    owner: list  # the sequence's own output list the matcher follows (kept: its id is the key)
+    spec: StructuredOutput
     matcher: object | None  # None: the spec did not compile; the row runs free
     accepted: int = 0  # output tokens fed to the matcher
     seen: int = 0  # step it was last constrained
@@ -149,10 +150,10 @@ class Constrainer:
         return out
 
     def _state(self, row, compiler) -> _Row:
-        key, out = id(row.params), row.output_token_ids
+        key, out, spec = id(row.output_token_ids), row.output_token_ids, row.params.structured
         state = self.rows.get(key)
-        if state is None or state.params is not row.params or state.accepted > len(out):
-            state = self.rows[key] = _Row(row.params, self._matcher(row.params.structured, compiler))
+        if state is None or state.owner is not out or state.spec != spec or state.accepted > len(out):
+            state = self.rows[key] = _Row(out, spec, self._matcher(spec, compiler))
         state.seen = self.step
         while state.matcher is not None and state.accepted < len(out):
             if not state.matcher.accept_token(out[state.accepted]):
