@@ -5,7 +5,8 @@ every worker; --served-model-name goes to the HTTP gateway.
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
 "not given", so a worker keeps its own default and a cluster TOML's value stands); at launch
 `worker_args()` checks the given values by building an `EngineConfig` from them (a bad value
-is a usage error before any process starts) and returns them as worker command-line
+is a usage error before any process starts; without flags it imports nothing, so a plain launch
+starts as fast as before) and returns them as worker command-line
 arguments, appended after the TOML's so the command line wins. `--engine-arg` stays for the
 rest of the worker flags.
 """
@@ -35,11 +36,14 @@ def engine_flag_options(f):
 
 
 def worker_args(values: dict) -> list[str]:
-    """The given worker flags as command-line arguments, checked; raises click.BadParameter."""
+    """The given worker flags as command-line arguments, checked; raises click.BadParameter.
+    Without any, nothing is imported: the check needs torch, seconds of the launcher's start."""
+    given = {k: v for k, v in values.items() if k in WORKER_FLAGS and v is not None}
+    if not given:
+        return []
     from runtime.config import EngineConfig
     from runtime.errors import PdserveError
 
-    given = {k: v for k, v in values.items() if k in WORKER_FLAGS and v is not None}
     fields = {("kv_cache_bytes" if k == "kv_cache_mb" else k): (v * 2**20 if k == "kv_cache_mb" else v) for k, v in given.items()}
     try:
         EngineConfig(**fields)
