@@ -32,6 +32,7 @@ from coordinator import placement
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
+from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
@@ -85,6 +86,7 @@ class Coordinator:
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
+        self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
@@ -397,6 +399,7 @@ class Coordinator:
             st = self.requests.get(msg.request_id)
             if st is not None:
                 self.release_backlog(st)
+                self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
             self.kv["seconds"] += msg.kv_seconds
@@ -445,6 +448,7 @@ class Coordinator:
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
         ))
+        self.phases.prefill_sent(st.iid)
 
     def unreserve(self, st: RequestState | None) -> None:
         if st is not None and st.reserved and st.decode in self.workers:
@@ -537,6 +541,7 @@ class Coordinator:
     def close(self, iid: str, tell: bool = True) -> RequestState | None:
         """Forget request iid: workers that may hold it are told to abort, accounting undone."""
         st = self.requests.pop(iid, None)
+        self.phases.forget(iid)
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
@@ -551,6 +556,8 @@ class Coordinator:
         return st
 
     def finish(self, iid: str, reason: FinishReason, tell: bool = True) -> None:
+        if reason != FinishReason.ABORT and iid in self.requests:
+            self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
         st = self.close(iid, tell)
         if st is None:
             return
@@ -585,10 +592,12 @@ class Coordinator:
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
+                "engine": w.hello.engine,
             })
         return {
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
+            "phases": self.phases.snapshot(),
             "requests": dict(self.counts),
             "active_requests": len(self.requests),
             "pending": len(self.pending),

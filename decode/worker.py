@@ -27,7 +27,7 @@ from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from kvtransfer.errors import KVTransferError
 from kvtransfer.pool import KVPool
 from kvtransfer.transfer import KVReceiver
-from runtime import cuda_graphs
+from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
@@ -77,6 +77,7 @@ class DecodeWorker:
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(role, wcfg)
         cfg, tensors = load_checkpoint(wcfg.model, progress=False)
+        structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         model = build_model(cfg, tensors, engine_cfg)
         num_blocks = engine_cfg.blocks_for_budget(cfg)
         shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)

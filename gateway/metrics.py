@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from client.library import Result
+from wire.phase_metrics import families as phase_families
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -87,6 +88,7 @@ class ClusterCollector(Collector):
             return
         yield from self._workers(s.get("workers", []))
         yield from self._coordinator(s)
+        yield from phase_families(s, self.model)
 
     def _workers(self, workers: list[dict]):
         labels = ["model_name", "worker", "role"]

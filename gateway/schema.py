@@ -15,33 +15,14 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
+from gateway.structured import structured_output
 from wire.protocol import ChatMessage
 from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_CHOICES = 1024  # prompts x n of one request: each choice is one coordinator request
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's JSON shape: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, code: str | None, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
-
-    @property
-    def type(self) -> str:
-        return {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error")
-
-    def body(self) -> "ErrorResponse":
-        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, message, code, param)
 
 
 # ------------------------------------------------------------------ requests
@@ -74,6 +55,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    structured_outputs: dict | None = None  # vLLM's {json | regex | choice | json_object} (gateway/structured.py)
+    guided_json: dict | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -149,8 +134,6 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
     _common_checks(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -204,6 +187,9 @@ def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None) -> di
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
+    spec = structured_output(req)
+    if spec is not None:
+        kw["structured"] = spec
     validate_sampling(kw)
     return kw
 
@@ -338,17 +324,6 @@ class Model(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[Model]
     object: str = "list"
-
-
-class ErrorBody(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorBody
 
 
 # ------------------------------------------------------------------ OpenAPI

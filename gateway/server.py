@@ -39,6 +39,9 @@ from gateway.schema import (
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.structured import check_jobs
+from gateway.tokenize import TokenizerRoutes
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path
@@ -50,7 +53,6 @@ DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
 _STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
 _CODE_STATUS = {"unknown_request": 503}
-MAX_BODY_BYTES = 8 * 2**20  # a longer request body is refused (413) as it arrives; well under the coordinator's message limit
 
 
 @dataclass
@@ -83,22 +85,6 @@ def served_name(model: str | None) -> str:
     return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)
 
 
-async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 once it passes `limit` bytes (it is never held whole)."""
-    size = request.headers.get("content-length", "")
-    chunks, n = [], int(size) if size.isdigit() else 0
-    if n <= limit:
-        n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                break
-            chunks.append(chunk)
-    if n > limit:
-        raise ApiError(413, f"the request body is over the limit of {limit} bytes", "request_too_large")
-    return b"".join(chunks)
-
-
 def encode_json(obj, status: int = 200, headers: dict | None = None) -> Response:
     return Response(msgspec.json.encode(obj), status, headers=headers, media_type="application/json")
 
@@ -128,6 +114,7 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            *TokenizerRoutes(self).routes(),
         ]
         handlers = {ApiError: self.on_api_error, HTTPException: self.on_http_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
@@ -176,6 +163,7 @@ class Gateway:
         req = decode_body(await read_body(request), CompletionRequest)
         self.check_model(req.model)
         jobs = completion_jobs(req, len(self.tok))
+        await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)
 
@@ -184,6 +172,7 @@ class Gateway:
         req = decode_body(await read_body(request), ChatCompletionRequest)
         self.check_model(req.model)
         jobs = chat_jobs(req, await self.context_len())
+        await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -26,17 +27,20 @@ DEFAULT_PLOT = "bench-sweep.png"
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench_backends import BACKENDS
+    from pdserve.bench_vllm import DATASETS, add_vllm_flags
 
     ap = argparse.ArgumentParser(prog="pdserve bench", description="Benchmark online serving latency and throughput "
                                  "(flags and report follow `vllm bench serve`).")
-    ap.add_argument("--backend", default="pdserve", choices=BACKENDS,
-                    help="pdserve: the msgspec client; openai(-chat): any OpenAI-compatible server")
+    ap.add_argument("--backend", default=None, choices=(*BACKENDS, "vllm"),
+                    help="pdserve: the msgspec client; openai(-chat): any OpenAI-compatible server (vllm: openai); "
+                         "default: openai given an http URL, --host or --port, else pdserve")
     ap.add_argument("--base-url", default=None, help="tcp://127.0.0.1:5555 (pdserve) or http://127.0.0.1:8000 (openai)")
     ap.add_argument("--endpoint", default=None, help="openai: /v1/completions; openai-chat: /v1/chat/completions")
     ap.add_argument("--model", default=None, help="model name sent to an OpenAI server (default: its first /v1/models entry)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer path (GGUF file or HF dir; default: the default model's)")
-    ap.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=("random", "jsonl"))
-    ap.add_argument("--dataset-path", default=None, help="ShareGPT-style JSONL (default: the prompt set shipped in pdserve/data)")
+    ap.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=DATASETS,
+                    help="sharegpt, custom: the same reader as jsonl")
+    ap.add_argument("--dataset-path", default=None, help="ShareGPT-style JSONL or JSON array (default: the prompt set shipped in pdserve/data)")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128, help="random: prompt tokens")
     ap.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
@@ -54,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", "--num-warmups", dest="warmup", type=int, default=0, help="untimed requests sent first")
     ap.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. --goodput ttft:500 tpot:50 (ttft, tpot, e2el)")
-    ap.add_argument("--save-result", default=None, metavar="FILE.json")
+    ap.add_argument("--save-result", nargs="?", const=True, default=None, metavar="FILE.json",
+                    help="alone (vLLM's form): write vLLM's result file (see --result-dir, --result-filename); with a path: "
+                         "everything, per-request lists included, to that file")
     ap.add_argument("--sweep", default=None, metavar="RATE,RATE,...", help="run at each request rate; plot p99 TTFT, p99 TPOT, goodput")
     ap.add_argument("--plot", default=DEFAULT_PLOT, help=f"--sweep's PNG (default {DEFAULT_PLOT})")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -62,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stub-coordinator", action="store_true",
                     help="measure coordinator overhead: a real coordinator, stub workers that answer at once, "
                          "--num-prompts requests with --max-concurrency in flight")
+    add_vllm_flags(ap)
     return ap
 
 
@@ -108,9 +115,11 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
 
     extra = json.loads(args.extra_body) if args.extra_body else {}
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.ignore_eos, extra)
-    backend = make_backend(args.backend, args.base_url, sampling, args.request_timeout, args.model, args.endpoint, tokenizer)
+    backend = make_backend(args.backend, args.base_url, sampling, args.request_timeout, getattr(args, "served_model_name", None) or args.model,
+                           args.endpoint, tokenizer)
     runs = []
     async with backend:
+        args.model_id = args.model or getattr(backend, "model", None)  # an OpenAI server's first model when not given
         if args.warmup:
             warm, _ = await send_all(backend, [requests[i % len(requests)] for i in range(args.warmup)], float("inf"), 1.0,
                                      args.max_concurrency, args.seed, not args.disable_tqdm, "warm-up")
@@ -163,7 +172,7 @@ def report(args, runs, tokenizer_id: str) -> list[dict]:
     slos = parse_goodput(args.goodput)
     results = []
     for rate, outputs, duration in runs:
-        m = compute_metrics(outputs, duration, slos, args.max_concurrency)
+        m = compute_metrics(outputs, duration, slos, args.max_concurrency, args.metrics, args.percentiles)
         print(describe_traffic(args, rate))
         print(format_metrics(m))
         errors = sorted({o.error for o in outputs if not o.success})
@@ -200,26 +209,32 @@ def plot_sweep(results: list[dict], path: str) -> None:
 
 
 def run(args) -> int:
+    from pdserve.bench_vllm import resolve
+
+    resolve(args)
     if args.stub_coordinator:
         from pdserve.bench_overhead import run_overhead
 
         return run_overhead(args)
-    from pdserve.bench_data import build_requests
+    from pdserve.bench_vllm import build_workload, save_vllm_result
 
     rates = parse_rates(args.sweep) if args.sweep else [args.request_rate]
     tokenizer, tokenizer_id = load_bench_tokenizer(args)
-    requests = build_requests(args.dataset, tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
-                              args.dataset_path)
+    requests = build_workload(args, tokenizer)
     freeze_startup_heap()  # no full-collection pause inside the measured latencies
     runs = asyncio.run(run_rates(args, requests, tokenizer, rates))
     results = report(args, runs, tokenizer_id)
     if args.sweep:
         plot_sweep(results, args.plot)
         print(f"sweep plot written to {args.plot}")
-    if args.save_result:
-        with open(args.save_result, "w") as f:
+    if args.save_result is True or args.append_result:  # vLLM's form: one file a run, vLLM's keys
+        for result in results:
+            print(f"result written to {save_vllm_result(args, result, args.model_id, tokenizer_id)}")
+    elif args.save_result:
+        path = os.path.join(args.result_dir, args.save_result) if args.result_dir else args.save_result
+        with open(path, "w") as f:
             json.dump({"sweep": results} if args.sweep else results[0], f, indent=1)
-        print(f"result written to {args.save_result}")
+        print(f"result written to {path}")
     return 0 if any(o.success for _, outs, _ in runs for o in outs) else 1
 
 

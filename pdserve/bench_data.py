@@ -93,14 +93,15 @@ def first_exchange(row: dict) -> tuple[str, str | None] | None:
 
 
 def read_jsonl(path: str | Path) -> list[tuple[str, str | None]]:
+    """One JSON object a line, or (ShareGPT's own file) one JSON array of them."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                ex = first_exchange(json.loads(line))
-                if ex is not None:
-                    rows.append(ex)
+        text = f.read()
+    docs = json.loads(text) if text.lstrip().startswith("[") else (json.loads(line) for line in text.splitlines() if line.strip())
+    for doc in docs:
+        ex = first_exchange(doc)
+        if ex is not None:
+            rows.append(ex)
     if not rows:
         raise ValueError(f"{path}: no prompts found (expected ShareGPT 'conversations', 'messages' or 'prompt' rows)")
     return rows

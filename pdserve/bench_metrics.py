@@ -5,7 +5,10 @@ streams); after the run `compute_metrics(outputs, duration, goodput_slos)` reduc
 `Metrics`, `format_metrics` renders the report in vLLM's order, and `result_dict` gives the
 `--save-result` JSON. Definitions: TTFT = time to the first token; TPOT = (E2E - TTFT) /
 (output tokens - 1), only for requests with more than one token (0 counts for goodput);
-ITL = gaps between successive streamed chunks; goodput = requests/s that met every SLO given.
+ITL = gaps between successive streamed chunks; goodput = requests/s that met every SLO given;
+peak output tokens/s and peak concurrent requests over one-second buckets of the run. Which
+latencies the report and JSON carry, and at which percentiles, follow `--percentile-metrics`
+and `--metric-percentiles` (pdserve's default: all four at p90 and p99; vLLM's: ttft,tpot,itl at p99).
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)  # 50 is printed as "Median"
+PERCENTILES = (90, 99)  # besides the mean, median and std every metric always has
+ALL_METRICS = ("ttft", "tpot", "itl", "e2el")
 LATENCY_METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
                    ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -48,8 +52,10 @@ class Metrics:
     output_throughput: float
     total_token_throughput: float
     max_concurrency: int | None = None
-    # name -> {"mean": ms, "median": ms, "std": ms, "p90": ms, "p99": ms}
+    # name -> {"mean": ms, "median": ms, "std": ms, "p90": ms, "p99": ms}, for the selected metrics
     latency_ms: dict = field(default_factory=dict)
+    max_output_tokens_per_s: float = 0.0  # the busiest second of the run
+    max_concurrent_requests: int = 0  # requests in flight in the busiest second
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -67,13 +73,32 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def summarize(values_s: list[float]) -> dict[str, float]:
+def percentile_word(p: float) -> str:
+    """99 -> "99", 99.9 -> "99.9": vLLM's key and label spelling."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def summarize(values_s: list[float], percentiles=PERCENTILES) -> dict[str, float]:
     arr = np.asarray(values_s or [0.0], dtype=np.float64) * 1000.0
     out = {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std())}
-    for p in PERCENTILES:
-        if p != 50:
-            out[f"p{p}"] = float(np.percentile(arr, p))
+    for p in percentiles:
+        out[f"p{percentile_word(p)}"] = float(np.percentile(arr, p))
     return out
+
+
+def peaks(ok: list[RequestOutput]) -> tuple[float, int]:
+    """(most output tokens in one second, most requests in flight in one second), as vLLM
+    buckets them: token times are start + ttft + the running sum of the gaps."""
+    if not ok:
+        return 0.0, 0
+    t0 = min(o.start_time for o in ok)
+    n = int(np.ceil(max(o.start_time + o.latency for o in ok) - t0)) + 1
+    tokens, inflight = np.zeros(n), np.zeros(n)
+    for o in ok:
+        times = np.cumsum([o.start_time + o.ttft, *o.itl]) - t0
+        np.add.at(tokens, np.clip(times.astype(int), 0, n - 1), 1)
+        inflight[int(o.start_time - t0):int(o.start_time + o.latency - t0) + 1] += 1
+    return float(tokens.max()), int(inflight.max())
 
 
 def is_good(o: RequestOutput, slos_ms: dict[str, float]) -> bool:
@@ -82,20 +107,21 @@ def is_good(o: RequestOutput, slos_ms: dict[str, float]) -> bool:
 
 
 def compute_metrics(outputs: list[RequestOutput], duration: float, slos_ms: dict[str, float] | None = None,
-                    max_concurrency: int | None = None) -> Metrics:
+                    max_concurrency: int | None = None, metrics=ALL_METRICS, percentiles=PERCENTILES) -> Metrics:
     ok = [o for o in outputs if o.success]
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_tokens for o in ok)
     dur = max(duration, 1e-9)
     good = sum(is_good(o, slos_ms) for o in ok) / dur if slos_ms else None
-    lat = {
-        "ttft": summarize([o.ttft for o in ok]),
-        "tpot": summarize([o.tpot for o in ok if o.output_tokens > 1]),
-        "itl": summarize([g for o in ok for g in o.itl]),
-        "e2el": summarize([o.latency for o in ok]),
+    values = {
+        "ttft": lambda: [o.ttft for o in ok],
+        "tpot": lambda: [o.tpot for o in ok if o.output_tokens > 1],
+        "itl": lambda: [g for o in ok for g in o.itl],
+        "e2el": lambda: [o.latency for o in ok],
     }
+    lat = {name: summarize(values[name](), percentiles) for name in ALL_METRICS if name in metrics}
     return Metrics(len(ok), len(outputs) - len(ok), duration, total_in, total_out, len(ok) / dur, good, total_out / dur,
-                   (total_in + total_out) / dur, max_concurrency, lat)
+                   (total_in + total_out) / dur, max_concurrency, lat, *peaks(ok))
 
 
 def _line(label: str, value) -> str:
@@ -113,12 +139,16 @@ def format_metrics(m: Metrics, title: str = " Serving Benchmark Result ") -> str
     if m.request_goodput is not None:
         lines.append(_line("Request goodput (req/s):", m.request_goodput))
     lines += [_line("Output token throughput (tok/s):", m.output_throughput),
+              _line("Peak output token throughput (tok/s):", m.max_output_tokens_per_s),
+              _line("Peak concurrent requests:", float(m.max_concurrent_requests)),
               _line("Total Token throughput (tok/s):", m.total_token_throughput)]
     for key, header, short in LATENCY_METRICS:
+        if key not in m.latency_ms:
+            continue
         s = m.latency_ms[key]
         lines.append(f"{header:-^50}")
         lines += [_line(f"Mean {short} (ms):", s["mean"]), _line(f"Median {short} (ms):", s["median"])]
-        lines += [_line(f"P{p} {short} (ms):", s[f"p{p}"]) for p in PERCENTILES if p != 50]
+        lines += [_line(f"{k.upper()} {short} (ms):", v) for k, v in s.items() if k.startswith("p")]
     lines.append("=" * 50)
     return "\n".join(lines)
 

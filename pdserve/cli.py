@@ -9,6 +9,8 @@ import time
 
 import click
 
+from pdserve.engine_flags import engine_flag_options, worker_args
+
 COORDINATOR_CLIENTS = "tcp://127.0.0.1:5555"
 COORDINATOR_WORKERS = "tcp://127.0.0.1:5556"
 
@@ -27,7 +29,11 @@ def _engine_options(f):
         click.option("--kv-cache-mb", default=512, show_default=True, type=int, help="KV pool memory budget"),
         click.option("--num-blocks", default=None, type=int, help="KV pool size in blocks (overrides --kv-cache-mb)"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
-        click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="token budget of one step"),
+        click.option("--max-num-batched-tokens", "--max-batched-tokens", "max_batched_tokens", default=2048, show_default=True, type=int,
+                     help="token budget of one step"),
+        click.option("--max-model-len", default=None, type=int, help="context length, prompt + output (default: the model's)"),
+        click.option("--gpu-memory-utilization", default=None, type=float,
+                     help="CUDA only: size the KV pool so that this share of the GPU's memory is used (instead of --kv-cache-mb)"),
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
         click.option("--core-share", default=None, help="PATH:SLOT from the launcher: share the node's cores with its other busy workers"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
@@ -41,14 +47,14 @@ def _engine_options(f):
     return _security_options(f)
 
 
-def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, threads, core_share, worker_id,
-             coordinator_addr, **extra):
+def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
+             threads, core_share, worker_id, coordinator_addr, **extra):
     from runtime.config import EngineConfig, WorkerConfig
     from runtime.errors import PdserveError
 
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_batched_tokens)
+                            max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)
     except PdserveError as e:
@@ -281,8 +287,9 @@ def stats(address, timeout, keys):
 @click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
 @_slo_options
 @_security_options
+@engine_flag_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure):
+           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure, served_model_name, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -297,7 +304,8 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
             plan = NodePlan(**counts, model=model, kv_backend=kv_backend, threads=threads, client_addr=client_addr, worker_addr=worker_addr)
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
-    plan.engine_args += [a for arg in engine_arg for a in arg.split("=", 1)]
+    plan.engine_args += worker_args(engine_flags) + [a for arg in engine_arg for a in arg.split("=", 1)]
+    plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
     plan.keys = keys or plan.keys

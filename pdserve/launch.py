@@ -46,6 +46,7 @@ class NodePlan:
     api_key: str | None = None
     keys: str | None = None  # CurveZMQ keys directory, passed to every role
     insecure: bool = False  # allow binds beyond loopback without keys
+    served_model_name: str | None = None  # the gateway's model name
 
     @property
     def security_args(self) -> list[str]:
@@ -123,6 +124,7 @@ class Launcher:
         p = self.plan
         args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
         args += ["--model", p.model] if p.model else []
+        args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
         return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else [])
 
     def start(self) -> None:

@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from kvtransfer.transfer import KVSender
+from runtime import structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
@@ -68,6 +69,7 @@ class PrefillWorker:
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(Role.PREFILL, wcfg)
         cfg, tensors = load_checkpoint(wcfg.model, progress=False)
+        structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
         engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
         cores.busy()

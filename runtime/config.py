@@ -135,6 +135,7 @@ class EngineConfig:
     # float32 on the CPU: the fused forward of runtime.cpu_forward (off: the module forward, its twin)
     fast_path: bool = True
     linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
+    gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -149,6 +150,13 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.linear_kind not in ("auto", "torch", "onednn"):
             raise InvalidRequestError(f"linear_kind must be auto, torch or onednn, got {self.linear_kind!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if not self.device.startswith("cuda"):
+                raise InvalidRequestError(f"gpu_memory_utilization needs a CUDA device (this one is {self.device!r}); size the KV pool with kv_cache_mb")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,7 +168,30 @@ class EngineConfig:
             return self.num_blocks
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         per_block = 2 * model.num_layers * self.block_size * model.kv_size * itemsize
-        return max(1, math.floor(self.kv_cache_bytes / per_block))
+        budget = self.kv_cache_bytes if self.gpu_memory_utilization is None else self.gpu_kv_budget()
+        return max(1, math.floor(budget / per_block))
+
+    def gpu_kv_budget(self) -> int:
+        """Bytes left for the KV pool, called once the weights are on the GPU: the device's total
+        memory x gpu_memory_utilization, less what is in use now (by this process and any other),
+        less a 5% reserve for activations."""
+        free, total = torch.cuda.mem_get_info(torch.device(self.device))
+        budget = int(total * (self.gpu_memory_utilization - 0.05)) - (total - free)
+        if budget <= 0:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization {self.gpu_memory_utilization} leaves no room for the KV cache: "
+                f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is already in use")
+        return budget
+
+    def summary(self, max_model_len: int, num_blocks: int, pool_bytes: int) -> dict:
+        """The settings a worker runs with, for the coordinator's stats (vLLM's flag names);
+        kv_pool_mb is the pool it allocated (kv_cache_mb is the budget it was given)."""
+        return {
+            "dtype": self.dtype, "device": self.device, "max_model_len": max_model_len, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size, "num_blocks": num_blocks,
+            "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+        }
 
 
 @dataclass

@@ -31,6 +31,7 @@ from runtime.scheduler import Scheduler
 from runtime.sequence import FinishReason, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from runtime.weights import load_checkpoint
+from runtime import structured
 
 
 @dataclass
@@ -70,6 +71,10 @@ class LLMEngine:
         self.cfg = model.cfg
         self.config = config
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            structured.configure(tokenizer=tokenizer)  # the grammar of a structured request needs the vocabulary
+        if config.max_model_len is not None and config.max_model_len > self.cfg.max_position:
+            raise InvalidRequestError(f"max_model_len {config.max_model_len} is longer than the model's context ({self.cfg.max_position} tokens)")
         self.max_model_len = min(config.max_model_len or self.cfg.max_position, self.cfg.max_position)
         num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
         if kv_cache is None:

@@ -20,6 +20,19 @@ _SEED_MAX = 2**64 - 1
 _INT_MAX = 2**63 - 1  # every integer travels as msgpack int64; JSON may carry bigger ones
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+
+
+class StructuredOutput(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A constraint on the output (runtime/structured.py): kind "json" (spec: a JSON schema as
+    text, strict), "json_object" (any JSON object), "regex" (spec: the pattern) or "choice"
+    (choices: the allowed outputs)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
     """How to pick tokens for one request; field names and defaults follow vLLM / OpenAI."""
 
@@ -37,6 +50,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the sampled token's logprob + top-k alternatives
     min_tokens: int = 0
+    structured: StructuredOutput | None = None  # constrained decoding; None = free
 
     @property
     def greedy(self) -> bool:
@@ -77,4 +91,12 @@ def _first_problem(p: SamplingParams) -> str | None:
         return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
     if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
         return f"min_tokens must be an integer in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
+    s = p.structured
+    if s is not None:
+        if s.kind not in STRUCTURED_KINDS:
+            return f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}, got {s.kind!r}"
+        if s.kind in ("json", "regex") and not s.spec:
+            return f"structured output of kind {s.kind} needs its {'schema' if s.kind == 'json' else 'pattern'}"
+        if s.kind == "choice" and (not s.choices or any(not c for c in s.choices)):
+            return "structured output of kind choice needs a non-empty list of non-empty choices"
     return None

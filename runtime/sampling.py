@@ -4,12 +4,13 @@ Lifecycle: a request's `SamplingParams` arrive as plain data (they travel on the
 and are checked once with `validate()` at the request boundary; the sampler trusts them afterwards.
 Every decode step the engine calls `sample(logits, rows)` once for the whole batch, where each
 `SamplingRow` pairs a request's params with its prompt and generated token lists (owned and
-extended by the caller). The sampler is stateless: it derives everything, including the random
+extended by the caller). The sampler is stateless (but for the grammar matchers of structured rows): it derives everything, including the random
 draws of seeded rows, from its arguments, so the same seed gives the same tokens whatever else
 is in the batch and on re-run. `sample_reference` is the slow one-row-at-a-time twin used by the
 tests to check the fast path.
 
-Processing order (as vLLM): logprobs of the raw logits, min_tokens masking, repetition /
+Processing order (as vLLM): logprobs of the raw logits, the grammar mask of rows with structured
+output (runtime/structured.py keeps their matchers between steps), min_tokens masking, repetition /
 frequency / presence penalties, then argmax for greedy rows, or temperature, top-k, top-p, min-p
 and an exponential-race draw `argmax(probs / q)`, q ~ Exp(1), for the others.
 """
@@ -106,6 +107,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     logits = logits.float()
     asks = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[_index(asks, logits)], dim=-1) if asks else None
+    if any(r.params.structured is not None for r in rows):  # grammar masks (runtime/structured.py); free rows pay this check only
+        from runtime.structured import constrainer
+
+        logits = constrainer().constrain(logits, rows, eos_token_id)
     tokens = _choose_tokens(adjusted_logits(logits, rows, eos_token_id), rows)
     return _output(tokens, rows, asks, raw_logprobs)
 

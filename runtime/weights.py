@@ -3,12 +3,15 @@
 Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and returns plain
 float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...);
 on any problem it raises one typed error before anything is handed to a model, so there is no
-half-loaded state. GGUF tensors are dequantized here (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and the
-llama.cpp Q/K row permutation is undone. The default model is located on disk without
+half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
+`gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
+found by trying one zero block of each type a file holds), and the llama.cpp Q/K row
+permutation is undone. The default model is located on disk without
 importing the package that ships it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,7 +25,6 @@ from runtime.config import ModelConfig, RopeScaling
 from runtime.errors import ModelLoadError, UnsupportedModelError
 from runtime.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _GGUF_NAMES = {
@@ -129,9 +131,10 @@ def _load_gguf(path: Path, progress: bool):
     except Exception as e:  # ValueError/struct.error/OSError on a bad file
         raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from e
     cfg = _gguf_config(meta, {t.name for t in infos})
-    bad = sorted({t.qtype.name for t in infos} - set(GGUF_TYPES))
+    bad = sorted({t.qtype.name for t in infos if not gguf_dequantizable(t.qtype)})
     if bad:
-        raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)} (supported: {', '.join(GGUF_TYPES)})")
+        raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}: the installed gguf package "
+                                    f"{gguf_version()} cannot dequantize them (supported: {', '.join(supported_gguf_types())})")
     tensors = {}
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
         name = _gguf_name(t.name)
@@ -147,6 +150,36 @@ def _load_gguf(path: Path, progress: bool):
         tensors[name] = w
     _check_names(cfg, tensors, path.name)
     return cfg, tensors
+
+
+@functools.cache
+def gguf_dequantizable(qtype) -> bool:
+    """Whether the installed gguf package dequantizes this tensor type: tried on one zero block."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        out = quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return False
+    return out.size == block and np.issubdtype(out.dtype, np.floating)
+
+
+def supported_gguf_types() -> list[str]:
+    from gguf import GGMLQuantizationType
+
+    return [t.name for t in GGMLQuantizationType if gguf_dequantizable(t)]
+
+
+def gguf_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        return "(unknown version)"
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
     return Hello(
         PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
         pool.shape[2], pool.shape[3], kv_endpoint, profile,
+        engine=engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes),
     )
 
 

@@ -82,7 +82,7 @@ def test_chat_mapping():
     [job] = chat_jobs(chat(msgs), 10)
     assert job.inputs["messages"] == [ChatMessage("system", "a\nb"), ChatMessage("user", "")]
     for bad, param in ((dict(top_logprobs=2), "top_logprobs"), (dict(messages=[]), "messages"), (dict(tools=[{"type": "function"}]), "tools"),
-                       (dict(response_format={"type": "json_object"}), "response_format")):
+                       (dict(response_format={"type": "json_schema"}), "response_format")):
         with pytest.raises(ApiError) as e:
             chat_jobs(chat(**bad), 10)
         assert (e.value.status, e.value.param) == (400, param)

@@ -105,7 +105,7 @@ def test_unsupported_quant_type(tmp_path, tiny):
     import gguf
 
     write_gguf(tmp_path / "m.gguf", tiny, "F32")
-    # Re-write one tensor as Q6_K (raw bytes of the right size): the loader must name the type.
+    # Re-write one tensor as Q8_1 (raw bytes of the right size), a type the gguf package cannot dequantize: the loader must name it.
     r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     wr = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     for k, f in r.fields.items():
@@ -117,14 +117,14 @@ def test_unsupported_quant_type(tmp_path, tiny):
                 wr.add_float32(k, v)
     for t in r.tensors:
         if t.name == "blk.0.ffn_up.weight":
-            wr.add_tensor(t.name, np.zeros((int(t.shape[1]), 210), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+            wr.add_tensor(t.name, np.zeros((int(t.shape[1]), 80), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         else:
             wr.add_tensor(t.name, np.array(t.data))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF tensor type.*Q6_K"):
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF tensor type.*Q8_1.*cannot dequantize"):
         load_checkpoint(tmp_path / "k.gguf", progress=False)
 
 

@@ -1,0 +1,177 @@
+"""vLLM's tokenizer endpoints on the HTTP gateway: POST /tokenize, POST /detokenize, GET /version.
+
+Shapes follow vLLM's API server: /tokenize takes a completion body {model?, prompt,
+add_special_tokens=true, return_token_strs=false} or a chat body {model?, messages,
+add_generation_prompt=true, continue_final_message=false, add_special_tokens=false,
+chat_template_kwargs?, return_token_strs=false} and answers {count, max_model_len, tokens,
+token_strs}; /detokenize takes {model?, tokens} and answers {prompt}; /version answers
+{version} (this package's version).
+
+Lifecycle: `TokenizerRoutes(gateway)` is built once with the gateway and lends it three
+routes; each request is authorized like /v1 (bearer key, when one is set), decoded into the
+Structs here (a wrong type or a bad id is a 400 naming the field), and answered from the
+gateway's own tokenizer in a worker thread. Nothing goes to the coordinator but the stats
+call that learns max_model_len from the workers; until a worker has said it, the model files'
+own context length is answered. A chat body is rendered with the same chat
+template the coordinator applies, so /tokenize's count for a chat equals the prompt_tokens a
+chat completion of it reports.
+"""
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+
+import msgspec
+from starlette.routing import Route
+
+from gateway.errors import bad_request, read_body
+from gateway.schema import ChatMessageIn, chat_message, decode_body
+
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    messages: list[ChatMessageIn]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def model_context_len(model: str | None) -> int:
+    """The context length the model's own files state (config.json, or the GGUF metadata)."""
+    import json
+
+    from runtime.gguf_file import read_gguf
+    from runtime.model_path import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
+    meta, _ = read_gguf(str(path), keep=lambda key: key.endswith(".context_length"))
+    return int(next(iter(meta.values()), 2048))
+
+
+class TokenizerRoutes:
+    def __init__(self, gateway):
+        self.gw = gateway
+        self.version = package_version()
+        self.model_context: int | None = None  # the model's own context, while no worker has said its max_model_len
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version_info, methods=["GET"]),
+        ]
+
+    async def _body(self, request) -> bytes:
+        self.gw.authorize(request)
+        return await read_body(request)
+
+    def _model(self, model: str | None) -> None:
+        if model is not None:
+            self.gw.check_model(model)
+
+    async def tokenize(self, request):
+        body = await self._body(request)
+        kind = TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest
+        req = decode_body(body, kind)
+        self._model(req.model)
+        if kind is TokenizeChatRequest:
+            if req.add_generation_prompt and req.continue_final_message:
+                raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+            if not req.messages:
+                raise bad_request("messages must not be empty", "messages")
+            messages = [{"role": m.role, "content": m.content} for m in map(chat_message, req.messages)]
+            ids = await asyncio.to_thread(self._chat_ids, req, messages)
+        else:
+            ids = await asyncio.to_thread(self._prompt_ids, req)
+        strs = self.gw.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), await self._max_model_len(), ids, strs))
+
+    def _prompt_ids(self, req: TokenizeCompletionRequest) -> list[int]:
+        return list(self.gw.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+
+    def _chat_ids(self, req: TokenizeChatRequest, messages: list[dict]) -> list[int]:
+        tok = self.gw.tok
+        if tok.chat_template is None:
+            raise bad_request("this model has no chat template; tokenize a plain prompt instead", "messages")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                                           continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # jinja errors, a final message to continue that is not the assistant's
+            raise bad_request(f"cannot render the chat template: {e}", "messages") from None
+        return list(tok.encode(text, add_special_tokens=req.add_special_tokens))
+
+    async def _max_model_len(self) -> int:
+        if self.gw.max_model_len is None:
+            await self.gw.stats()  # learns it from the workers
+        if self.gw.max_model_len is not None:
+            return self.gw.max_model_len
+        if self.model_context is None:
+            self.model_context = await asyncio.to_thread(model_context_len, self.gw.cfg.model)
+        return self.model_context
+
+    async def detokenize(self, request):
+        req = decode_body(await self._body(request), DetokenizeRequest)
+        self._model(req.model)
+        vocab = len(self.gw.tok)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
+        text = await asyncio.to_thread(self.gw.tok.decode, req.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return _json(DetokenizeResponse(text))
+
+    async def version_info(self, request):
+        return _json(VersionResponse(self.version))
+
+
+def _has_messages(body: bytes) -> bool:
+    """Which of the two /tokenize shapes a body is: a JSON object with a "messages" key is a chat."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False  # decode_body then reports the bad JSON
+    return isinstance(doc, dict) and "messages" in doc
+
+
+def _json(obj):
+    from starlette.responses import Response
+
+    return Response(msgspec.json.encode(obj), media_type="application/json")

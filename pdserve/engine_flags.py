@@ -1,0 +1,52 @@
+"""`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
+--max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device go to
+every worker; --served-model-name goes to the HTTP gateway.
+
+Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
+"not given", so a worker keeps its own default and a cluster TOML's value stands); at launch
+`worker_args()` checks the given values by building an `EngineConfig` from them (a bad value
+is a usage error before any process starts; without flags it imports nothing, so a plain launch
+starts as fast as before) and returns them as worker command-line
+arguments, appended after the TOML's so the command line wins. `--engine-arg` stays for the
+rest of the worker flags.
+"""
+from __future__ import annotations
+
+import click
+
+# flag (as vllm serve spells it, and as the worker commands take it) -> (click type, help)
+WORKER_FLAGS = {
+    "dtype": (click.Choice(["auto", "float32", "bfloat16", "float16"]), "weights and KV dtype (auto: bfloat16 on CUDA, float32 on the CPU)"),
+    "device": (str, "cpu, cuda or cuda:N"),
+    "max_model_len": (int, "context length, prompt + output (default: the model's)"),
+    "max_num_seqs": (int, "sequences one worker runs at once"),
+    "max_num_batched_tokens": (int, "token budget of one step"),
+    "kv_cache_mb": (int, "KV pool memory budget per worker, MiB"),
+    "gpu_memory_utilization": (float, "CUDA only: size the KV pool so that this share of the GPU's memory is used"),
+    "block_size": (int, "tokens per KV block (a power of two)"),
+}
+
+
+def engine_flag_options(f):
+    """Decorate a click command with the worker flags and --served-model-name."""
+    f = click.option("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the file or directory name)")(f)
+    for name, (kind, text) in reversed(WORKER_FLAGS.items()):
+        f = click.option(f"--{name.replace('_', '-')}", name, default=None, type=kind, help=text)(f)
+    return f
+
+
+def worker_args(values: dict) -> list[str]:
+    """The given worker flags as command-line arguments, checked; raises click.BadParameter.
+    Without any, nothing is imported: the check needs torch, seconds of the launcher's start."""
+    given = {k: v for k, v in values.items() if k in WORKER_FLAGS and v is not None}
+    if not given:
+        return []
+    from runtime.config import EngineConfig
+    from runtime.errors import PdserveError
+
+    fields = {("kv_cache_bytes" if k == "kv_cache_mb" else k): (v * 2**20 if k == "kv_cache_mb" else v) for k, v in given.items()}
+    try:
+        EngineConfig(**fields)
+    except PdserveError as e:
+        raise click.BadParameter(str(e)) from e
+    return [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))]

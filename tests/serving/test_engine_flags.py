@@ -1,0 +1,76 @@
+"""`vllm serve`'s engine flags on `pdserve launch`, through the real command line: every worker
+runs with them (`pdserve stats` shows each worker's settings), the gateway answers to
+--served-model-name, and a bad value is a usage error before anything starts."""
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.helpers import free_port, save_tiny_served_model
+from tests.serving.test_launcher import pdserve, wait_ready
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d)
+    return d
+
+
+def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
+    clients, workers, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+    proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
+                   "--http-port", str(http), "--log-dir", str(tmp_path),
+                   "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-mb", "16", "--max-model-len", "256",
+                   "--max-num-batched-tokens", "512", "--block-size", "8", "--device", "cpu", "--served-model-name", "tiny-chat")
+    try:
+        wait_ready(proc, clients, 2)
+        out = subprocess.run([sys.executable, "-m", "pdserve", "stats", "--coordinator", clients], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill"]
+        for w in stats["workers"]:
+            e = w["engine"]
+            assert (e["dtype"], e["device"], e["max_num_seqs"], e["kv_cache_mb"], e["max_model_len"], e["max_num_batched_tokens"],
+                    e["block_size"]) == ("float32", "cpu", 8, 16, 256, 512, 8), w
+            assert w["max_model_len"] == 256 and w["block_size"] == 8
+            assert 15 < e["kv_pool_mb"] <= 16  # the pool fills the budget, in whole blocks
+        models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-chat"]
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60,
+                       json={"model": "tiny-chat", "prompt": "Hello there", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-memory-utilization", "0.9"], "gpu_memory_utilization needs a CUDA device"),
+    (["--gpu-memory-utilization", "1.5", "--device", "cuda"], "gpu_memory_utilization must be in (0, 1]"),
+    (["--block-size", "12"], "block_size must be a power of two"),
+    (["--dtype", "float64"], "'float64' is not one of"),
+    (["--max-model-len", "0"], "max_model_len must be >= 1"),
+])
+def test_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message):
+    out = subprocess.run([sys.executable, "-m", "pdserve", "launch", "--clients", f"tcp://127.0.0.1:{free_port()}", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert "pdserve ready" not in out.stderr
+
+
+def test_max_model_len_beyond_the_model_stops_the_launch(model_dir, tmp_path):
+    """The tiny model has a 1024-token context: asking for more is refused, as vllm serve does."""
+    out = subprocess.run([sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--colocated", "--no-gateway",
+                          "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}",
+                          "--threads", "1", "--max-model-len", "4096", "--log-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "colocated-0 exited" in out.stderr
+    log = (tmp_path / "colocated-0.log").read_text()
+    assert "max_model_len 4096 is longer than the model's context (1024 tokens)" in log

@@ -1,0 +1,125 @@
+"""Where each request's time went, per phase, as histograms: the coordinator measures, the
+gateway's /metrics exports (vLLM's names under the pdserve prefix).
+
+Phases of a request on a (prefill, decode) pair, on the coordinator's clock:
+  queue        arrival -> its prefill forward starts: placement and the decode worker's KV
+               grant, then the wait in the prefill worker's queue (the time from sending Prefill
+               to PrefillDone, less the forward and the hand-off the worker reports; in a packed
+               batch this includes waiting for the hand-offs of the prompts ahead of it)
+  prefill      the prefill forward, as the prefill worker timed it
+  kv transfer  the KV hand-off to the decode worker, as the prefill worker timed it (and bytes)
+  first token  the rest of the TTFT: the decode worker taking the hand-off and the first token
+               reaching the coordinator; queue + prefill + kv transfer + first token = TTFT
+  decode       first token -> last token
+  inference    first token's prefill start -> last token (vLLM: the time the request runs)
+A colocated worker reports no split of its prompt's time: its requests feed decode only.
+
+Lifecycle: the coordinator owns one `PhaseTracker`; `prefill_sent(iid)` when a Prefill goes out
+(again on a retry), `prefill_done(iid, msg)` on PrefillDone, `finished(st)` when a request ends
+normally (observes it and forgets it), `forget(iid)` when it ends any other way. `snapshot()`
+goes into the coordinator's stats as "phases"; `families(stats, model)` turns a stats document
+into Prometheus histograms (and the preemption counter) during a gateway scrape.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5,
+           10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+BYTES = tuple(float(2**k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
+PHASES = {  # histogram (pdserve:NAME) -> (help, buckets)
+    "request_queue_time_seconds": ("Time from arrival to the start of the prompt's forward (placement, KV grant, prefill queue)", SECONDS),
+    "request_prefill_time_seconds": ("Time of the prompt's forward pass on the prefill worker", SECONDS),
+    "request_kv_transfer_time_seconds": ("Time handing the prompt's KV cache from the prefill to the decode worker", SECONDS),
+    "request_kv_transfer_bytes": ("Bytes of KV cache handed from the prefill to the decode worker per request", BYTES),
+    "request_first_token_time_seconds": ("Rest of the TTFT after the hand-off: the decode worker taking it and the first token's delivery",
+                                         SECONDS),
+    "request_decode_time_seconds": ("Time from the first to the last output token", SECONDS),
+    "request_inference_time_seconds": ("Time from the start of the prompt's forward to the last output token", SECONDS),
+}
+
+
+@dataclass
+class _Times:
+    prefill_sent: float | None = None
+    done: float | None = None  # PrefillDone received
+    compute_s: float = 0.0
+    kv_s: float = 0.0
+    kv_bytes: int = 0
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+
+    def snapshot(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+class PhaseTracker:
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.live: dict[str, _Times] = {}
+        self.hist = {name: Histogram(buckets) for name, (_, buckets) in PHASES.items()}
+
+    def prefill_sent(self, iid: str) -> None:
+        self.live[iid] = _Times(prefill_sent=self.clock())
+
+    def prefill_done(self, iid: str, compute_s: float, kv_s: float, kv_bytes: int) -> None:
+        t = self.live.get(iid)
+        if t is not None:
+            t.done, t.compute_s, t.kv_s, t.kv_bytes = self.clock(), compute_s, kv_s, kv_bytes
+
+    def forget(self, iid: str) -> None:
+        self.live.pop(iid, None)
+
+    def finished(self, iid: str, arrival: float, token_times: list[float]) -> None:
+        """A request that ended with tokens: token_times are seconds since arrival."""
+        t = self.live.pop(iid, None)
+        if not token_times:
+            return
+        ttft, last = token_times[0], token_times[-1]
+        self.hist["request_decode_time_seconds"].observe(last - ttft)
+        if t is None or t.done is None:
+            return  # colocated, or a hand-off that was never reported
+        waited_at_worker = max(0.0, (t.done - t.prefill_sent) - t.compute_s - t.kv_s)
+        queue = min(ttft, (t.prefill_sent - arrival) + waited_at_worker)
+        prefill = min(t.compute_s, ttft - queue)
+        kv = min(t.kv_s, ttft - queue - prefill)
+        for name, v in (("queue_time_seconds", queue), ("prefill_time_seconds", prefill), ("kv_transfer_time_seconds", kv),
+                        ("first_token_time_seconds", ttft - queue - prefill - kv), ("inference_time_seconds", last - queue)):
+            self.hist[f"request_{name}"].observe(max(0.0, v))
+        self.hist["request_kv_transfer_bytes"].observe(t.kv_bytes)
+
+    def snapshot(self) -> dict:
+        return {name: h.snapshot() for name, h in self.hist.items()}
+
+
+def families(stats: dict, model: str):
+    """Prometheus families from a coordinator stats document: the phase histograms and the
+    preemptions the workers report."""
+    for name, h in (stats.get("phases") or {}).items():
+        if name not in PHASES:
+            continue
+        cumulative, total = [], 0
+        for bound, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"]):
+            total += n
+            cumulative.append((bound, total))
+        fam = HistogramMetricFamily(f"pdserve:{name}", PHASES[name][0], labels=["model_name"])
+        fam.add_metric([model], cumulative, h["sum"])
+        yield fam
+    pre = CounterMetricFamily("pdserve:num_preemptions", "Sequences preempted (and recomputed) by workers short of KV blocks",
+                              labels=["model_name", "worker"])
+    for w in stats.get("workers", []):
+        pre.add_metric([model, w["id"]], w.get("preemptions", 0))
+    yield pre
