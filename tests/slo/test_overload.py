@@ -115,6 +115,8 @@ def test_overload_admitted_meet_targets_excess_shed_fast(model_dir, tmp_path):
     try:
         addr = launcher.plan.client_addr
         asyncio.run(burst(addr, 4))
+        with Client(addr) as c:  # the warm-up may be shed too (the latency model is still the start-up profile's)
+            shed_before = c.stats()["slo"]["shed"].get("0", 0)
         with frozen_heap():
             on = asyncio.run(poisson(addr, rate))
         with Client(addr) as c:
@@ -131,4 +133,4 @@ def test_overload_admitted_meet_targets_excess_shed_fast(model_dir, tmp_path):
     assert max(o[1] for o in shed) < 0.05, summary
     assert p99([o[1] for o in served]) <= ttft_target, summary
     assert p99([o[2] for o in served]) <= tpot_target, summary
-    assert stats["slo"]["shed"]["0"] == len(shed)
+    assert stats["slo"]["shed"]["0"] - shed_before == len(shed)
