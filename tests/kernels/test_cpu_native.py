@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_native as cn
-from kernels.linear import PackedLinear
+from kernels.linear import ONEDNN_MAX_ROWS, PackedLinear, row_bucket
 from kernels.reference import paged_attention_ref
 
 ops = cn.native()
@@ -140,3 +140,17 @@ def test_packed_linear_matches_f_linear(rows):
     fast, twin = PackedLinear(w, b, "onednn"), PackedLinear(w, b, "torch")
     assert fast.kind == "onednn" and twin.kind == "torch"
     close(fast(x), twin(x), rel=4e-6)
+
+
+def test_auto_linear_pads_decode_batches_to_few_row_counts_and_matches_f_linear():
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(72, 48, generator=g), torch.randn(72, generator=g)
+    auto, twin = PackedLinear(w, b, "auto"), PackedLinear(w, b, "torch")
+    assert auto.kind == "auto" and auto.packed is not None
+    for rows in [1, 2, 3, 5, 8, 9, 31, 33, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300]:
+        x = torch.randn(rows, 48, generator=g)
+        y = auto(x)
+        assert y.shape == (rows, 72) and y.is_contiguous()
+        close(y, twin(x), rel=4e-6)
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 8, 9, 16, 17, 127, 128)] == [1, 2, 4, 8, 8, 16, 16, 24, 128, 128]
+    assert len({row_bucket(r) for r in range(1, ONEDNN_MAX_ROWS + 1)}) == 19  # primitives oneDNN builds per weight
