@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.tokenizer import load_tokenizer
 
     cores = os.cpu_count() or 1
-    decode_threads = args.threads or max(1, cores // 2)
+    decode_threads = args.threads or cores  # a launched decode worker gets every core while the prefill worker idles (runtime.cores)
     print(f"machine: {machine()}")
     print(f"workload: {args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens (random words, "
           f"range ratio {args.range_ratio}), greedy, ignore_eos, all sent at once; float32; "
