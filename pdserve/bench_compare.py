@@ -198,14 +198,14 @@ def wait_http(url: str, proc, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama.cpp server exited with code {proc.returncode}")
+            raise RuntimeError(f"server exited with code {proc.returncode} before answering {url}")
         try:
             if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"llama.cpp server not up after {timeout:.0f}s")
+    raise TimeoutError(f"no answer from {url} after {timeout:.0f}s")
 
 
 def llama_cpp_row(args, requests, tokenizer, gguf: Path, log_dir: str):

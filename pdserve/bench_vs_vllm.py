@@ -58,23 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def wait_http(url: str, procs, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"server exited with code {dead[0].returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"no answer from {url} after {timeout:.0f}s")
-
-
 def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
     from pdserve.bench import send_all
     from pdserve.bench_backends import OpenAIBackend, Sampling
@@ -90,6 +73,7 @@ def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
 
 
 def vllm_row(args, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
+    from pdserve.bench_compare import wait_http
     from pdserve.bench_overhead import free_port
 
     script = Path(args.peers) / "vllm_cpu.sh"
@@ -103,7 +87,7 @@ def vllm_row(args, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
                             start_new_session=True)
     try:
         url = f"http://127.0.0.1:{env['VLLM_PORT']}"
-        wait_http(url + "/v1/models", [proc], 900)
+        wait_http(url + "/v1/models", proc, 900)
         startup = time.perf_counter() - t0
         return run_workloads(url, workloads, tokenizer), startup
     finally:
