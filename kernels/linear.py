@@ -48,6 +48,13 @@ class PackedLinear:
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
 
+    def warm(self) -> None:
+        """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
+        memory is flat from the first request on instead of growing as new batch sizes appear."""
+        if self.packed is not None:
+            for rows in sorted({row_bucket(r) for r in range(1, min(self.max_rows, ONEDNN_MAX_ROWS) + 1)}):
+                self(self.weight.new_zeros((rows, self.in_features)))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.packed is None or rows > self.max_rows or rows == 0:

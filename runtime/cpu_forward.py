@@ -36,6 +36,11 @@ class CpuForward:
         self.layers = [_Layer(layer, linear_kind) for layer in model.layers]
         self.final_norm = model.norm.weight
         self.lm_head = PackedLinear(model.lm_head.weight, None, linear_kind)
+        shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
+        for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
+            shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
+        for lin in shapes.values():
+            lin.warm()
 
     @classmethod
     def build(cls, model, linear_kind: str = "auto") -> "CpuForward | None":
