@@ -76,7 +76,7 @@ class DecodeWorker:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(role, wcfg)
-        cfg, tensors = load_checkpoint(wcfg.model, progress=False)
+        cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         model = build_model(cfg, tensors, engine_cfg)
         num_blocks = engine_cfg.blocks_for_budget(cfg)

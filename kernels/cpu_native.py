@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("cpu_ops.c", "quant_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _lock = threading.Lock()
 _loaded: list = []  # [NativeOps | None] once tried
@@ -54,10 +54,10 @@ def _compiler() -> str | None:
 
 
 def build(compiler: str) -> Path:
-    """Compile cpu_ops.c unless an identical build is cached; returns the .so path."""
+    """Compile the C sources into one library unless an identical build is cached; returns the .so path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join(
-        [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode(), sys.platform.encode()]
+        [*(f.read_bytes() for f in _SOURCES), " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode(), sys.platform.encode()]
     )).hexdigest()[:16]
     target = cache_dir() / f"cpu_ops-{key}.so"
     if target.exists():
@@ -67,7 +67,7 @@ def build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -130,28 +130,33 @@ class NativeOps:
         lib.pd_silu_mul.restype = None
         lib.pd_rope_write_kv.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
         lib.pd_rope_write_kv.restype = None
+        lib.pd_q_dequant.argtypes = [_P, _I64, _I, _I, _P, _I, _P]
+        lib.pd_q_dequant.restype = None
+        lib.pd_q_matmul.argtypes = [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]
+        lib.pd_q_matmul.restype = _I
 
-    def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float) -> None:
+    def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True) -> None:
         """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages.
 
         q, out: (T, >= H*D) float32 with contiguous rows; rows: (B,) int64; k_cache, v_cache:
         (num_blocks, BS, KVH, D) contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
         """
-        _check_rows(q, "q")
-        _check_rows(out, "out")
-        _check(k_cache, "k_cache")
-        _check(v_cache, "v_cache")
-        _check(rows, "rows", torch.int64)
-        _check(block_tables, "block_tables", torch.int32)
-        _check(seq_lens, "seq_lens", torch.int32)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
-            raise ValueError("k_cache and v_cache must be contiguous and of one shape")
-        if not (rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
-            raise ValueError("rows, seq_lens and block table rows must be contiguous")
+        if check:  # the step's first layer checks; the rest pass the same tensors' siblings
+            _check_rows(q, "q")
+            _check_rows(out, "out")
+            _check(k_cache, "k_cache")
+            _check(v_cache, "v_cache")
+            _check(rows, "rows", torch.int64)
+            _check(block_tables, "block_tables", torch.int32)
+            _check(seq_lens, "seq_lens", torch.int32)
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+                raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+            if not (rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+                raise ValueError("rows, seq_lens and block table rows must be contiguous")
         _, bs, kvh, d = k_cache.shape
         batch = rows.numel()
         heads = out.shape[1] // d
-        if seq_lens.numel() != batch or block_tables.shape[0] != batch or heads % kvh or q.shape[1] < heads * d:
+        if check and (seq_lens.numel() != batch or block_tables.shape[0] != batch or heads % kvh or q.shape[1] < heads * d):
             raise ValueError("decode_attention: rows, seq_lens, block_tables and head counts disagree")
         failed = self.lib.pd_paged_decode_attention(
             _ptr(q), q.stride(0), _ptr(out), out.stride(0), _ptr(rows), _ptr(k_cache), _ptr(v_cache),
@@ -160,48 +165,86 @@ class NativeOps:
         if failed:
             raise MemoryError("decode_attention: scratch allocation failed")
 
-    def rms_norm(self, x, weight, out, eps: float, residual=None) -> None:
+    def rms_norm(self, x, weight, out, eps: float, residual=None, check: bool = True) -> None:
         """out = RMSNorm(x) * weight; with residual: residual += x first, and normalise that."""
-        _check_rows(x, "x")
-        _check(weight, "weight")
-        _check(out, "out")
         rows, dim = x.shape
-        if not out.is_contiguous() or out.shape != (rows, dim) or weight.shape != (dim,):
-            raise ValueError("rms_norm: out must be contiguous (rows, dim) and weight (dim,)")
-        if residual is not None:
-            _check(residual, "residual")
-            if not residual.is_contiguous() or residual.shape != (rows, dim):
-                raise ValueError("rms_norm: residual must be contiguous (rows, dim)")
+        if check:
+            _check_rows(x, "x")
+            _check(weight, "weight")
+            _check(out, "out")
+            if not out.is_contiguous() or out.shape != (rows, dim) or weight.shape != (dim,):
+                raise ValueError("rms_norm: out must be contiguous (rows, dim) and weight (dim,)")
+            if residual is not None:
+                _check(residual, "residual")
+                if not residual.is_contiguous() or residual.shape != (rows, dim):
+                    raise ValueError("rms_norm: residual must be contiguous (rows, dim)")
         self.lib.pd_rms_norm(_ptr(x), x.stride(0), None if residual is None else _ptr(residual), _ptr(weight), _ptr(out), rows, dim, eps)
 
-    def silu_mul(self, gate_up, out) -> None:
+    def silu_mul(self, gate_up, out, check: bool = True) -> None:
         """out (rows, I) = silu(gate_up[:, :I]) * gate_up[:, I:]."""
-        _check(gate_up, "gate_up")
-        _check(out, "out")
         rows, inter = out.shape
-        if not (gate_up.is_contiguous() and out.is_contiguous()) or gate_up.shape != (rows, 2 * inter):
-            raise ValueError("silu_mul: gate_up must be contiguous (rows, 2*I) and out (rows, I)")
+        if check:
+            _check(gate_up, "gate_up")
+            _check(out, "out")
+            if not (gate_up.is_contiguous() and out.is_contiguous()) or gate_up.shape != (rows, 2 * inter):
+                raise ValueError("silu_mul: gate_up must be contiguous (rows, 2*I) and out (rows, I)")
         self.lib.pd_silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
 
-    def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int) -> None:
+    def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, check: bool = True) -> None:
         """Rotate q and k of the fused qkv rows in place, then store k and v at their slots."""
-        _check_rows(qkv, "qkv")
-        for t, n in ((cos, "cos"), (sin, "sin"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-            _check(t, n)
-            if not t.is_contiguous():
-                raise ValueError(f"rope_write_kv: {n} must be contiguous")
-        _check(positions, "positions", torch.int64)
-        _check(slots, "slots", torch.int64)
         d = cos.shape[1]
         tokens = qkv.shape[0]
-        if qkv.shape[1] != (heads + 2 * kv_heads) * d or k_cache.shape[-2:] != (kv_heads, d):
-            raise ValueError("rope_write_kv: qkv width, cache shape and head counts disagree")
-        if positions.shape != (tokens,) or slots.shape != (tokens,) or not (positions.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("rope_write_kv: positions and slots must be contiguous (T,)")
+        if check:
+            _check_rows(qkv, "qkv")
+            for t, n in ((cos, "cos"), (sin, "sin"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+                _check(t, n)
+                if not t.is_contiguous():
+                    raise ValueError(f"rope_write_kv: {n} must be contiguous")
+            _check(positions, "positions", torch.int64)
+            _check(slots, "slots", torch.int64)
+            if qkv.shape[1] != (heads + 2 * kv_heads) * d or k_cache.shape[-2:] != (kv_heads, d):
+                raise ValueError("rope_write_kv: qkv width, cache shape and head counts disagree")
+            if positions.shape != (tokens,) or slots.shape != (tokens,) or not (positions.is_contiguous() and slots.is_contiguous()):
+                raise ValueError("rope_write_kv: positions and slots must be contiguous (T,)")
         self.lib.pd_rope_write_kv(
             _ptr(qkv), qkv.stride(0), _ptr(positions), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), _ptr(slots),
             tokens, heads, kv_heads, d,
         )
+
+    def q_matmul(self, x, w, int8_activations: bool = False) -> torch.Tensor:
+        """x (M, K) float32 with contiguous rows @ w^T for a kernels.quant.QuantTensor w (N, K);
+        int8_activations: up to 4 rows are rounded to int8 first (kernels.quant.matmul_int8_twin)."""
+        return self.q_linear(w, int8_activations)(x)
+
+    def q_linear(self, w, int8_activations: bool = False):
+        """q_matmul bound to one weight: a callable x -> x @ w^T with the weight's arguments
+        computed once and only the input checked per call (the per-layer hot path)."""
+        fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
+        i8 = int(int8_activations)
+
+        def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+                raise ValueError(f"q_linear: x must be a CPU float32 (M, {k}) matrix with contiguous rows")
+            if out is None:
+                out = torch.empty((x.shape[0], n), dtype=torch.float32)
+            elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+                raise ValueError(f"q_linear: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
+            if x.shape[0] and fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8):
+                raise MemoryError("q_matmul: scratch allocation failed")
+            return out
+
+        return run
+
+    def q_dequant(self, w, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `rows` (int64, contiguous; None: all) of a QuantTensor as float32."""
+        if rows is not None:
+            _check(rows, "rows", torch.int64)
+            if not rows.is_contiguous() or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= w.shape[0])):
+                raise ValueError(f"q_dequant: rows must be contiguous indices in [0, {w.shape[0]})")
+        n = w.shape[0] if rows is None else rows.numel()
+        out = torch.empty((n, w.shape[1]), dtype=torch.float32)
+        self.lib.pd_q_dequant(_ptr(w.raw), w.raw.stride(0), w.type_id, w.shape[1], None if rows is None else _ptr(rows), n, _ptr(out))
+        return out
 
 
 # ------------------------------------------------------------------ torch twins

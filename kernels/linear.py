@@ -14,13 +14,16 @@ and kept for the process; `__call__(x)` runs per step. Kinds:
 oneDNN builds a primitive for every distinct row count (3.5 ms to create, about 0.6 MB kept,
 never freed: a prefill worker grew 120 MB over the 1,000-request soak). So onednn pads the rows
 up to a bucket (1, 2, 4, 8, then multiples of 8; zero rows, sliced off the result): a bounded set of
-row counts per weight (19). The packed copy doubles the memory of the weights it packs. A quantised
-weight format (issue 16) is meant to be one more kind behind the same call.
+row counts per weight (19). The packed copy doubles the memory of the weights it packs.
+- `quant`: the weight is a kernels.quant.QuantTensor (GGUF Q4_0/Q4_1/Q8_0 blocks, `--quantization
+  auto`), multiplied by kernels.quant.matmul; chosen by the weight's type whatever the kind asked.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import quant
 
 KINDS = ("auto", "torch", "onednn")
 ONEDNN_MAX_ROWS = 128  # auto: larger batches (prefill) go to F.linear
@@ -40,13 +43,17 @@ def row_bucket(rows: int) -> int:
 
 
 class PackedLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "auto", batch_hint: int = 32):
-        self.kind = resolve_kind(kind, weight)
+    def __init__(self, weight: "torch.Tensor | quant.QuantTensor", bias: torch.Tensor | None = None, kind: str = "auto",
+                 batch_hint: int = 32, int8_activations: bool = False):
+        self.quantized = isinstance(weight, quant.QuantTensor)
+        self.int8_activations = int8_activations  # quant only: kernels.quant.matmul's integer path
+        self.kind = "quant" if self.quantized else resolve_kind(kind, weight)
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # kept: the twin, and the tied embedding reads it
         self.bias = bias
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
+        self.q_run = quant.bound_matmul(weight, int8_activations) if self.quantized else None
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
@@ -55,7 +62,14 @@ class PackedLinear:
             for rows in sorted({row_bucket(r) for r in range(1, min(self.max_rows, ONEDNN_MAX_ROWS) + 1)}):
                 self(self.weight.new_zeros((rows, self.in_features)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias); `out`, a (rows, out_features) buffer the quantized kernel may write
+        into (the result is returned either way; other kinds allocate)."""
+        if self.q_run is not None and x.shape[0] <= quant.DIRECT_ROWS:
+            out = self.q_run(x, out)
+            return out if self.bias is None else out.add_(self.bias)
+        if self.quantized:
+            return quant.matmul(x, self.weight, self.bias, self.int8_activations)
         rows = x.shape[0]
         if self.packed is None or rows > self.max_rows or rows == 0:
             return F.linear(x, self.weight, self.bias)

@@ -136,7 +136,8 @@ def decode_roofline(model: str | None, threads: int, batch: int = 32, prompt_len
     torch.set_num_threads(threads)
     rates = rates or machine_rates(threads)
     blocks = batch * (-(-(prompt_len + steps + 8) // 16) + 1)
-    cfg = EngineConfig(dtype="float32", num_blocks=blocks, max_num_seqs=max(64, batch), max_num_batched_tokens=max(2048, batch * prompt_len))
+    cfg = EngineConfig(dtype="float32", quantization="none", num_blocks=blocks, max_num_seqs=max(64, batch),
+                       max_num_batched_tokens=max(2048, batch * prompt_len))  # the float32 roofline
     engine = LLMEngine.load(model, cfg, progress=False, tokenizer=False)
     step_s, context = decode_step_seconds(engine, batch, prompt_len, steps)
     return Roofline(batch, context, step_s, step_cost(engine.cfg, batch, context), rates)

@@ -8,8 +8,13 @@ answers, warm it up with two short requests, run every workload through the same
 streaming client (`/v1/completions`, usage counted from the stream), stop it. Rows:
 - `vllm`: `peers/vllm_cpu.sh serve` (vLLM CPU 0.32.0, float32; `setup` is run first if its venv
   is missing: a few minutes);
+- `llamacpp`: `peers/llama_cpp.sh serve` (llama.cpp's server on the GGUF as shipped, 32 slots;
+  `setup` builds it first if missing: about 6 minutes);
 - `colocated`, `disagg`: `pdserve launch` (one colocated worker; 1 prefill + 1 decode), with
-  the gateway, SLO control off (`--no-slo`: a throughput comparison, nothing shed);
+  the gateway, SLO control off (`--no-slo`: a throughput comparison, nothing shed), weights
+  served quantized as the GGUF ships them; `colocated-int8` adds `--int8-activations`;
+  `colocated-fp32`, `disagg-fp32` dequantize to float32 (`--quantization none`). Each pdserve
+  row also reports its workers' resident memory (VmRSS) after the workloads;
 - `colocated-slo`, `disagg-slo`: the same with default settings (SLO control on), first burst
   only: whether a burst is served without shedding;
 - `hf-batch`: HF transformers `generate` in this process, one static batch per workload.
@@ -31,9 +36,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROWS = ("vllm", "colocated", "disagg", "colocated-slo", "disagg-slo", "hf-batch")
-ROW_NAMES = {"vllm": "vLLM CPU 0.32 (float32)", "colocated": "pdserve colocated", "disagg": "pdserve disagg 1P+1D",
-             "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on", "hf-batch": "HF static batch"}
+ROWS = ("vllm", "llamacpp", "colocated", "disagg", "colocated-int8", "colocated-fp32", "disagg-fp32", "colocated-slo", "disagg-slo",
+        "hf-batch")
+ROW_NAMES = {"vllm": "vLLM CPU 0.32 (float32)", "llamacpp": "llama.cpp server (Q4_1)", "colocated": "pdserve colocated",
+             "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-fp32": "pdserve colocated fp32",
+             "disagg-fp32": "pdserve disagg fp32", "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on",
+             "hf-batch": "HF static batch"}
+PEERS = {"vllm": ("vllm_cpu.sh", "VLLM_PORT"), "llamacpp": ("llama_cpp.sh", "LLAMA_PORT")}
+# pdserve rows: the weights as the GGUF ships them (default --quantization auto), with int8
+# activations for small decode batches, or dequantized to float32 (--quantization none)
+ROW_ENGINE_ARGS = {"-int8": ["--int8-activations"], "-fp32": ["--quantization", "none"]}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -72,21 +84,22 @@ def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
     return asyncio.run(go())
 
 
-def vllm_row(args, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
+def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
     from pdserve.bench_compare import wait_http
     from pdserve.bench_overhead import free_port
 
-    script = Path(args.peers) / "vllm_cpu.sh"
+    name, port_var = PEERS[row]
+    script = Path(args.peers) / name
     if not script.exists():
         raise FileNotFoundError(f"{script} not found (pass --peers DIR)")
-    env = {**os.environ, "PROJECT_PY": sys.executable, "VLLM_PORT": str(free_port())}
+    env = {**os.environ, "PROJECT_PY": sys.executable, port_var: str(free_port())}
     subprocess.run(["bash", str(script), "setup"], check=True, env=env, cwd=REPO)
-    log = open(os.path.join(log_dir, "vllm.log"), "wb")
+    log = open(os.path.join(log_dir, f"{row}.log"), "wb")
     t0 = time.perf_counter()
     proc = subprocess.Popen(["bash", str(script), "serve"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{env['VLLM_PORT']}"
+        url = f"http://127.0.0.1:{env[port_var]}"
         wait_http(url + "/v1/models", proc, 900)
         startup = time.perf_counter() - t0
         return run_workloads(url, workloads, tokenizer), startup
@@ -100,24 +113,37 @@ def vllm_row(args, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
         log.close()
 
 
-def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
+def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict) -> tuple[dict, float]:
     from pdserve.bench_overhead import free_port
     from pdserve.launch import Launcher, NodePlan
 
     counts = dict(prefill=0, decode=0, colocated=1) if row.startswith("colocated") else dict(prefill=1, decode=1)
     slo = row.endswith("-slo")
+    engine_args = next((a for suffix, a in ROW_ENGINE_ARGS.items() if row.endswith(suffix)), [])
     plan = NodePlan(**counts, coordinator=True, gateway=True, model=args.model, name="vs", http_port=free_port(),
                     client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
-                    coordinator_args=[] if slo else ["--no-slo"])
+                    coordinator_args=[] if slo else ["--no-slo"], engine_args=list(engine_args))
     t0 = time.perf_counter()
     launcher = Launcher(plan, log_dir=os.path.join(log_dir, row))
     launcher.start()
     try:
         launcher.wait_ready(timeout=600)
         startup = time.perf_counter() - t0
-        return run_workloads(plan.http_url, workloads, tokenizer), startup
+        result = run_workloads(plan.http_url, workloads, tokenizer), startup
+        memory[row] = {name: resident_mib(proc.pid) for name, proc in launcher.procs
+                       if name.split("-")[0] in ("prefill", "decode", "colocated")}
+        return result
     finally:
         launcher.stop()
+
+
+def resident_mib(pid: int) -> float | None:
+    """A process's resident memory (VmRSS), MiB."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def hf_row(args, workloads) -> dict:
@@ -138,7 +164,7 @@ def hf_row(args, workloads) -> dict:
     return out
 
 
-def format_tables(metrics: dict, startups: dict, workloads) -> str:
+def format_tables(metrics: dict, startups: dict, workloads, memory: dict | None = None) -> str:
     lines = []
     for w in workloads:
         base = metrics.get("vllm", {}).get(w.name)
@@ -158,8 +184,12 @@ def format_tables(metrics: dict, startups: dict, workloads) -> str:
                          f"{lat['ttft']['median']:9.0f} {lat['ttft']['p99']:9.0f} {lat['tpot']['mean']:10.1f}  {ratio}")
     lines += ["", "start-up, process start to first answer (s): "
               + ", ".join(f"{ROW_NAMES[r]} {s:.1f}" for r, s in startups.items())]
+    if memory:
+        lines.append("worker resident memory after the workloads (MiB): " + "; ".join(
+            f"{ROW_NAMES[r]}: " + ", ".join(f"{n} {v:.0f}" for n, v in procs.items() if v is not None) for r, procs in memory.items()))
     lines.append("goals: colocated >= 1.0x vLLM tok/s at every burst, disagg >= 0.8x, single-stream TPOT <= vLLM's, "
-                 "p99 TTFT <= vLLM's; SLO-on rows: every request served")
+                 "p99 TTFT <= vLLM's; SLO-on rows: every request served; quantized: single-stream TPOT <= llama.cpp's, "
+                 "32-request tok/s >= the fp32 row's")
     return "\n".join(lines)
 
 
@@ -188,26 +218,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(w.name for w in workloads)}; client: OpenAI /v1/completions streaming")
     print(f"reproduce: scripts/vs_vllm {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip(), flush=True)
     log_dir = tempfile.mkdtemp(prefix="pdserve-vs-vllm-")
-    results, startups = {}, {}
+    results, startups, memory = {}, {}, {}
     for row in rows:
         print(f"running {ROW_NAMES[row]} ...", file=sys.stderr, flush=True)
         mine = workloads[1:2] if row.endswith("-slo") and len(workloads) > 1 else workloads
-        if row == "vllm":
-            results[row], startups[row] = vllm_row(args, mine, tokenizer, log_dir)
+        if row in PEERS:
+            results[row], startups[row] = peer_row(args, row, mine, tokenizer, log_dir)
         elif row == "hf-batch":
             results[row] = hf_row(args, mine)
         else:
-            results[row], startups[row] = pdserve_row(args, row, mine, tokenizer, log_dir)
+            results[row], startups[row] = pdserve_row(args, row, mine, tokenizer, log_dir, memory)
         for name, (outs, _) in results[row].items():
             errors = sorted({o.error for o in outs if not o.success})
             if errors:
                 print(f"{ROW_NAMES[row]} / {name}: {len(errors)} kind(s) of error, first: {errors[0][:200]}", file=sys.stderr)
     metrics = {row: {name: compute_metrics(outs, dur) for name, (outs, dur) in r.items()} for row, r in results.items()}
-    print(format_tables(metrics, startups, workloads))
+    print(format_tables(metrics, startups, workloads, memory))
     print(f"(server logs in {log_dir})")
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump({"machine": machine(), "args": vars(args), "startup_s": startups,
+            json.dump({"machine": machine(), "args": vars(args), "startup_s": startups, "resident_mib": memory,
                        "rows": {row: {n: dataclasses.asdict(m) for n, m in ms.items()} for row, ms in metrics.items()}}, f, indent=1)
     return 0
 

@@ -1,5 +1,6 @@
 """`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
---max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device go to
+--max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device,
+--quantization go to
 every worker; --served-model-name goes to the HTTP gateway.
 
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
@@ -24,6 +25,7 @@ WORKER_FLAGS = {
     "kv_cache_mb": (int, "KV pool memory budget per worker, MiB"),
     "gpu_memory_utilization": (float, "CUDA only: size the KV pool so that this share of the GPU's memory is used"),
     "block_size": (int, "tokens per KV block (a power of two)"),
+    "quantization": (click.Choice(["auto", "none"]), "auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
 }
 
 

@@ -68,7 +68,7 @@ class PrefillWorker:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(Role.PREFILL, wcfg)
-        cfg, tensors = load_checkpoint(wcfg.model, progress=False)
+        cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
         engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)

@@ -135,6 +135,13 @@ class EngineConfig:
     # float32 on the CPU: the fused forward of runtime.cpu_forward (off: the module forward, its twin)
     fast_path: bool = True
     linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
+    # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized (kernels.quant) where the CPU fast path
+    # runs; none: dequantized to float32 at load (the reference the HF-equivalence tests use)
+    quantization: str = "auto"
+    # quantized weights only: a decode step of at most 4 rows rounds activations to int8 per
+    # 32-wide block and multiplies in integers, as llama.cpp does (faster for a lone stream;
+    # approximate, and rows then round differently from larger batches)
+    int8_activations: bool = False
     gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
 
     def __post_init__(self):
@@ -150,6 +157,8 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.linear_kind not in ("auto", "torch", "onednn"):
             raise InvalidRequestError(f"linear_kind must be auto, torch or onednn, got {self.linear_kind!r}")
+        if self.quantization not in ("auto", "none"):
+            raise InvalidRequestError(f"quantization must be auto or none, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None:
@@ -157,6 +166,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
             if not self.device.startswith("cuda"):
                 raise InvalidRequestError(f"gpu_memory_utilization needs a CUDA device (this one is {self.device!r}); size the KV pool with kv_cache_mb")
+
+    @property
+    def keep_quantized(self) -> bool:
+        """Whether to load a GGUF's quantized matrices as blocks (runtime.weights keep_quantized)."""
+        return self.quantization == "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -190,7 +204,8 @@ class EngineConfig:
             "dtype": self.dtype, "device": self.device, "max_model_len": max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size, "num_blocks": num_blocks,
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
+            "int8_activations": self.int8_activations,
         }
 
 

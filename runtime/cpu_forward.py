@@ -2,9 +2,11 @@
 
 Lifecycle: `CpuForward.build(model)` is called once after the weights are loaded (by
 `LlamaModel.enable_fast_path`); it packs every projection into a `kernels.linear.PackedLinear`
-and loads the fused C kernels (kernels.cpu_native). It returns None where the fast path cannot
-run (not float32 on the CPU, or no C compiler), and the model keeps its module forward, which
-stays the slow twin this path is tested against. `__call__(batch, kv_cache)` then replaces the
+and loads the fused C kernels (kernels.cpu_native); a weight the model keeps quantized
+(kernels.quant.QuantTensor) becomes a quantized linear layer, and a quantized embedding is read
+row by row. It returns None where the fast path cannot run (not float32 on the CPU, or no C
+compiler), and the model keeps its module forward, which stays the slow twin this path is
+tested against (for a quantized model, the twin is the same file loaded dequantized). `__call__(batch, kv_cache)` then replaces the
 module forward for every step.
 
 Per layer it makes eight calls instead of about forty torch ops: RMSNorm fused with the
@@ -21,21 +23,26 @@ import torch.nn.functional as F
 
 from kernels import cpu_native
 from kernels.linear import PackedLinear
+from kernels.quant import QuantTensor
 from kernels.torch_paged import attend_one, gather_pages
 
 
 class CpuForward:
-    def __init__(self, model, ops: cpu_native.NativeOps, linear_kind: str = "auto"):
+    def __init__(self, model, ops: cpu_native.NativeOps, linear_kind: str = "auto", int8_activations: bool = False):
         c = model.cfg
         self.cfg = c
         self.ops = ops
         self.eps = c.rms_eps
         self.scale = c.head_dim**-0.5
-        self.embed = model.embed_tokens.weight
+        embed = model.weight("embed_tokens.weight")
+        self.embed = embed.rows_float if isinstance(embed, QuantTensor) else lambda ids: F.embedding(ids, embed)
         self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
-        self.layers = [_Layer(layer, linear_kind) for layer in model.layers]
+        self.layers = [_Layer(model, i, linear_kind, int8_activations) for i in range(c.num_layers)]
         self.final_norm = model.norm.weight
-        self.lm_head = PackedLinear(model.lm_head.weight, None, linear_kind)
+        self.lm_head = PackedLinear(model.weight("embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"), None, linear_kind,
+                                    int8_activations=int8_activations)
+        self.widths = (c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)  # qkv, o, gate_up, down
+        self._kv_key, self._kv = None, []
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
@@ -43,42 +50,53 @@ class CpuForward:
             lin.warm()
 
     @classmethod
-    def build(cls, model, linear_kind: str = "auto") -> "CpuForward | None":
+    def build(cls, model, linear_kind: str = "auto", int8_activations: bool = False) -> "CpuForward | None":
         if model.embed_tokens.weight.device.type != "cpu" or model.dtype != torch.float32:
             return None
         ops = cpu_native.native()
-        return None if ops is None else cls(model, ops, linear_kind)
+        return None if ops is None else cls(model, ops, linear_kind, int8_activations)
 
     @torch.inference_mode()
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         tokens = batch.input_ids.numel()
         plan = _AttentionPlan.of(batch)
-        h = F.embedding(batch.input_ids, self.embed)  # (T, hidden): the residual stream, updated in place
+        h = self.embed(batch.input_ids)  # (T, hidden): the residual stream, updated in place
         x = torch.empty_like(h)
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         delta = None
         attn = torch.empty((tokens, c.q_size), dtype=h.dtype)
         act = torch.empty((tokens, c.intermediate_size), dtype=h.dtype)
-        for i, layer in enumerate(self.layers):
+        # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
+        qkv_out, o_out, gate_up_out, down_out = (torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._kv_views(kv_cache))):
+            check = i == 0  # every layer passes tensors of the same kinds and shapes: the first one checks them
             if delta is not None:
-                ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            qkv = layer.qkv(x)  # (T, q + 2 kv)
-            ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads)
-            self._attention(plan, qkv, attn, k_cache, v_cache)
-            ops.rms_norm(layer.o(attn), layer.post_norm, x, self.eps, residual=h)
-            ops.silu_mul(layer.gate_up(x), act)
-            delta = layer.down(act)
+                ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h, check=check)
+            qkv = layer.qkv(x, qkv_out)  # (T, q + 2 kv)
+            ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads,
+                              check=check)
+            self._attention(plan, qkv, attn, k_cache, v_cache, check)
+            ops.rms_norm(layer.o(attn, o_out), layer.post_norm, x, self.eps, residual=h, check=check)
+            ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
+            delta = layer.down(act, down_out)
         rows = batch.logits_indices
         last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
         ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
         return self.lm_head(last).float()  # (N, vocab)
 
-    def _attention(self, plan: "_AttentionPlan", qkv, attn, k_cache, v_cache) -> None:
+    def _kv_views(self, kv_cache: torch.Tensor) -> list:
+        """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self._kv_key != key:
+            self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+        return self._kv
+
+    def _attention(self, plan: "_AttentionPlan", qkv, attn, k_cache, v_cache, check: bool = True) -> None:
         c = self.cfg
         if plan.decode_rows is not None:
-            self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale)
+            self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
+                                      check=check)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len)
@@ -88,14 +106,18 @@ class CpuForward:
 class _Layer:
     """One decoder layer's weights in fast-path form."""
 
-    def __init__(self, layer, kind: str):
-        a, m = layer.self_attn, layer.mlp
+    def __init__(self, model, i: int, kind: str, int8_activations: bool):
+        layer, p = model.layers[i], f"layers.{i}."
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.qkv = PackedLinear(a.qkv_proj.weight, a.qkv_proj.bias, kind)
-        self.o = PackedLinear(a.o_proj.weight, None, kind)
-        self.gate_up = PackedLinear(m.gate_up_proj.weight, None, kind)
-        self.down = PackedLinear(m.down_proj.weight, None, kind)
+
+        def linear(name, bias=None):
+            return PackedLinear(model.weight(p + name), bias, kind, int8_activations=int8_activations)
+
+        self.qkv = linear("self_attn.qkv_proj.weight", layer.self_attn.qkv_proj.bias)
+        self.o = linear("self_attn.o_proj.weight")
+        self.gate_up = linear("mlp.gate_up_proj.weight")
+        self.down = linear("mlp.down_proj.weight")
 
 
 class _AttentionPlan:

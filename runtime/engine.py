@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu_native
+from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.kv_cache import BlockManager, allocate_kv_cache
@@ -30,8 +33,10 @@ from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import FinishReason, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-from runtime.weights import load_checkpoint
+from runtime.weights import dequantize_all, load_checkpoint
 from runtime import structured
+
+log = logging.getLogger("pdserve.runtime")
 
 
 @dataclass
@@ -55,12 +60,43 @@ class Completion:
 
 
 def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaModel:
+    """The model from loaded tensors; quantized ones (kernels.quant.QuantTensor) stay quantized
+    where the CPU fast path can run them and are dequantized, with a log line saying why, elsewhere."""
+    quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, QuantTensor)})
+    why_not = _why_not_quantized(econf) if quantized else None
+    if why_not:
+        log.warning("quantization auto: %s, so the %s weights are dequantized to %s", why_not, "/".join(quantized), econf.dtype)
+        tensors = dequantize_all(tensors)
     model = LlamaModel(cfg, econf.torch_dtype, econf.attention_backend)
     model.load_weights(tensors)
     model = model.to(econf.device).eval()
     if econf.fast_path and econf.attention_backend in ("auto", "torch"):
-        model.enable_fast_path(econf.linear_kind)
+        model.enable_fast_path(econf.linear_kind, econf.int8_activations)
+    if model.quantized and model.fast is None:
+        raise RuntimeError("the quantized weights need the CPU fast path, which did not start")
+    kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype
+    log.info("weights: %.1f MiB (%s)", model.weight_bytes() / 2**20, kinds)
     return model
+
+
+def _why_not_quantized(econf: EngineConfig) -> str | None:
+    """None where quantized weights can be served as they are; else the reason they cannot."""
+    if econf.quantization == "none":
+        return "off (--quantization none)"
+    if not econf.device.startswith("cpu"):
+        return f"not supported on {econf.device} yet"
+    if econf.dtype != "float32" or not econf.fast_path or econf.attention_backend not in ("auto", "torch"):
+        return "it runs on the float32 CPU fast path only"
+    if cpu_native.native() is None:
+        return "the C kernels could not be built"
+    return None
+
+
+def load_model(model=None, config: EngineConfig | None = None, progress: bool = False) -> tuple[ModelConfig, LlamaModel]:
+    """Read a checkpoint and build its model as `config` says (quantized or not)."""
+    config = config or EngineConfig()
+    cfg, tensors = load_checkpoint(model, progress=progress, keep_quantized=config.keep_quantized)
+    return cfg, build_model(cfg, tensors, config)
 
 
 class LLMEngine:
@@ -93,9 +129,9 @@ class LLMEngine:
     @classmethod
     def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> "LLMEngine":
         config = config or EngineConfig()
-        cfg, tensors = load_checkpoint(model, progress=progress)
+        _, built = load_model(model, config, progress)
         tok = load_tokenizer(model) if tokenizer else None
-        return cls(build_model(cfg, tensors, config), tok, config)
+        return cls(built, tok, config)
 
     # ------------------------------------------------------------------ requests
 

@@ -8,7 +8,10 @@ position and its slot in the paged cache, each sequence its block table. It writ
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
 `enable_fast_path()` (called by the engine after loading) switches `forward` to the fused CPU
 path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
-(`forward_modules`), which the tests compare it with.
+(`forward_modules`), which the tests compare it with. Weights given as kernels.quant.QuantTensor
+(`--quantization auto` on a GGUF) stay in their blocks in `quantized`, their parameters become
+zero-stride placeholders, and only the fast path can run them (the twin is the same model
+loaded dequantized).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.quant import QuantTensor
 from runtime.config import ModelConfig
 from runtime.rope import RotaryEmbedding
 
@@ -33,6 +37,11 @@ class ForwardBatch:
     block_tables: torch.Tensor  # (B, max_blocks) int32
     max_query_len: int
     logits_indices: torch.Tensor  # (N,) int64 rows of T whose logits are wanted
+
+
+def _stack_rows(parts: list) -> "torch.Tensor | QuantTensor":
+    """q/k/v or gate/up as one matrix: quantized blocks stay blocks when all parts share a type."""
+    return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
 
 
 class RMSNorm(nn.Module):
@@ -112,12 +121,23 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
         self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
+        self.quantized: dict[str, QuantTensor] = {}  # parameter name -> its GGUF blocks (the parameter is a placeholder)
 
-    def enable_fast_path(self, linear_kind: str = "auto") -> bool:
+    def weight(self, name: str) -> "torch.Tensor | QuantTensor":
+        """A parameter by name, or its QuantTensor where the model keeps it quantized."""
+        q = self.quantized.get(name)
+        return q if q is not None else self.get_parameter(name)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy (a quantized matrix counts its blocks, not its placeholder)."""
+        dense = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n not in self.quantized)
+        return dense + sum(q.nbytes for q in self.quantized.values())
+
+    def enable_fast_path(self, linear_kind: str = "auto", int8_activations: bool = False) -> bool:
         """Run `forward` through the fused CPU path where it can; True if it is on."""
         from runtime.cpu_forward import CpuForward
 
-        self.fast = CpuForward.build(self, linear_kind)
+        self.fast = CpuForward.build(self, linear_kind, int8_activations)
         return self.fast is not None
 
     @torch.inference_mode()
@@ -129,21 +149,28 @@ class LlamaModel(nn.Module):
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([tensors[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = _stack_rows([tensors[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
             if self.cfg.attention_bias:
                 fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([tensors[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
             fused[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
-            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
             fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
             fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
             fused[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
         params = dict(self.named_parameters())
         if set(params) != set(fused):
             raise ValueError(f"weight names do not cover the model: {sorted(set(params) ^ set(fused))[:3]}")
+        self.quantized = {}
         for name, param in params.items():
             src = fused[name]
-            if src.shape != param.shape:
+            if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
+            if isinstance(src, QuantTensor):
+                if self.dtype != torch.float32:
+                    raise ValueError(f"{name}: quantized weights run with float32 activations only (model dtype {self.dtype})")
+                self.quantized[name] = src
+                param.data = torch.zeros((), dtype=self.dtype).expand(param.shape)  # no memory; the fast path reads the blocks
+                continue
             param.data = src.to(self.dtype).contiguous()
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -153,6 +180,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_modules(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            raise NotImplementedError("the module forward runs float weights only: this model keeps quantized blocks "
+                                      "(load it with quantization='none' for the float twin)")
         # kv_cache: (layers, 2, num_blocks, block_size, KVH, D)
         h = self.embed_tokens(batch.input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):

@@ -6,7 +6,8 @@ on any problem it raises one typed error before anything is handed to a model, s
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
 found by trying one zero block of each type a file holds), and the llama.cpp Q/K row
-permutation is undone. The default model is located on disk without
+permutation is undone. With keep_quantized, Q4_0/Q4_1/Q8_0 matrices stay in their blocks
+(kernels.quant.QuantTensor) for the quantized linear layers; `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kernels.quant import QTYPES, QuantTensor
 from runtime.config import ModelConfig, RopeScaling
 from runtime.errors import ModelLoadError, UnsupportedModelError
 from runtime.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
@@ -45,13 +47,16 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
-def load_checkpoint(model: str | os.PathLike | None, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
+                    keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, "torch.Tensor | QuantTensor"]]:
+    """keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices come back as kernels.quant.QuantTensor
+    (their blocks as stored, Q/K rows un-permuted) instead of float32; everything else as before."""
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_dir(path, progress)
     if path.suffix != ".gguf" and not _has_gguf_magic(path):
         raise ModelLoadError(f"{path} is neither a GGUF file nor a checkpoint directory")
-    return _load_gguf(path, progress)
+    return _load_gguf(path, progress, keep_quantized)
 
 
 # ---------------------------------------------------------------- HF directory (safetensors)
@@ -119,7 +124,7 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _load_gguf(path: Path, progress: bool):
+def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
     import gguf
 
     from runtime.gguf_file import read_gguf
@@ -138,6 +143,9 @@ def _load_gguf(path: Path, progress: bool):
     tensors = {}
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
         name = _gguf_name(t.name)
+        if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 2:
+            tensors[name] = _quant_tensor(t, name, cfg)
+            continue
         try:
             arr = gguf.quants.dequantize(t.data, t.qtype).reshape(tuple(reversed(t.shape)))
         except Exception as e:
@@ -150,6 +158,19 @@ def _load_gguf(path: Path, progress: bool):
         tensors[name] = w
     _check_names(cfg, tensors, path.name)
     return cfg, tensors
+
+
+def _quant_tensor(t, name: str, cfg: ModelConfig) -> QuantTensor:
+    qt = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
+    if cfg.architecture == "LlamaForCausalLM" and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
+        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        qt = qt.take_rows(unpermute_qk(torch.arange(qt.shape[0]).unsqueeze(1), heads).squeeze(1))  # rows are independent
+    return qt
+
+
+def dequantize_all(tensors: dict) -> dict[str, torch.Tensor]:
+    """Every QuantTensor of a loaded checkpoint as float32 (the `--quantization none` model)."""
+    return {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in tensors.items()}
 
 
 @functools.cache

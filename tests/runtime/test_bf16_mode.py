@@ -37,7 +37,7 @@ def all_position_logits(model, ids: list[int], dtype) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_bfloat16_scores_float32_greedy_text_closely():
-    eng = LLMEngine.load(None, EngineConfig(num_blocks=128), progress=False)
+    eng = LLMEngine.load(None, EngineConfig(num_blocks=128, quantization="none"), progress=False)
     cfg, tensors = load_checkpoint(None, progress=False)
     bf16 = build_model(cfg, tensors, EngineConfig(dtype="bfloat16"))
     assert bf16.fast is None and eng.model.fast is not None

@@ -55,7 +55,9 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_engine():
-    return LLMEngine.load(None, EngineConfig(num_blocks=256), progress=False)
+    # the float32 path is the reference (the default model ships Q4_1; tests/runtime/test_quantized.py
+    # holds the quantized path to this one)
+    return LLMEngine.load(None, EngineConfig(num_blocks=256, quantization="none"), progress=False)
 
 
 @pytest.mark.slow

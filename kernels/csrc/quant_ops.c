@@ -1,0 +1,412 @@
+/* Weight-only quantized matmuls: y = x @ W^T with W kept in GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
+ *
+ * Built into the same library as cpu_ops.c (kernels/cpu_native.py) and called through ctypes by
+ * kernels/quant.py. A weight is N rows of K/32 blocks exactly as the GGUF file stores them:
+ *   Q4_0: fp16 d, 16 bytes of nibbles          w = d * (q - 8)
+ *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
+ *   Q8_0: fp16 d, 32 int8                      w = d * q
+ * (nibble j of byte i: low nibbles are weights 0..15, high nibbles 16..31).
+ * Activations stay float32; every product is a float32 product of x with the dequantised value
+ * (written as d * sum(q x) + m * sum(x) per block), so results equal the float twin (dequantise,
+ * then F.linear) up to float32 summation order. Three entry points:
+ *   pd_q_dequant   whole rows to float32 (the prefill path hands the result to MKL; also the
+ *                  embedding lookup);
+ *   pd_q_matmul    M <= Q_DIRECT_ROWS: each weight block is unpacked in registers once and
+ *                  multiplied into every row (a lone user's decode step); with int8_activations
+ *                  the rows are first rounded to int8 per 32-wide block (llama.cpp's Q8_1) and
+ *                  the products are integer (maddubs), about 1.6x faster, at the price of that
+ *                  rounding (kernels/quant.py matmul_int8_twin is its exact twin);
+ *                  larger M: tiles of Q_TILE weight rows are dequantised into a per-thread
+ *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
+ *                  per row, and run through a 4x3 register-blocked dot kernel, or from
+ *                  Q_WIDE_ROWS rows on, a 6x16 broadcast kernel over x transposed once per call.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
+#define Q_TILE 24
+#define Q_DIRECT_ROWS 4
+#define Q_WIDE_ROWS 8
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal half: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline int q_block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
+
+/* Block scale d, offset m (so that w = d * q + m, with q the raw code) and the codes' address. */
+static inline const uint8_t *q_block_head(const uint8_t *blk, int qt, float *d, float *m) {
+    *d = half_to_float(blk);
+    if (qt == QT_Q4_1) {
+        *m = half_to_float(blk + 2);
+        return blk + 4;
+    }
+    *m = qt == QT_Q4_0 ? -8.0f * *d : 0.0f;
+    return blk + 2;
+}
+
+/* One block's 32 dequantised weights, float32, in order. The same arithmetic as the torch twin
+ * (d * q + m for Q4_1, d * (q - 8) for Q4_0, d * q for Q8_0) so dequantised values match it bit
+ * for bit. */
+static inline void q_block_dequant(const uint8_t *blk, int qt, float *out) {
+    float d = half_to_float(blk);
+    if (qt == QT_Q8_0) {
+        const int8_t *q = (const int8_t *)(blk + 2);
+        for (int j = 0; j < 32; j++) out[j] = d * (float)q[j];
+    } else if (qt == QT_Q4_1) {
+        float m = half_to_float(blk + 2);
+        const uint8_t *q = blk + 4;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(q[j] & 15) + m;
+            out[j + 16] = d * (float)(q[j] >> 4) + m;
+        }
+    } else {
+        const uint8_t *q = blk + 2;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((q[j] & 15) - 8);
+            out[j + 16] = d * (float)((q[j] >> 4) - 8);
+        }
+    }
+}
+
+void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int64_t *rows, int n, float *out) {
+    const int nb = K / 32, bb = q_block_bytes(qt);
+#pragma omp parallel for schedule(static) if (n > 16)
+    for (int i = 0; i < n; i++) {
+        const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
+        for (int b = 0; b < nb; b++) q_block_dequant(row + (int64_t)b * bb, qt, out + (int64_t)i * K + b * 32);
+    }
+}
+
+/* Per-thread float32 scratch for a dequantised tile, grown on demand, kept for the process. */
+static float *q_scratch(size_t n) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 codes of a block as four vectors of 8 floats (unscaled). */
+static inline void q_block_codes(const uint8_t *q, int qt, __m256 c[4]) {
+    if (qt == QT_Q8_0) {
+        for (int j = 0; j < 4; j++) c[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j))));
+        return;
+    }
+    __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* q_block_dequant, 8 lanes wide: the same products and sums, so the same values. */
+static inline void q_block_dequant8(const uint8_t *blk, int qt, float *out) {
+    float d, m;
+    const uint8_t *q = q_block_head(blk, qt, &d, &m);
+    __m256 c[4], dv = _mm256_set1_ps(d);
+    q_block_codes(q, qt, c);
+    for (int j = 0; j < 4; j++) {
+        if (qt == QT_Q4_1) {
+            _mm256_store_ps(out + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv, c[j]), _mm256_set1_ps(m)));
+        } else if (qt == QT_Q4_0) {
+            _mm256_store_ps(out + 8 * j, _mm256_mul_ps(dv, _mm256_sub_ps(c[j], _mm256_set1_ps(8.0f))));
+        } else {
+            _mm256_store_ps(out + 8 * j, _mm256_mul_ps(dv, c[j]));
+        }
+    }
+}
+
+/* Activations for the integer path: each row's 32-wide blocks as int8 codes xq with a scale dx
+ * (x ~ dx * xq, dx = max|x| / 127, rounded to nearest even) and the float sum of the block (for
+ * the offset term m * sum(x), taken exactly). llama.cpp's Q8_1 activations, with an exact sum. */
+static void q8_activations(const float *x, int64_t xs, int M, int K, int8_t *xq, float *dx, float *xsum) {
+    const int nb = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *src = x + r * xs + b * 32;
+            __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(src + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+                sum = _mm256_add_ps(sum, v[j]);
+            }
+            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+            a = _mm_max_ss(a, _mm_movehdup_ps(a));
+            const float mx = _mm_cvtss_f32(a), d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+            dx[r * nb + b] = d;
+            xsum[r * nb + b] = hsum8(sum);
+            __m256 idv = _mm256_set1_ps(id);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv));
+            i0 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(xq + (int64_t)r * K + b * 32), _mm256_permutevar8x32_epi32(i0, perm));
+        }
+}
+
+/* Direct path with float activations, R (constant, 1..4) rows: out[r][n] = sum over blocks of
+ * d * (codes . x) + m * sum(x), every product a float32 product of x with an exact code. */
+static inline __attribute__((always_inline)) void q_direct_f32(
+    const uint8_t *w, int64_t row_bytes, int qt, int K, const float *x, int64_t xs, const float *xsum,
+    float *out, int64_t os, int n, const int R) {
+    const int nb = K / 32, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    __m256 acc[4];
+    float moff[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); moff[r] = 0.0f; }
+    for (int b = 0; b < nb; b++) {
+        float d, m;
+        const uint8_t *q = q_block_head(row + (int64_t)b * bb, qt, &d, &m);
+        __m256 c[4];
+        q_block_codes(q, qt, c);
+        __m256 dv = _mm256_set1_ps(d);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * xs + b * 32;
+            __m256 t = _mm256_mul_ps(c[0], _mm256_loadu_ps(xr));
+            t = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(xr + 8), t);
+            t = _mm256_fmadd_ps(c[2], _mm256_loadu_ps(xr + 16), t);
+            t = _mm256_fmadd_ps(c[3], _mm256_loadu_ps(xr + 24), t);
+            acc[r] = _mm256_fmadd_ps(t, dv, acc[r]);
+            moff[r] += m * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(acc[r]) + moff[r];
+}
+
+/* Integer path, R (constant, 1..4) rows: out[r][n] = sum over blocks of d * dx * (q . xq) + m * sum(x). */
+static inline __attribute__((always_inline)) void q_direct_i8(
+    const uint8_t *w, int64_t row_bytes, int qt, int K, const int8_t *xq, const float *dx, const float *xsum,
+    float *out, int64_t os, int n, const int R) {
+    const int nb = K / 32, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
+    __m256 acc[4];
+    float moff[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); moff[r] = 0.0f; }
+    for (int b = 0; b < nb; b++) {
+        float d, m;
+        const uint8_t *q = q_block_head(row + (int64_t)b * bb, qt, &d, &m);
+        __m256i codes;
+        if (qt == QT_Q8_0) {
+            codes = _mm256_loadu_si256((const __m256i *)q);
+        } else {
+            __m128i raw = _mm_loadu_si128((const __m128i *)q);
+            codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
+        }
+        const __m256i wabs = qt == QT_Q8_0 ? _mm256_sign_epi8(codes, codes) : codes;
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K + b * 32));
+            if (qt == QT_Q8_0) xv = _mm256_sign_epi8(xv, codes);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc[r]);
+            moff[r] += m * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(acc[r]) + moff[r];
+}
+
+/* Tiled path: a (4 rows of x) x (3 rows of dequantised W) block of dot products over K. */
+static inline void dot_4x3(const float *x0, const float *x1, const float *x2, const float *x3, const float *w0,
+                           const float *w1, const float *w2, int K, float res[12]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    for (int k = 0; k < K; k += 8) {
+        __m256 b0 = _mm256_load_ps(w0 + k), b1 = _mm256_load_ps(w1 + k), b2 = _mm256_load_ps(w2 + k), a;
+        a = _mm256_loadu_ps(x0 + k);
+        a00 = _mm256_fmadd_ps(a, b0, a00); a01 = _mm256_fmadd_ps(a, b1, a01); a02 = _mm256_fmadd_ps(a, b2, a02);
+        a = _mm256_loadu_ps(x1 + k);
+        a10 = _mm256_fmadd_ps(a, b0, a10); a11 = _mm256_fmadd_ps(a, b1, a11); a12 = _mm256_fmadd_ps(a, b2, a12);
+        a = _mm256_loadu_ps(x2 + k);
+        a20 = _mm256_fmadd_ps(a, b0, a20); a21 = _mm256_fmadd_ps(a, b1, a21); a22 = _mm256_fmadd_ps(a, b2, a22);
+        a = _mm256_loadu_ps(x3 + k);
+        a30 = _mm256_fmadd_ps(a, b0, a30); a31 = _mm256_fmadd_ps(a, b1, a31); a32 = _mm256_fmadd_ps(a, b2, a32);
+    }
+    res[0] = hsum8(a00); res[1] = hsum8(a01); res[2] = hsum8(a02);
+    res[3] = hsum8(a10); res[4] = hsum8(a11); res[5] = hsum8(a12);
+    res[6] = hsum8(a20); res[7] = hsum8(a21); res[8] = hsum8(a22);
+    res[9] = hsum8(a30); res[10] = hsum8(a31); res[11] = hsum8(a32);
+}
+/* Tiled path for wider batches (M >= Q_WIDE_ROWS): x transposed once per call into xt (K, Mp),
+ * Mp = M rounded up to 8 (zero rows), so that a (6 rows of W) x (16 rows of x) block is 12
+ * accumulators fed by one broadcast weight and two vectors of x per k: no horizontal sums and
+ * 8 loads per 12 FMAs (V = 2; a last block of at most 8 rows of x runs V = 1).
+ * res[r][j] = W row r . x row m0 + j. */
+static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6], const float *xt, int64_t xts, int K,
+                                                          float res[6][16], const int V) {
+    __m256 c[6][2];
+    for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_load_ps(xt + k * xts), b1 = V == 2 ? _mm256_load_ps(xt + k * xts + 8) : b0;
+        for (int r = 0; r < 6; r++) {
+            const __m256 a = _mm256_broadcast_ss(w[r] + k);
+            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+            if (V == 2) c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < 6; r++) {
+        _mm256_storeu_ps(res[r], c[r][0]);
+        if (V == 2) _mm256_storeu_ps(res[r] + 8, c[r][1]);
+    }
+}
+#endif
+
+/* out (M, N, row stride os) = x (M, K, row stride xs) @ W^T. Returns nonzero if scratch could
+ * not be allocated. K is a multiple of 32. */
+int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
+                float *out, int64_t os, int int8_activations) {
+    const int nb = K / 32;
+#ifdef __AVX2__
+    if (M <= Q_DIRECT_ROWS) {
+        /* codes (int8 path only), block scales, block sums: one allocation */
+        int8_t *xq = (int8_t *)malloc((size_t)M * K + 2 * sizeof(float) * M * nb);
+        if (!xq) return 1;
+        float *dx = (float *)(xq + (size_t)M * K), *xsum = dx + M * nb;  /* M * K is a multiple of 32 */
+        if (int8_activations) {
+            q8_activations(x, xs, M, K, xq, dx, xsum);
+        } else {
+            for (int r = 0; r < M; r++)
+                for (int b = 0; b < nb; b++) {
+                    __m256 v = _mm256_loadu_ps(x + r * xs + b * 32);
+                    for (int j = 1; j < 4; j++) v = _mm256_add_ps(v, _mm256_loadu_ps(x + r * xs + b * 32 + 8 * j));
+                    xsum[r * nb + b] = hsum8(v);
+                }
+        }
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) {
+            if (int8_activations) {
+                switch (M) {
+                    case 1: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1); break;
+                    case 2: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2); break;
+                    case 3: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 3); break;
+                    default: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 4); break;
+                }
+            } else {
+                switch (M) {
+                    case 1: q_direct_f32(w, row_bytes, qt, K, x, xs, xsum, out, os, n, 1); break;
+                    case 2: q_direct_f32(w, row_bytes, qt, K, x, xs, xsum, out, os, n, 2); break;
+                    case 3: q_direct_f32(w, row_bytes, qt, K, x, xs, xsum, out, os, n, 3); break;
+                    default: q_direct_f32(w, row_bytes, qt, K, x, xs, xsum, out, os, n, 4); break;
+                }
+            }
+        }
+        free(xq);
+        return 0;
+    }
+    const int tiles = (N + Q_TILE - 1) / Q_TILE;
+    int failed = 0;
+    if (M >= Q_WIDE_ROWS) {
+        const int Mp = (M + 7) & ~7;
+        float *xt = (float *)aligned_alloc(64, (size_t)K * Mp * sizeof(float));
+        if (!xt) return 1;
+        for (int k = 0; k < K; k++) {
+            for (int m = 0; m < M; m++) xt[(int64_t)k * Mp + m] = x[(int64_t)m * xs + k];
+            for (int m = M; m < Mp; m++) xt[(int64_t)k * Mp + m] = 0.0f;
+        }
+#pragma omp parallel for schedule(static) reduction(| : failed)
+        for (int t = 0; t < tiles; t++) {
+            float *tile = q_scratch((size_t)Q_TILE * K);
+            if (!tile) { failed = 1; continue; }
+            const int n0 = t * Q_TILE, nt = N - n0 < Q_TILE ? N - n0 : Q_TILE;
+            for (int i = 0; i < nt; i++)
+                for (int b = 0; b < nb; b++)
+                    q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, tile + (int64_t)i * K + b * 32);
+            for (int m0 = 0; m0 < M; m0 += 16) {
+                const int mr = M - m0 < 16 ? M - m0 : 16;
+                for (int j = 0; j < nt; j += 6) {
+                    const int nr = nt - j < 6 ? nt - j : 6;
+                    const float *wr[6];
+                    for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
+                    float res[6][16];
+                    if (mr > 8) dot_6xV(wr, xt + m0, Mp, K, res, 2);
+                    else dot_6xV(wr, xt + m0, Mp, K, res, 1);
+                    for (int r = 0; r < mr; r++)
+                        for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[c][r];
+                }
+            }
+        }
+        free(xt);
+        return failed;
+    }
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int t = 0; t < tiles; t++) {
+        float *tile = q_scratch((size_t)Q_TILE * K);
+        if (!tile) { failed = 1; continue; }
+        const int n0 = t * Q_TILE, nt = N - n0 < Q_TILE ? N - n0 : Q_TILE;
+        for (int i = 0; i < nt; i++)
+            for (int b = 0; b < nb; b++)
+                q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, tile + (int64_t)i * K + b * 32);
+        for (int m = 0; m < M; m += 4) {
+            const int mr = M - m < 4 ? M - m : 4;
+            const float *xr[4];
+            for (int r = 0; r < 4; r++) xr[r] = x + (int64_t)(m + (r < mr ? r : 0)) * xs;  /* tails repeat row 0 */
+            for (int j = 0; j < nt; j += 3) {
+                const int nr = nt - j < 3 ? nt - j : 3;
+                const float *wr[3];
+                for (int c = 0; c < 3; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;
+                float res[12];
+                dot_4x3(xr[0], xr[1], xr[2], xr[3], wr[0], wr[1], wr[2], K, res);
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < nr; c++) out[(int64_t)(m + r) * os + n0 + j + c] = res[r * 3 + c];
+            }
+        }
+    }
+    return failed;
+#else
+    (void)int8_activations;  /* no AVX2: float activations, a row at a time */
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int n = 0; n < N; n++) {
+        float *wrow = q_scratch((size_t)K);
+        if (!wrow) { failed = 1; continue; }
+        for (int b = 0; b < nb; b++) q_block_dequant(w + (int64_t)n * row_bytes + (int64_t)b * q_block_bytes(qt), qt, wrow + b * 32);
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += x[m * xs + k] * wrow[k];
+            out[m * os + n] = s;
+        }
+    }
+    return failed;
+#endif
+}
