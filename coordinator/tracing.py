@@ -7,7 +7,8 @@ plus the workers it ran on) with a child span per phase, back to back: `queue`, 
 `kv_transfer`, `first_token`, `decode` on a (prefill, decode) pair, each carrying the id of the
 worker it happened on (`pdserve.worker_id`); on a colocated worker `prefill` (its queue wait
 included: the worker reports no split) and `decode`. A request that failed or was aborted gets
-the root span only, its status ERROR (failed) with the error code. Spans carry the
+the root span only, its status ERROR (failed) with the error code. A request that came with a
+W3C `traceparent` (the HTTP gateway passes the header on) joins that trace, as in vLLM. Spans carry the
 coordinator's own timestamps (its monotonic clock mapped to wall time once), so they are
 written after the fact, when the request ends, and never on the hot path of a token.
 
@@ -83,16 +84,19 @@ class RequestTracer:
         return self.offset_ns + int(monotonic_s * 1e9)
 
     def request(self, arrival: float, end: float, split: PhaseSplit | None, prefill: str | None, decode: str | None,
-                attributes: dict, error: str | None = None) -> None:
+                attributes: dict, error: str | None = None, trace_headers: dict | None = None) -> None:
         """One ended request: arrival and end on the coordinator's monotonic clock; split: its
-        phases (None: no tokens, aborted or failed); error: "code: message" if it failed."""
+        phases (None: no tokens, aborted or failed); error: "code: message" if it failed;
+        trace_headers: the client's W3C traceparent (and tracestate): the span joins that trace."""
         from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         attrs = {k: v for k, v in attributes.items() if v is not None}
         attrs.update({k: v for k, v in (("pdserve.prefill_worker", prefill), ("pdserve.decode_worker", decode)) if v})
         if split is not None:
             attrs.update(_latency_attributes(split, end - arrival))
-        root = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=self._ns(arrival), attributes=attrs)
+        parent = TraceContextTextMapPropagator().extract(trace_headers) if trace_headers else None  # invalid: a new trace
+        root = self.tracer.start_span("llm_request", context=parent, kind=SpanKind.SERVER, start_time=self._ns(arrival), attributes=attrs)
         if error is not None:
             root.set_status(Status(StatusCode.ERROR, error))
         if split is not None:
@@ -113,7 +117,7 @@ class RequestTracer:
             "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.usage.prompt_tokens": len(st.prompt), "gen_ai.usage.completion_tokens": len(st.tokens),
             "pdserve.finish_reason": outcome, "pdserve.attempts": st.attempts, "pdserve.priority": st.priority,
-        }, error)
+        }, error, st.req.trace_headers)
 
     def shutdown(self) -> None:
         """Export what is queued (waiting at most FLUSH_TIMEOUT_MS) and stop the exporter."""

@@ -184,6 +184,9 @@ class Gateway:
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
     async def run(self, request, req, jobs, fmt) -> Response:
+        trace = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}  # the coordinator's span joins it
+        for job in jobs if trace else ():
+            job.inputs = {**job.inputs, "trace_headers": trace}
         fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
         streaming = False
         try:

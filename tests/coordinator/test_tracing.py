@@ -26,6 +26,8 @@ from tests.serving.test_launcher import pdserve, wait_ready
 
 PAIR_PHASES = ["queue", "prefill", "kv_transfer", "first_token", "decode"]
 N = 4
+TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"  # a client's own trace (W3C trace context)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
         sent = {}
         for i in range(N):
             t0 = time.time_ns()
-            r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60,
+            r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60, headers={"traceparent": TRACEPARENT} if i == 0 else {},
                            json={"model": model_dir.name, "prompt": f"Request {i} wants a few tokens.", "max_tokens": 6, "ignore_eos": True, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
             sent[r.json()["id"]] = (t0, time.time_ns())
@@ -141,13 +143,17 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
     with rec.lock:
         spans = list(rec.spans)
     assert {res["service.name"] for res, _ in spans} == {"pdserve"}
+    first_sent = min(t0 for t0, _ in sent.values())
     for root in roots:
         a = attributes(root)
         rid = a["gen_ai.request.id"].rsplit("-", 1)[0]  # the gateway's response id + "-" + choice index
         assert rid in sent, a
         t0, t1 = sent.pop(rid)
         assert t0 <= root.start_time_unix_nano <= root.end_time_unix_nano <= t1  # inside the HTTP round trip, on the wall clock
-        assert len(root.parent_span_id) == 0
+        if t0 == first_sent:  # the request sent with a traceparent joined the client's trace
+            assert (root.trace_id.hex(), root.parent_span_id.hex()) == (TRACE_ID, PARENT_ID)
+        else:
+            assert len(root.parent_span_id) == 0 and root.trace_id.hex() != TRACE_ID
         assert (a["gen_ai.usage.completion_tokens"], a["pdserve.finish_reason"], a["gen_ai.response.model"]) == (6, "length", model_dir.name)
         kids = sorted((s for _, s in spans if s.parent_span_id == root.span_id), key=lambda s: s.start_time_unix_nano)
         assert all(k.trace_id == root.trace_id for k in kids)
@@ -182,7 +188,7 @@ class InMemory:
 
     def tree(self):
         spans = self.exporter.get_finished_spans()
-        roots = [s for s in spans if s.parent is None]
+        roots = [s for s in spans if s.name == "llm_request"]
         return {r.attributes["gen_ai.request.id"]: (r, sorted((s for s in spans if s.parent and s.parent.span_id == r.context.span_id),
                                                               key=lambda s: s.start_time)) for r in roots}
 
@@ -195,7 +201,8 @@ def test_colocated_and_failed_requests_on_a_fake_clock():
         m.tracer.request(10.0, 11.52, pair, "p0", "d0", {"gen_ai.request.id": "pair"})
         m.tracer.request(20.0, 21.0, PhaseSplit(ttft=0.4, decode=0.6), None, "c0", {"gen_ai.request.id": "colocated"})
         m.tracer.request(30.0, 30.2, None, "p0", "d0", {"gen_ai.request.id": "failed", "pdserve.finish_reason": "error"},
-                         error="worker_lost: worker d0 was lost")
+                         error="worker_lost: worker d0 was lost", trace_headers={"traceparent": TRACEPARENT})
+        m.tracer.request(40.0, 40.1, None, None, None, {"gen_ai.request.id": "bad parent"}, trace_headers={"traceparent": "00-nonsense"})
         tree = m.tree()
     root, kids = tree["pair"]
     assert [k.name for k in kids] == PAIR_PHASES
@@ -211,6 +218,9 @@ def test_colocated_and_failed_requests_on_a_fake_clock():
     assert root.status.status_code == StatusCode.UNSET
     root, kids = tree["failed"]
     assert kids == [] and root.status.status_code == StatusCode.ERROR and root.status.description == "worker_lost: worker d0 was lost"
+    assert (f"{root.context.trace_id:032x}", f"{root.parent.span_id:016x}") == (TRACE_ID, PARENT_ID)
+    root, kids = tree["bad parent"]
+    assert f"{root.context.trace_id:032x}" != TRACE_ID  # an unreadable traceparent starts a new trace
 
 
 BLOCK_OTEL = "import sys; sys.modules['opentelemetry'] = None; "  # as if the otel extra were not installed
