@@ -21,6 +21,7 @@ building one without it raises `TracingUnavailable` naming the package to instal
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 PROTOCOLS = ("grpc", "http/protobuf")
 INSTALL_HINT = "pip install 'pdserve[otel]' (opentelemetry-sdk and opentelemetry-exporter-otlp)"
-FLUSH_TIMEOUT_MS = 3000  # at shutdown: a collector that does not answer must not hold the coordinator's exit
+FLUSH_TIMEOUT_S = 3.0  # at shutdown: a collector that does not answer must not hold the coordinator's exit
 
 
 class TracingUnavailable(RuntimeError):
@@ -71,7 +72,7 @@ class RequestTracer:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         self.trace = trace
-        self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}))
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}), shutdown_on_exit=False)  # shutdown() bounds it
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("pdserve.coordinator")
         self.offset_ns = time.time_ns() - time.monotonic_ns() if clock_offset_ns is None else clock_offset_ns
@@ -120,9 +121,11 @@ class RequestTracer:
         }, error, st.req.trace_headers)
 
     def shutdown(self) -> None:
-        """Export what is queued (waiting at most FLUSH_TIMEOUT_MS) and stop the exporter."""
-        self.provider.force_flush(FLUSH_TIMEOUT_MS)
-        self.provider.shutdown()
+        """Export what is queued and stop, waiting at most FLUSH_TIMEOUT_S (with its collector
+        gone the exporter retries for ~8 s; what is left then is dropped with the process)."""
+        stop = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        stop.start()
+        stop.join(FLUSH_TIMEOUT_S)
 
 
 def _phases(s: PhaseSplit, prefill: str | None, decode: str | None):

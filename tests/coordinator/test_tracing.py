@@ -247,3 +247,17 @@ def test_tracing_off_imports_no_opentelemetry():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_collector_that_is_gone_does_not_hold_the_coordinator_at_exit(protocol):
+    """Nothing listens at the endpoint: the exporter would retry for ~8 s; shutdown waits FLUSH_TIMEOUT_S at most."""
+    from coordinator.tracing import FLUSH_TIMEOUT_S
+
+    endpoint = f"http://127.0.0.1:{free_port()}" + ("/v1/traces" if protocol == "http/protobuf" else "")
+    tracer = RequestTracer.otlp(endpoint, protocol)
+    now = time.monotonic()
+    tracer.request(now - 1.0, now, PhaseSplit(ttft=0.5, decode=0.5), None, "c0", {"gen_ai.request.id": "lost"})
+    t0 = time.monotonic()
+    tracer.shutdown()
+    assert time.monotonic() - t0 < FLUSH_TIMEOUT_S + 1.0
