@@ -36,7 +36,7 @@ from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
-from runtime.model_path import resolve_model_path
+from runtime.model_path import served_name
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 from wire import security
 from wire.loop_io import SocketIO
@@ -72,6 +72,7 @@ class CoordinatorConfig:
     insecure: bool = False  # allow a non-loopback bind without keys
     otlp_traces_endpoint: str | None = None  # export a span per request, a child per phase (coordinator/tracing.py)
     otlp_traces_protocol: str = "grpc"  # or http/protobuf
+    served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -92,7 +93,7 @@ class Coordinator:
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
-        self.model_name = resolve_model_path(cfg.model).name if self.tracer else ""
+        self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.slo = SloRecorder()
         self.counts = collections.Counter()

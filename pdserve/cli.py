@@ -207,9 +207,10 @@ def _class_targets(specs) -> dict:
 @_slo_options
 @_security_options
 @_tracing_options
+@click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, verbose):
+                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -220,7 +221,8 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
-                            otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol))
+                            otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
+                            served_model_name=served_model_name))
 
 
 @main.command()
@@ -334,6 +336,7 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
     if otlp_traces_endpoint:
         plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
+        plan.coordinator_args += ["--served-model-name", plan.served_model_name] if plan.served_model_name else []
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key

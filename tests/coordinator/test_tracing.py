@@ -116,11 +116,13 @@ def attributes(span) -> dict:
 
 @pytest.mark.parametrize("protocol, receiver, colocated", [("grpc", grpc_receiver, False), ("http/protobuf", http_receiver, True)])
 def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, receiver, colocated):
-    """gRPC on a (prefill, decode) pair; http/protobuf on a colocated worker (one launch each)."""
+    """gRPC on a (prefill, decode) pair with --served-model-name; http/protobuf on a colocated worker (one launch each)."""
     rec, endpoint, stop_receiver = receiver()
+    name = model_dir.name if colocated else "traced-tiny"
     clients, workers, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
     proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
-                   "--http-port", str(http), "--log-dir", str(tmp_path), "--kv-cache-mb", "16", *(["--colocated"] if colocated else []),
+                   "--http-port", str(http), "--log-dir", str(tmp_path), "--kv-cache-mb", "16",
+                   *(["--colocated"] if colocated else ["--served-model-name", name]),
                    "--otlp-traces-endpoint", endpoint, "--otlp-traces-protocol", protocol)
     try:
         stats = wait_ready(proc, clients, 1 if colocated else 2)
@@ -130,7 +132,7 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
         for i in range(N):
             t0 = time.time_ns()
             r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60, headers={"traceparent": TRACEPARENT} if i == 0 else {},
-                           json={"model": model_dir.name, "prompt": f"Request {i} wants a few tokens.", "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+                           json={"model": name, "prompt": f"Request {i} wants a few tokens.", "max_tokens": 6, "ignore_eos": True, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
             sent[r.json()["id"]] = (t0, time.time_ns())
         roots = poll(lambda: (lambda got: got if len(got) >= N else None)(rec.roots()), timeout=30)
@@ -154,7 +156,7 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
             assert (root.trace_id.hex(), root.parent_span_id.hex()) == (TRACE_ID, PARENT_ID)
         else:
             assert len(root.parent_span_id) == 0 and root.trace_id.hex() != TRACE_ID
-        assert (a["gen_ai.usage.completion_tokens"], a["pdserve.finish_reason"], a["gen_ai.response.model"]) == (6, "length", model_dir.name)
+        assert (a["gen_ai.usage.completion_tokens"], a["pdserve.finish_reason"], a["gen_ai.response.model"]) == (6, "length", name)
         kids = sorted((s for _, s in spans if s.parent_span_id == root.span_id), key=lambda s: s.start_time_unix_nano)
         assert all(k.trace_id == root.trace_id for k in kids)
         if colocated:
