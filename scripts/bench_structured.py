@@ -94,7 +94,7 @@ def via_http(args) -> None:
         import httpx
 
         model = model or httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
-        length = args.tokens + args.tokens // 4
+        length = args.tokens + args.tokens // 2
         report(args, {name: (lambda f, o, body=body: asyncio.run(http_run(base, model, f, o, args.tokens, body)))
                       for name, body in other_kinds(length).items()})
     finally:
@@ -112,7 +112,7 @@ def in_process(args) -> None:
 
     eng = LLMEngine.load(args.model_path, EngineConfig(kv_cache_bytes=256 * 2**20), progress=False)
     prompts = [render_chat(eng.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    length = args.tokens + args.tokens // 4
+    length = args.tokens + args.tokens // 2
     kinds = {
         "free": SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
         "json schema": SamplingParams(temperature=0, max_tokens=length, structured=StructuredOutput("json", json.dumps(SCHEMA))),
