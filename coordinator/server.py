@@ -32,9 +32,11 @@ from coordinator import placement
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
+from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
+from runtime.model_path import served_name
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 from wire import security
 from wire.loop_io import SocketIO
@@ -68,6 +70,9 @@ class CoordinatorConfig:
     max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
     keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
     insecure: bool = False  # allow a non-loopback bind without keys
+    otlp_traces_endpoint: str | None = None  # export a span per request, a child per phase (coordinator/tracing.py)
+    otlp_traces_protocol: str = "grpc"  # or http/protobuf
+    served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -87,6 +92,8 @@ class Coordinator:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
+        self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
+        self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
@@ -125,6 +132,8 @@ class Coordinator:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.release_sockets()
+            if self.tracer is not None:
+                self.tracer.shutdown()
 
     def release_sockets(self) -> None:
         """Stop reading, close both ROUTERs, stop the authenticator and end the context."""
@@ -556,8 +565,9 @@ class Coordinator:
         return st
 
     def finish(self, iid: str, reason: FinishReason, tell: bool = True) -> None:
+        split = None
         if reason != FinishReason.ABORT and iid in self.requests:
-            self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
+            split = self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
         st = self.close(iid, tell)
         if st is None:
             return
@@ -570,6 +580,8 @@ class Coordinator:
         self.send_client(st.client, Final(
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))
+        if self.tracer is not None:
+            self.tracer.ended(st, reason.name.lower(), split, self.model_name)
 
     def error(self, iid: str, code: str, message: str) -> None:
         st = self.close(iid)
@@ -577,6 +589,8 @@ class Coordinator:
             return
         self.counts[f"error:{code}"] += 1
         self.send_client(st.client, ErrorReply(st.client_rid, code, message))
+        if self.tracer is not None:
+            self.tracer.ended(st, "error", None, self.model_name, f"{code}: {message}")
 
     # ------------------------------------------------------------------ stats
 

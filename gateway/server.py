@@ -19,7 +19,6 @@ import collections
 import contextlib
 import hmac
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from gateway.structured import check_jobs
 from gateway.tokenize import TokenizerRoutes
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
-from runtime.model_path import resolve_model_path
+from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger("pdserve.gateway")
@@ -76,14 +75,6 @@ class GatewayConfig:
             raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
-
-
-def served_name(model: str | None) -> str:
-    """A directory's name, or a GGUF file's name without extension and quantization tag."""
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return path.name
-    return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)
 
 
 def encode_json(obj, status: int = 200, headers: dict | None = None) -> Response:
@@ -184,6 +175,9 @@ class Gateway:
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
     async def run(self, request, req, jobs, fmt) -> Response:
+        trace = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}  # the coordinator's span joins it
+        for job in jobs if trace else ():
+            job.inputs = {**job.inputs, "trace_headers": trace}
         fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
         streaming = False
         try:

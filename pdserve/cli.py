@@ -170,6 +170,24 @@ def _slo_options(f):
     return f
 
 
+def _tracing_options(f):
+    f = click.option("--otlp-traces-protocol", default="grpc", show_default=True, envvar="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                     type=click.Choice(["grpc", "http/protobuf"]), help="OTLP transport of --otlp-traces-endpoint")(f)
+    return click.option("--otlp-traces-endpoint", default=None,
+                        help="export a span per request (a child per phase) to this OTLP collector, e.g. http://127.0.0.1:4317")(f)
+
+
+def _check_tracing(endpoint, protocol) -> None:
+    """A usage error now, not a coordinator that dies at start, if the OpenTelemetry extra is missing."""
+    if endpoint:
+        from coordinator.tracing import TracingUnavailable, exporter_class
+
+        try:
+            exporter_class(protocol)
+        except TracingUnavailable as e:
+            raise click.UsageError(str(e)) from None
+
+
 def _class_targets(specs) -> dict:
     out = {}
     for spec in specs:
@@ -193,18 +211,23 @@ def _class_targets(specs) -> dict:
 @click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
 @_slo_options
 @_security_options
+@_tracing_options
+@click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, verbose):
+                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, verbose):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
     _logging(verbose)
+    _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
                             admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
-                            class_targets=_class_targets(class_target), keys=keys, insecure=insecure))
+                            class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
+                            otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
+                            served_model_name=served_model_name))
 
 
 @main.command()
@@ -292,9 +315,11 @@ def stats(address, timeout, keys):
 @click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
 @_slo_options
 @_security_options
+@_tracing_options
 @engine_flag_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure, served_model_name, **engine_flags):
+           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure, otlp_traces_endpoint,
+           otlp_traces_protocol, served_model_name, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -313,6 +338,10 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
+    _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
+    if otlp_traces_endpoint:
+        plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
+        plan.coordinator_args += ["--served-model-name", plan.served_model_name] if plan.served_model_name else []
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key

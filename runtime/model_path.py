@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from runtime.errors import ModelLoadError, ModelNotInstalledError
@@ -36,3 +37,12 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     return path
+
+
+def served_name(model: str | os.PathLike | None) -> str:
+    """The name the HTTP API (and the traces) give a model: a directory's name, or a GGUF file's
+    name without extension and quantization tag."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path.name
+    return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)

@@ -146,6 +146,8 @@ class Constrainer:
         if not masked:
             return logits
         out = logits.clone()
+        if out.device != mask.device:  # xgrammar fills on the CPU; its GPU kernel wants the mask beside the logits
+            mask = mask.to(out.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(out, mask, indices=masked)
         return out
 

@@ -16,7 +16,7 @@ A colocated worker reports no split of its prompt's time: its requests feed deco
 
 Lifecycle: the coordinator owns one `PhaseTracker`; `prefill_sent(iid)` when a Prefill goes out
 (again on a retry), `prefill_done(iid, msg)` on PrefillDone, `finished(st)` when a request ends
-normally (observes it and forgets it), `forget(iid)` when it ends any other way. `snapshot()`
+normally (observes it, forgets it and returns its `PhaseSplit`), `forget(iid)` when it ends any other way. `snapshot()`
 goes into the coordinator's stats as "phases"; `families(stats, model)` turns a stats document
 into Prometheus histograms (and the preemption counter) during a gateway scrape.
 """
@@ -52,6 +52,20 @@ class _Times:
     kv_bytes: int = 0
 
 
+@dataclass
+class PhaseSplit:
+    """One finished request's phases in seconds, back to back from its arrival: queue, prefill,
+    kv_transfer, first_token (adding up to ttft), then decode. The TTFT parts are None for a
+    colocated request (no split of its prompt's time)."""
+    ttft: float
+    decode: float
+    queue: float | None = None
+    prefill: float | None = None
+    kv_transfer: float | None = None
+    first_token: float | None = None
+    kv_bytes: int = 0
+
+
 class Histogram:
     def __init__(self, buckets):
         self.buckets = tuple(buckets)
@@ -83,23 +97,28 @@ class PhaseTracker:
     def forget(self, iid: str) -> None:
         self.live.pop(iid, None)
 
-    def finished(self, iid: str, arrival: float, token_times: list[float]) -> None:
-        """A request that ended with tokens: token_times are seconds since arrival."""
+    def finished(self, iid: str, arrival: float, token_times: list[float]) -> PhaseSplit | None:
+        """A request that ended with tokens (token_times: seconds since arrival): observe its
+        phases and return them (None without tokens); the traces (coordinator/tracing.py) use the same split."""
         t = self.live.pop(iid, None)
         if not token_times:
-            return
+            return None
         ttft, last = token_times[0], token_times[-1]
-        self.hist["request_decode_time_seconds"].observe(last - ttft)
+        split = PhaseSplit(ttft, last - ttft)
+        self.hist["request_decode_time_seconds"].observe(split.decode)
         if t is None or t.done is None:
-            return  # colocated, or a hand-off that was never reported
+            return split  # colocated, or a hand-off that was never reported
         waited_at_worker = max(0.0, (t.done - t.prefill_sent) - t.compute_s - t.kv_s)
-        queue = min(ttft, (t.prefill_sent - arrival) + waited_at_worker)
-        prefill = min(t.compute_s, ttft - queue)
-        kv = min(t.kv_s, ttft - queue - prefill)
+        queue = max(0.0, min(ttft, (t.prefill_sent - arrival) + waited_at_worker))
+        prefill = max(0.0, min(t.compute_s, ttft - queue))
+        kv = max(0.0, min(t.kv_s, ttft - queue - prefill))
+        split.queue, split.prefill, split.kv_transfer, split.kv_bytes = queue, prefill, kv, t.kv_bytes
+        split.first_token = max(0.0, ttft - queue - prefill - kv)
         for name, v in (("queue_time_seconds", queue), ("prefill_time_seconds", prefill), ("kv_transfer_time_seconds", kv),
-                        ("first_token_time_seconds", ttft - queue - prefill - kv), ("inference_time_seconds", last - queue)):
+                        ("first_token_time_seconds", split.first_token), ("inference_time_seconds", last - queue)):
             self.hist[f"request_{name}"].observe(max(0.0, v))
         self.hist["request_kv_transfer_bytes"].observe(t.kv_bytes)
+        return split
 
     def snapshot(self) -> dict:
         return {name: h.snapshot() for name, h in self.hist.items()}

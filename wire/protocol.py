@@ -55,6 +55,7 @@ class GenerateRequest(_Msg):
     priority: int = 0  # higher is more important; picks the class's latency targets
     ttft_ms: float = 0.0  # this request's own p99 targets; 0 = its priority class's
     tpot_ms: float = 0.0
+    trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate: the coordinator's span joins that trace
 
 
 class AbortRequest(_Msg):

@@ -29,13 +29,15 @@ def test_rows_sharing_params_keep_their_own_state(engine):
     assert all(re.fullmatch(pattern, o.text) for o in outs), [o.text for o in outs]
 
 
-def test_a_row_taken_over_mid_output_continues_from_its_tokens(engine):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_row_taken_over_mid_output_continues_from_its_tokens(engine, device):
+    """On the GPU too: the mask is filled on the CPU and applied beside the logits."""
     tok = engine.tokenizer
     choices = ("alpha beta", "alpha gamma")
     params = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutput("choice", choices=choices))
     given = tok.encode("alpha", add_special_tokens=False)
     vocab = engine.cfg.vocab_size
-    logits = torch.zeros(2, vocab)
+    logits = torch.zeros(2, vocab, device=device)
     logits[:, tok.encode(" delta", add_special_tokens=False)[0]] = 10.0  # what a free row picks
     rows = [SamplingRow(params, [1, 2], list(given)), SamplingRow(SamplingParams(temperature=0), [1, 2], list(given))]
     out = sample(logits, rows, eos_token_id=tok.eos_token_id)

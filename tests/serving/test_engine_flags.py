@@ -21,10 +21,11 @@ def model_dir(tmp_path_factory):
 
 
 def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
+    """The issue's command line (--dtype float32 --max-num-seqs 8 --kv-cache-mb 128) and the other flags."""
     clients, workers, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
     proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
                    "--http-port", str(http), "--log-dir", str(tmp_path),
-                   "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-mb", "16", "--max-model-len", "256",
+                   "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-mb", "128", "--max-model-len", "256",
                    "--max-num-batched-tokens", "512", "--block-size", "8", "--device", "cpu", "--served-model-name", "tiny-chat")
     try:
         wait_ready(proc, clients, 2)
@@ -35,9 +36,9 @@ def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
         for w in stats["workers"]:
             e = w["engine"]
             assert (e["dtype"], e["device"], e["max_num_seqs"], e["kv_cache_mb"], e["max_model_len"], e["max_num_batched_tokens"],
-                    e["block_size"]) == ("float32", "cpu", 8, 16, 256, 512, 8), w
+                    e["block_size"]) == ("float32", "cpu", 8, 128, 256, 512, 8), w
             assert w["max_model_len"] == 256 and w["block_size"] == 8
-            assert 15 < e["kv_pool_mb"] <= 16  # the pool fills the budget, in whole blocks
+            assert 127 < e["kv_pool_mb"] <= 128  # the pool fills the budget, in whole blocks
         models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny-chat"]
         r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60,
