@@ -122,7 +122,7 @@ class Hello(_Msg):
     block_size: int
     kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady (and ask KVConnect)
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
-    engine: dict[str, str | int | float | None] = {}  # its engine settings (EngineConfig.summary), shown in stats
+    engine: dict[str, str | int | float | bool | None] = {}  # its engine settings (EngineConfig.summary), shown in stats
 
 
 class Welcome(_Msg):
