@@ -419,14 +419,16 @@ class Coordinator:
                 if self.request_on(w, item.request_id) is not None:
                     self.on_token(item)
         elif isinstance(msg, PrefillDone):
-            st = self.request_on(w, msg.request_id)
-            if st is not None:
+            st = self.requests.get(msg.request_id)
+            if st is not None and self.request_on(w, msg.request_id) is None:
+                return  # about a request placed elsewhere
+            if st is not None:  # (a request that ended meanwhile still counts in the transfer totals)
                 self.release_backlog(st)
                 self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
-                w.requests.discard(msg.request_id)
-                self.kv["bytes"] += msg.kv_bytes
-                self.kv["seconds"] += msg.kv_seconds
-                self.kv["handoffs"] += 1
+            w.requests.discard(msg.request_id)
+            self.kv["bytes"] += msg.kv_bytes
+            self.kv["seconds"] += msg.kv_seconds
+            self.kv["handoffs"] += 1
         elif isinstance(msg, WorkerError):
             if self.request_on(w, msg.request_id) is not None:
                 self.error(msg.request_id, msg.code, msg.message)
@@ -670,7 +672,8 @@ def numbers_ok(msg) -> bool:
     and the stats JSON, where one NaN would break every later answer."""
     if isinstance(msg, Heartbeat):
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
-                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, *(v for s in msg.steps for v in s)]
+                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, msg.fenced_blocks,
+                  *(v for s in msg.steps for v in s)]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:
