@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from wire.protocol import (
     MAX_CONTROL_MESSAGE, AbortRequest, ChatMessage, CoordinatorToClient, Delta, ErrorReply, Final,
-    GenerateRequest, StatsReply, StatsRequest, StatusRequest, decoder, encode,
+    GenerateRequest, NodeReport, StatsReply, StatsRequest, StatusRequest, decoder, encode,
 )
 from runtime.params import SamplingParams
 
@@ -269,6 +269,10 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         _send_now(self.sock, encode(AbortRequest(request_id)))
+
+    def report_node(self, node: str, restarts: dict[str, int], last_exit: dict[str, str]) -> None:
+        """The launcher's restart counts for its node (no answer comes back)."""
+        _send_now(self.sock, encode(NodeReport(node, restarts, last_exit)))
 
     def stats(self, timeout: float = 10.0) -> dict:
         _send_now(self.sock, encode(StatsRequest()))

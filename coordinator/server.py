@@ -10,7 +10,11 @@ streamed to the client as Delta, then Final. A client AbortRequest, a worker err
 worker ends it with Final(abort) or ErrorReply, and the workers are told to free its blocks.
 
 Workers register with a versioned Hello and heartbeat; one silent for `worker_timeout_s` is
-dropped and every request it held ends with a clear error. Bad frames on either port are
+dropped and every request it held is placed again or ends with a clear error. The ids handed to
+workers carry this coordinator's epoch (random per start), so a late message from before a
+restart never names a request of this one; and a worker's message about a request counts only
+if the request is placed on that worker (others are dropped and counted: wrong_worker_messages).
+Launchers report their roles' restart counts (NodeReport), shown under `nodes` in the stats. Bad frames on either port are
 counted and dropped (clients get an ErrorReply "bad_message"). The coordinator never loads a
 model: only the tokenizer.
 """
@@ -22,6 +26,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,11 +47,16 @@ from wire import security
 from wire.loop_io import SocketIO
 from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
-    ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
+    ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, NodeReport, Prefill, PrefillDone, Reject,
+    Release, Role,
     StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 
 log = logging.getLogger("pdserve.coordinator")
+
+MAX_NODES = 256  # launchers whose NodeReport is kept
+MAX_NODE_ROLES = 64  # roles kept per report, each name and exit text cut to MAX_NODE_TEXT characters
+MAX_NODE_TEXT = 64
 
 
 @dataclass
@@ -99,6 +109,8 @@ class Coordinator:
         self.counts = collections.Counter()
         self.kv = collections.Counter()
         self._ids = itertools.count()
+        self.epoch = os.urandom(4).hex()  # in every request id: ids never repeat across restarts
+        self.nodes: dict[str, dict] = {}  # launcher reports: node -> restarts per role
         self.client_sock = self._router(cfg.client_addr)
         self.worker_sock = self._router(cfg.worker_addr)
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
@@ -215,6 +227,16 @@ class Coordinator:
         elif isinstance(msg, StatusRequest):
             if (ident, msg.request_id) not in self.by_client:
                 self.send_client(ident, ErrorReply(msg.request_id, "unknown_request", "the coordinator does not know this request (it may have restarted)"))
+        elif isinstance(msg, NodeReport):
+            self.on_node_report(msg)
+
+    def on_node_report(self, msg: NodeReport) -> None:
+        if msg.node not in self.nodes and len(self.nodes) >= MAX_NODES:
+            self.counts["node_reports_dropped"] += 1
+            return
+        cut = lambda d: {str(k)[:MAX_NODE_TEXT]: v if isinstance(v, int) else str(v)[:MAX_NODE_TEXT]  # noqa: E731
+                         for k, v in list(d.items())[:MAX_NODE_ROLES]}
+        self.nodes[msg.node[:MAX_NODE_TEXT]] = {"restarts": cut(msg.restarts), "last_exit": cut(msg.last_exit)}
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.messages, req.token_ids)]
@@ -254,7 +276,7 @@ class Coordinator:
             self.counts[f"error:{e.code}"] += 1
             self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
             return
-        iid = f"r{next(self._ids)}"
+        iid = f"r{next(self._ids)}-{self.epoch}"
         st = RequestState(iid, ident, req.request_id, prompt, req, time.monotonic(), IncrementalDetokenizer(self.tok, prompt, req.params.stop))
         self.requests[iid] = st
         self.by_client[key] = iid
@@ -313,7 +335,7 @@ class Coordinator:
         self.admitting.pop(st.iid, None)
         self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
         st.admissions += 1
-        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions))
+        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, p.hello.pid, p.hello.host, p.hello.boot_id))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
         st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens
@@ -397,16 +419,19 @@ class Coordinator:
         elif isinstance(msg, Granted):
             self.on_granted(w, msg)
         elif isinstance(msg, AdmitRefused):
-            st = self.requests.get(msg.request_id)
+            st = self.request_on(w, msg.request_id)
             if st is not None and st.phase == Phase.ADMITTING and msg.admission == st.admissions:
                 self.unplace(st)
                 self.park(st)
         elif isinstance(msg, TokenBatch):
             for item in msg.items:
-                self.on_token(item)
+                if self.request_on(w, item.request_id) is not None:
+                    self.on_token(item)
         elif isinstance(msg, PrefillDone):
             st = self.requests.get(msg.request_id)
-            if st is not None:
+            if st is not None and self.request_on(w, msg.request_id) is None:
+                return  # about a request placed elsewhere
+            if st is not None:  # (a request that ended meanwhile still counts in the transfer totals)
                 self.release_backlog(st)
                 self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
@@ -414,7 +439,19 @@ class Coordinator:
             self.kv["seconds"] += msg.kv_seconds
             self.kv["handoffs"] += 1
         elif isinstance(msg, WorkerError):
-            self.error(msg.request_id, msg.code, msg.message)
+            if self.request_on(w, msg.request_id) is not None:
+                self.error(msg.request_id, msg.code, msg.message)
+
+    def request_on(self, w: WorkerState, iid: str) -> RequestState | None:
+        """The live request iid if it is placed on w; a message from any other worker about it (a
+        late one from before a retry, or a confused or hostile worker) is dropped and counted."""
+        st = self.requests.get(iid)
+        if st is None:
+            return None
+        if not st.placed_on(w.hello.worker_id):
+            self.counts["wrong_worker_messages"] += 1
+            return None
+        return st
 
     def worker_by_ident(self, ident: bytes) -> WorkerState | None:
         wid = self.by_ident.get(ident)
@@ -442,20 +479,28 @@ class Coordinator:
 
     def on_granted(self, d: WorkerState, msg: Granted) -> None:
         st = self.requests.get(msg.request_id)
-        if st is not None and msg.admission != st.admissions:
-            return  # answers an admission that was retried: the worker freed that grant on the Abort before the new Admit
-        if st is None or st.phase != Phase.ADMITTING:
-            self.send_worker(d, Release(msg.request_id))
+        if st is not None and not st.placed_on(d.hello.worker_id):
+            self.counts["wrong_worker_messages"] += 1
+            st = None  # not this worker's to fill: it frees its own grant
+        stale = st is not None and msg.admission != st.admissions  # answers an admission that was retried
+        if stale and not msg.grant:
+            return  # unnumbered: a Release would name the request's newer grant
+        # Every numbered grant gets either its Prefill or this Release: a grant no Prefill was sent
+        # for has no writer, so the decode worker frees it at once (even if it fenced it meanwhile).
+        if st is None or stale or st.phase != Phase.ADMITTING:
+            self.send_worker(d, Release(msg.request_id, msg.grant, prefill_sent=False))
             return
         self.admitting.pop(st.iid, None)
         self.unreserve(st)
         p = self.workers.get(st.prefill)
         if p is None:
+            self.send_worker(d, Release(msg.request_id, msg.grant, prefill_sent=False))
             self.retry(st, "its prefill worker was lost")
             return
-        st.phase = Phase.PREFILLING
+        st.phase, st.grant = Phase.PREFILLING, msg.grant
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
+            msg.grant,
         ))
         self.phases.prefill_sent(st.iid)
 
@@ -483,7 +528,7 @@ class Coordinator:
     def retry(self, st: RequestState, why: str, code: str = "worker_lost") -> None:
         """Take st off its workers (freeing what they hold for it) and place it again."""
         if st.phase == Phase.PREFILLING and st.decode in self.workers and st.prefill not in self.workers:
-            self.send_worker(self.workers[st.decode], Release(st.iid))  # a lost prefill sends no KV: free the grant now
+            self.send_worker(self.workers[st.decode], Release(st.iid, st.grant))  # a lost prefill sends no KV: free (or fence) the grant
         else:
             self.tell_workers(st, Abort(st.iid))  # each live worker frees what it holds
         self.unplace(st)
@@ -606,13 +651,15 @@ class Coordinator:
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
-                "engine": w.hello.engine,
+                "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine,
             })
         return {
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
             "phases": self.phases.snapshot(),
             "requests": dict(self.counts),
+            "epoch": self.epoch,
+            "nodes": self.nodes,
             "active_requests": len(self.requests),
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
@@ -639,7 +686,8 @@ def numbers_ok(msg) -> bool:
     and the stats JSON, where one NaN would break every later answer."""
     if isinstance(msg, Heartbeat):
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
-                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, *(v for s in msg.steps for v in s)]
+                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, msg.fenced_blocks,
+                  *(v for s in msg.steps for v in s)]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:

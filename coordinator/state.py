@@ -94,6 +94,7 @@ class RequestState:
     reserved: int = 0
     attempts: int = 0
     admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
+    grant: int = 0  # the decode worker's number for its grant (Granted), named by the Prefill and a Release
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
 
@@ -104,3 +105,7 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    def placed_on(self, wid: str) -> bool:
+        """Whether worker wid holds this request now (its prefill or decode/colocated worker)."""
+        return wid in (self.prefill, self.decode)

@@ -11,6 +11,12 @@ built from those parts (tests pass an in-process transport and link). Then `run`
   leave at once, a short pool preempts the newest sequence, which is recomputed here);
   send the step's tokens as one TokenBatch; expire grants whose KV never came.
 Every block is freed on every path: finish, abort, release, failed hand-off, grant timeout.
+Fenced writes: each grant has a number (Granted -> Prefill -> KVReady/KVFailed), and a hand-off
+fills only the grant it names. A grant given up before its writer answered (Release, expiry, a
+newer admission) whose writer may write into this pool directly (Admit names it: a prefill
+process on this machine, shm) is not freed but fenced: its blocks stay out of the free list
+until the writer's KVReady/KVFailed for that grant arrives or its process is gone, so a stalled
+writer (SIGSTOP, a long pause) that wakes up can never land in blocks another request owns.
 On exit the shared pool file is unlinked.
 """
 from __future__ import annotations
@@ -25,7 +31,7 @@ import zmq
 
 from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from kvtransfer.errors import KVTransferError
-from kvtransfer.pool import KVPool
+from kvtransfer.pool import KVPool, host_identity, process_alive
 from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
@@ -46,11 +52,24 @@ from worker import process
 log = logging.getLogger("pdserve.decode")
 
 
+FENCE_CHECK_S = 0.5  # how often fenced writers are checked for death
+
+
 @dataclass
 class Grant:
     block_ids: list[int]
     deadline: float
+    number: int = 0  # this worker's count of grants: the hand-off that fills it names it
+    writer: int = 0  # pid of a prefill process on this machine that may write into the blocks directly; 0: none
     cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
+
+
+@dataclass
+class Fence:
+    """The blocks of a grant given up before its writer answered, held until it does or dies."""
+
+    block_ids: list[int]
+    writer: int
 
 
 def token_out(o: StepOutput) -> TokenOut:
@@ -68,6 +87,10 @@ class DecodeWorker:
         self.grant_timeout_s = grant_timeout_s
         self.closing = closing or []  # what close() ends after the link and receiver: authenticator, context, pool
         self.grants: dict[str, Grant] = {}
+        self.fences: dict[int, Fence] = {}  # grant number -> its fenced blocks
+        self.grants_made = 0
+        self.machine = host_identity()  # a writer with the same (host, boot id) can write into the pool directly
+        self.next_fence_check = 0.0
         self.running = True
 
     @classmethod
@@ -114,8 +137,12 @@ class DecodeWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
-            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped,
+            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, fenced_blocks=self.fenced_blocks,
         )
+
+    @property
+    def fenced_blocks(self) -> int:
+        return sum(len(f.block_ids) for f in list(self.fences.values()))
 
     def run(self) -> None:
         self.link.start(self.heartbeat)
@@ -160,7 +187,7 @@ class DecodeWorker:
         elif isinstance(msg, Abort):
             self.on_abort(msg.request_id)
         elif isinstance(msg, Release):
-            self.free_grant(msg.request_id)
+            self.on_release(msg)
         elif isinstance(msg, CoordinatorRestarted):
             self.abort_all()
         elif isinstance(msg, (Shutdown, Reject)):
@@ -175,19 +202,27 @@ class DecodeWorker:
             grant.cancelled = True  # freed when the prefill side answers, or at the grant deadline
 
     def on_admit(self, msg: Admit) -> None:
-        self.free_grant(msg.request_id)  # a newer admission of the same request replaces the old grant
+        self.give_up(msg.request_id)  # a newer admission of the same request replaces the old grant
         blocks = self.engine.blocks
         ids = blocks.allocate(blocks.blocks_for(msg.num_tokens)) if msg.num_tokens > 0 else None
         if ids is None:
             self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
-        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s)
-        self.link.send(Granted(msg.request_id, ids, msg.admission))
+        self.grants_made += 1
+        writer = msg.writer_pid if (msg.writer_host, msg.writer_boot) == self.machine else 0
+        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s, self.grants_made, writer)
+        self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made))
 
     def on_kv(self, msg, frames) -> None:
-        grant = self.grants.pop(msg.request_id, None)
-        if grant is None:
-            return  # released already (timeout or prefill worker lost): nothing to free
+        fence = self.fences.pop(msg.grant, None) if msg.grant else None
+        if fence is not None:  # the writer of a given-up grant is done with its blocks
+            log.info("grant %d of %s: its writer answered; %d fenced blocks freed", msg.grant, msg.request_id, len(fence.block_ids))
+            self.engine.blocks.free(fence.block_ids)
+            return
+        grant = self.grants.get(msg.request_id)
+        if grant is None or msg.grant not in (0, grant.number):
+            return  # for a grant given up and freed, or one this worker never made: nothing of ours
+        del self.grants[msg.request_id]
         if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids:
             self.engine.blocks.free(grant.block_ids)
             if isinstance(msg, KVFailed) and not grant.cancelled:
@@ -217,21 +252,41 @@ class DecodeWorker:
         elif self.engine.abort(rid):
             self.emit([StepOutput(rid, None, finish_reason=FinishReason.ABORT)])
 
-    def free_grant(self, rid: str) -> None:
+    def on_release(self, msg: Release) -> None:
+        if not msg.prefill_sent and msg.grant in self.fences:  # fenced meanwhile, but it never had a writer
+            self.engine.blocks.free(self.fences.pop(msg.grant).block_ids)
+            return
+        grant = self.grants.get(msg.request_id)
+        if grant is not None and msg.grant in (0, grant.number):
+            self.give_up(msg.request_id, msg.prefill_sent)
+
+    def give_up(self, rid: str, prefill_sent: bool = True) -> None:
+        """Stop waiting for rid's grant: free its blocks, or fence them while a writer that may
+        write into them directly is alive (a Prefill was sent and the writer is on this machine)."""
         grant = self.grants.pop(rid, None)
-        if grant is not None:
+        if grant is None:
+            return
+        if prefill_sent and grant.writer and process_alive(grant.writer):
+            log.warning("grant %d of %s given up before prefill pid %d answered: %d blocks fenced until it does or exits",
+                        grant.number, rid, grant.writer, len(grant.block_ids))
+            self.fences[grant.number] = Fence(grant.block_ids, grant.writer)
+        else:
             self.engine.blocks.free(grant.block_ids)
 
     def expire_grants(self) -> None:
-        if not self.grants:
-            return
         now = time.monotonic()
+        if self.fences and now >= self.next_fence_check:
+            self.next_fence_check = now + FENCE_CHECK_S
+            for number in [n for n, f in self.fences.items() if not process_alive(f.writer)]:
+                fence = self.fences.pop(number)
+                log.warning("prefill pid %d is gone: %d fenced blocks of grant %d freed", fence.writer, len(fence.block_ids), number)
+                self.engine.blocks.free(fence.block_ids)
         for rid in [r for r, g in self.grants.items() if g.deadline < now]:
-            log.warning("grant for %s expired without KV; freeing its blocks", rid)
+            log.warning("grant for %s expired without KV", rid)
             if not self.grants[rid].cancelled:
                 self.link.send(WorkerError(rid, "kv_transfer_timeout", "prefill hand-off never arrived"))
-            self.free_grant(rid)
+            self.give_up(rid)
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig, role: Role = Role.DECODE) -> None:
-    process.serve(DecodeWorker.build(engine_cfg, worker_cfg, role))
+    process.serve(process.build_or_exit(lambda: DecodeWorker.build(engine_cfg, worker_cfg, role)))

@@ -43,10 +43,10 @@ class LocalKV:
         self.seconds += time.perf_counter() - t0
         return nbytes
 
-    def fail(self, endpoint: str, request_id: str, reason: str) -> bool:
+    def fail(self, endpoint: str, request_id: str, reason: str, grant: int = 0) -> bool:
         if endpoint not in self.inboxes:
             return False
-        self.inboxes[endpoint].append((KVFailed(request_id, reason), []))
+        self.inboxes[endpoint].append((KVFailed(request_id, reason, grant), []))
         return True
 
     def copy_in(self, msg: KVReady, frames) -> None:

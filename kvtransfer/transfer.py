@@ -164,11 +164,11 @@ class KVSender:
             mapped = self.pools[pool.shm_path] = KVPool.attach(pool.shm_path, pool.kv_shape, DTYPES[pool.kv_dtype])
         return mapped
 
-    def fail(self, endpoint: str, request_id: str, reason: str) -> bool:
-        """Tell the decode side its hand-off will not come. Runs on error paths, so it never raises:
-        False if the endpoint is unusable (the decode side's grant then expires on its own)."""
+    def fail(self, endpoint: str, request_id: str, reason: str, grant: int = 0) -> bool:
+        """Tell the decode side its hand-off (of grant number `grant`) will not come. Runs on error
+        paths, so it never raises: False if the endpoint is unusable (the grant then expires on its own)."""
         try:
-            self._socket(endpoint).send(encode(KVFailed(request_id, reason)))
+            self._socket(endpoint).send(encode(KVFailed(request_id, reason, grant)))
             return True
         except zmq.ZMQError:
             return False

@@ -5,9 +5,15 @@ Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node nam
 the coordinator first if this node runs it, then the workers, each a child process of this
 one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
-gateway, until it answers /health) -> print the endpoints -> wait. SIGINT/SIGTERM, or any child
-exiting on its own, stops everything: SIGTERM to each child, SIGKILL after a grace period, and
-every shared-memory KV pool a child left is unlinked.
+gateway, until it answers /health) -> print the endpoints -> supervise. A child that exits on
+its own is restarted with the same arguments (same worker id, same core-share slot) after a
+back-off, with one log line naming its exit status; the shared-memory KV pool it left is
+unlinked first. The node gives up (stops everything, exit status 1) only when a role keeps
+crashing at start: CRASH_LOOP exits in a row, each within CRASH_WINDOW_S of its start, or one
+exit with EX_CONFIG (78: a configuration it can never start with, e.g. a KV pool larger than
+/dev/shm). Restart counts reach `pdserve stats` (`nodes`) through a NodeReport the launcher
+sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything: SIGTERM to each child,
+SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
 """
 from __future__ import annotations
 
@@ -21,7 +27,13 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-from runtime.errors import InvalidRequestError
+from runtime.errors import EX_CONFIG, InvalidRequestError
+
+RESTART_BACKOFF_S = 0.5  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 10.0
+CRASH_WINDOW_S = 60.0  # an exit this soon after the start counts as a crash at start
+CRASH_LOOP = 5  # this many crashes at start in a row stop the node
+REPORT_S = 2.0  # NodeReport period (restart counts in `pdserve stats`; a restarted coordinator learns them again)
 
 
 @dataclass
@@ -95,22 +107,70 @@ def _die_with_parent() -> None:
         pass
 
 
+def exit_status(code: int) -> str:
+    """A Popen return code in words: "exit status 1" or "signal SIGKILL"."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def unlink_pool_of(pid: int) -> None:
+    """Remove the shared-memory KV pool a dead child left (kvtransfer.pool names it after its pid)."""
+    for path in glob.glob(f"/dev/shm/pdserve-kv-{pid}"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+@dataclass
+class Child:
+    """One role of this node, across its restarts."""
+
+    name: str
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    crashes: int = 0  # exits in a row that came within CRASH_WINDOW_S of their start
+    restart_at: float | None = None  # set while it waits out its back-off
+    last_exit: str = ""
+
+
 class Launcher:
     def __init__(self, plan: NodePlan, log_dir: str | None = None):
         self.plan = plan
         self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
         self.stopping = False
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
 
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """(role name, its current process) for every role."""
+        return [(c.name, c.proc) for c in self.children]
+
     def _spawn(self, name: str, args: list[str]) -> None:
+        child = Child(name, args)
+        self.children.append(child)
+        self._start_child(child)
+
+    def _start_child(self, child: Child) -> None:
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=out, stderr=subprocess.STDOUT if out else None,
-                                preexec_fn=_die_with_parent)
-        self.procs.append((name, proc))
+            out = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")
+        try:
+            child.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *child.args], stdout=out,
+                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent)
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
+        child.started = time.monotonic()
+        child.restart_at = None
 
     def _worker_args(self) -> list[str]:
         p = self.plan
@@ -192,16 +252,53 @@ class Launcher:
                 time.sleep(0.2)
         raise TimeoutError(f"the gateway did not answer at {self.plan.http_url}/health in time")
 
-    def check_children(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None and not self.stopping:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+    def check_children(self) -> bool:
+        """Restart what exited (after its back-off); True if a role was restarted. Raises
+        RuntimeError when a role keeps crashing at start (see the module docstring)."""
+        now = time.monotonic()
+        restarted = False
+        for child in self.children:
+            if self.stopping:
+                return restarted
+            if child.restart_at is None and child.proc.poll() is not None:
+                self._note_exit(child, now)
+            if child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                self._start_child(child)
+                restarted = True
+        return restarted
+
+    def _note_exit(self, child: Child, now: float) -> None:
+        code, pid = child.proc.returncode, child.proc.pid
+        unlink_pool_of(pid)
+        child.last_exit = exit_status(code)
+        child.crashes = child.crashes + 1 if now - child.started < CRASH_WINDOW_S else 1
+        if code == EX_CONFIG:
+            raise RuntimeError(f"{child.name} (pid {pid}) cannot start with this configuration ({child.last_exit}; see its log)")
+        if child.crashes >= CRASH_LOOP:
+            raise RuntimeError(f"{child.name} (pid {pid}) exited with {child.last_exit}, its {child.crashes}th crash in a row "
+                               f"within {CRASH_WINDOW_S:g} s of starting; giving up")
+        delay = min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (child.crashes - 1))
+        child.restart_at = now + delay
+        print(f"pdserve launch: {child.name} (pid {pid}) exited with {child.last_exit}; restarting in {delay:.1f} s "
+              f"(restart {child.restarts + 1})", file=sys.stderr, flush=True)
+
+    def report(self, client) -> None:
+        """Tell the coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
+        from client.library import ClientError
+
+        try:
+            client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
+                               {c.name: c.last_exit for c in self.children if c.last_exit})
+        except ClientError:
+            pass  # the coordinator is down (or restarting): the next report gets through
 
     def stop(self, grace: float = 10.0) -> None:
         self.stopping = True
         for _, proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # a stopped child would never see the SIGTERM
         deadline = time.monotonic() + grace
         for _, proc in self.procs:
             try:
@@ -210,8 +307,7 @@ class Launcher:
                 proc.kill()
                 proc.wait()
         for _, proc in self.procs:  # pools of children that could not clean up (SIGKILL)
-            for path in glob.glob(f"/dev/shm/pdserve-kv-{proc.pid}"):
-                os.unlink(path)
+            unlink_pool_of(proc.pid)
         if self.core_share and os.path.exists(self.core_share):
             os.unlink(self.core_share)
 
@@ -224,12 +320,28 @@ class Launcher:
             stats = self.wait_ready() if self.plan.coordinator or self.plan.num_workers else None
             if on_ready:
                 on_ready(stats)
-            while not stop:
-                self.check_children()
-                time.sleep(0.2)
+            self.supervise(stop)
             return 0
         except (RuntimeError, TimeoutError) as e:
             print(f"pdserve launch: {e}; stopping", file=sys.stderr)
             return 1
         finally:
             self.stop()
+
+    def supervise(self, stop: list) -> None:
+        """Restart exited roles and report restart counts until `stop` holds something."""
+        client = None
+        if self.plan.coordinator or self.plan.num_workers:
+            from client.library import Client
+
+            client = Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys)
+        try:
+            next_report = 0.0
+            while not stop:
+                if (self.check_children() or time.monotonic() >= next_report) and client is not None:
+                    self.report(client)
+                    next_report = time.monotonic() + REPORT_S
+                time.sleep(0.2)
+        finally:
+            if client is not None:
+                client.close()

@@ -138,7 +138,7 @@ class PrefillWorker:
         job = self.jobs.pop(rid, None)
         if job is not None:
             self.engine.abort(rid)
-            self.sender.fail(job.msg.dest_kv_endpoint, rid, "aborted")
+            self.sender.fail(job.msg.dest_kv_endpoint, rid, "aborted", job.msg.grant)
 
     def wait_for_batch(self) -> None:
         """Hold the first prompt up to the batching window so later ones share its forward."""
@@ -169,7 +169,7 @@ class PrefillWorker:
         seq = self.engine.seqs[msg.request_id]
         ready = KVReady(
             msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids,
-            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority,  # the sender names its backend
+            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
         )
         t0 = time.perf_counter()
         try:
@@ -177,15 +177,15 @@ class PrefillWorker:
                 raise ValueError(f"granted {len(msg.dest_block_ids)} blocks for {len(seq.block_table)} needed")
             nbytes = self.sender.send(self.pool, seq.block_table, ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
-            self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}")
+            self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
             return
         self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute))
 
     def fail(self, msg: Prefill, code: str, message: str) -> None:
-        self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message)
+        self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message, msg.grant)
         self.link.send(WorkerError(msg.request_id, code, message))
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig) -> None:
-    process.serve(PrefillWorker.build(engine_cfg, worker_cfg))
+    process.serve(process.build_or_exit(lambda: PrefillWorker.build(engine_cfg, worker_cfg)))

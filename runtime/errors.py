@@ -6,6 +6,9 @@ request), before any state is touched, so a caller that catches one has nothing 
 """
 
 
+EX_CONFIG = 78  # sysexits.h: a process that cannot start with its configuration exits with this; its launcher does not retry
+
+
 class PdserveError(Exception):
     code = "internal_error"
 

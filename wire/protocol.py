@@ -23,8 +23,9 @@ import msgspec
 from runtime.params import SamplingParams
 from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 3  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
-# finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill)
+PROTOCOL_VERSION = 4  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+# finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
+# (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 
 
@@ -103,7 +104,16 @@ class StatsReply(_Msg):
     json: bytes  # msgspec-JSON encoded stats document (free-form, for humans and dashboards)
 
 
-ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest]
+class NodeReport(_Msg):
+    """Launcher -> coordinator (client port, every few seconds): how often each role of its node
+    was restarted, and how each last exited; shown by `pdserve stats` under `nodes`."""
+
+    node: str
+    restarts: dict[str, int]
+    last_exit: dict[str, str] = {}
+
+
+ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest, NodeReport]
 CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 
 
@@ -146,18 +156,23 @@ class Heartbeat(_Msg):
     preemptions: int = 0
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
     inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
+    fenced_blocks: int = 0  # decode: blocks of given-up grants held until their writer answers or dies
 
 
 class Admit(_Msg):
     request_id: str
     num_tokens: int
     admission: int = 0  # counts this request's Admits; echoed so a late answer to an older one is ignored
+    writer_pid: int = 0  # the prefill worker that will fill the grant (its Hello's pid, host and boot id): on the
+    writer_host: str = ""  # decode worker's machine it may write into the pool directly (shm), so blocks of a grant
+    writer_boot: str = ""  # given up before it answered stay fenced until it answers or its process is gone
 
 
 class Granted(_Msg):
     request_id: str
     block_ids: list[int]
     admission: int = 0
+    grant: int = 0  # the decode worker's number for this grant; Prefill, KVReady and KVFailed carry it on
 
 
 class AdmitRefused(_Msg):
@@ -175,6 +190,7 @@ class Prefill(_Msg):
     dest_block_ids: list[int]  # the transport is the prefill worker's choice (KVConnect -> KVAccept)
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
     priority: int = 0
+    grant: int = 0  # Granted.grant, echoed in the hand-off
 
 
 class Generate(_Msg):
@@ -193,6 +209,8 @@ class Release(_Msg):
     """Coordinator -> decode: free a grant whose prefill will never arrive."""
 
     request_id: str
+    grant: int = 0  # 0: whatever grant request_id holds
+    prefill_sent: bool = True  # False: no Prefill was ever sent for it, so no writer can touch its blocks
 
 
 class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -250,11 +268,13 @@ class KVReady(_Msg):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     priority: int = 0
+    grant: int = 0  # Prefill.grant: which grant these blocks fill (0: the request's current one)
 
 
 class KVFailed(_Msg):
     request_id: str
     reason: str
+    grant: int = 0
 
 
 class KVConnect(_Msg):

@@ -2,14 +2,18 @@
 
 Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...)` for what the
 coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
-`run`, with its heartbeat). `serve(worker)` freezes the start-up heap, turns SIGTERM and SIGINT
-into `worker.running = False`, and runs the worker's loop until then; the loop's own `finally`
-closes what the worker holds.
+`run`, with its heartbeat). `build_or_exit(build)` ends the process with EX_CONFIG when the
+build fails with a typed error (a model it cannot load, a KV pool /dev/shm cannot hold): its
+launcher then stops rather than restarting it. `serve(worker)` freezes the start-up heap, turns
+SIGTERM and SIGINT into `worker.running = False`, and runs the worker's loop until then; the
+loop's own `finally` closes what the worker holds.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 
 import torch
 import zmq
@@ -17,6 +21,7 @@ import zmq
 from kvtransfer.pool import host_identity
 from runtime.config import WorkerConfig
 from runtime.engine import LLMEngine
+from runtime.errors import EX_CONFIG, PdserveError
 from runtime.heap import freeze_startup_heap
 from wire import security
 from wire.link import WorkerLink
@@ -42,6 +47,16 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
 def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:
     """The link to the coordinator that says h; the worker starts it with its heartbeat."""
     return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=security.client_options(wcfg.keys))
+
+
+def build_or_exit(build):
+    """build(), or exit with EX_CONFIG and the error's message if it raises a PdserveError."""
+    try:
+        return build()
+    except PdserveError as e:
+        logging.getLogger("pdserve.worker").error("cannot start: %s", e)
+        print(f"pdserve: cannot start: {e}", file=sys.stderr, flush=True)
+        sys.exit(EX_CONFIG)
 
 
 def serve(worker) -> None:

@@ -121,3 +121,90 @@ def test_an_abort_mid_stream_ends_the_request_and_frees_its_blocks(tiny):
     d.turn(0)
     last = d.link.taken(TokenBatch)[-1].items[-1]
     assert last.request_id == "a" and last.finish_reason.name == "ABORT" and all_free(d)
+
+
+# ------------------------------------------------------------------ fenced writes
+
+def sleeper():
+    """A live process on this machine to stand for a prefill writer (a real pid whose death we control)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def admit_from(d: DecodeWorker, rid: str, tokens: int, writer_pid: int) -> Granted:
+    from kvtransfer.pool import host_identity
+
+    host, boot = host_identity()
+    d.link.inbox.append(Admit(rid, tokens, 1, writer_pid, host, boot))
+    d.turn(0)
+    return [m for m in d.link.taken(Granted) if m.request_id == rid][-1]
+
+
+def test_a_released_grant_stays_fenced_until_its_writer_answers(tiny):
+    writer = sleeper()
+    try:
+        p, d, inbox = workers(tiny)
+        g = admit_from(d, "a", 20, writer.pid)
+        assert g.grant >= 1
+        d.link.inbox.append(Release("a", g.grant))  # the coordinator lost the writer (silent): it may still write
+        d.turn(0)
+        assert not d.grants and d.heartbeat().fenced_blocks == len(g.block_ids)
+        assert d.engine.blocks.free_blocks == d.engine.blocks.num_blocks - len(g.block_ids)  # not reusable meanwhile
+        # the writer wakes up and writes its stale hand-off: it lands in the fenced blocks and only frees them
+        p.link.inbox.append(Prefill("a", list(range(3, 23)), GREEDY, "decode-1", DEST, g.block_ids, grant=g.grant))
+        while p.jobs or p.link.inbox:
+            p.turn(0)
+        deliver(d, inbox)
+        d.turn(0)
+        assert not d.fences and not tokens_of(d) and all_free(d) and all_free(p)
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_fenced_blocks_are_freed_when_the_writer_dies(tiny):
+    import time
+
+    writer = sleeper()
+    _, d, _ = workers(tiny)
+    g = admit_from(d, "a", 20, writer.pid)
+    d.grants["a"].deadline = 0.0  # its KV never came: expired while the writer lives
+    d.turn(0)
+    assert [e.code for e in d.link.taken(WorkerError)] == ["kv_transfer_timeout"] and g.grant in d.fences
+    d.turn(0)
+    assert g.grant in d.fences  # alive: still fenced
+    writer.kill()
+    writer.wait()
+    deadline = time.monotonic() + 5
+    while d.fences:
+        assert time.monotonic() < deadline, "fence not lifted after the writer died"
+        d.turn(0.05)
+    assert all_free(d)
+
+
+def test_a_grant_no_prefill_was_sent_for_is_freed_at_once_even_if_fenced(tiny):
+    writer = sleeper()
+    try:
+        _, d, _ = workers(tiny)
+        g = admit_from(d, "a", 20, writer.pid)
+        d.link.inbox.append(Release("a", g.grant, prefill_sent=False))  # the coordinator never sent its Prefill
+        d.turn(0)
+        assert not d.fences and all_free(d)
+        g1 = admit_from(d, "b", 20, writer.pid)
+        g2 = admit_from(d, "b", 20, writer.pid)  # a newer admission replaces (fences) the first
+        assert g1.grant in d.fences and d.grants["b"].number == g2.grant
+        d.link.inbox.append(Release("b", g1.grant, prefill_sent=False))  # the first never had a Prefill either
+        d.turn(0)
+        assert not d.fences and d.grants["b"].number == g2.grant  # the newer grant is untouched
+        # a stale hand-off naming the old grant cannot fill the new one
+        d.link.inbox.append((KVFailed("b", "late", g1.grant), []))
+        d.turn(0)
+        assert "b" in d.grants and not d.link.taken(WorkerError)
+        d.link.inbox.append(Release("b", g2.grant, prefill_sent=False))
+        d.turn(0)
+        assert all_free(d)
+    finally:
+        writer.kill()
+        writer.wait()

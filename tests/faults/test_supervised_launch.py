@@ -1,0 +1,302 @@
+"""`pdserve launch` supervises its node, run as a user runs it (the CLI in a subprocess): a
+decode worker killed with streams in flight is restarted while the others keep serving and
+every stream completes identically or ends with a typed error; a killed coordinator and gateway
+come back and the workers re-join; request ids differ across a coordinator restart and a
+worker's message about a request placed elsewhere is ignored; a role that keeps crashing at
+start stops the node. Each test ends with every pool whole."""
+import asyncio
+import glob
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import zmq
+
+from client.library import AsyncClient, Client, ClientError, RequestError, RequestLost
+from kvtransfer.pool import host_identity
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
+from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
+from wire.protocol import (
+    PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut,
+    Welcome, decoder, encode,
+)
+
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
+    return d
+
+
+def prompts(n):
+    return [[100 + 17 * i + j for j in range(12 + i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=1024), progress=False, tokenizer=False)
+    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+
+
+class Node:
+    """`pdserve launch` in a subprocess, its stderr in a file."""
+
+    def __init__(self, model_dir, tmp_path, *args):
+        self.clients = f"tcp://127.0.0.1:{free_port()}"
+        self.workers = f"tcp://127.0.0.1:{free_port()}"
+        self.http = f"http://127.0.0.1:{free_port()}"
+        self.err_path = tmp_path / "launch.err"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--clients", self.clients, "--workers", self.workers,
+             "--http-port", self.http.rsplit(":", 1)[1], "--threads", "1", "--no-slo", "--log-dir", str(tmp_path), *args],
+            stderr=open(self.err_path, "w"),
+        )
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait_workers(self, n: int, timeout: float = 180.0) -> dict:
+        deadline = time.monotonic() + timeout
+        with Client(self.clients, timeout=2) as c:
+            while True:
+                assert self.proc.poll() is None, f"launcher exited: {self.stderr()}"
+                try:
+                    stats = c.stats(timeout=1)
+                    if len(stats["workers"]) >= n:
+                        return stats
+                except ClientError:
+                    pass
+                assert time.monotonic() < deadline, "node not ready in time"
+                time.sleep(0.2)
+
+    def child(self, role: str) -> int | None:
+        """The pid of the launcher's live child running `pdserve ROLE` (None between a death and its restart)."""
+        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
+        pids = [int(line.split()[0]) for line in out.splitlines() if f"pdserve {role} " in line]
+        assert len(pids) <= 1, out
+        return pids[0] if pids else None
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def poll(what: str, check, timeout: float):
+    """check() until it returns something true; AssertionError naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = check()
+        except ClientError:
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} not within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def restarts(c: Client, role: str) -> int:
+    return c.stats()["nodes"].get("local", {}).get("restarts", {}).get(role, 0)
+
+
+async def streams_with_a_kill(address, kill, when_tokens: int):
+    """8 greedy streams; kill() once `when_tokens` tokens arrived in all. Per stream: its tokens or
+    its typed error, and the seconds from the kill to its end."""
+    killed_at, total = [], [0]
+
+    async def one(c, p):
+        toks = []
+        try:
+            async for d in c.stream(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True):
+                toks += d.token_ids
+                total[0] += len(d.token_ids)
+                if total[0] >= when_tokens and not killed_at:
+                    killed_at.append(time.monotonic())
+                    kill()
+            return toks, time.monotonic()
+        except RequestError as e:
+            return e, time.monotonic()
+
+    async with AsyncClient(address, timeout=90) as c:
+        outs = await asyncio.gather(*(one(c, p) for p in prompts(8)))
+    assert killed_at, "the kill never happened"
+    return [(r, end - killed_at[0]) for r, end in outs]
+
+
+def test_launch_restarts_a_killed_decode_worker_and_every_stream_completes(model_dir, expected, tmp_path):
+    node = Node(model_dir, tmp_path, "--decode", "2", "--engine-arg=--kv-cache-mb=16")
+    try:
+        node.wait_workers(3)
+        victim = {}
+
+        def kill_busiest():
+            with Client(node.clients, timeout=5) as c:
+                decodes = [w for w in c.stats()["workers"] if w["role"] == "decode"]
+            busiest = max(decodes, key=lambda w: w["inflight"])
+            victim.update(busiest)
+            os.kill(busiest["pid"], signal.SIGKILL)
+
+        outs = asyncio.run(streams_with_a_kill(node.clients, kill_busiest, 150))
+        killed_at = time.monotonic()
+        for i, (r, after) in enumerate(outs):  # none hangs: every stream ended, each within a bound
+            if isinstance(r, RequestError):
+                assert r.code in ("worker_lost", "kv_transfer_failed", "kv_transfer_timeout"), r
+                assert after < 10, f"stream {i} failed {after:.1f} s after the kill"
+            else:
+                assert r == expected[i], f"stream {i} completed with other tokens"
+        assert victim["inflight"] >= 1
+        role = victim["id"].removeprefix("local-")
+        with Client(node.clients, timeout=30) as c:
+            back = poll("the killed worker's return", lambda: [w for w in c.stats()["workers"]
+                                                               if w["id"] == victim["id"] and w["pid"] != victim["pid"]], 30)
+            assert time.monotonic() - killed_at < 30 and back[0]["role"] == "decode"
+            r = c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=20, ignore_eos=True)
+            assert r.token_ids == expected[0][:20]
+            poll("the restart count in stats", lambda: restarts(c, role) == 1, 10)
+            stats = c.stats()
+            assert stats["requests"]["workers_lost"] == 1 and stats["nodes"]["local"]["last_exit"][role] == "signal SIGKILL"
+            assert len(stats["workers"]) == 3
+            wait_all_blocks_free(c, timeout=10)
+        assert f"{role} (pid {victim['pid']}) exited with signal SIGKILL; restarting" in node.stderr()
+        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")  # the dead worker's pool is gone
+    finally:
+        assert node.stop() == 0
+
+
+class FakeWorker:
+    """A colocated worker speaking the protocol by hand on its own thread: registers (again after
+    Reject "unregistered"), heartbeats, and queues every Generate it receives."""
+
+    def __init__(self, address: str, wid: str):
+        self.wid = wid
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.lock = threading.Lock()
+        self.generates: queue.Queue = queue.Queue()
+        self.registered = threading.Event()
+        self.stop = threading.Event()
+        host, boot = host_identity()
+        self.hello = Hello(PROTOCOL_VERSION, wid, Role.COLOCATED, os.getpid(), host, boot, "fake", 512, 64, 16)
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.sock.send(encode(msg))
+
+    def run(self) -> None:
+        dec = decoder(CoordinatorToWorker)
+        next_beat = 0.0
+        while not self.stop.is_set():
+            if time.monotonic() >= next_beat:
+                self.send(Heartbeat(self.wid, 64, 0, 0, 0) if self.registered.is_set() else self.hello)
+                next_beat = time.monotonic() + 0.2
+            with self.lock:
+                msg = dec.decode(self.sock.recv()) if self.sock.poll(0) else None
+            if isinstance(msg, Welcome):
+                self.registered.set()
+            elif isinstance(msg, Reject):
+                self.registered.clear()
+            elif isinstance(msg, Generate):
+                self.generates.put(msg)
+            elif msg is None:
+                time.sleep(0.02)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_coordinator_and_gateway_restart_with_fresh_request_ids_and_identity_checks(model_dir, tmp_path):
+    node = Node(model_dir, tmp_path, "--prefill", "0", "--decode", "0")
+    worker = rogue = None
+    pool = ThreadPoolExecutor(2)
+    try:
+        node.wait_workers(0)
+        worker = FakeWorker(node.workers, "fake-0")
+        with Client(node.clients, timeout=30) as c:
+            poll("the fake worker's registration", lambda: len(c.stats()["workers"]) == 1, 10)
+            epoch = c.stats()["epoch"]
+        first = pool.submit(generate, node.clients, [1, 2, 3])
+        old = worker.generates.get(timeout=10).request_id
+        os.kill(node.child("coordinator"), signal.SIGKILL)
+        with pytest.raises(RequestLost):  # once the new coordinator answers (its start takes 5-30 s on a busy 2-core machine)
+            first.result(timeout=120)
+        with Client(node.clients, timeout=30) as c:  # the launcher restarted it; the worker re-joined by itself
+            poll("the new coordinator with the worker", lambda: (s := c.stats())["epoch"] != epoch and len(s["workers"]) == 1, 60)
+            second = pool.submit(generate, node.clients, [4, 5, 6])
+            new = worker.generates.get(timeout=10).request_id
+            assert new != old  # ids carry the coordinator's epoch
+            worker.send(TokenBatch([TokenOut(old, 42, finish_reason=FinishReason.STOP)]))  # late, from before the restart
+            rogue = FakeWorker(node.workers, "fake-1")
+            poll("the rogue's registration", lambda: len(c.stats()["workers"]) == 2, 10)
+            rogue.send(TokenBatch([TokenOut(new, 43, finish_reason=FinishReason.STOP)]))  # not placed there
+            poll("the rogue's message counted", lambda: c.stats()["requests"].get("wrong_worker_messages", 0) >= 1, 10)
+            worker.send(TokenBatch([TokenOut(new, 7), TokenOut(new, 8, finish_reason=FinishReason.LENGTH)]))
+            assert second.result(timeout=20).token_ids == [7, 8]
+            poll("the coordinator's restart count", lambda: restarts(c, "coordinator") == 1, 10)
+            gateway = node.child("gateway")
+            os.kill(gateway, signal.SIGKILL)
+            poll("the gateway's return", lambda: node.child("gateway") not in (None, gateway) and health(node.http), 90)
+            poll("the gateway's restart count", lambda: restarts(c, "gateway") == 1, 10)
+            assert c.stats()["active_requests"] == 0
+        assert "coordinator (pid" in node.stderr() and "gateway (pid" in node.stderr()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for w in (worker, rogue):
+            if w is not None:
+                w.close()
+        assert node.stop() == 0
+
+
+def generate(address: str, prompt: list[int]):
+    with Client(address, timeout=150) as c:
+        return c.generate(token_ids=prompt, max_tokens=4)
+
+
+def health(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/health", timeout=2).close()
+        return True
+    except urllib.error.HTTPError:
+        return True  # 503 without workers: it answers
+    except OSError:
+        return False
+
+
+def test_a_role_that_keeps_crashing_at_start_stops_the_node(model_dir, tmp_path):
+    node = Node(model_dir, tmp_path, "--engine-arg=--no-such-flag=1")  # every worker exits with a usage error
+    code = node.proc.wait(timeout=180)
+    err = node.stderr()
+    assert code == 1
+    assert "5th crash in a row within 60 s of starting; giving up" in err
+    assert err.count("exited with exit status 2; restarting") >= 4
+
+
+def test_a_decode_pool_larger_than_dev_shm_stops_the_node_at_once(model_dir, tmp_path):
+    from kvtransfer.pool import shm_free_bytes
+
+    too_big = shm_free_bytes() // 2**20 + 1024
+    # the decode worker alone: a prefill worker would allocate that much private memory
+    node = Node(model_dir, tmp_path, "--prefill", "0", "--decode", "1", f"--engine-arg=--kv-cache-mb={too_big}")
+    code = node.proc.wait(timeout=180)
+    assert code == 1
+    assert "decode-0" in node.stderr() and "cannot start with this configuration (exit status 78" in node.stderr()
+    assert "MiB free: lower --kv-cache-mb" in (tmp_path / "decode-0.log").read_text()
