@@ -29,7 +29,8 @@
 #endif
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
-#define Q_TILE 24
+#define Q_TILE 24  /* a multiple of 6 */
+#define Q_KC 256  /* K chunk of the tiled kernel */
 #define Q_DIRECT_ROWS 4
 
 static inline float half_to_float(const uint8_t *p) {
@@ -251,11 +252,11 @@ static inline __attribute__((always_inline)) void q_direct_i8(
  * accumulators fed by one broadcast weight and two vectors of x per k: no horizontal sums and
  * 8 loads per 12 FMAs (V = 2; a last block of at most 8 rows of x runs V = 1).
  * res[r][j] = W row r . x row m0 + j. */
-static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6], const float *xt, int64_t xts, int K,
+static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6], const float *xt, int64_t xts, int k0, int k1,
                                                           float res[6][16], const int V) {
     __m256 c[6][2];
     for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k++) {
+    for (int k = k0; k < k1; k++) {
         const __m256 b0 = _mm256_load_ps(xt + k * xts), b1 = V == 2 ? _mm256_load_ps(xt + k * xts + 8) : b0;
         for (int r = 0; r < 6; r++) {
             const __m256 a = _mm256_broadcast_ss(w[r] + k);
@@ -263,9 +264,9 @@ static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6
             if (V == 2) c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
         }
     }
-    for (int r = 0; r < 6; r++) {
-        _mm256_storeu_ps(res[r], c[r][0]);
-        if (V == 2) _mm256_storeu_ps(res[r] + 8, c[r][1]);
+    for (int r = 0; r < 6; r++) {  /* res += this range's sums */
+        _mm256_storeu_ps(res[r], _mm256_add_ps(_mm256_loadu_ps(res[r]), c[r][0]));
+        if (V == 2) _mm256_storeu_ps(res[r] + 8, _mm256_add_ps(_mm256_loadu_ps(res[r] + 8), c[r][1]));
     }
 }
 #endif
@@ -332,15 +333,22 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
                     q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, tile + (int64_t)i * K + b * 32);
             for (int m0 = 0; m0 < M; m0 += 16) {
                 const int mr = M - m0 < 16 ? M - m0 : 16;
+                float res[Q_TILE / 6][6][16];
+                memset(res, 0, sizeof res);
+                for (int k0 = 0; k0 < K; k0 += Q_KC) {  /* a K chunk of x stays in L1 across the tile's row blocks */
+                    const int k1 = K - k0 < Q_KC ? K : k0 + Q_KC;
+                    for (int j = 0; j < nt; j += 6) {
+                        const int nr = nt - j < 6 ? nt - j : 6;
+                        const float *wr[6];
+                        for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
+                        if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2);
+                        else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1);
+                    }
+                }
                 for (int j = 0; j < nt; j += 6) {
                     const int nr = nt - j < 6 ? nt - j : 6;
-                    const float *wr[6];
-                    for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
-                    float res[6][16];
-                    if (mr > 8) dot_6xV(wr, xt + m0, Mp, K, res, 2);
-                    else dot_6xV(wr, xt + m0, Mp, K, res, 1);
                     for (int r = 0; r < mr; r++)
-                        for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[c][r];
+                        for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[j / 6][c][r];
                 }
             }
         }
