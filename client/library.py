@@ -89,7 +89,7 @@ class RequestLost(RequestError):
 
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
-    "prompt_too_long": PromptTooLong, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
+    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
     "unknown_request": RequestLost,
 }

@@ -59,6 +59,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_json: dict | str | None = None  # vLLM's older names of the same
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    priority: int = 0  # vLLM's extra: the priority class (higher is more important; bounded by --max-client-priority)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -117,6 +118,7 @@ class Job:
     prompt_index: int
     inputs: dict  # prompt= | token_ids= | messages= for AsyncClient.stream
     sampling: dict  # SamplingParams fields
+    priority: int = 0
 
 
 def completion_jobs(req: CompletionRequest, vocab_size: int) -> list[Job]:
@@ -127,7 +129,7 @@ def completion_jobs(req: CompletionRequest, vocab_size: int) -> list[Job]:
         raise bad_request("suffix is not supported", "suffix")
     inputs = completion_inputs(req.prompt, vocab_size)
     sampling = sampling_kwargs(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
-    return _fan_out(inputs, sampling, req.n)
+    return _fan_out(inputs, sampling, req.n, req.priority)
 
 
 def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
@@ -141,7 +143,7 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = sampling_kwargs(req, limit if limit is not None else default_max_tokens, logprobs)
-    return _fan_out([{"messages": [chat_message(m) for m in req.messages]}], sampling, req.n)
+    return _fan_out([{"messages": [chat_message(m) for m in req.messages]}], sampling, req.n, req.priority)
 
 
 def _common_checks(req: _Sampling) -> None:
@@ -201,7 +203,7 @@ def validate_sampling(kw: dict) -> None:
         raise bad_request(str(e), str(e).split(" ", 1)[0], e.code) from None
 
 
-def _fan_out(inputs: list[dict], sampling: dict, n: int) -> list[Job]:
+def _fan_out(inputs: list[dict], sampling: dict, n: int, priority: int = 0) -> list[Job]:
     """n samples of each prompt; choice index = prompt index * n + sample (as vLLM orders them)."""
     if len(inputs) * n > MAX_CHOICES:
         raise bad_request(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} choices; the limit is {MAX_CHOICES}", "prompt")
@@ -212,7 +214,7 @@ def _fan_out(inputs: list[dict], sampling: dict, n: int) -> list[Job]:
             if kw.get("seed") is not None and i:
                 kw["seed"] = sampling["seed"] + i  # distinct but reproducible samples
                 validate_sampling(kw)
-            jobs.append(Job(p * n + i, p, given, kw))
+            jobs.append(Job(p * n + i, p, given, kw, priority))
     return jobs
 
 

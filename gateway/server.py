@@ -10,7 +10,7 @@ return as one JSON body or as server-sent events ending in `data: [DONE]` (gatew
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
-freed. /health and /metrics ask the coordinator for its stats on every call.
+freed. /metrics wants the API key when one is set, /health never does. /health and /metrics ask the coordinator for its stats on every call.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
@@ -39,13 +39,15 @@ from gateway.schema import (
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.errors import MAX_BODY_BYTES, bad_request, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.slots import Slots
 from gateway.structured import check_jobs
 from gateway.tokenize import TokenizerRoutes
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path
 from runtime.tokenizer import load_tokenizer
+from wire.limits import RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
@@ -68,11 +70,13 @@ class GatewayConfig:
     retry_after_s: int = 1  # told to clients of a shed request (429)
     stats_timeout_s: float = 2.0
     keys: str | None = None  # CurveZMQ keys directory for the coordinator connection
+    max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
-        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0:
+        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
             raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
@@ -106,6 +110,7 @@ class Gateway:
         self.created = int(time.time())
         self.max_model_len: int | None = None  # learnt from the coordinator's stats
         self.client: AsyncClient | None = None
+        self.slots = Slots(cfg.max_inflight)
 
     def app(self) -> Starlette:
         routes = [
@@ -141,6 +146,21 @@ class Gateway:
         if model not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
 
+    def check_limits(self, req, texts: list[str]) -> None:
+        """The request limits the coordinator applies too, here before any fan-out: each prompt's
+        bytes (a chat's contents together), the stop lists, the priority."""
+        limits = self.cfg.limits
+        try:
+            limits.check_sampling([req.stop] if isinstance(req.stop, str) else req.stop or [], req.stop_token_ids or [])
+            limits.check_scheduling(req.priority, 0.0, 0.0, 0.0, 0.0)
+            if isinstance(req, ChatCompletionRequest):
+                limits.check_prompt_bytes(texts)
+            else:
+                for t in texts:
+                    limits.check_prompt_bytes([t])
+        except InvalidRequestError as e:
+            raise bad_request(str(e), None, e.code) from None
+
     def api_error(self, e: Exception) -> ApiError:
         if isinstance(e, ApiError):
             return e
@@ -163,6 +183,7 @@ class Gateway:
         self.authorize(request)
         req = decode_body(await read_body(request), CompletionRequest)
         self.check_model(req.model)
+        self.check_limits(req, [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)])
         jobs = completion_jobs(req, len(self.tok))
         await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
@@ -172,6 +193,8 @@ class Gateway:
         self.authorize(request)
         req = decode_body(await read_body(request), ChatCompletionRequest)
         self.check_model(req.model)
+        self.check_limits(req, [m.content for m in req.messages if isinstance(m.content, str)]
+                          + [p.text for m in req.messages if isinstance(m.content, list) for p in m.content if p.text])
         jobs = chat_jobs(req, await self.context_len())
         await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
@@ -184,7 +207,10 @@ class Gateway:
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
     async def run(self, request, req, jobs, fmt) -> Response:
-        fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
+        try:
+            fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots)
+        except ClientError as e:  # every slot is held: 429
+            raise self.api_error(e) from None
         streaming = False
         try:
             if not req.stream:
@@ -245,6 +271,7 @@ class Gateway:
         return JSONResponse(body, 200 if ready else 503)
 
     async def prometheus(self, request) -> Response:
+        self.authorize(request)  # /health stays open (probes); /metrics shows traffic, so it wants the key when one is set
         return Response(self.metrics.render(await self.stats()), media_type=CONTENT_TYPE)
 
     async def openapi(self, request) -> Response:

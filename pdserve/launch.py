@@ -40,6 +40,7 @@ class NodePlan:
     threads: int | None = None
     name: str = "local"
     coordinator_args: list[str] = field(default_factory=list)  # passed to the coordinator
+    gateway_args: list[str] = field(default_factory=list)  # passed to the gateway (request limits)
     gateway: bool = False  # the OpenAI HTTP gateway (`pdserve launch` turns it on beside the coordinator)
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -125,7 +126,7 @@ class Launcher:
         args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
         args += ["--model", p.model] if p.model else []
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
-        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else [])
+        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
 
     def start(self) -> None:
         p = self.plan
