@@ -72,6 +72,7 @@ class CoordinatorConfig:
     keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
     insecure: bool = False  # allow a non-loopback bind without keys
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
+    worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -85,7 +86,8 @@ class Coordinator:
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
-        self.auth = security.start_authenticator(self.ctx, cfg.keys)
+        secret = security.read_secret(cfg.worker_secret_file)
+        self.auth = security.start_authenticator(self.ctx, cfg.keys, secret)
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -98,8 +100,8 @@ class Coordinator:
         self.counts = collections.Counter()
         self.kv = collections.Counter()
         self._ids = itertools.count()
-        self.client_sock = self._router(cfg.client_addr)
-        self.worker_sock = self._router(cfg.worker_addr)
+        self.client_sock = self._router(cfg.client_addr, security.server_options(cfg.keys, security.CLIENTS))
+        self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS, secret))  # roles apart
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
         self.client_io, self.worker_io = SocketIO(self.client_sock), SocketIO(self.worker_sock)
         self.by_ident: dict[bytes, str] = {}  # worker socket identity -> worker id
@@ -108,13 +110,13 @@ class Coordinator:
         self.worker_dec = decoder(WorkerToCoordinator)
         self.stopping = asyncio.Event()
 
-    def _router(self, addr: str):
+    def _router(self, addr: str, options: dict):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
-        security.apply(sock, security.server_options(self.cfg.keys))
+        security.apply(sock, options)
         sock.bind(addr)
         return sock
 

@@ -41,6 +41,7 @@ def _engine_options(f):
         click.option("--heartbeat-s", "heartbeat_s", default=0.5, show_default=True, type=float,
                      help="seconds between heartbeats (load, free KV blocks, step times); keep well under the coordinator's --worker-timeout"),
         click.option("-v", "--verbose", is_flag=True),
+        _SECRET_OPTION,
     ]
     for o in reversed(opts):
         f = o(f)
@@ -148,6 +149,10 @@ def _generate_local(prompt, model, dtype, chat, sampling):
     click.echo("")
     click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
 
+_SECRET_OPTION = click.option("--worker-secret-file", default=None, type=click.Path(exists=True, dir_okay=False),
+                              help="without --keys: the per-launch worker secret (a 0600 file; `pdserve launch` writes one)")
+
+
 def _security_options(f):
     f = click.option("--insecure", is_flag=True, help="allow binding beyond loopback without CurveZMQ keys")(f)
     return click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")(f)
@@ -223,9 +228,10 @@ def _class_targets(specs) -> dict:
 @_slo_options
 @_limit_options
 @_security_options
+@_SECRET_OPTION
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, verbose, **limits):
+                keys, insecure, worker_secret_file, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -234,7 +240,8 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
                             slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
-                            class_targets=_class_targets(class_target), keys=keys, insecure=insecure, limits=_limits(**limits)))
+                            class_targets=_class_targets(class_target), keys=keys, insecure=insecure, limits=_limits(**limits),
+                            worker_secret_file=worker_secret_file))
 
 
 @main.command()

@@ -7,7 +7,9 @@ one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PD
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
 gateway, until it answers /health) -> print the endpoints -> wait. SIGINT/SIGTERM, or any child
 exiting on its own, stops everything: SIGTERM to each child, SIGKILL after a grace period, and
-every shared-memory KV pool a child left is unlinked.
+every shared-memory KV pool a child left is unlinked. Without CurveZMQ keys, a launch that runs
+every role itself (not a cluster TOML's node) writes a per-launch worker secret into a 0600 file
+(wire/security.py) and hands its path to the coordinator and the workers; it is removed at stop.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class NodePlan:
     keys: str | None = None  # CurveZMQ keys directory, passed to every role
     insecure: bool = False  # allow binds beyond loopback without keys
     served_model_name: str | None = None  # the gateway's model name
+    worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
 
     @property
     def security_args(self) -> list[str]:
@@ -82,7 +85,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         coordinator=bool(n.get("coordinator", False)),
         prefill=int(n.get("prefill", 0)), decode=int(n.get("decode", 0)), colocated=int(n.get("colocated", 0)),
         client_addr=f"tcp://{host}:{cluster.get('client_port', 5555)}",
-        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}",
+        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", worker_secret=False,  # workers of other nodes: keys
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
         engine_args=engine_args, threads=n.get("threads"), name=node,
         keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)),
@@ -103,6 +106,7 @@ class Launcher:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.stopping = False
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
+        self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
 
     def _spawn(self, name: str, args: list[str]) -> None:
         out = None
@@ -119,7 +123,10 @@ class Launcher:
         if p.model:
             args += ["--model", p.model]
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
-        return args + ["--threads", str(threads)] + p.security_args
+        return args + ["--threads", str(threads)] + p.security_args + self._secret_args()
+
+    def _secret_args(self) -> list[str]:
+        return ["--worker-secret-file", self.secret_file] if self.secret_file else []
 
     def _gateway_args(self) -> list[str]:
         p = self.plan
@@ -130,9 +137,14 @@ class Launcher:
 
     def start(self) -> None:
         p = self.plan
+        if p.worker_secret and not p.keys and p.coordinator:
+            from wire.security import write_secret
+
+            self.secret_file = write_secret()
         if p.coordinator:
             args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr]
-            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args)
+            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args
+                        + self._secret_args())
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
@@ -215,6 +227,9 @@ class Launcher:
                 os.unlink(path)
         if self.core_share and os.path.exists(self.core_share):
             os.unlink(self.core_share)
+        if self.secret_file and os.path.exists(self.secret_file):
+            os.unlink(self.secret_file)
+            os.rmdir(os.path.dirname(self.secret_file))
 
     def run_forever(self, on_ready=None) -> int:
         stop = []
