@@ -121,13 +121,13 @@ class Job:
     priority: int = 0
 
 
-def completion_jobs(req: CompletionRequest, vocab_size: int) -> list[Job]:
+def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
     _common_checks(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    inputs = completion_inputs(req.prompt, vocab_size)
+    inputs = completion_inputs(req.prompt, vocab_size, max_len)
     sampling = sampling_kwargs(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
     return _fan_out(inputs, sampling, req.n, req.priority)
 
@@ -153,9 +153,14 @@ def _common_checks(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
 
 
-def completion_inputs(prompt, vocab_size: int) -> list[dict]:
+def completion_inputs(prompt, vocab_size: int, max_len: int | None = None) -> list[dict]:
+    """max_len: the context, when known; a longer list of token ids is refused before its ids are
+    checked one by one (an 8 MB body holds millions)."""
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
+    ids = ([prompt] if not isinstance(prompt[0], list) else prompt) if prompt and not isinstance(prompt[0], str) else []
+    if max_len is not None and any(isinstance(p, list) and len(p) > max_len for p in ids):
+        raise bad_request(f"a prompt of token ids is longer than the context ({max_len} tokens)", "prompt", "prompt_too_long")
     if prompt and all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
     if _token_ids(prompt, vocab_size):

@@ -157,7 +157,7 @@ class Gateway:
                 limits.check_prompt_bytes(texts)
             else:
                 for t in texts:
-                    limits.check_prompt_bytes([t])
+                    limits.check_prompt_bytes([t] if isinstance(t, str) else [])  # a non-string is refused by completion_inputs
         except InvalidRequestError as e:
             raise bad_request(str(e), None, e.code) from None
 
@@ -183,8 +183,9 @@ class Gateway:
         self.authorize(request)
         req = decode_body(await read_body(request), CompletionRequest)
         self.check_model(req.model)
-        self.check_limits(req, [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)])
-        jobs = completion_jobs(req, len(self.tok))
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if req.prompt and isinstance(req.prompt[0], str) else []
+        self.check_limits(req, texts)
+        jobs = completion_jobs(req, len(self.tok), self.max_model_len)
         await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)

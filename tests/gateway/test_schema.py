@@ -90,3 +90,10 @@ def test_chat_mapping():
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         chat_jobs(chat(image), 10)
 
+
+
+def test_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are_checked():
+    with pytest.raises(ApiError) as e:
+        completion_inputs([1] * 3000, 100, 2048)
+    assert e.value.status == 400 and e.value.code == "prompt_too_long"
+    assert len(completion_inputs(["a"] * 3000, 100, 2048)) == 3000  # a batch of many short prompts is not a long prompt
