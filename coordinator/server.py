@@ -3,8 +3,8 @@ and written through `SocketIO` (wire/loop_io.py: no future per message).
 
 Lifecycle of a request here: a client's GenerateRequest is checked against the request limits
 (wire/limits.py) and validated, then tokenized off the loop (coordinator/tokenizing.py: the
-request waits in `tokenizing`, where an abort or a lost client ends it), then placed: on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers
-Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
+request waits in `tokenizing`, where an abort or a lost client ends it), then placed: on a
+(prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
 or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
 are detokenized incrementally (stop strings end the request and abort it on the worker) and
 streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost

@@ -102,6 +102,29 @@ def decode_body(body: bytes, kind: type):
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
+class _RawSizes(msgspec.Struct):
+    """A body's prompt and stop as undecoded JSON: scanning them costs a fraction of decoding."""
+
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    stop: msgspec.Raw = msgspec.Raw(b"")
+
+
+def refuse_oversized(body: bytes, limits) -> None:
+    """Refuse a body whose prompt string or stop list is over the limits by its JSON length
+    alone, before it is decoded (an 8 MB prompt: 12 ms of scanning instead of 40 ms of decoding
+    that hold the event loop). JSON escapes at most 6 bytes per byte of text, so only what is
+    certainly over is refused here; the rest is checked after decoding (check_limits)."""
+    try:
+        raw = msgspec.json.decode(body, type=_RawSizes)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # the full decode reports it
+    if len(raw.stop) > 2 + limits.max_stop * (6 * limits.max_stop_length + 3):
+        raise bad_request(f"stop is over the limits of {limits.max_stop} strings of {limits.max_stop_length} characters "
+                          "(--max-stop, --max-stop-length)", "stop", "limit_exceeded")
+    if len(raw.prompt) > 2 + 6 * limits.max_prompt_bytes and bytes(memoryview(raw.prompt)[:1]) == b'"':
+        raise bad_request(f"the prompt is over {limits.max_prompt_bytes} bytes (--max-prompt-bytes)", "prompt", "limit_exceeded")
+
+
 def _error_param(text: str) -> str | None:
     m = re.search(r"at `\$\.(\w+)", text)  # msgspec ends its message with "- at `$.field...`"
     return m.group(1) if m else None

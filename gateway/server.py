@@ -10,7 +10,9 @@ return as one JSON body or as server-sent events ending in `data: [DONE]` (gatew
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
-freed. /metrics wants the API key when one is set, /health never does. /health and /metrics ask the coordinator for its stats on every call.
+freed. /metrics wants the API key when one is set, /health never does; both ask the
+coordinator for its stats on every call. Each request's bounds (wire/limits.py) are checked
+before its fan-out, and its choices hold fair shares of the in-flight slots (gateway/slots.py).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from client.library import (
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
+    refuse_oversized,
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -51,6 +54,7 @@ from wire.limits import RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
+DECODE_INLINE_BYTES = 256 * 1024  # a larger request body is decoded off the event loop
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
@@ -77,7 +81,7 @@ class GatewayConfig:
         if not 0 <= self.port < 65536:
             raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
         if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
-            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0")
+            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
 
@@ -146,6 +150,15 @@ class Gateway:
         if model not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
 
+    async def decode_request(self, request, kind):
+        """The body as `kind`; a large one is decoded on a thread, so the loop keeps streaming
+        (msgspec takes ~5 ms a megabyte and holds the GIL, which the loop gets back every 5 ms)."""
+        body = await read_body(request)
+        if len(body) <= DECODE_INLINE_BYTES:
+            return decode_body(body, kind)
+        refuse_oversized(body, self.cfg.limits)
+        return await asyncio.to_thread(decode_body, body, kind)
+
     def check_limits(self, req, texts: list[str]) -> None:
         """The request limits the coordinator applies too, here before any fan-out: each prompt's
         bytes (a chat's contents together), the stop lists, the priority."""
@@ -181,7 +194,7 @@ class Gateway:
 
     async def completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await read_body(request), CompletionRequest)
+        req = await self.decode_request(request, CompletionRequest)
         self.check_model(req.model)
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if req.prompt and isinstance(req.prompt[0], str) else []
         self.check_limits(req, texts)
@@ -192,7 +205,7 @@ class Gateway:
 
     async def chat_completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await read_body(request), ChatCompletionRequest)
+        req = await self.decode_request(request, ChatCompletionRequest)
         self.check_model(req.model)
         self.check_limits(req, [m.content for m in req.messages if isinstance(m.content, str)]
                           + [p.text for m in req.messages if isinstance(m.content, list) for p in m.content if p.text])

@@ -16,13 +16,17 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
+import multiprocessing
 import time
 
 import httpx
 import pytest
 
-from client.library import Client, InvalidRequest, PromptTooLong
+import zmq
+
+from client.library import Client
+from runtime.params import SamplingParams
+from wire.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 
@@ -55,28 +59,41 @@ def service(tmp_path_factory):
         proc.wait(timeout=30)
 
 
-class Probe(threading.Thread):
-    """A greedy stream read over HTTP, each token's arrival time kept, until `stop` is set."""
+def read_probe(url: str, model: str, count, stop, conn) -> None:
+    """A greedy stream read over HTTP in its own process (so the test's own work never delays its
+    reads), each token's arrival time kept until `stop` is set; sends (times, error) on conn."""
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 3500, "temperature": 0, "ignore_eos": True, "stream": True}
+    times, error = [], None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
+                    count.value = len(times)
+                if stop.is_set():
+                    break
+    except Exception as e:
+        error = repr(e)
+    conn.send((times, error))
 
+
+class Probe:
     def __init__(self, url: str, model: str):
-        super().__init__(daemon=True)
-        self.url, self.model = url, model
+        mp = multiprocessing.get_context("spawn")
+        self.count, self.stop = mp.Value("i", 0), mp.Event()
+        self.conn, child = mp.Pipe(duplex=False)
+        self.proc = mp.Process(target=read_probe, args=(url, model, self.count, self.stop, child), daemon=True)
         self.times: list[float] = []
-        self.stop = threading.Event()
-        self.error: Exception | None = None
+        self.error: str | None = None
 
-    def run(self):
-        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 3500, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        self.times.append(time.monotonic())
-                    if self.stop.is_set():
-                        return
-        except Exception as e:
-            self.error = e
+    def start(self):
+        self.proc.start()
+
+    def finish(self):
+        self.stop.set()
+        assert self.conn.poll(60), "the probe did not report"
+        self.times, self.error = self.conn.recv()
+        self.proc.join(10)
 
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
@@ -94,41 +111,61 @@ def test_heavy_and_oversized_requests_do_not_stall_a_stream(service):
     stops = [f"s{i}" for i in range(200_000)]
     allowed_stops = [chr(0x4e00 + i) * 256 for i in range(64)]  # the most, and longest, stop strings allowed
 
+    # Every payload is encoded before the probe starts: the test's own encoding would hold the GIL
+    # and delay the probe thread's reads, which would measure this process, not the service.
     def http(body):
-        data = json.dumps({"model": model, "max_tokens": 4, **body}).encode()  # encoded before the clock starts
+        data = json.dumps({"model": model, "max_tokens": 4, **body}).encode()
         return lambda: httpx.post(f"{url}/v1/completions", content=data, headers={"content-type": "application/json"}, timeout=60)
 
-    def direct(**kw):
-        with Client(service["clients"], timeout=60) as c:
-            try:
-                return c.generate(max_tokens=4, **kw)
-            except InvalidRequest as e:
-                return e
+    def direct(rid, **kw):
+        data = encode(GenerateRequest(rid, SamplingParams(max_tokens=4, stop=kw.pop("stop", [])), **kw))
 
-    probe = Probe(url, model)
-    probe.start()
-    poll(lambda: len(probe.times) >= 30 or probe.error, timeout=60)
+        def send():
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(service["clients"])
+            try:
+                s.send(data)
+                return decoder(CoordinatorToClient).decode(s.recv()) if s.poll(60_000) else None
+            finally:
+                s.close()
+        return send
+
     oversized = {
         "http 8 MB prompt": http({"prompt": big}),
         "http 200,000 stops": http({"prompt": "hi", "stop": stops}),
-        "coordinator 8 MB prompt": lambda: direct(prompt=big),
-        "coordinator 200,000 stops": lambda: direct(prompt="hi", stop=stops),
+        "coordinator 8 MB prompt": direct("c8", prompt=big),
+        "coordinator 200,000 stops": direct("cs", prompt="hi", stop=stops),
     }
-    results = {name: timed(fn) for name, fn in oversized.items()}  # one at a time: each refusal's own time
     heavy = {
         **oversized,
-        "coordinator 1 MiB prompt": lambda: direct(prompt="b " * (2**19 - 8)),
+        "coordinator 1 MiB prompt": direct("c1", prompt="b " * (2**19 - 8)),
         "http n=4, 64 stops of 256 chars": http({"prompt": "hi", "n": 4, "stop": allowed_stops, "max_tokens": 40,
                                                   "temperature": 0, "ignore_eos": True}),
     }
+    probe = Probe(url, model)
+    probe.start()
+    poll(lambda: probe.count.value >= 30 or not probe.proc.is_alive(), timeout=60)
+    t_heavy = time.monotonic()
+    phases = [t_heavy]
+    results = {}
+    for name, fn in oversized.items():  # one at a time: each refusal's own time
+        results[name] = timed(fn)
+        phases.append(time.monotonic())
+    n = probe.count.value
+    poll(lambda: probe.count.value >= n + 20, timeout=60)
+    phases.append(time.monotonic())
+    tokenized = heavy["coordinator 1 MiB prompt"]()  # alone: tokenized off the loop
+    phases.append(time.monotonic())
     with concurrent.futures.ThreadPoolExecutor(len(heavy)) as pool:  # then all at once, the probe still streaming
         futures = {name: pool.submit(fn) for name, fn in heavy.items()}
         together = {name: f.result(timeout=120) for name, f in futures.items()}
     print({name: round(took, 3) for name, (_, took) in results.items()})
-    n_before = len(probe.times)
-    poll(lambda: len(probe.times) >= n_before + 30 or probe.error, timeout=60)
-    probe.stop.set()
-    probe.join(30)
+    t_done = time.monotonic()
+    phases.append(t_done)
+    n_before = probe.count.value
+    poll(lambda: probe.count.value >= n_before + 30 or not probe.proc.is_alive(), timeout=60)
+    probe.finish()
     assert probe.error is None, probe.error
 
     for name, (out, took) in results.items():
@@ -137,17 +174,39 @@ def test_heavy_and_oversized_requests_do_not_stall_a_stream(service):
         for r in (results[name][0], together[name]):
             assert r.status_code == 400 and r.json()["error"]["code"] == "limit_exceeded", (name, r.text[:300])
     for name in ("coordinator 8 MB prompt", "coordinator 200,000 stops"):
-        for e in (results[name][0], together[name]):
-            assert isinstance(e, InvalidRequest) and e.code == "limit_exceeded", (name, e)
-    assert isinstance(together["coordinator 1 MiB prompt"], PromptTooLong)  # tokenized (off the loop), then too long
+        for reply in (results[name][0], together[name]):
+            assert isinstance(reply, ErrorReply) and reply.code == "limit_exceeded", (name, reply)
+    for reply in (tokenized, together["coordinator 1 MiB prompt"]):
+        assert isinstance(reply, ErrorReply) and reply.code == "prompt_too_long", reply  # tokenized (off the loop), then too long
     r = together["http n=4, 64 stops of 256 chars"]
     assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
 
     gaps = probe.gaps()
     median, worst = statistics.median(gaps), max(gaps)
     bound = max(GAP_FACTOR * median, median + GAP_SLACK_S)
-    print(f"probe: {len(gaps)} gaps, median {median * 1000:.1f} ms, worst {worst * 1000:.1f} ms, bound {bound * 1000:.1f} ms")
-    assert worst <= bound, f"the probe stalled: worst gap {worst * 1000:.0f} ms, median {median * 1000:.1f} ms"
+    at = probe.times[gaps.index(worst)] - t_heavy
+    quiet = max(gaps[:25])  # before the heavy requests: the machine's own noise
+    print("phase ends (s):", [round(t - t_heavy, 2) for t in phases])
+    print(f"probe: {len(gaps)} gaps, median {median * 1000:.1f} ms, worst {worst * 1000:.1f} ms at {at:+.2f}s "
+          f"(heavy phase 0..{t_done - t_heavy:.2f}s), worst before it {quiet * 1000:.1f} ms, bound {bound * 1000:.1f} ms")
+    assert worst <= bound, f"the probe stalled: worst gap {worst * 1000:.0f} ms at {at:+.2f}s, median {median * 1000:.1f} ms"
     with Client(service["clients"], timeout=30) as c:
         stats = wait_all_blocks_free(c, timeout=15)
         assert stats["active_requests"] == 0
+
+
+def test_a_request_aborted_while_it_is_tokenized_ends_at_once(service):
+    """A 1 MiB prompt takes seconds to tokenize (off the loop): meanwhile the coordinator still
+    knows the request (a StatusRequest gets no `unknown_request`) and an abort ends it with
+    Final(abort); its token ids, when they come, are dropped."""
+    with Client(service["clients"], timeout=30) as c:
+        before = c.stats()["requests"].get("finished:abort", 0)
+        c.sock.send(encode(GenerateRequest("big", SamplingParams(max_tokens=4), prompt="b " * (2**19 - 8))))
+        c.sock.send(encode(StatusRequest("big")))
+        c.abort("big")
+        reply = decoder(CoordinatorToClient).decode(c.sock.recv()) if c.sock.poll(10_000) else None
+        assert isinstance(reply, Final) and reply.request_id == "big" and reply.finish_reason == FinishReason.ABORT, reply
+        stats = c.stats()
+        assert stats["requests"].get("finished:abort", 0) == before + 1 and stats["active_requests"] == 0
+        assert not c.sock.poll(500)  # nothing more for it: no unknown_request, no late answer
+        assert wait_all_blocks_free(c, timeout=15)["active_requests"] == 0
