@@ -5,11 +5,12 @@ refused with a 400 / typed `limit_exceeded` in well under a second), a 1 MiB pro
 the byte limit (tokenized off the coordinator's loop, then refused as longer than the context),
 and n=4 choices with the most and longest stop strings allowed (served).
 
-Bound on the probe, measured at the HTTP client: its worst gap between tokens is at most
-max(5 x its own median gap, median + 250 ms). Before the change these requests stalled every
+Bound on the probe, read over HTTP by its own process: its worst gap between tokens is at most
+max(5 x its own median gap, median + 500 ms). Before the change these requests stalled every
 stream for 5.6 s (the 8 MB prompt, tokenized on the loop) and 32 s (200,000 stop strings, each
-matched at every token). The 250 ms absorb the shared 2-core machine's scheduling noise, not a
-stall: the tokenizer thread and the workers compete for two cores. The pools end whole.
+matched at every token). The 500 ms absorb the shared 2-core machine's scheduling noise, not a
+stall: at a load average of 10-18 the worst gap measured 105-412 ms, always as the six heavy
+requests arrived together (the phases are printed). The pools end whole.
 """
 import concurrent.futures
 import json
@@ -30,7 +31,7 @@ from wire.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, 
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 
-GAP_FACTOR, GAP_SLACK_S = 5.0, 0.25
+GAP_FACTOR, GAP_SLACK_S = 5.0, 0.5
 REFUSE_S = 1.0
 
 
