@@ -182,8 +182,10 @@ def completion_inputs(prompt, vocab_size: int, max_len: int | None = None) -> li
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
     ids = ([prompt] if not isinstance(prompt[0], list) else prompt) if prompt and not isinstance(prompt[0], str) else []
-    if max_len is not None and any(isinstance(p, list) and len(p) > max_len for p in ids):
-        raise bad_request(f"a prompt of token ids is longer than the context ({max_len} tokens)", "prompt", "prompt_too_long")
+    longest = max((len(p) for p in ids if isinstance(p, list)), default=0)
+    if max_len is not None and longest > max_len:  # as the coordinator words it
+        raise bad_request(f"prompt has {longest} tokens; this model's context is {max_len} tokens (prompt + output)", "prompt",
+                          "prompt_too_long")
     if prompt and all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
     if _token_ids(prompt, vocab_size):
