@@ -39,7 +39,7 @@ from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 from wire import security
-from wire.limits import RequestLimits
+from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 from wire.loop_io import SocketIO
 from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
@@ -151,6 +151,10 @@ class Coordinator:
                 self.counts["bad_client_messages"] += 1
                 continue
             ident, body = frames
+            if len(body) > SCAN_FIRST_BYTES and (over := self.cfg.limits.oversized_frame(body)) is not None:
+                self.counts["error:limit_exceeded"] += 1  # refused before decoding: see RequestLimits.oversized_frame
+                self.send_client(ident, ErrorReply(over[0], "limit_exceeded", over[1]))
+                continue
             try:
                 msg = self.client_dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -11,7 +11,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from runtime.errors import InvalidRequestError, LimitExceededError
+
+SCAN_FIRST_BYTES = 64 * 1024  # a larger GenerateRequest frame is scanned for oversized fields before it is decoded
+
+
+class _RequestHead(msgspec.Struct, tag="GenerateRequest", array_like=True):
+    """A GenerateRequest frame (wire/protocol.py) with its params and prompt left undecoded."""
+
+    request_id: str
+    params: msgspec.Raw
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _StopRaw(msgspec.Struct):
+    stop: msgspec.Raw = msgspec.Raw(b"")
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,23 @@ class RequestLimits:
             raise InvalidRequestError("request limits must be >= 1")
         if not 0 < lo <= hi:
             raise InvalidRequestError(f"client target range must be LO:HI with 0 < LO <= HI, got {lo}:{hi}")
+
+    def oversized_frame(self, frame: bytes) -> tuple[str, str] | None:
+        """(request id, why) if a GenerateRequest frame's prompt or stop list is over the limits
+        by its msgpack length alone; scanning costs ~3 ms where decoding 200,000 stop strings on
+        the coordinator's loop cost 20-140 ms. msgpack holds a string's UTF-8 bytes and a header
+        of at most 5 bytes, so only what is certainly over is refused here."""
+        try:
+            head = msgspec.msgpack.decode(frame, type=_RequestHead)
+            stop = msgspec.msgpack.decode(head.params, type=_StopRaw).stop
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None  # another message, or a bad one: the full decode says so
+        if len(head.prompt) > self.max_prompt_bytes + 5:
+            return head.request_id, f"the prompt is over {self.max_prompt_bytes} bytes (--max-prompt-bytes)"
+        if len(stop) > 5 + self.max_stop * (4 * self.max_stop_length + 5):
+            return head.request_id, (f"stop is over the limits of {self.max_stop} strings of {self.max_stop_length} characters "
+                                     "(--max-stop, --max-stop-length)")
+        return None
 
     def check_prompt_bytes(self, texts) -> None:
         """texts: the prompt, or each message's role and content."""
