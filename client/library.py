@@ -89,7 +89,7 @@ class RequestLost(RequestError):
 
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
-    "prompt_too_long": PromptTooLong, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
+    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
     "unknown_request": RequestLost,
 }
@@ -345,8 +345,11 @@ class AsyncClient:
                 if left <= 0:
                     raise RequestTimeout("no answer from the coordinator in time")
                 try:
-                    msg = await asyncio.wait_for(q.get(), min(left, PROBE_S))
-                except asyncio.TimeoutError:
+                    # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as
+                    # q.get() completes (gh-86296), so a cancelled stream ran on and sent no abort
+                    async with asyncio.timeout(min(left, PROBE_S)):
+                        msg = await q.get()
+                except TimeoutError:
                     await _send_now(self.sock, encode(StatusRequest(req.request_id)))
                     continue
                 try:
@@ -381,7 +384,8 @@ class AsyncClient:
         fut = asyncio.get_running_loop().create_future()
         self.stats_waiters.append(fut)
         await _send_now(self.sock, encode(StatsRequest()))
-        return await asyncio.wait_for(fut, timeout)
+        async with asyncio.timeout(timeout):  # see stream(): wait_for could swallow a cancellation
+            return await fut
 
 
 __all__ = [

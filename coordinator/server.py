@@ -1,9 +1,10 @@
 """The coordinator (`pdserve coordinator`): one asyncio loop (uvloop) owning two ROUTERs, read
 and written through `SocketIO` (wire/loop_io.py: no future per message).
 
-Lifecycle of a request here: a client's GenerateRequest is validated and tokenized, then
-placed: on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers
-Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
+Lifecycle of a request here: a client's GenerateRequest is checked against the request limits
+(wire/limits.py) and validated, then tokenized off the loop (coordinator/tokenizing.py: the
+request waits in `tokenizing`, where an abort or a lost client ends it), then placed: on a
+(prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
 or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
 are detokenized incrementally (stop strings end the request and abort it on the worker) and
 streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost
@@ -37,13 +38,15 @@ from coordinator import placement
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
+from coordinator.tokenizing import OffLoopTokenizer, prompt_texts
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
-from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
+from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 from wire import security
+from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 from wire.loop_io import SocketIO
 from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
@@ -83,6 +86,8 @@ class CoordinatorConfig:
     otlp_traces_endpoint: str | None = None  # export a span per request, a child per phase (coordinator/tracing.py)
     otlp_traces_protocol: str = "grpc"  # or http/protobuf
     served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
+    worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -96,10 +101,13 @@ class Coordinator:
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
-        self.auth = security.start_authenticator(self.ctx, cfg.keys)
+        secret = security.read_secret(cfg.worker_secret_file)
+        self.auth = security.start_authenticator(self.ctx, cfg.keys, secret)
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
+        self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}  # waiting for their token ids (off the loop)
+        self.tokenizer = OffLoopTokenizer(self.tok)
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
@@ -111,8 +119,8 @@ class Coordinator:
         self._ids = itertools.count()
         self.epoch = os.urandom(4).hex()  # in every request id: ids never repeat across restarts
         self.nodes: dict[str, dict] = {}  # launcher reports: node -> restarts per role
-        self.client_sock = self._router(cfg.client_addr)
-        self.worker_sock = self._router(cfg.worker_addr)
+        self.client_sock = self._router(cfg.client_addr, security.server_options(cfg.keys, security.CLIENTS))
+        self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS, secret))  # roles apart
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
         self.client_io, self.worker_io = SocketIO(self.client_sock), SocketIO(self.worker_sock)
         self.by_ident: dict[bytes, str] = {}  # worker socket identity -> worker id
@@ -121,13 +129,13 @@ class Coordinator:
         self.worker_dec = decoder(WorkerToCoordinator)
         self.stopping = asyncio.Event()
 
-    def _router(self, addr: str):
+    def _router(self, addr: str, options: dict):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
-        security.apply(sock, security.server_options(self.cfg.keys))
+        security.apply(sock, options)
         sock.bind(addr)
         return sock
 
@@ -151,6 +159,7 @@ class Coordinator:
         """Stop reading, close both ROUTERs, stop the authenticator and end the context."""
         self.client_io.stop()
         self.worker_io.stop()
+        self.tokenizer.close()
         self.client_sock.close(linger=0)
         self.worker_sock.close(linger=0)
         if self.auth is not None:
@@ -163,6 +172,10 @@ class Coordinator:
                 self.counts["bad_client_messages"] += 1
                 continue
             ident, body = frames
+            if len(body) > SCAN_FIRST_BYTES and (over := self.cfg.limits.oversized_frame(body)) is not None:
+                self.counts["error:limit_exceeded"] += 1  # refused before decoding: see RequestLimits.oversized_frame
+                self.send_client(ident, ErrorReply(over[0], "limit_exceeded", over[1]))
+                continue
             try:
                 msg = self.client_dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -214,6 +227,9 @@ class Coordinator:
             if who == ident and self.close(iid) is not None:
                 self.counts["finished:abort"] += 1
                 self.counts["client_gone_aborts"] += 1
+        for key in [k for k in self.tokenizing if k[0] == ident]:
+            self.forget_tokenizing(key)
+            self.counts["client_gone_aborts"] += 1
 
     def on_client(self, ident: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):
@@ -222,10 +238,13 @@ class Coordinator:
             iid = self.by_client.get((ident, msg.request_id))
             if iid is not None:
                 self.finish(iid, FinishReason.ABORT)
+            elif self.forget_tokenizing((ident, msg.request_id)):
+                self.counts["finished:abort"] += 1
+                self.send_client(ident, Final(msg.request_id, FinishReason.ABORT, 0, 0, 0.0, [], None, None, None))
         elif isinstance(msg, StatsRequest):
             self.send_client(ident, StatsReply(json.dumps(self.stats()).encode()))
         elif isinstance(msg, StatusRequest):
-            if (ident, msg.request_id) not in self.by_client:
+            if (ident, msg.request_id) not in self.by_client and (ident, msg.request_id) not in self.tokenizing:
                 self.send_client(ident, ErrorReply(msg.request_id, "unknown_request", "the coordinator does not know this request (it may have restarted)"))
         elif isinstance(msg, NodeReport):
             self.on_node_report(msg)
@@ -238,35 +257,86 @@ class Coordinator:
                          for k, v in list(d.items())[:MAX_NODE_ROLES]}
         self.nodes[msg.node[:MAX_NODE_TEXT]] = {"restarts": cut(msg.restarts), "last_exit": cut(msg.last_exit)}
 
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        given = [x is not None for x in (req.prompt, req.messages, req.token_ids)]
-        if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, messages, token_ids")
-        if req.token_ids is not None:
-            return list(req.token_ids)
-        if req.messages is not None:
-            return render_chat(self.tok, [{"role": m.role, "content": m.content} for m in req.messages])
-        return self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-
     def max_model_len(self) -> int | None:
         lens = [w.hello.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)
-        if len(self.requests) >= self.cfg.max_active_requests or self.client_load[ident] >= self.cfg.max_client_requests:
-            mine = len(self.requests) < self.cfg.max_active_requests
-            n, limit = (self.client_load[ident], self.cfg.max_client_requests) if mine else (len(self.requests), self.cfg.max_active_requests)
+        active = len(self.requests) + len(self.tokenizing)
+        if active >= self.cfg.max_active_requests or self.client_load[ident] >= self.cfg.max_client_requests:
+            mine = active < self.cfg.max_active_requests
+            n, limit = (self.client_load[ident], self.cfg.max_client_requests) if mine else (active, self.cfg.max_active_requests)
             self.counts["error:overloaded"] += 1
             self.send_client(ident, ErrorReply(req.request_id, "overloaded",
                                                f"{'this client' if mine else 'the coordinator'} has {n} requests in flight (limit {limit}); retry later"))
             return
-        if key in self.by_client:
+        if key in self.by_client or key in self.tokenizing:
             self.send_client(ident, ErrorReply(req.request_id, "invalid_request", f"request id {req.request_id!r} is already running"))
             return
         try:
-            req.params.validate()
-            prompt = self.tokenize(req)
+            nbytes = self.check_request(req)
+        except PdserveError as e:
+            self.counts[f"error:{e.code}"] += 1
+            self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
+            return
+        if req.token_ids is not None:
+            self.start_request(ident, req, list(req.token_ids))
+            return
+        self.tokenizing[key] = req
+        self.client_load[ident] += 1
+        self.tokenizer.submit(req, nbytes, lambda fut: self.tokenized(key, req, fut))
+
+    def check_request(self, req: GenerateRequest) -> int:
+        """Bounds first (each costs one pass over what the request holds), then the parameters;
+        returns the prompt's bytes."""
+        limits, p = self.cfg.limits, req.params
+        limits.check_sampling(p.stop, p.stop_token_ids)
+        base = self.cfg.class_targets.get(req.priority, (self.cfg.ttft_ms, self.cfg.tpot_ms))
+        limits.check_scheduling(req.priority, req.ttft_ms, req.tpot_ms, *base)
+        if sum(x is not None for x in (req.prompt, req.messages, req.token_ids)) != 1:
+            raise InvalidRequestError("give exactly one of prompt, messages, token_ids")
+        texts = prompt_texts(req) if req.token_ids is None else []
+        limits.check_prompt_bytes(texts)
+        p.validate()
+        return sum(map(len, texts))
+
+    def forget_tokenizing(self, key: tuple[bytes, str]) -> bool:
+        """Drop a request still being tokenized (aborted, or its client gone); its result is ignored."""
+        if self.tokenizing.pop(key, None) is None:
+            return False
+        self.unload(key[0])
+        return True
+
+    def unload(self, ident: bytes) -> None:
+        self.client_load[ident] -= 1
+        if self.client_load[ident] <= 0:
+            del self.client_load[ident]
+
+    def tokenized(self, key: tuple[bytes, str], req: GenerateRequest, fut) -> None:
+        """Back on the loop with req's token ids (or the error tokenizing raised)."""
+        if self.tokenizing.get(key) is not req or not self.forget_tokenizing(key):
+            return  # aborted or its client gone meanwhile
+        try:
+            prompt = fut.result()
+        except PdserveError as e:
+            self.counts[f"error:{e.code}"] += 1
+            self.send_client(key[0], ErrorReply(req.request_id, e.code, str(e)))
+            return
+        except Exception as e:  # a template that fails on this input, a tokenizer bug: this request only
+            log.warning("tokenizing %r failed: %r", req.request_id, e)
+            self.counts["error:invalid_request"] += 1
+            self.send_client(key[0], ErrorReply(req.request_id, "invalid_request", f"the prompt could not be tokenized: {e}"))
+            return
+        try:
+            self.start_request(key[0], req, prompt)
+        except Exception:  # as in _client_loop: one request must never take the coordinator down
+            log.exception("starting %r failed", req.request_id)
+            self.counts["internal_errors"] += 1
+
+    def start_request(self, ident: bytes, req: GenerateRequest, prompt: list[int]) -> None:
+        key = (ident, req.request_id)
+        try:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             limit = self.max_model_len()
@@ -599,9 +669,7 @@ class Coordinator:
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
-        self.client_load[st.client] -= 1
-        if self.client_load[st.client] <= 0:
-            del self.client_load[st.client]
+        self.unload(st.client)
         if tell and st.phase.on_workers:
             self.tell_workers(st, Abort(iid))
         names = st.prefill, st.decode

@@ -120,8 +120,9 @@ class DecodeWorker:
         cores.idle()
         security.check_bind(wcfg.kv_bind, wcfg.keys, wcfg.insecure)
         ctx = zmq.Context()
-        auth = security.start_authenticator(ctx, wcfg.keys)
-        receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys),
+        secret = security.read_secret(wcfg.worker_secret_file)
+        auth = security.start_authenticator(ctx, wcfg.keys, secret)
+        receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS, secret),
                               ipc=pool.accept() if isinstance(pool, CudaKVPool) else None, shm_path=pool.path)
         link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint))
         link.watch(receiver.sock, lambda sock: receiver.recv())

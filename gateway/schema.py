@@ -59,6 +59,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_json: dict | str | None = None  # vLLM's older names of the same
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    priority: int = 0  # vLLM's extra: the priority class (higher is more important; bounded by --max-client-priority)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -101,6 +102,29 @@ def decode_body(body: bytes, kind: type):
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
+class _RawSizes(msgspec.Struct):
+    """A body's prompt and stop as undecoded JSON: scanning them costs a fraction of decoding."""
+
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    stop: msgspec.Raw = msgspec.Raw(b"")
+
+
+def refuse_oversized(body: bytes, limits) -> None:
+    """Refuse a body whose prompt string or stop list is over the limits by its JSON length
+    alone, before it is decoded (an 8 MB prompt: 12 ms of scanning instead of 40 ms of decoding
+    that hold the event loop). JSON escapes at most 6 bytes per byte of text, so only what is
+    certainly over is refused here; the rest is checked after decoding (check_limits)."""
+    try:
+        raw = msgspec.json.decode(body, type=_RawSizes)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # the full decode reports it
+    if len(raw.stop) > 2 + limits.max_stop * (6 * limits.max_stop_length + 3):
+        raise bad_request(f"stop is over the limits of {limits.max_stop} strings of {limits.max_stop_length} characters "
+                          "(--max-stop, --max-stop-length)", "stop", "limit_exceeded")
+    if len(raw.prompt) > 2 + 6 * limits.max_prompt_bytes and bytes(memoryview(raw.prompt)[:1]) == b'"':
+        raise bad_request(f"the prompt is over {limits.max_prompt_bytes} bytes (--max-prompt-bytes)", "prompt", "limit_exceeded")
+
+
 def _error_param(text: str) -> str | None:
     m = re.search(r"at `\$\.(\w+)", text)  # msgspec ends its message with "- at `$.field...`"
     return m.group(1) if m else None
@@ -117,17 +141,18 @@ class Job:
     prompt_index: int
     inputs: dict  # prompt= | token_ids= | messages= for AsyncClient.stream
     sampling: dict  # SamplingParams fields
+    priority: int = 0
 
 
-def completion_jobs(req: CompletionRequest, vocab_size: int) -> list[Job]:
+def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
     _common_checks(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    inputs = completion_inputs(req.prompt, vocab_size)
+    inputs = completion_inputs(req.prompt, vocab_size, max_len)
     sampling = sampling_kwargs(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
-    return _fan_out(inputs, sampling, req.n)
+    return _fan_out(inputs, sampling, req.n, req.priority)
 
 
 def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
@@ -141,7 +166,7 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = sampling_kwargs(req, limit if limit is not None else default_max_tokens, logprobs)
-    return _fan_out([{"messages": [chat_message(m) for m in req.messages]}], sampling, req.n)
+    return _fan_out([{"messages": [chat_message(m) for m in req.messages]}], sampling, req.n, req.priority)
 
 
 def _common_checks(req: _Sampling) -> None:
@@ -151,9 +176,16 @@ def _common_checks(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
 
 
-def completion_inputs(prompt, vocab_size: int) -> list[dict]:
+def completion_inputs(prompt, vocab_size: int, max_len: int | None = None) -> list[dict]:
+    """max_len: the context, when known; a longer list of token ids is refused before its ids are
+    checked one by one (an 8 MB body holds millions)."""
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
+    ids = ([prompt] if not isinstance(prompt[0], list) else prompt) if prompt and not isinstance(prompt[0], str) else []
+    longest = max((len(p) for p in ids if isinstance(p, list)), default=0)
+    if max_len is not None and longest > max_len:  # as the coordinator words it
+        raise bad_request(f"prompt has {longest} tokens; this model's context is {max_len} tokens (prompt + output)", "prompt",
+                          "prompt_too_long")
     if prompt and all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
     if _token_ids(prompt, vocab_size):
@@ -201,7 +233,7 @@ def validate_sampling(kw: dict) -> None:
         raise bad_request(str(e), str(e).split(" ", 1)[0], e.code) from None
 
 
-def _fan_out(inputs: list[dict], sampling: dict, n: int) -> list[Job]:
+def _fan_out(inputs: list[dict], sampling: dict, n: int, priority: int = 0) -> list[Job]:
     """n samples of each prompt; choice index = prompt index * n + sample (as vLLM orders them)."""
     if len(inputs) * n > MAX_CHOICES:
         raise bad_request(f"{len(inputs)} prompts x n={n} make {len(inputs) * n} choices; the limit is {MAX_CHOICES}", "prompt")
@@ -212,7 +244,7 @@ def _fan_out(inputs: list[dict], sampling: dict, n: int) -> list[Job]:
             if kw.get("seed") is not None and i:
                 kw["seed"] = sampling["seed"] + i  # distinct but reproducible samples
                 validate_sampling(kw)
-            jobs.append(Job(p * n + i, p, given, kw))
+            jobs.append(Job(p * n + i, p, given, kw, priority))
     return jobs
 
 

@@ -10,7 +10,9 @@ return as one JSON body or as server-sent events ending in `data: [DONE]` (gatew
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
-freed. /health and /metrics ask the coordinator for its stats on every call.
+freed. /metrics wants the API key when one is set, /health never does; both ask the
+coordinator for its stats on every call. Each request's bounds (wire/limits.py) are checked
+before its fan-out, and its choices hold fair shares of the in-flight slots (gateway/slots.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
@@ -35,19 +37,23 @@ from client.library import (
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
+    refuse_oversized,
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.errors import MAX_BODY_BYTES, bad_request, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.slots import Slots
 from gateway.structured import check_jobs
 from gateway.tokenize import TokenizerRoutes
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer
+from wire.limits import RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
+DECODE_INLINE_BYTES = 256 * 1024  # a larger request body is decoded off the event loop
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
@@ -67,12 +73,14 @@ class GatewayConfig:
     retry_after_s: int = 1  # told to clients of a shed request (429)
     stats_timeout_s: float = 2.0
     keys: str | None = None  # CurveZMQ keys directory for the coordinator connection
+    max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
-        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0:
-            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0")
+        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
+            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
 
@@ -97,6 +105,7 @@ class Gateway:
         self.created = int(time.time())
         self.max_model_len: int | None = None  # learnt from the coordinator's stats
         self.client: AsyncClient | None = None
+        self.slots = Slots(cfg.max_inflight)
 
     def app(self) -> Starlette:
         routes = [
@@ -132,6 +141,30 @@ class Gateway:
         if model not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
 
+    async def decode_request(self, request, kind):
+        """The body as `kind`; a large one is decoded on a thread, so the loop keeps streaming
+        (msgspec takes ~5 ms a megabyte and holds the GIL, which the loop gets back every 5 ms)."""
+        body = await read_body(request)
+        if len(body) <= DECODE_INLINE_BYTES:
+            return decode_body(body, kind)
+        refuse_oversized(body, self.cfg.limits)
+        return await asyncio.to_thread(decode_body, body, kind)
+
+    def check_limits(self, req, texts: list[str]) -> None:
+        """The request limits the coordinator applies too, here before any fan-out: each prompt's
+        bytes (a chat's contents together), the stop lists, the priority."""
+        limits = self.cfg.limits
+        try:
+            limits.check_sampling([req.stop] if isinstance(req.stop, str) else req.stop or [], req.stop_token_ids or [])
+            limits.check_scheduling(req.priority, 0.0, 0.0, 0.0, 0.0)
+            if isinstance(req, ChatCompletionRequest):
+                limits.check_prompt_bytes(texts)
+            else:
+                for t in texts:
+                    limits.check_prompt_bytes([t] if isinstance(t, str) else [])  # a non-string is refused by completion_inputs
+        except InvalidRequestError as e:
+            raise bad_request(str(e), None, e.code) from None
+
     def api_error(self, e: Exception) -> ApiError:
         if isinstance(e, ApiError):
             return e
@@ -152,17 +185,21 @@ class Gateway:
 
     async def completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await read_body(request), CompletionRequest)
+        req = await self.decode_request(request, CompletionRequest)
         self.check_model(req.model)
-        jobs = completion_jobs(req, len(self.tok))
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if req.prompt and isinstance(req.prompt[0], str) else []
+        self.check_limits(req, texts)
+        jobs = completion_jobs(req, len(self.tok), self.max_model_len)
         await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
         return await self.run(request, req, jobs, fmt)
 
     async def chat_completions(self, request) -> Response:
         self.authorize(request)
-        req = decode_body(await read_body(request), ChatCompletionRequest)
+        req = await self.decode_request(request, ChatCompletionRequest)
         self.check_model(req.model)
+        self.check_limits(req, [m.content for m in req.messages if isinstance(m.content, str)]
+                          + [p.text for m in req.messages if isinstance(m.content, list) for p in m.content if p.text])
         jobs = chat_jobs(req, await self.context_len())
         await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
@@ -178,7 +215,10 @@ class Gateway:
         trace = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}  # the coordinator's span joins it
         for job in jobs if trace else ():
             job.inputs = {**job.inputs, "trace_headers": trace}
-        fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s)
+        try:
+            fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots)
+        except ClientError as e:  # every slot is held: 429
+            raise self.api_error(e) from None
         streaming = False
         try:
             if not req.stream:
@@ -239,6 +279,7 @@ class Gateway:
         return JSONResponse(body, 200 if ready else 503)
 
     async def prometheus(self, request) -> Response:
+        self.authorize(request)  # /health stays open (probes); /metrics shows traffic, so it wants the key when one is set
         return Response(self.metrics.render(await self.stats()), media_type=CONTENT_TYPE)
 
     async def openapi(self, request) -> Response:

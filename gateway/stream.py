@@ -1,9 +1,11 @@
 """The coordinator streams behind one HTTP request, and what ends them when the client leaves.
 
-Lifecycle: a `Fanout` starts one `AsyncClient.stream` per job at once (n > 1 and batched
-prompts are several jobs), each pumped by a task into one queue of (choice index, delta |
-error | None for "ended"). A streaming response first awaits `first()` (every stream's first
-delta, or the first error, so that an immediate refusal still becomes an HTTP status), then
+Lifecycle: a `Fanout` runs one `AsyncClient.stream` per job (n > 1 and batched prompts are
+several jobs), each holding one of the gateway's slots (gateway/slots.py): the jobs its fair
+share allows start at once (none: `Overloaded`, a 429), the rest start one by one as slots come
+back. Each is pumped by a task into one queue of (choice index, delta | error | None for
+"ended"). A streaming response first awaits `first()` (the first delta of every stream started
+at once, or the first error, so that an immediate refusal still becomes an HTTP status), then
 drains `next_event()`; a whole response awaits `results()`. `close()` cancels the pumps that
 are still running: cancelling `AsyncClient.stream` sends AbortRequest, so the workers free the
 request's blocks. `EventStream` (the SSE response) and `unless_disconnected` watch the ASGI
@@ -16,8 +18,9 @@ import logging
 
 from starlette.responses import StreamingResponse
 
-from client.library import AsyncClient, ClientError, Result, StreamDelta
+from client.library import AsyncClient, ClientError, Overloaded, Result, StreamDelta
 from gateway.schema import Job
+from gateway.slots import Slots
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -27,18 +30,37 @@ class ClientGone(Exception):
 
 
 class Fanout:
-    def __init__(self, client: AsyncClient, jobs: list[Job], request_id: str, metrics, timeout: float):
-        self.client, self.metrics, self.timeout = client, metrics, timeout
+    def __init__(self, client: AsyncClient, jobs: list[Job], request_id: str, metrics, timeout: float, slots: Slots):
+        self.client, self.metrics, self.timeout, self.request_id = client, metrics, timeout, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.buffer: list[tuple[int, object]] = []  # events read by first(), not yet handed out
         self.results: dict[int, Result] = {}
         self.open = len(jobs)
-        self.tasks = [asyncio.ensure_future(self._pump(j, f"{request_id}-{j.index}")) for j in jobs]
+        self.lease = slots.lease()
+        self.tasks: list[asyncio.Future] = []
+        while len(self.tasks) < len(jobs) and self.lease.try_take():
+            self._start(jobs[len(self.tasks)])
+        self.first_wave = len(self.tasks)
+        if not self.tasks:
+            self.lease.close()
+            raise Overloaded("overloaded", f"the gateway has {slots.held} requests in flight (--max-inflight {slots.total}); retry later")
+        self.feeder = asyncio.ensure_future(self._feed(jobs[self.first_wave:]))
+
+    def _start(self, job: Job) -> None:
+        task = asyncio.ensure_future(self._pump(job, f"{self.request_id}-{job.index}"))
+        task.add_done_callback(lambda _: self.lease.give())  # also for a task cancelled before it ran
+        self.tasks.append(task)
+
+    async def _feed(self, jobs: list[Job]) -> None:
+        """Start the jobs beyond this request's share, each as soon as it may hold a slot."""
+        for job in jobs:
+            await self.lease.take()
+            self._start(job)
 
     async def _pump(self, job: Job, rid: str) -> None:
         ended = False
         try:
-            async for d in self.client.stream(**job.inputs, request_id=rid, timeout=self.timeout, **job.sampling):
+            async for d in self.client.stream(**job.inputs, request_id=rid, timeout=self.timeout, priority=job.priority, **job.sampling):
                 if d.result is not None:
                     ended = True
                     self.results[job.index] = d.result
@@ -59,9 +81,9 @@ class Fanout:
             self.queue.put_nowait((job.index, None))
 
     async def first(self) -> None:
-        """Wait until every stream has sent something; raise the first error among them."""
+        """Wait until every stream started at once has sent something; raise the first error among them."""
         seen: set[int] = set()
-        while len(seen) < len(self.tasks):
+        while len(seen) < self.first_wave:
             index, item = await self.queue.get()
             self.buffer.append((index, item))
             if isinstance(item, Exception):
@@ -88,10 +110,13 @@ class Fanout:
         return [self.results[j.index] for j in jobs]
 
     async def close(self) -> None:
+        self.feeder.cancel()
+        await asyncio.gather(self.feeder, return_exceptions=True)  # no job starts after this
         running = [t for t in self.tasks if not t.done()]
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        self.lease.close()
 
 
 async def disconnected(receive) -> None:

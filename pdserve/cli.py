@@ -45,6 +45,7 @@ def _engine_options(f):
         click.option("--heartbeat-s", "heartbeat_s", default=0.5, show_default=True, type=float,
                      help="seconds between heartbeats (load, free KV blocks, step times); keep well under the coordinator's --worker-timeout"),
         click.option("-v", "--verbose", is_flag=True),
+        _SECRET_OPTION,
     ]
     for o in reversed(opts):
         f = o(f)
@@ -153,6 +154,10 @@ def _generate_local(prompt, model, dtype, chat, sampling):
     click.echo("")
     click.echo(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s]", err=True)
 
+_SECRET_OPTION = click.option("--worker-secret-file", default=None, type=click.Path(exists=True, dir_okay=False),
+                              help="without --keys: the per-launch worker secret (a 0600 file; `pdserve launch` writes one)")
+
+
 def _security_options(f):
     f = click.option("--insecure", is_flag=True, help="allow binding beyond loopback without CurveZMQ keys")(f)
     return click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")(f)
@@ -188,6 +193,40 @@ def _check_tracing(endpoint, protocol) -> None:
             raise click.UsageError(str(e)) from None
 
 
+def _limit_options(f):
+    """What one request may carry (wire/limits.py); the coordinator and the gateway both check them."""
+    opts = [
+        click.option("--max-prompt-bytes", default=2**20, show_default=True, type=click.IntRange(1),
+                     help="UTF-8 bytes of a prompt (or a chat's messages) before tokenizing; more is a 400"),
+        click.option("--max-stop", default=64, show_default=True, type=click.IntRange(1), help="stop strings per request"),
+        click.option("--max-stop-length", default=256, show_default=True, type=click.IntRange(1), help="characters of one stop string"),
+        click.option("--max-client-priority", default=0, show_default=True, type=int,
+                     help="the highest priority class a request may ask for (higher is a 400)"),
+        click.option("--client-target-range", default="1:1", show_default=True,
+                     help="LO:HI: a request's own ttft_ms/tpot_ms must lie within LO..HI times its class's targets"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _limits(max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range):
+    from runtime.errors import PdserveError
+    from wire.limits import RequestLimits
+
+    try:
+        lo, hi = (float(x) for x in client_target_range.split(":"))
+        return RequestLimits(max_prompt_bytes, max_stop, max_stop_length, max_client_priority=max_client_priority,
+                             client_target_range=(lo, hi))
+    except (ValueError, PdserveError) as e:
+        raise click.BadParameter(f"--client-target-range wants LO:HI with 0 < LO <= HI, got {client_target_range!r} ({e})") from None
+
+
+def _limit_args(**limits) -> list[str]:
+    """The same limits as flags, for the roles `pdserve launch` starts."""
+    return [a for name, v in limits.items() for a in (f"--{name.replace('_', '-')}", str(v))]
+
+
 def _class_targets(specs) -> dict:
     out = {}
     for spec in specs:
@@ -210,12 +249,14 @@ def _class_targets(specs) -> dict:
 @click.option("--max-active-requests", default=4096, show_default=True, help="requests in flight before new ones are refused (overloaded)")
 @click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
 @_slo_options
+@_limit_options
 @_security_options
 @_tracing_options
 @click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
+@_SECRET_OPTION
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, verbose):
+                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -227,7 +268,7 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
-                            served_model_name=served_model_name))
+                            served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file))
 
 
 @main.command()
@@ -239,15 +280,20 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
 @click.option("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
 @click.option("--request-timeout", default=600.0, show_default=True, help="seconds one request may take")
 @click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
+@click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
+              help="coordinator requests in flight for all HTTP requests (keep <= the coordinator's --max-client-requests); "
+                   "one HTTP request holds at most a fair share of them")
+@_limit_options
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, verbose):
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, verbose, **limits):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
 
     _logging(verbose)
     try:
-        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys)
+        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys,
+                            max_inflight=max_inflight, limits=_limits(**limits))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     serve(cfg)
@@ -313,13 +359,17 @@ def stats(address, timeout, keys):
 @click.option("--http-host", default="127.0.0.1", show_default=True)
 @click.option("--http-port", default=8000, show_default=True, type=int)
 @click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
+@click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
+              help="the gateway's coordinator requests in flight, shared fairly between HTTP requests")
 @_slo_options
+@_limit_options
 @_security_options
 @_tracing_options
 @engine_flag_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure, otlp_traces_endpoint,
-           otlp_traces_protocol, served_model_name, **engine_flags):
+           gateway, http_host, http_port, api_key, max_inflight, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure,
+           otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
+           max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -342,6 +392,11 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     if otlp_traces_endpoint:
         plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
         plan.coordinator_args += ["--served-model-name", plan.served_model_name] if plan.served_model_name else []
+    limits = dict(max_prompt_bytes=max_prompt_bytes, max_stop=max_stop, max_stop_length=max_stop_length,
+                  max_client_priority=max_client_priority, client_target_range=client_target_range)
+    _limits(**limits)  # a bad value is a usage error before anything starts
+    plan.coordinator_args += _limit_args(**limits)
+    plan.gateway_args += _limit_args(**limits) + ["--max-inflight", str(max_inflight)]
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key

@@ -14,6 +14,9 @@ exit with EX_CONFIG (78: a configuration it can never start with, e.g. a KV pool
 /dev/shm). Restart counts reach `pdserve stats` (`nodes`) through a NodeReport the launcher
 sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything: SIGTERM to each child,
 SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
+Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
+per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
+coordinator and the workers (restarted ones too); it is removed at stop.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class NodePlan:
     threads: int | None = None
     name: str = "local"
     coordinator_args: list[str] = field(default_factory=list)  # passed to the coordinator
+    gateway_args: list[str] = field(default_factory=list)  # passed to the gateway (request limits)
     gateway: bool = False  # the OpenAI HTTP gateway (`pdserve launch` turns it on beside the coordinator)
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -59,6 +63,7 @@ class NodePlan:
     keys: str | None = None  # CurveZMQ keys directory, passed to every role
     insecure: bool = False  # allow binds beyond loopback without keys
     served_model_name: str | None = None  # the gateway's model name
+    worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
 
     @property
     def security_args(self) -> list[str]:
@@ -93,7 +98,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         coordinator=bool(n.get("coordinator", False)),
         prefill=int(n.get("prefill", 0)), decode=int(n.get("decode", 0)), colocated=int(n.get("colocated", 0)),
         client_addr=f"tcp://{host}:{cluster.get('client_port', 5555)}",
-        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}",
+        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", worker_secret=False,  # workers of other nodes: keys
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
         engine_args=engine_args, threads=n.get("threads"), name=node,
         keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)),
@@ -147,6 +152,7 @@ class Launcher:
         self.children: list[Child] = []
         self.stopping = False
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
+        self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -178,20 +184,28 @@ class Launcher:
         if p.model:
             args += ["--model", p.model]
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
-        return args + ["--threads", str(threads)] + p.security_args
+        return args + ["--threads", str(threads)] + p.security_args + self._secret_args()
+
+    def _secret_args(self) -> list[str]:
+        return ["--worker-secret-file", self.secret_file] if self.secret_file else []
 
     def _gateway_args(self) -> list[str]:
         p = self.plan
         args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
         args += ["--model", p.model] if p.model else []
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
-        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else [])
+        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
 
     def start(self) -> None:
         p = self.plan
+        if p.worker_secret and not p.keys and p.coordinator:
+            from wire.security import write_secret
+
+            self.secret_file = write_secret()
         if p.coordinator:
             args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr]
-            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args)
+            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args
+                        + self._secret_args())
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
@@ -310,6 +324,9 @@ class Launcher:
             unlink_pool_of(proc.pid)
         if self.core_share and os.path.exists(self.core_share):
             os.unlink(self.core_share)
+        if self.secret_file and os.path.exists(self.secret_file):
+            os.unlink(self.secret_file)
+            os.rmdir(os.path.dirname(self.secret_file))
 
     def run_forever(self, on_ready=None) -> int:
         stop = []

@@ -226,6 +226,7 @@ class WorkerConfig:
     core_share: str | None = None  # "PATH:SLOT": size threads by the launch's busy workers (runtime.cores)
     keys: str | None = None  # CurveZMQ keys directory (pdserve keygen)
     insecure: bool = False  # allow a non-loopback kv bind without keys
+    worker_secret_file: str | None = None  # without keys: the per-launch secret (wire/security.py) workers present
 
     def __post_init__(self):
         if self.kv_backend not in ("auto", "shm", "tcp", "cuda_ipc", "nccl"):

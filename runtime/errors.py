@@ -43,6 +43,12 @@ class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 
 
+class LimitExceededError(InvalidRequestError):
+    """A request carries more than the server's bounds allow (prompt bytes, stop strings, ...)."""
+
+    code = "limit_exceeded"
+
+
 class NotSupportedError(PdserveError):
     """A feature that exists in the interface but is not available on this build or device."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runtime.errors import InvalidRequestError, ModelLoadError
 from runtime.model_path import resolve_model_path
+from runtime.stop import StopStrings
 
 
 def _cache_root() -> Path:
@@ -77,8 +78,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.skip = skip_special_tokens
-        self.stop = tuple(stop)
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stop = StopStrings(stop)
+        self.holdback = max(self.stop.longest, 1) - 1
         self.text = ""  # the whole output text so far (truncated at a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stopped_by: str | None = None
@@ -102,10 +103,9 @@ class IncrementalDetokenizer:
         return self._emit(limit)
 
     def _check_stop(self, start: int) -> None:
-        lo = max(0, start - self.holdback)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, lo)) >= 0]
-        if hits:
-            i, s = min(hits)
+        hit = self.stop.first(self.text, start) if self.stop else None  # runtime/stop.py: cost independent of the list's length
+        if hit is not None:
+            i, s = hit
             self.text = self.text[:i]
             self.stopped_by = s
 

@@ -149,8 +149,12 @@ def free_port() -> int:
 def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), prefill_args=(),
                   coordinator_args=(), keys=None, timeout=120.0, **plan):
     """A coordinator and workers as real processes on loopback; returns the started Launcher.
-    `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key)."""
+    `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key). The per-launch
+    worker secret is off unless `worker_secret=True`: many tests speak to the worker port with raw
+    sockets (tests/security/test_worker_auth.py checks the secret itself)."""
     from pdserve.launch import Launcher, NodePlan
+
+    plan.setdefault("worker_secret", False)
 
     plan = NodePlan(
         prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,

@@ -1,19 +1,28 @@
 """CurveZMQ keys and the loopback rule for every pdserve socket.
 
 Lifecycle: `pdserve keygen DIR` writes one keypair for the cluster's servers (the coordinator's
-two ROUTERs and each decode worker's kv ROUTER) and one for its clients (workers, the gateway,
-client programs), and lists the client public key as authorized. Every node gets a copy of DIR.
-A process given `keys=DIR` starts a ZAP authenticator that admits only authorized client keys,
-and puts CURVE options on each socket it binds (`server_options`) or connects (`client_options`).
-A bind to anything but loopback without keys is refused (`check_bind`) unless the operator
-said `insecure` explicitly. Without keys and on loopback nothing changes.
+two ROUTERs and each decode worker's kv ROUTER), one for its clients (the gateway, client
+programs) and one for its workers, and lists the client public key under DIR/authorized and
+the worker's under DIR/authorized-workers. Every node gets a copy of DIR. Roles are
+authenticated apart: each server socket names its ZAP domain (`clients` for the coordinator's
+client port, `workers` for its worker port and the kv ports), and a process given `keys=DIR`
+starts a ZAP authenticator that admits only the client keys in `clients` and only the worker
+keys in `workers`, so a client key cannot register a worker. Without keys, `pdserve launch`
+writes a per-launch secret into a 0600 file (`write_secret`) and hands its path to the
+coordinator and its workers: the worker port and the kv ports then run ZMQ PLAIN, admitting
+only connections that present the secret (over loopback; beyond it keys are required). A bind
+to anything but loopback without keys is refused (`check_bind`) unless the operator said
+`insecure` explicitly. Without keys or a secret nothing changes.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
 import re
+import secrets
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import zmq
@@ -21,7 +30,9 @@ import zmq.auth
 
 from runtime.errors import PdserveError
 
-SERVER, CLIENT = "server", "client"
+SERVER, CLIENT, WORKER = "server", "client", "worker"
+CLIENTS, WORKERS = "clients", "workers"  # ZAP domains of the client port and of the worker-facing ports
+PLAIN_USER = b"pdserve-worker"
 
 
 class InsecureBindError(PdserveError):
@@ -51,15 +62,15 @@ def check_bind(addr: str, keys: str | None, insecure: bool) -> None:
 
 def keygen(directory: str) -> Path:
     d = Path(directory)
-    authorized = d / "authorized"
-    authorized.mkdir(parents=True, exist_ok=True)
-    for name in (SERVER, CLIENT):
+    d.mkdir(parents=True, exist_ok=True)
+    for name in (SERVER, CLIENT, WORKER):
         for suffix in (".key", ".key_secret"):
             (d / f"{name}{suffix}").unlink(missing_ok=True)
         zmq.auth.create_certificates(str(d), name)
-    os.chmod(d / f"{SERVER}.key_secret", 0o600)
-    os.chmod(d / f"{CLIENT}.key_secret", 0o600)
-    shutil.copy(d / f"{CLIENT}.key", authorized / f"{CLIENT}.key")
+        os.chmod(d / f"{name}.key_secret", 0o600)
+    for name, folder in ((CLIENT, "authorized"), (WORKER, "authorized-workers")):
+        (d / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copy(d / f"{name}.key", d / folder / f"{name}.key")
     return d
 
 
@@ -71,19 +82,47 @@ def _pair(keys: str, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def server_options(keys: str | None) -> dict:
+def server_options(keys: str | None, domain: str = CLIENTS, secret: str | None = None) -> dict:
+    """Options of a bound socket: CURVE with keys; PLAIN with a secret (the worker-facing ports)."""
     if keys is None:
-        return {}
-    public, secret = _pair(keys, SERVER)
-    return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
+        return {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: domain.encode()} if secret is not None else {}
+    public, key = _pair(keys, SERVER)
+    return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: key, zmq.ZAP_DOMAIN: domain.encode()}
 
 
-def client_options(keys: str | None) -> dict:
+def client_options(keys: str | None, name: str = CLIENT) -> dict:
     if keys is None:
         return {}
-    public, secret = _pair(keys, CLIENT)
+    public, secret = _pair(keys, name)
     server_public, _ = zmq.auth.load_certificate(str(Path(keys) / f"{SERVER}.key"))
     return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
+
+
+def worker_options(keys: str | None, secret: str | None = None) -> dict:
+    """Options of a worker's connections (to the coordinator, to a decode worker's kv port)."""
+    if keys is None:
+        return {zmq.PLAIN_USERNAME: PLAIN_USER, zmq.PLAIN_PASSWORD: secret.encode()} if secret is not None else {}
+    return client_options(keys, WORKER)
+
+
+def write_secret() -> str:
+    """A fresh per-launch secret in a new 0600 file (in a 0700 directory); returns its path."""
+    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-"), "worker-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
+
+
+def read_secret(path: str | None) -> str | None:
+    """The secret in path (None for no path); refused unless only its owner can read it."""
+    if path is None:
+        return None
+    mode = os.stat(path).st_mode
+    if stat.S_IMODE(mode) & 0o077:
+        raise InsecureBindError(f"the worker secret {path} must be readable by its owner only (chmod 600)")
+    with open(path) as f:
+        return f.read().strip()
 
 
 def apply(sock: zmq.Socket, options: dict) -> None:
@@ -91,14 +130,24 @@ def apply(sock: zmq.Socket, options: dict) -> None:
         sock.setsockopt(opt, value)
 
 
-def start_authenticator(ctx: zmq.Context, keys: str | None):
-    """A ZAP handler admitting only the public keys in KEYS/authorized (None without keys); it
-    runs on its own thread, so the CurveZMQ handshakes never wait on a server's event loop."""
-    if keys is None:
+def start_authenticator(ctx: zmq.Context, keys: str | None, secret: str | None = None):
+    """A ZAP handler (None without keys or secret) admitting, with keys, the public keys in
+    KEYS/authorized on the `clients` domain and those in KEYS/authorized-workers on `workers`;
+    with a secret, PLAIN connections presenting it on `workers`. It runs on its own thread, so
+    the handshakes never wait on a server's event loop."""
+    if keys is None and secret is None:
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=str(Path(keys) / "authorized"))
+    if keys is not None:
+        workers = Path(keys) / "authorized-workers"
+        if not workers.is_dir():
+            auth.stop()
+            raise InsecureBindError(f"no worker keys at {workers}: run `pdserve keygen {keys}` again (workers have their own keypair)")
+        auth.configure_curve(domain=CLIENTS, location=str(Path(keys) / "authorized"))
+        auth.configure_curve(domain=WORKERS, location=str(workers))
+    else:
+        auth.configure_plain(domain=WORKERS, passwords={PLAIN_USER.decode(): secret})
     return auth

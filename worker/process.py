@@ -46,7 +46,8 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
 
 def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:
     """The link to the coordinator that says h; the worker starts it with its heartbeat."""
-    return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=security.client_options(wcfg.keys))
+    curve = security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file))  # the worker's own credential
+    return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=curve)
 
 
 def build_or_exit(build):

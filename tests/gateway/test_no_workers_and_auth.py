@@ -1,6 +1,7 @@
 """The gateway of a service with no workers yet (coordinator and gateway only, real processes
 on loopback) and an API key: /health says 503, requests are 503 `no_workers`, a missing or wrong
-bearer key is 401, and /health and /metrics stay open without the key."""
+bearer key is 401, /health stays open without the key and /metrics wants it
+(tests/gateway/test_fairness.py checks the 401)."""
 import httpx
 import openai
 import pytest
@@ -38,7 +39,7 @@ def test_health_is_503_without_workers(service):
     r = httpx.get(f"{service.plan.http_url}/health", timeout=10)
     assert r.status_code == 503
     assert r.json()["status"] == "unavailable" and "no prefill+decode pair" in r.json()["reason"]
-    samples, _ = scrape(service.plan.http_url)
+    samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
     assert value(samples, "pdserve:coordinator_up") == 1 and value(samples, "pdserve:num_workers") == 0
 
 
@@ -49,7 +50,7 @@ def test_requests_are_503_without_workers(service, model):
             with pytest.raises(openai.InternalServerError) as e:
                 c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=stream)
             assert e.value.status_code == 503 and e.value.code == "no_workers"
-    samples, _ = scrape(service.plan.http_url)
+    samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
     assert value(samples, "pdserve:request_errors_total", error_type="no_workers") == 2
 
 

@@ -90,3 +90,25 @@ def test_chat_mapping():
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         chat_jobs(chat(image), 10)
 
+
+
+def test_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are_checked():
+    with pytest.raises(ApiError) as e:
+        completion_inputs([1] * 3000, 100, 2048)
+    assert e.value.status == 400 and e.value.code == "prompt_too_long"
+    assert len(completion_inputs(["a"] * 3000, 100, 2048)) == 3000  # a batch of many short prompts is not a long prompt
+
+
+def test_oversized_prompt_and_stop_are_refused_from_their_json_length():
+    import json
+
+    from gateway.schema import refuse_oversized
+    from wire.limits import RequestLimits
+
+    limits = RequestLimits(max_prompt_bytes=100, max_stop=2, max_stop_length=3)
+    for body in ({"prompt": "a" * 700}, {"prompt": "hi", "stop": ["abc"] * 100}):
+        with pytest.raises(ApiError) as e:
+            refuse_oversized(json.dumps(body).encode(), limits)
+        assert e.value.status == 400 and e.value.code == "limit_exceeded"
+    for body in ({"prompt": "\x01" * 100}, {"prompt": ["a" * 700]}, {"stop": ["\x01\x01\x01"] * 2}):  # at the limit, or not one string
+        refuse_oversized(json.dumps(body).encode(), limits)
