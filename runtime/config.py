@@ -136,6 +136,7 @@ class EngineConfig:
     fast_path: bool = True
     linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
     gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
+    prefix_cache: bool = True  # reuse the KV of full blocks whose token prefix was computed before (off: --no-prefix-cache)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -190,7 +191,7 @@ class EngineConfig:
             "dtype": self.dtype, "device": self.device, "max_model_len": max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size, "num_blocks": num_blocks,
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "gpu_memory_utilization": self.gpu_memory_utilization, "prefix_cache": int(self.prefix_cache),
         }
 
 
