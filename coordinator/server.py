@@ -304,7 +304,7 @@ class Coordinator:
         self.admitting.pop(st.iid, None)
         self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
         st.admissions += 1
-        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions))
+        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, st.prefix_hashes(d.hello.block_size) if d.prefix_cache else []))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
         st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens
@@ -447,6 +447,7 @@ class Coordinator:
         st.phase = Phase.PREFILLING
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
+            msg.cached_blocks,
         ))
         self.phases.prefill_sent(st.iid)
 
@@ -592,7 +593,7 @@ class Coordinator:
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
-                "engine": w.hello.engine,
+                "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
             })
         return {
             "workers": workers,
@@ -603,6 +604,13 @@ class Coordinator:
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
         }
+
+
+def prefix_stats(b: Heartbeat | None) -> dict:
+    """A worker's prefix cache as its last heartbeat told it: blocks cached, tokens looked up and hit."""
+    queries, hits = (b.prefix_queries, b.prefix_hits) if b else (0, 0)
+    return {"cached_blocks": b.cached_blocks if b else 0, "queries": queries, "hits": hits,
+            "hit_rate": round(hits / queries, 4) if queries else 0.0}
 
 
 def hello_problem(h: Hello) -> str | None:
@@ -625,7 +633,8 @@ def numbers_ok(msg) -> bool:
     and the stats JSON, where one NaN would break every later answer."""
     if isinstance(msg, Heartbeat):
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
-                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, *(v for s in msg.steps for v in s)]
+                  msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, *(v for s in msg.steps for v in s),
+                  msg.cached_blocks, msg.prefix_queries, msg.prefix_hits]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:

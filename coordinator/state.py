@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
 from coordinator.slo import StepModel
+from runtime.prefix_hash import chain_hashes
 from runtime.tokenizer import IncrementalDetokenizer
 from wire.protocol import GenerateRequest, Heartbeat, Hello, Role
 
@@ -51,6 +52,11 @@ class WorkerState:
     @property
     def role(self) -> Role:
         return Role(self.hello.role)
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether its prefix cache is on (EngineConfig.summary; a worker that does not say: on)."""
+        return bool(self.hello.engine.get("prefix_cache", 1))
 
     @property
     def free_blocks(self) -> int:
@@ -96,10 +102,19 @@ class RequestState:
     admissions: int = 0  # Admits sent; a Granted/AdmitRefused for an older one is stale
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
+    _hashes: tuple | None = None  # (block size, tokens, keys): prefix_hashes' last answer
 
     @property
     def priority(self) -> int:
         return self.req.priority
+
+    def prefix_hashes(self, block_size: int) -> list[int]:
+        """The chained keys of its full blocks but the one holding its last token (what a
+        prefix cache may hold for it), kept until its tokens or the block size change."""
+        n = self.num_tokens
+        if self._hashes is None or self._hashes[:2] != (block_size, n):
+            self._hashes = (block_size, n, chain_hashes(self.prompt + self.tokens, block_size, (n - 1) // block_size))
+        return self._hashes[2]
 
     @property
     def num_tokens(self) -> int:

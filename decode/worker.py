@@ -4,8 +4,9 @@ Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memo
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket and makes the link that says Hello; the worker itself is
 built from those parts (tests pass an in-process transport and link). Then `run` loops:
-  drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused); KVReady -> copy tcp frames
-  into the granted blocks, join the running batch, emit the prefill's first token at once;
+  drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of
+  the Admit's prefix keys first (Granted.cached_blocks: the prefill side sends only the rest),
+  new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
   step the engine (continuous batching: joiners enter at the next step, finished sequences
   leave at once, a short pool preempts the newest sequence, which is recomputed here);
@@ -30,7 +31,7 @@ from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
+from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
 from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
 from runtime.sequence import FinishReason
@@ -51,6 +52,7 @@ class Grant:
     block_ids: list[int]
     deadline: float
     cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
+    cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
 
 
 def token_out(o: StepOutput) -> TokenOut:
@@ -114,7 +116,7 @@ class DecodeWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
-            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped,
+            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, **prefix_report(self.engine),
         )
 
     def run(self) -> None:
@@ -177,18 +179,34 @@ class DecodeWorker:
     def on_admit(self, msg: Admit) -> None:
         self.free_grant(msg.request_id)  # a newer admission of the same request replaces the old grant
         blocks = self.engine.blocks
-        ids = blocks.allocate(blocks.blocks_for(msg.num_tokens)) if msg.num_tokens > 0 else None
+        ids = self.grant_blocks(msg) if msg.num_tokens > 0 else None
         if ids is None:
             self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
-        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s)
-        self.link.send(Granted(msg.request_id, ids, msg.admission))
+        ids, cached = ids
+        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s, cached=cached)
+        self.link.send(Granted(msg.request_id, ids, msg.admission, cached))
+
+    def grant_blocks(self, msg: Admit) -> tuple[list[int], int] | None:
+        """(blocks for msg's tokens, how many of the first hold its prefix already), or None
+        (nothing taken) if the pool is short. At most all but the last block come from the
+        prefix cache, so every hand-off carries at least one block."""
+        blocks = self.engine.blocks
+        need = blocks.blocks_for(msg.num_tokens)
+        cached = blocks.match(msg.prefix_hashes[:need - 1]) if blocks.prefix_cache else []
+        rest = blocks.allocate(need - len(cached))
+        if rest is None:
+            blocks.free(cached)
+            return None
+        if blocks.prefix_cache:
+            blocks.count_lookup(msg.num_tokens, len(cached) * blocks.block_size)
+        return cached + rest, len(cached)
 
     def on_kv(self, msg, frames) -> None:
         grant = self.grants.pop(msg.request_id, None)
         if grant is None:
             return  # released already (timeout or prefill worker lost): nothing to free
-        if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids:
+        if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids[grant.cached:]:
             self.engine.blocks.free(grant.block_ids)
             if isinstance(msg, KVFailed) and not grant.cancelled:
                 self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", msg.reason))

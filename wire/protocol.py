@@ -145,18 +145,25 @@ class Heartbeat(_Msg):
     preemptions: int = 0
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
     inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
+    prefix_added: list[int] = []  # block keys its prefix cache registered since the last heartbeat (bounded)
+    prefix_evicted: list[int] = []  # and evicted
+    cached_blocks: int = 0  # blocks registered in its prefix cache now
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since start
+    prefix_hits: int = 0  # of those, tokens found cached
 
 
 class Admit(_Msg):
     request_id: str
     num_tokens: int
     admission: int = 0  # counts this request's Admits; echoed so a late answer to an older one is ignored
+    prefix_hashes: list[int] = []  # chained keys of its full blocks the decode worker may already hold (runtime.prefix_hash)
 
 
 class Granted(_Msg):
     request_id: str
     block_ids: list[int]
     admission: int = 0
+    cached_blocks: int = 0  # the first block_ids already hold the prompt's KV (prefix cache): only the rest is sent
 
 
 class AdmitRefused(_Msg):
@@ -174,6 +181,7 @@ class Prefill(_Msg):
     dest_block_ids: list[int]  # the transport is the prefill worker's choice (KVConnect -> KVAccept)
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
     priority: int = 0
+    dest_cached_blocks: int = 0  # Granted.cached_blocks: the first dest blocks are not sent (KVReady names the rest)
 
 
 class Generate(_Msg):
@@ -234,6 +242,7 @@ CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Re
 
 class KVReady(_Msg):
     """Sent after the KV of `num_computed` tokens is in the destination's granted blocks.
+    block_ids: the granted blocks sent, i.e. all of them less the Granted.cached_blocks first.
 
     For tcp the block bytes follow as one extra frame per layer, each shaped
     (2, len(block_ids), block_size, kv_heads, head_dim).
