@@ -277,9 +277,9 @@ class Coordinator:
         req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
         targets = self.admission_targets(st) if self.cfg.slo else None
         if prefills and decodes:
-            decision = placement.place_pair(req, self.snapshots(prefills, now), self.snapshots(decodes, now), targets)
+            decision = placement.place_pair(req, self.snapshots(prefills, now, st), self.snapshots(decodes, now, st), targets)
         else:
-            decision = placement.place_colocated(req, self.snapshots(colocated, now), targets)
+            decision = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
         if decision.outcome is Outcome.WAIT:
             self.park(st)
         elif decision.outcome is Outcome.SHED:
@@ -289,16 +289,29 @@ class Coordinator:
         else:
             self.generate_on(st, self.workers[decision.worker], decision, now)
 
-    def snapshots(self, workers: list[WorkerState], now: float) -> list[placement.WorkerSnapshot]:
-        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now) for w in workers]
+    def snapshots(self, workers: list[WorkerState], now: float, st: RequestState) -> list[placement.WorkerSnapshot]:
+        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now, self.cached_on(w, st)) for w in workers]
+
+    def cached_on(self, w: WorkerState, st: RequestState) -> int:
+        """Leading tokens of st that w's prefix cache is thought to hold (0 with its cache off)."""
+        return w.cached_tokens(st.prefix_hashes(w.hello.block_size)) if w.prefix_cache else 0
+
+    def note_placed_prefix(self, st: RequestState, *workers: WorkerState) -> None:
+        """The workers st goes to will hold its prefix: say so in their views at once, so the
+        next request with that prefix finds it before their heartbeats tell it."""
+        for w in workers:
+            if w.prefix_cache:
+                w.note_prefix(st.prefix_hashes(w.hello.block_size))
 
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
         need = placement.blocks_needed(st.num_tokens, d.hello.block_size)
-        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, st.num_tokens
+        backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
+        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
         st.predicted_ttft = decision.predicted_ttft
         d.reserved_blocks += need
-        p.queued_tokens += st.num_tokens
+        p.queued_tokens += backlog
+        self.note_placed_prefix(st, p, d)
         d.requests.add(st.iid)
         p.requests.add(st.iid)
         self.admitting.pop(st.iid, None)
@@ -307,10 +320,11 @@ class Coordinator:
         self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, st.prefix_hashes(d.hello.block_size) if d.prefix_cache else []))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
-        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens
+        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - self.cached_on(w, st)
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
             st.predicted_ttft = decision.predicted_ttft
-        w.queued_tokens += st.num_tokens  # until its first token (on_token)
+        w.queued_tokens += st.backlog  # until its first token (on_token)
+        self.note_placed_prefix(st, w)
         w.note_placed(st.num_tokens, now)
         w.requests.add(st.iid)
         self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
@@ -383,6 +397,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             w.beat = msg
             w.beats += 1
+            w.note_prefix(msg.prefix_added, msg.prefix_evicted)
             w.model.add(msg.steps)
             w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == Phase.ADMITTING)
         elif isinstance(msg, Granted):

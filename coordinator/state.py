@@ -21,6 +21,9 @@ from runtime.tokenizer import IncrementalDetokenizer
 from wire.protocol import GenerateRequest, Heartbeat, Hello, Role
 
 
+MAX_VIEW = 65536  # block keys kept per worker in the coordinator's view of its prefix cache
+
+
 class Phase(enum.IntEnum):
     NEW = 0  # not placed (yet, or again after a lost worker)
     PENDING = 1  # waiting for a decode worker with room (no SLO control, or a retry)
@@ -48,6 +51,29 @@ class WorkerState:
     model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
     admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
     admitted_tokens: int = 0  # their sum
+    prefix_view: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # block keys it is thought to hold
+
+    def note_prefix(self, added: list[int], evicted: list[int] = ()) -> None:
+        """Update the approximate view of its prefix cache: keys its heartbeat reported registered
+        or evicted, or a placement's keys at once (it will hold them; the router inserts on
+        routing as SGLang's does). Bounded: past MAX_VIEW keys the least recently noted go."""
+        view = self.prefix_view
+        for h in added:
+            view[h] = None
+            view.move_to_end(h)
+        for h in evicted:
+            view.pop(h, None)
+        while len(view) > MAX_VIEW:
+            view.popitem(last=False)
+
+    def cached_tokens(self, hashes: list[int]) -> int:
+        """Leading tokens of a request (its block keys) this worker is thought to hold."""
+        n = 0
+        for h in hashes:
+            if h not in self.prefix_view:
+                break
+            n += 1
+        return n * self.hello.block_size
 
     @property
     def role(self) -> Role:
@@ -75,11 +101,12 @@ class WorkerState:
             self.admitted_tokens -= self.admitted.popleft()[1]
         return self.admitted_tokens
 
-    def snapshot(self, requests: list["RequestState"], now: float) -> WorkerSnapshot:
-        """What placement needs of this worker; `requests`: the live requests placed on it."""
+    def snapshot(self, requests: list["RequestState"], now: float, cached_tokens: int = 0) -> WorkerSnapshot:
+        """What placement needs of this worker; `requests`: the live requests placed on it;
+        cached_tokens: of the request being placed, the leading tokens it is thought to hold."""
         return WorkerSnapshot(
             self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
-            sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now),
+            sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
         )
 
 

@@ -184,7 +184,8 @@ class LLMEngine:
 
     def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4) -> list[tuple[int, int, int, float]]:
         """Time a few prefill and decode steps on random tokens (before serving), so the
-        coordinator's latency model has data from the first request on. Frees everything."""
+        coordinator's latency model has data from the first request on. Frees everything, the
+        prefix cache's blocks and counters included."""
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
         prompt_len = min(prompt_len, self.max_model_len - decode_steps - 2)
@@ -196,6 +197,7 @@ class LLMEngine:
             self.generate(prompts, params)
         samples = list(self.step_log)
         self.step_log.clear()
+        self.blocks.reset_prefix_cache()
         return samples
 
     def _append(self, seq: Sequence, token: int, logprob, top) -> StepOutput:

@@ -171,6 +171,16 @@ class BlockManager:
             changes, self.changes = self.changes, OrderedDict()
         return [h for h, r in changes.items() if r], [h for h, r in changes.items() if not r]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds, the counters and the changes (after
+        a worker's start-up profile, whose random prompts are no one's prefix)."""
+        while self.cached:
+            i, _ = self.cached.popitem(last=False)
+            self._unregister(i)
+            self.free_ids.append(i)
+        self.queries = self.hits = 0
+        self.take_changes()
+
     def leaked(self) -> list[int]:
         """Blocks still referenced (for the end-of-test check: every count zero)."""
         return [i for i, c in enumerate(self.ref_counts) if c]
