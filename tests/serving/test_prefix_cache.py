@@ -3,7 +3,7 @@ tcp (one prefill and one decode worker, so every hit is certain). A shared syste
 second turn that resends the first turn and its answer, and n=3 copies of one prompt give the
 single-process runtime's greedy tokens (cache off) token for token; the prefill worker skips the
 cached prefix, the decode worker grants only the blocks it lacks and the hand-offs carry only
-those; `pdserve stats` shows the hits; every pool is whole (every ref count zero) at the end."""
+those; `pdserve stats` and /metrics show the hits; every pool is whole (every ref count zero) at the end."""
 import asyncio
 import json
 
@@ -13,7 +13,8 @@ from client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
-from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
+from tests.gateway.helpers import scrape, value
+from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 BLOCK = 8
 SYSTEM = [100 + (j * 37) % 3000 for j in range(45)]  # 5 full blocks and a part
@@ -60,7 +61,7 @@ def block_bytes(model_dir) -> int:
 @pytest.mark.parametrize("mode", ["shm", "tcp", "colocated"])
 def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, mode):
     first, prompts, want = reference
-    kwargs = dict(colocated=1, prefill=0, decode=0) if mode == "colocated" else dict(prefill=1, decode=1, kv_backend=mode)
+    kwargs = dict(colocated=1, prefill=0, decode=0, gateway=True, http_port=free_port()) if mode == "colocated" else dict(prefill=1, decode=1, kv_backend=mode)
     launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK)], **kwargs)
     try:
         addr = launcher.plan.client_addr
@@ -76,6 +77,11 @@ def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, m
         system_tokens = len(SYSTEM) // BLOCK * BLOCK
         if mode == "colocated":
             assert caches["colocated"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)
+            samples, types = scrape(launcher.plan.http_url)  # the same counters on /metrics, under vLLM's names
+            assert types["pdserve:prefix_cache_queries"] == "counter" and types["pdserve:prefix_cache_hits"] == "counter"
+            assert value(samples, "pdserve:prefix_cache_hits_total", role="colocated") == caches["colocated"]["hits"]
+            assert value(samples, "pdserve:prefix_cache_queries_total") == caches["colocated"]["queries"] > caches["colocated"]["hits"]
+            assert value(samples, "pdserve:prefix_cache_blocks") == caches["colocated"]["cached_blocks"] > 0
             return
         assert caches["prefill"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)
         assert caches["decode"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)
