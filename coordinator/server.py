@@ -88,6 +88,7 @@ class Coordinator:
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
+        self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
         self.kv = collections.Counter()
@@ -274,6 +275,9 @@ class Coordinator:
         if not (prefills and decodes) and not colocated:
             self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
             return
+        if prefills and decodes and self.wait_for_twin(st, decodes[0].hello.block_size):
+            self.park(st)
+            return
         req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
         targets = self.admission_targets(st) if self.cfg.slo else None
         if prefills and decodes:
@@ -288,6 +292,22 @@ class Coordinator:
             self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
         else:
             self.generate_on(st, self.workers[decision.worker], decision, now)
+
+    def wait_for_twin(self, st: RequestState, block_size: int) -> bool:
+        """n choices of one request (the same prompt from the same client at once, at least a
+        full block long): the first is prefilled and handed off alone, the others wait (parked)
+        until its KV is on its decode worker. Then they find the prompt's full blocks cached on
+        both sides: the decode worker shares them and each choice gets its own copy of the last
+        partial block, the only one sent. Without the prefix cache nothing waits."""
+        if st.tokens or len(st.prompt) <= block_size or not all(w.prefix_cache for w in self.workers.values()):
+            return False
+        key = (st.client, tuple(st.prompt))
+        lead = self.requests.get(self.twins.get(key, ""))
+        if lead is None or lead is st:
+            self.twins[key] = st.iid
+            st.twin_key = key
+            return False
+        return lead.phase <= Phase.PREFILLING
 
     def snapshots(self, workers: list[WorkerState], now: float, st: RequestState) -> list[placement.WorkerSnapshot]:
         return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now, self.cached_on(w, st)) for w in workers]
@@ -561,6 +581,8 @@ class Coordinator:
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
+        if st.twin_key is not None and self.twins.get(st.twin_key) == iid:
+            del self.twins[st.twin_key]
         self.client_load[st.client] -= 1
         if self.client_load[st.client] <= 0:
             del self.client_load[st.client]

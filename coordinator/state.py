@@ -130,6 +130,7 @@ class RequestState:
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
     _hashes: tuple | None = None  # (block size, tokens, keys): prefix_hashes' last answer
+    twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
 
     @property
     def priority(self) -> int:

@@ -107,3 +107,23 @@ def test_no_prefix_cache_sends_every_block(model_dir, reference, tmp_path):
         assert stats["kv_transfer"]["bytes"] == full
     finally:
         launcher.stop()
+
+
+def test_n_choices_share_the_prompt_on_the_decode_worker(model_dir, tmp_path):
+    """3 choices of one fresh prompt at once: the first is prefilled and handed off whole, the
+    other two wait for it and then move only the last partial block (the decode worker shares
+    the full ones); all three get the single-process runtime's greedy tokens."""
+    prompt = [3000 + (j * 29) % 2000 for j in range(45)]  # 5 full blocks and a part
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=64, block_size=BLOCK, prefix_cache=False), progress=False, tokenizer=False)
+    want = eng.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK)], kv_backend="shm")
+    try:
+        results = asyncio.run(run_all(launcher.plan.client_addr, [prompt] * 3))
+        assert [r.token_ids for r in results] == [want] * 3
+        with Client(launcher.plan.client_addr) as c:
+            stats = wait_all_blocks_free(c)
+        decode = next(w for w in stats["workers"] if w["role"] == "decode")
+        assert decode["prefix_cache"]["hits"] == 2 * 5 * BLOCK, json.dumps(stats)
+        assert stats["kv_transfer"]["bytes"] == (6 + 1 + 1) * block_bytes(model_dir)  # one whole prompt, then its last block twice
+    finally:
+        launcher.stop()
