@@ -102,6 +102,13 @@ def prefill_cost(w: WorkerSnapshot, tokens: int) -> tuple:
     return (w.queued_tokens + tokens - w.cached_tokens, w.requests)
 
 
+def decode_blocks(d: WorkerSnapshot, tokens: int) -> int:
+    """Blocks a decode worker must allocate for a prompt: those its prefix cache lacks (a
+    prefix its streams share is not free and not needed; a cached one nobody holds is counted
+    free and not needed, so room is overestimated by it: the worker refuses, the request waits)."""
+    return blocks_needed(tokens - d.cached_tokens, d.block_size)
+
+
 def pick_decode(fits: list[WorkerSnapshot], tokens: int) -> WorkerSnapshot:
     """The decode worker with most room, or, when some hold part of the prompt, the one for which
     the blocks it would still receive plus the blocks its streams hold are fewest."""
@@ -135,8 +142,7 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     with the lowest predicted TTFT and a decode worker whose predicted TPOT meets the target (an
     idle one always does: its model may be stale from a busy spell), if the TTFT then meets its
     target; else SHED. A parked request skips the TTFT check and waits rather than being shed."""
-    need = blocks_needed(req.num_tokens, decodes[0].block_size)
-    fits = [d for d in decodes if d.free_blocks >= need]
+    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)]
     if targets is None:
         if not fits:
             return WAIT

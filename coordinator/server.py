@@ -325,7 +325,7 @@ class Coordinator:
 
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
-        need = placement.blocks_needed(st.num_tokens, d.hello.block_size)
+        need = placement.blocks_needed(st.num_tokens - self.cached_on(d, st), d.hello.block_size)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
         st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
         st.predicted_ttft = decision.predicted_ttft

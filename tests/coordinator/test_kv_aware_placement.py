@@ -37,6 +37,12 @@ def test_decode_weighs_blocks_to_receive_against_blocks_held():
     assert place_pair(REQ, [prefill("p")], [decode("a", free=10), decode("b", free=30)], None).worker == "b"  # no hit: most room
 
 
+def test_decode_room_counts_only_the_blocks_it_lacks():
+    assert place_pair(REQ, [prefill("p")], [decode("d0", free=3)], None).outcome is Outcome.WAIT  # 100 tokens: 7 blocks
+    d = place_pair(REQ, [prefill("p")], [decode("d0", free=3, cached=80)], None)
+    assert (d.outcome, d.worker) == (Outcome.PLACED, "d0")  # 5 blocks of the prompt shared by its streams: 2 to allocate
+
+
 def test_ttft_prediction_counts_only_uncached_tokens():
     cold, warm = prefill("cold"), prefill("warm", cached=90)
     assert predict_prefill(warm, 100) < predict_prefill(cold, 100)
