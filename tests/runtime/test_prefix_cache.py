@@ -137,6 +137,15 @@ def test_n_copies_of_one_prompt(tiny, reference):
     assert_whole(eng)
 
 
+def test_burst_sharing_a_prefix_computes_it_once(tiny, reference):
+    eng = engine(tiny)
+    assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == reference
+    assert eng.blocks.hits == 4 * (len(SYSTEM) // 8 * 8)  # the 4 later prompts deferred one step, then hit
+    assert_whole(eng)
+    off = engine(tiny, cache=False)
+    assert [c.token_ids for c in off.generate(shared_prompts(), GREEDY)] == reference and off.blocks.hits == 0
+
+
 def test_preemption_same_tokens(tiny, reference):
     eng = engine(tiny, num_blocks=24)  # 5 prompts of 5-9 blocks each cannot run at once
     run_each(eng, shared_prompts()[:1])
@@ -165,7 +174,8 @@ def test_prefill_mode_reuses_its_cache(tiny, reference):
     eng.prefill_only = True
     first = [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)]
     assert [t[:1] for t in reference] == first
-    assert eng.blocks.hits == 0  # one batch: nothing was computed before
+    # one burst: the first prompt computes the system blocks, the others wait a step and find them
+    assert eng.blocks.hits == 4 * (len(SYSTEM) // 8 * 8)
     assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == first
     assert eng.blocks.hits >= sum((len(p) - 1) // 8 * 8 for p in shared_prompts())  # released blocks stay cached
     assert_whole(eng)
