@@ -8,8 +8,15 @@ workers registered) or `place_colocated`. Each returns a `Decision`: PLACED on n
 with the predicted TTFT, WAIT for decode room, or SHED with a `ShedReason` and the numbers that
 decided it. The server applies it: Admit (pair), Generate (colocated), park, or shed.
 
+KV-aware (prefix cache): each snapshot carries `cached_tokens`, how many of this request's
+leading tokens the worker is expected to hold (the server's approximate view of its cached
+block keys). A prefill (or colocated) worker costs its backlog plus the tokens it would still
+compute; a decode worker, when any holds part of the prompt, the blocks it would still receive
+plus the blocks its streams hold (Dynamo's KV router weighs overlap against load the same way),
+so a shared system prompt does not pull every stream onto one worker.
+
 The predictions (README, "Latency targets"): TTFT = waited + the prefill worker's backlog and
-this prompt at its measured rate + relay + one decode step; TPOT = a decode step with one more
+this prompt's uncached tokens at its measured rate + relay + one decode step; TPOT = a decode step with one more
 sequence. A colocated worker runs prompts in the streams' steps, so its TPOT is stretched by the
 share of its time prompts placed on it lately took, plus the backlog spread over this request's
 output tokens.
@@ -35,6 +42,7 @@ class WorkerSnapshot:
     requests: int = 0  # requests placed on it
     context_tokens: int = 0  # their tokens (prompt + output so far): the decode step's context
     recent_prompt_tokens: int = 0  # colocated: prompt tokens placed in the last ADMIT_WINDOW_S
+    cached_tokens: int = 0  # of the request being placed: leading tokens it is expected to hold (prefix cache)
 
 
 @dataclass(frozen=True)
@@ -83,8 +91,30 @@ def blocks_needed(tokens: int, block_size: int) -> int:
 
 
 def predict_prefill(w: WorkerSnapshot, tokens: int) -> float:
-    """This prompt's own step plus the backlog ahead of it at the worker's measured token rate."""
-    return w.model.predict(1, tokens, tokens) + w.queued_tokens / w.model.tokens_per_second()
+    """This prompt's own step (its uncached tokens over the whole context) plus the backlog ahead
+    of it at the worker's measured token rate."""
+    return w.model.predict(1, max(1, tokens - w.cached_tokens), tokens) + w.queued_tokens / w.model.tokens_per_second()
+
+
+def prefill_cost(w: WorkerSnapshot, tokens: int) -> tuple:
+    """Without SLO control: the tokens a prefill (or colocated) worker would compute before this
+    prompt's first token, its backlog and this prompt's uncached part; then its request count."""
+    return (w.queued_tokens + tokens - w.cached_tokens, w.requests)
+
+
+def decode_blocks(d: WorkerSnapshot, tokens: int) -> int:
+    """Blocks a decode worker must allocate for a prompt: those its prefix cache lacks (a
+    prefix its streams share is not free and not needed; a cached one nobody holds is counted
+    free and not needed, so room is overestimated by it: the worker refuses, the request waits)."""
+    return blocks_needed(tokens - d.cached_tokens, d.block_size)
+
+
+def pick_decode(fits: list[WorkerSnapshot], tokens: int) -> WorkerSnapshot:
+    """The decode worker with most room, or, when some hold part of the prompt, the one for which
+    the blocks it would still receive plus the blocks its streams hold are fewest."""
+    if not any(d.cached_tokens for d in fits):
+        return most_room(fits)
+    return min(fits, key=lambda d: (blocks_needed(tokens - d.cached_tokens, d.block_size) + d.context_tokens / d.block_size, -d.free_blocks))
 
 
 def predict_step(w: WorkerSnapshot, tokens: int) -> float:
@@ -112,20 +142,19 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     with the lowest predicted TTFT and a decode worker whose predicted TPOT meets the target (an
     idle one always does: its model may be stale from a busy spell), if the TTFT then meets its
     target; else SHED. A parked request skips the TTFT check and waits rather than being shed."""
-    need = blocks_needed(req.num_tokens, decodes[0].block_size)
-    fits = [d for d in decodes if d.free_blocks >= need]
+    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)]
     if targets is None:
         if not fits:
             return WAIT
-        p = min(prefills, key=lambda w: (w.queued_tokens, w.requests))
-        return placed(most_room(fits).worker_id, p.worker_id)
+        p = min(prefills, key=lambda w: prefill_cost(w, req.num_tokens))
+        return placed(pick_decode(fits, req.num_tokens).worker_id, p.worker_id)
     prefill_s = {p.worker_id: predict_prefill(p, req.num_tokens) for p in prefills}
     p = min(prefills, key=lambda w: (prefill_s[w.worker_id], w.queued_tokens, w.requests))
     ttft = req.waited_s + prefill_s[p.worker_id] + RELAY_OVERHEAD_S
     tpot = {d.worker_id: predict_step(d, req.num_tokens) for d in fits}
     open_ = [d for d in fits if tpot[d.worker_id] <= targets.tpot_s or not d.requests]
     if open_:
-        d = most_room(open_)
+        d = pick_decode(open_, req.num_tokens)
         ttft += tpot[d.worker_id]  # the decode worker may be mid-step when the KV lands
         if ttft <= targets.ttft_s or req.parked:
             return placed(d.worker_id, p.worker_id, ttft)
@@ -147,6 +176,8 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
     (scripts/bench_slo.py): a plain decode step as TPOT gave p99 TPOT 392 ms at a 250 ms target,
     adding the backlog 325 ms, adding the prefill share 204 ms."""
     if targets is None or req.parked:
+        if any(w.cached_tokens for w in workers):
+            return placed(min(workers, key=lambda w: prefill_cost(w, req.num_tokens)).worker_id)
         return placed(most_room(workers).worker_id)
     best: tuple[WorkerSnapshot, float] | None = None
     miss = None

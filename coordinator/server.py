@@ -113,6 +113,7 @@ class Coordinator:
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
         self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
+        self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
         self.kv = collections.Counter()
@@ -375,12 +376,15 @@ class Coordinator:
         if not (prefills and decodes) and not colocated:
             self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
             return
+        if prefills and decodes and self.wait_for_twin(st, decodes[0].hello.block_size):
+            self.park(st)
+            return
         req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
         targets = self.admission_targets(st) if self.cfg.slo else None
         if prefills and decodes:
-            decision = placement.place_pair(req, self.snapshots(prefills, now), self.snapshots(decodes, now), targets)
+            decision = placement.place_pair(req, self.snapshots(prefills, now, st), self.snapshots(decodes, now, st), targets)
         else:
-            decision = placement.place_colocated(req, self.snapshots(colocated, now), targets)
+            decision = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
         if decision.outcome is Outcome.WAIT:
             self.park(st)
         elif decision.outcome is Outcome.SHED:
@@ -390,28 +394,59 @@ class Coordinator:
         else:
             self.generate_on(st, self.workers[decision.worker], decision, now)
 
-    def snapshots(self, workers: list[WorkerState], now: float) -> list[placement.WorkerSnapshot]:
-        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now) for w in workers]
+    def wait_for_twin(self, st: RequestState, block_size: int) -> bool:
+        """n choices of one request (the same prompt from the same client at once, at least a
+        full block long): the first is prefilled and handed off alone, the others wait (parked)
+        until its KV is on its decode worker. Then they find the prompt's full blocks cached on
+        both sides: the decode worker shares them and each choice gets its own copy of the last
+        partial block, the only one sent. Without the prefix cache nothing waits."""
+        if st.tokens or len(st.prompt) <= block_size or not all(w.prefix_cache for w in self.workers.values()):
+            return False
+        key = (st.client, tuple(st.prompt))
+        lead = self.requests.get(self.twins.get(key, ""))
+        if lead is None or lead is st:
+            self.twins[key] = st.iid
+            st.twin_key = key
+            return False
+        return lead.phase <= Phase.PREFILLING
+
+    def snapshots(self, workers: list[WorkerState], now: float, st: RequestState) -> list[placement.WorkerSnapshot]:
+        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now, self.cached_on(w, st)) for w in workers]
+
+    def cached_on(self, w: WorkerState, st: RequestState) -> int:
+        """Leading tokens of st that w's prefix cache is thought to hold (0 with its cache off)."""
+        return w.cached_tokens(st.prefix_hashes(w.hello.block_size)) if w.prefix_cache else 0
+
+    def note_placed_prefix(self, st: RequestState, *workers: WorkerState) -> None:
+        """The workers st goes to will hold its prefix: say so in their views at once, so the
+        next request with that prefix finds it before their heartbeats tell it."""
+        for w in workers:
+            if w.prefix_cache:
+                w.note_prefix(st.prefix_hashes(w.hello.block_size))
 
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
-        need = placement.blocks_needed(st.num_tokens, d.hello.block_size)
-        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, st.num_tokens
+        need = placement.blocks_needed(st.num_tokens - self.cached_on(d, st), d.hello.block_size)  # what d lacks
+        backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
+        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
         st.predicted_ttft = decision.predicted_ttft
         d.reserved_blocks += need
-        p.queued_tokens += st.num_tokens
+        p.queued_tokens += backlog
+        self.note_placed_prefix(st, p, d)
         d.requests.add(st.iid)
         p.requests.add(st.iid)
         self.admitting.pop(st.iid, None)
         self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
         st.admissions += 1
-        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, p.hello.pid, p.hello.host, p.hello.boot_id))
+        self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, p.hello.pid, p.hello.host, p.hello.boot_id,
+                                  st.prefix_hashes(d.hello.block_size) if d.prefix_cache else []))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
-        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens
+        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - self.cached_on(w, st)
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
             st.predicted_ttft = decision.predicted_ttft
-        w.queued_tokens += st.num_tokens  # until its first token (on_token)
+        w.queued_tokens += st.backlog  # until its first token (on_token)
+        self.note_placed_prefix(st, w)
         w.note_placed(st.num_tokens, now)
         w.requests.add(st.iid)
         self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
@@ -484,6 +519,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             w.beat = msg
             w.beats += 1
+            w.note_prefix(msg.prefix_added, msg.prefix_evicted)
             w.model.add(msg.steps)
             w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == Phase.ADMITTING)
         elif isinstance(msg, Granted):
@@ -570,7 +606,7 @@ class Coordinator:
         st.phase, st.grant = Phase.PREFILLING, msg.grant
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
-            msg.grant,
+            msg.grant, msg.cached_blocks,
         ))
         self.phases.prefill_sent(st.iid)
 
@@ -669,6 +705,8 @@ class Coordinator:
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
+        if st.twin_key is not None and self.twins.get(st.twin_key) == iid:
+            del self.twins[st.twin_key]
         self.unload(st.client)
         if tell and st.phase.on_workers:
             self.tell_workers(st, Abort(iid))
@@ -719,7 +757,7 @@ class Coordinator:
                 "kv_seconds_sent": b.kv_seconds_sent if b else 0.0, "kv_bytes_received": b.kv_bytes_received if b else 0,
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
-                "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine,
+                "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
             })
         return {
             "workers": workers,
@@ -732,6 +770,13 @@ class Coordinator:
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
         }
+
+
+def prefix_stats(b: Heartbeat | None) -> dict:
+    """A worker's prefix cache as its last heartbeat told it: blocks cached, tokens looked up and hit."""
+    queries, hits = (b.prefix_queries, b.prefix_hits) if b else (0, 0)
+    return {"cached_blocks": b.cached_blocks if b else 0, "queries": queries, "hits": hits,
+            "hit_rate": round(hits / queries, 4) if queries else 0.0}
 
 
 def hello_problem(h: Hello) -> str | None:
@@ -755,7 +800,7 @@ def numbers_ok(msg) -> bool:
     if isinstance(msg, Heartbeat):
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
                   msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, msg.fenced_blocks,
-                  *(v for s in msg.steps for v in s)]
+                  *(v for s in msg.steps for v in s), msg.cached_blocks, msg.prefix_queries, msg.prefix_hits]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:

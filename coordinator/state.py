@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 
 from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
 from coordinator.slo import StepModel
+from runtime.prefix_hash import chain_hashes
 from runtime.tokenizer import IncrementalDetokenizer
 from wire.protocol import GenerateRequest, Heartbeat, Hello, Role
+
+
+MAX_VIEW = 65536  # block keys kept per worker in the coordinator's view of its prefix cache
 
 
 class Phase(enum.IntEnum):
@@ -47,10 +51,38 @@ class WorkerState:
     model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
     admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
     admitted_tokens: int = 0  # their sum
+    prefix_view: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # block keys it is thought to hold
+
+    def note_prefix(self, added: list[int], evicted: list[int] = ()) -> None:
+        """Update the approximate view of its prefix cache: keys its heartbeat reported registered
+        or evicted, or a placement's keys at once (it will hold them; the router inserts on
+        routing as SGLang's does). Bounded: past MAX_VIEW keys the least recently noted go."""
+        view = self.prefix_view
+        for h in added:
+            view[h] = None
+            view.move_to_end(h)
+        for h in evicted:
+            view.pop(h, None)
+        while len(view) > MAX_VIEW:
+            view.popitem(last=False)
+
+    def cached_tokens(self, hashes: list[int]) -> int:
+        """Leading tokens of a request (its block keys) this worker is thought to hold."""
+        n = 0
+        for h in hashes:
+            if h not in self.prefix_view:
+                break
+            n += 1
+        return n * self.hello.block_size
 
     @property
     def role(self) -> Role:
         return Role(self.hello.role)
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether its prefix cache is on (EngineConfig.summary; a worker that does not say: on)."""
+        return bool(self.hello.engine.get("prefix_cache", 1))
 
     @property
     def free_blocks(self) -> int:
@@ -69,11 +101,12 @@ class WorkerState:
             self.admitted_tokens -= self.admitted.popleft()[1]
         return self.admitted_tokens
 
-    def snapshot(self, requests: list["RequestState"], now: float) -> WorkerSnapshot:
-        """What placement needs of this worker; `requests`: the live requests placed on it."""
+    def snapshot(self, requests: list["RequestState"], now: float, cached_tokens: int = 0) -> WorkerSnapshot:
+        """What placement needs of this worker; `requests`: the live requests placed on it;
+        cached_tokens: of the request being placed, the leading tokens it is thought to hold."""
         return WorkerSnapshot(
             self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
-            sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now),
+            sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
         )
 
 
@@ -97,10 +130,20 @@ class RequestState:
     grant: int = 0  # the decode worker's number for its grant (Granted), named by the Prefill and a Release
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
+    _hashes: tuple | None = None  # (block size, tokens, keys): prefix_hashes' last answer
+    twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
 
     @property
     def priority(self) -> int:
         return self.req.priority
+
+    def prefix_hashes(self, block_size: int) -> list[int]:
+        """The chained keys of its full blocks but the one holding its last token (what a
+        prefix cache may hold for it), kept until its tokens or the block size change."""
+        n = self.num_tokens
+        if self._hashes is None or self._hashes[:2] != (block_size, n):
+            self._hashes = (block_size, n, chain_hashes(self.prompt + self.tokens, block_size, (n - 1) // block_size))
+        return self._hashes[2]
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,9 @@ Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memo
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket and makes the link that says Hello; the worker itself is
 built from those parts (tests pass an in-process transport and link). Then `run` loops:
-  drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused); KVReady -> copy tcp frames
-  into the granted blocks, join the running batch, emit the prefill's first token at once;
+  drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of
+  the Admit's prefix keys first (Granted.cached_blocks: the prefill side sends only the rest),
+  new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
   step the engine (continuous batching: joiners enter at the next step, finished sequences
   leave at once, a short pool preempts the newest sequence, which is recomputed here);
@@ -36,7 +37,7 @@ from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
+from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
 from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
 from runtime.sequence import FinishReason
@@ -62,6 +63,7 @@ class Grant:
     number: int = 0  # this worker's count of grants: the hand-off that fills it names it
     writer: int = 0  # pid of a prefill process on this machine that may write into the blocks directly; 0: none
     cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
+    cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
 
 
 @dataclass
@@ -139,6 +141,7 @@ class DecodeWorker:
             sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
             steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, fenced_blocks=self.fenced_blocks,
+            **prefix_report(self.engine),
         )
 
     @property
@@ -205,14 +208,30 @@ class DecodeWorker:
     def on_admit(self, msg: Admit) -> None:
         self.give_up(msg.request_id)  # a newer admission of the same request replaces the old grant
         blocks = self.engine.blocks
-        ids = blocks.allocate(blocks.blocks_for(msg.num_tokens)) if msg.num_tokens > 0 else None
+        ids = self.grant_blocks(msg) if msg.num_tokens > 0 else None
         if ids is None:
             self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
+        ids, cached = ids
         self.grants_made += 1
         writer = msg.writer_pid if (msg.writer_host, msg.writer_boot) == self.machine else 0
-        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s, self.grants_made, writer)
-        self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made))
+        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s, self.grants_made, writer, cached=cached)
+        self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made, cached))
+
+    def grant_blocks(self, msg: Admit) -> tuple[list[int], int] | None:
+        """(blocks for msg's tokens, how many of the first hold its prefix already), or None
+        (nothing taken) if the pool is short. At most all but the last block come from the
+        prefix cache, so every hand-off carries at least one block."""
+        blocks = self.engine.blocks
+        need = blocks.blocks_for(msg.num_tokens)
+        cached = blocks.match(msg.prefix_hashes[:need - 1]) if blocks.prefix_cache else []
+        rest = blocks.allocate(need - len(cached))
+        if rest is None:
+            blocks.free(cached)
+            return None
+        if blocks.prefix_cache:
+            blocks.count_lookup(msg.num_tokens, len(cached) * blocks.block_size)
+        return cached + rest, len(cached)
 
     def on_kv(self, msg, frames) -> None:
         fence = self.fences.pop(msg.grant, None) if msg.grant else None
@@ -224,7 +243,7 @@ class DecodeWorker:
         if grant is None or msg.grant not in (0, grant.number):
             return  # for a grant given up and freed, or one this worker never made: nothing of ours
         del self.grants[msg.request_id]
-        if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids:
+        if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids[grant.cached:]:
             self.engine.blocks.free(grant.block_ids)
             if isinstance(msg, KVFailed) and not grant.cancelled:
                 self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", msg.reason))
@@ -268,9 +287,11 @@ class DecodeWorker:
         if grant is None:
             return
         if prefill_sent and grant.writer and process_alive(grant.writer):
+            written = grant.block_ids[grant.cached:]  # prefix-cache blocks are never written by the hand-off: not fenced
             log.warning("grant %d of %s given up before prefill pid %d answered: %d blocks fenced until it does or exits",
-                        grant.number, rid, grant.writer, len(grant.block_ids))
-            self.fences[grant.number] = Fence(grant.block_ids, grant.writer)
+                        grant.number, rid, grant.writer, len(written))
+            self.engine.blocks.free(grant.block_ids[:grant.cached])
+            self.fences[grant.number] = Fence(written, grant.writer)
         else:
             self.engine.blocks.free(grant.block_ids)
 

@@ -99,16 +99,23 @@ class ClusterCollector(Collector):
         }
         usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (1 = full)", labels=labels)
         count = GaugeMetricFamily("pdserve:num_workers", "Registered workers by role", labels=["model_name", "role"])
+        prefix = {  # vLLM's prefix_cache_queries / prefix_cache_hits (tokens), per worker
+            "queries": CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache", labels=labels),
+            "hits": CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in a worker's prefix cache", labels=labels),
+            "cached_blocks": GaugeMetricFamily("pdserve:prefix_cache_blocks", "KV blocks registered in a worker's prefix cache", labels=labels),
+        }
         by_role: dict[str, int] = {}
         for w in workers:
             key = [self.model, w["id"], w["role"]]
             for name, fam in fams.items():
                 fam.add_metric(key, w.get(name, 0))
+            for name, fam in prefix.items():
+                fam.add_metric(key, w.get("prefix_cache", {}).get(name, 0))
             usage.add_metric(key, 1.0 - w["free_blocks"] / max(1, w["total_blocks"]))
             by_role[w["role"]] = by_role.get(w["role"], 0) + 1
         for role in ("prefill", "decode", "colocated"):
             count.add_metric([self.model, role], by_role.get(role, 0))
-        yield from (*fams.values(), usage, count)
+        yield from (*fams.values(), usage, count, *prefix.values())
 
     def _coordinator(self, s: dict):
         m = [self.model]

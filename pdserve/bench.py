@@ -75,14 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ one run
 
 async def send_all(backend, requests, rate: float, burstiness: float, max_concurrency: int | None, seed: int, progress: bool,
-                   desc: str = "requests"):
-    """Send every request on its arrival schedule; returns (outputs in request order, seconds)."""
+                   desc: str = "requests", tokenizer=None):
+    """Send every request on its arrival schedule; returns (outputs in request order, seconds).
+    A conversation (chat_replay: `next_turns`) sends its later turns one after the other, each
+    once the previous answer is in; their outputs follow the first turn's."""
     from tqdm import tqdm
 
-    from pdserve.bench_data import arrival_intervals
+    from pdserve.bench_data import arrival_intervals, follow_up
 
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc=desc, disable=not progress, file=sys.stderr)
+    bar = tqdm(total=sum(1 + len(r.next_turns) for r in requests), desc=desc, disable=not progress, file=sys.stderr)
     t0 = time.perf_counter()
 
     async def one(req):
@@ -98,15 +100,22 @@ async def send_all(backend, requests, rate: float, burstiness: float, max_concur
         bar.update(1)
         return out
 
+    async def conversation(req):
+        outs = [await one(req)]
+        while req.next_turns and outs[-1].success:
+            req = follow_up(tokenizer, req, outs[-1].generated_text)
+            outs.append(await one(req))
+        return outs
+
     tasks = []
     for req, gap in zip(requests, arrival_intervals(len(requests), rate, burstiness, seed)):
-        tasks.append(asyncio.ensure_future(one(req)))
+        tasks.append(asyncio.ensure_future(conversation(req)))
         if gap > 0:
             await asyncio.sleep(gap)
-    outputs = await asyncio.gather(*tasks)
+    outputs = [o for outs in await asyncio.gather(*tasks) for o in outs]
     duration = time.perf_counter() - t0
     bar.close()
-    return list(outputs), duration
+    return outputs, duration
 
 
 async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple]:
@@ -118,6 +127,7 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
     backend = make_backend(args.backend, args.base_url, sampling, args.request_timeout, getattr(args, "served_model_name", None) or args.model,
                            args.endpoint, tokenizer)
     runs = []
+    args.kv_moved = []  # per rate: the pdserve cluster's KV hand-off and prefix-cache figures (kv_counters), or None
     async with backend:
         args.model_id = args.model or getattr(backend, "model", None)  # an OpenAI server's first model when not given
         if args.warmup:
@@ -127,10 +137,25 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
             if len(failed) == len(warm):
                 raise RuntimeError(f"every warm-up request failed; first error: {failed[0]}")
         for rate in rates:
+            before = await kv_counters(backend)
             outputs, duration = await send_all(backend, requests, rate, args.burstiness, args.max_concurrency, args.seed,
-                                               not args.disable_tqdm)
+                                               not args.disable_tqdm, tokenizer=tokenizer)
+            after = await kv_counters(backend)
+            args.kv_moved.append({k: after[k] - before[k] for k in after} if before and after else None)
             runs.append((rate, outputs, duration))
     return runs
+
+
+async def kv_counters(backend) -> dict | None:
+    """pdserve backend: the coordinator's KV hand-off bytes and count and its workers' prefix-cache
+    tokens looked up and hit (the run's figures are the differences); None for other backends."""
+    client = getattr(backend, "client", None)
+    if not hasattr(client, "stats"):
+        return None
+    s = await client.stats(timeout=10.0)
+    caches = [w.get("prefix_cache", {}) for w in s.get("workers", [])]
+    return {"kv_handoff_bytes": s["kv_transfer"]["bytes"], "kv_handoffs": s["kv_transfer"]["handoffs"],
+            "prefix_cache_queries": sum(c.get("queries", 0) for c in caches), "prefix_cache_hits": sum(c.get("hits", 0) for c in caches)}
 
 
 # ------------------------------------------------------------------ the command
@@ -171,14 +196,19 @@ def report(args, runs, tokenizer_id: str) -> list[dict]:
 
     slos = parse_goodput(args.goodput)
     results = []
-    for rate, outputs, duration in runs:
+    for i, (rate, outputs, duration) in enumerate(runs):
         m = compute_metrics(outputs, duration, slos, args.max_concurrency, args.metrics, args.percentiles)
         print(describe_traffic(args, rate))
         print(format_metrics(m))
+        moved = (getattr(args, "kv_moved", None) or [None] * len(runs))[i]
+        if moved:
+            rate_hit = moved["prefix_cache_hits"] / moved["prefix_cache_queries"] if moved["prefix_cache_queries"] else 0.0
+            print(f"KV hand-offs: {moved['kv_handoffs']}, {moved['kv_handoff_bytes']} bytes; prefix cache hit rate {rate_hit:.1%} "
+                  f"({moved['prefix_cache_hits']} of {moved['prefix_cache_queries']} prompt tokens, all workers)")
         errors = sorted({o.error for o in outputs if not o.success})
         for e in errors[:5]:
             print(f"error: {e}", file=sys.stderr)
-        results.append(result_dict(m, outputs, {**config_dict(args, tokenizer_id, rate), "goodput_slos_ms": slos}))
+        results.append(result_dict(m, outputs, {**config_dict(args, tokenizer_id, rate), "goodput_slos_ms": slos, **(moved or {})}))
     return results
 
 

@@ -4,7 +4,9 @@ Lifecycle: `build_requests(args, tokenizer)` makes the whole list once, determin
 `--seed`: `random` draws prompts of whole-word tokens that re-tokenize to exactly the same ids
 (so every backend, whether it takes token ids or text, sees the same prompt and the same
 length), `jsonl` reads a ShareGPT-style file (the shipped `pdserve/data/prompts.jsonl` by
-default) and keeps each first user turn as a chat request. The run then only reads them.
+default) and keeps each first user turn as a chat request, `chat_replay` makes conversations
+(a shared system prompt, then random user turns; each later turn is sent once the previous
+answer is in, with that answer in its history: `next_turns`). The run then only reads them.
 `arrival_intervals` gives the gaps between sends (Poisson, or gamma with `--burstiness`), as in
 `vllm bench serve`.
 """
@@ -28,6 +30,7 @@ class BenchRequest:
     token_ids: list[int] | None = None  # exact prompt ids (pdserve backend, in-process rows)
     messages: list[dict] | None = None  # chat requests: what a chat endpoint gets
     extra: dict = field(default_factory=dict)
+    next_turns: list[str] = field(default_factory=list)  # chat_replay: the user's later turns (`follow_up`)
 
 
 def shipped_prompts_path() -> Path:
@@ -141,6 +144,34 @@ def build_requests(dataset: str, tokenizer, num: int, input_len: int, output_len
     if dataset == "jsonl":
         return jsonl_requests(tokenizer, path, num, output_len, seed)
     raise ValueError(f"unknown dataset {dataset!r} (random, jsonl)")
+
+
+# ------------------------------------------------------------------ multi-turn chat replay
+
+def chat_replay_requests(tokenizer, num: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """num // turns conversations of `turns` turns: one shared system prompt of system_len tokens
+    (none if 0), random user turns of user_len tokens. Each request is a conversation's first
+    turn; the rest wait in its next_turns (sent by the run with the answers in the history)."""
+    if turns < 1 or user_len < 1 or output_len < 1 or system_len < 0 or num < turns:
+        raise ValueError(f"chat_replay needs --chat-turns >= 1, --input-len and --output-len >= 1, --prefix-len >= 0 and "
+                         f"--num-prompts ({num}) at least --chat-turns ({turns})")
+    rng = random.Random(seed)
+    words = word_tokens(tokenizer)
+    system = [{"role": "system", "content": random_prompt(tokenizer, words, system_len, rng)[0]}] if system_len else []
+    reqs = []
+    for _ in range(num // turns):
+        users = [random_prompt(tokenizer, words, user_len, rng)[0] for _ in range(turns)]
+        messages = system + [{"role": "user", "content": users[0]}]
+        text, ids = chat_prompt(tokenizer, messages)
+        reqs.append(BenchRequest(text, len(ids), output_len, token_ids=ids, messages=messages, next_turns=users[1:]))
+    return reqs
+
+
+def follow_up(tokenizer, req: BenchRequest, answer: str) -> BenchRequest:
+    """The next turn of req's conversation: its history, the answer it got, the next user turn."""
+    messages = req.messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": req.next_turns[0]}]
+    text, ids = chat_prompt(tokenizer, messages)
+    return BenchRequest(text, len(ids), req.output_len, token_ids=ids, messages=messages, next_turns=req.next_turns[1:])
 
 
 # ------------------------------------------------------------------ arrivals

@@ -22,7 +22,7 @@ import json
 import os
 import random
 
-DATASETS = ("random", "sharegpt", "jsonl", "custom", "prefix_repetition")
+DATASETS = ("random", "sharegpt", "jsonl", "custom", "prefix_repetition", "chat_replay")
 DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 PDSERVE_ONLY_KEYS = ("e2els", "start_times", "goodput_slos_ms", "dataset", "input_len", "output_len", "ignore_eos", "seed", "base_url")
 SAMPLING_EXTRAS = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
@@ -43,10 +43,12 @@ def add_vllm_flags(ap) -> None:
     ap.add_argument("--metric-percentiles", default=None, help="comma-separated percentiles, e.g. 50,90,99 (default: 90,99)")
     ap.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: output tokens (default: each reply's length)")
     ap.add_argument("--custom-output-len", type=int, default=None, help="custom: output tokens")
-    ap.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    ap.add_argument("--prefix-repetition-prefix-len", "--prefix-len", type=int, default=256,
+                    help="prefix_repetition: the shared prefix's tokens; chat_replay: the shared system prompt's")
     ap.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     ap.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     ap.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    ap.add_argument("--chat-turns", type=int, default=4, help="chat_replay: turns per conversation (each resends the history and its replies)")
     for name in SAMPLING_EXTRAS:
         ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help="openai backends: sent in every request")
     ap.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM command lines; tokenizers load without remote code")
@@ -125,6 +127,11 @@ def build_workload(args, tokenizer):
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
                                           args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
                                           args.output_len or args.prefix_repetition_output_len, args.seed)
+    if args.dataset == "chat_replay":
+        from pdserve.bench_data import chat_replay_requests
+
+        return chat_replay_requests(tokenizer, args.num_prompts, args.chat_turns, args.prefix_repetition_prefix_len, args.input_len,
+                                    args.output_len or 128, args.seed)
     dataset = "jsonl" if args.dataset in ("sharegpt", "custom") else args.dataset
     return build_requests(dataset, tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
                           args.dataset_path)

@@ -38,6 +38,8 @@ def _engine_options(f):
                      help="auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
         click.option("--int8-activations", is_flag=True,
                      help="quantized weights: round a small decode batch's activations to int8 (llama.cpp's way; faster, approximate)"),
+        click.option("--no-prefix-cache", "no_prefix_cache", is_flag=True,
+                     help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)"),
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
         click.option("--core-share", default=None, help="PATH:SLOT from the launcher: share the node's cores with its other busy workers"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
@@ -53,14 +55,14 @@ def _engine_options(f):
 
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
-             quantization, int8_activations, threads, core_share, worker_id, coordinator_addr, **extra):
+             quantization, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
     from runtime.config import EngineConfig, WorkerConfig
     from runtime.errors import PdserveError
 
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                            quantization=quantization, int8_activations=int8_activations)
+                            quantization=quantization, int8_activations=int8_activations, prefix_cache=not no_prefix_cache)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)
     except PdserveError as e:

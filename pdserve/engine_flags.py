@@ -1,7 +1,7 @@
 """`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device,
---quantization go to
-every worker; --served-model-name goes to the HTTP gateway.
+--quantization and the switch --no-prefix-cache go to every worker; --served-model-name goes to
+the HTTP gateway.
 
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
 "not given", so a worker keeps its own default and a cluster TOML's value stands); at launch
@@ -28,9 +28,13 @@ WORKER_FLAGS = {
     "quantization": (click.Choice(["auto", "none"]), "auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
 }
 
+WORKER_SWITCHES = {"no_prefix_cache": "do not reuse the KV of token prefixes computed before (on by default, as in vLLM)"}
+
 
 def engine_flag_options(f):
     """Decorate a click command with the worker flags and --served-model-name."""
+    for name, text in WORKER_SWITCHES.items():
+        f = click.option(f"--{name.replace('_', '-')}", name, is_flag=True, default=None, help=text)(f)
     f = click.option("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the file or directory name)")(f)
     for name, (kind, text) in reversed(WORKER_FLAGS.items()):
         f = click.option(f"--{name.replace('_', '-')}", name, default=None, type=kind, help=text)(f)
@@ -40,9 +44,10 @@ def engine_flag_options(f):
 def worker_args(values: dict) -> list[str]:
     """The given worker flags as command-line arguments, checked; raises click.BadParameter.
     Without any, nothing is imported: the check needs torch, seconds of the launcher's start."""
+    switches = [f"--{k.replace('_', '-')}" for k in WORKER_SWITCHES if values.get(k)]
     given = {k: v for k, v in values.items() if k in WORKER_FLAGS and v is not None}
     if not given:
-        return []
+        return switches
     from runtime.config import EngineConfig
     from runtime.errors import PdserveError
 
@@ -51,4 +56,4 @@ def worker_args(values: dict) -> list[str]:
         EngineConfig(**fields)
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
-    return [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    return [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))] + switches

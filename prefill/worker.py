@@ -11,7 +11,8 @@ loops:
   budget is full) so several prompts pack into one forward;
   step: the engine packs waiting prompts up to the token budget and chunks long ones; a prompt
   whose last chunk ran comes back with its first token and its blocks still held;
-  hand off: its blocks go to the decode worker by the backend the sender picked from that
+  hand off: its blocks go to the decode worker (all but the first Prefill.dest_cached_blocks,
+  which the decode worker's prefix cache holds already) by the backend the sender picked from that
   worker's pool description (shm: written into its pool; tcp: frames; GPU: cuda_ipc or nccl),
   KVReady follows; release: the engine frees its blocks here at once.
 A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
@@ -30,7 +31,7 @@ from kvtransfer.transfer import KVSender
 from runtime import structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps
+from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
 from runtime.errors import PdserveError
 from runtime.kv_cache import allocate_kv_cache
 from runtime.weights import load_checkpoint
@@ -86,7 +87,7 @@ class PrefillWorker:
         return Heartbeat(
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting), self.engine.queued_tokens(),
             kv_bytes_sent=self.sender.bytes_sent, kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages,
-            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped,
+            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, **prefix_report(self.engine),
         )
 
     def run(self) -> None:
@@ -168,15 +169,16 @@ class PrefillWorker:
     def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
         """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
         seq = self.engine.seqs[msg.request_id]
+        skip = msg.dest_cached_blocks  # the decode worker holds these already
         ready = KVReady(
-            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids,
+            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids[skip:],
             seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
         )
         t0 = time.perf_counter()
         try:
-            if len(msg.dest_block_ids) != len(seq.block_table):
-                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks for {len(seq.block_table)} needed")
-            nbytes = self.sender.send(self.pool, seq.block_table, ready, msg.dest_kv_endpoint)
+            if len(msg.dest_block_ids) != len(seq.block_table) or not 0 <= skip < len(seq.block_table):
+                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks ({skip} cached) for {len(seq.block_table)} needed")
+            nbytes = self.sender.send(self.pool, seq.block_table[skip:], ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))

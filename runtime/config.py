@@ -143,6 +143,7 @@ class EngineConfig:
     # approximate, and rows then round differently from larger batches)
     int8_activations: bool = False
     gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
+    prefix_cache: bool = True  # reuse the KV of full blocks whose token prefix was computed before (off: --no-prefix-cache)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -205,7 +206,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size, "num_blocks": num_blocks,
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
-            "int8_activations": self.int8_activations,
+            "int8_activations": self.int8_activations, "prefix_cache": int(self.prefix_cache),
         }
 
 

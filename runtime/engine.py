@@ -115,7 +115,7 @@ class LLMEngine:
         num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
         if kv_cache is None:
             kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(tokenizer, self.cfg.eos_token_ids) if tokenizer is not None else set(self.cfg.eos_token_ids)
         self.runner = ModelRunner(model, kv_cache, self.blocks, eos_token_id=min(self.eos_ids) if self.eos_ids else None)
@@ -169,6 +169,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1], priority)
         seq.block_table = block_table
         seq.num_computed_tokens = num_computed
+        self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache
         self.seqs[request_id] = seq
         self.scheduler.add_running(seq)
         return self._append(seq, output_token_ids[-1], logprob, top_logprobs)
@@ -213,12 +214,14 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             ctx += seq.num_computed_tokens
+            self.scheduler.register_computed(seq, seq.num_computed_tokens - n)
         self.step_log.append((len(scheduled), sum(n for _, n in scheduled), ctx, dt))
         return samplers, sampled
 
     def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4) -> list[tuple[int, int, int, float]]:
         """Time a few prefill and decode steps on random tokens (before serving), so the
-        coordinator's latency model has data from the first request on. Frees everything."""
+        coordinator's latency model has data from the first request on. Frees everything, the
+        prefix cache's blocks and counters included."""
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
         prompt_len = min(prompt_len, self.max_model_len - decode_steps - 2)
@@ -230,6 +233,7 @@ class LLMEngine:
             self.generate(prompts, params)
         samples = list(self.step_log)
         self.step_log.clear()
+        self.blocks.reset_prefix_cache()
         return samples
 
     def _append(self, seq: Sequence, token: int, logprob, top) -> StepOutput:
@@ -308,3 +312,12 @@ def drain_steps(engine) -> list[tuple[int, int, int, float]]:
     while log:
         out.append(log.popleft())
     return out
+
+
+def prefix_report(engine) -> dict:
+    """The heartbeat's prefix-cache fields: key changes since the last call (bounded by
+    kv_cache.MAX_CHANGES), blocks cached now, and the lookup counters."""
+    blocks = engine.blocks
+    added, evicted = blocks.take_changes()
+    return {"prefix_added": added, "prefix_evicted": evicted, "cached_blocks": blocks.cached_blocks,
+            "prefix_queries": blocks.queries, "prefix_hits": blocks.hits}

@@ -4,12 +4,23 @@ Lifecycle: a worker allocates the pool once (`allocate_kv_cache`, optionally ove
 shares with other processes) and builds one `BlockManager` over its block ids. Sequences grow
 their block tables through `BlockManager.ensure_slots`, which answers False, never raises, when
 the pool is short, so the scheduler can preempt; `free_table` gives every block back. Ref counts
-let a block be shared (a forked or prefix-shared sequence); a block returns to the free list
-when its count reaches zero. At shutdown `free_blocks == num_blocks` is the leak check.
+let a block be shared (a forked or prefix-shared sequence); a block returns to the pool when its
+count reaches zero. At shutdown `free_blocks == num_blocks` is the leak check.
+
+Prefix cache (on unless `prefix_cache=False`): a full block whose KV is computed is registered
+under a hash of its tokens chained to the previous block's hash (`block_hashes`, `register`).
+When its count reaches zero a registered block is not wiped but kept, evictable, in LRU order;
+`match` hands the registered blocks of a token prefix to a new sequence (count + 1) so its
+prefill starts after them. `allocate` takes never-registered blocks first, then evicts the least
+recently freed cached ones, so cached blocks count as free. A block's hash and tokens stay with
+it until it is evicted; a block is only ever written while it is unregistered (it is registered
+once full, and shared blocks are full), so sharing needs no copy. `changes` records hash changes since
+the last `take_changes` (the worker's heartbeat reports them, bounded).
 """
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 
 import torch
 
@@ -25,27 +36,50 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
 
 
+MAX_CHANGES = 4096  # hash additions/evictions kept for the next heartbeat; beyond this the oldest are dropped
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_ids: deque[int] = deque(range(num_blocks))  # count 0, holding nothing
+        self.cached: OrderedDict[int, None] = OrderedDict()  # count 0, registered: evictable, least recently freed first
+        self.hash_of: list[int | None] = [None] * num_blocks  # a registered block's key
+        self.by_hash: dict[int, int] = {}  # key -> the block registered under it
+        self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0  # of those, tokens found cached (prefix_cache_hits)
+        self.changes: OrderedDict[int, bool] = OrderedDict()  # key -> registered (True) or evicted, since take_changes
+        self._changes_lock = threading.Lock()  # take_changes runs on a worker's heartbeat (I/O) thread
 
     @property
     def free_blocks(self) -> int:
-        return len(self.free_ids)
+        """Blocks a new allocation can take: never-registered ones and evictable cached ones."""
+        return len(self.free_ids) + len(self.cached)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks (in use or evictable)."""
+        return len(self.by_hash)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks with ref count 1, or None (nothing taken) when fewer are free."""
-        if n > len(self.free_ids):
+        if n > self.free_blocks:
             return None
-        ids = [self.free_ids.popleft() for _ in range(n)]
-        for i in ids:
+        ids = []
+        for _ in range(n):
+            if self.free_ids:
+                i = self.free_ids.popleft()
+            else:
+                i, _ = self.cached.popitem(last=False)
+                self._unregister(i)
             self.ref_counts[i] = 1
+            ids.append(i)
         return ids
 
     def share(self, ids: list[int]) -> None:
@@ -60,7 +94,10 @@ class BlockManager:
                 raise ValueError(f"block {i} freed twice")
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
-                self.free_ids.append(i)
+                if self.hash_of[i] is not None:
+                    self.cached[i] = None  # most recently freed: evicted last
+                else:
+                    self.free_ids.append(i)
 
     def ensure_slots(self, block_table: list[int], num_tokens: int) -> bool:
         """Grow block_table (in place) to hold num_tokens tokens; False if the pool is short."""
@@ -74,8 +111,76 @@ class BlockManager:
         return True
 
     def free_table(self, block_table: list[int]) -> None:
-        self.free(block_table)
+        self.free(block_table[::-1])  # a sequence's last blocks are the least likely to be asked for again: evicted first
         block_table.clear()
 
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def match(self, hashes: list[int]) -> list[int]:
+        """The registered blocks of the longest prefix of `hashes` (chained block keys), each
+        taken (count + 1: a cached one leaves the evictable set). The caller counts the lookup
+        (`count_lookup`) once it keeps the match."""
+        ids = []
+        if self.prefix_cache:
+            for h in hashes:
+                i = self.by_hash.get(h)
+                if i is None:
+                    break
+                if self.ref_counts[i] == 0:
+                    del self.cached[i]
+                self.ref_counts[i] += 1
+                ids.append(i)
+        return ids
+
+    def count_lookup(self, tokens_queried: int, tokens_hit: int) -> None:
+        self.queries += tokens_queried
+        self.hits += tokens_hit
+
+    def register(self, block_table: list[int], hashes: list[int]) -> None:
+        """Register block_table[i] under hashes[i] (its KV is computed). A key already held by
+        another block (the same prefix computed twice at once) leaves this block unregistered."""
+        if not self.prefix_cache:
+            return
+        for i, h in zip(block_table, hashes):
+            if self.hash_of[i] is not None or h in self.by_hash:
+                continue
+            self.hash_of[i] = h
+            self.by_hash[h] = i
+            self._note(h, True)
+
+    def _unregister(self, i: int) -> None:
+        h = self.hash_of[i]
+        if h is not None:
+            self.hash_of[i] = None
+            del self.by_hash[h]
+            self._note(h, False)
+
+    def _note(self, h: int, registered: bool) -> None:
+        with self._changes_lock:
+            self.changes[h] = registered
+            self.changes.move_to_end(h)
+            if len(self.changes) > MAX_CHANGES:
+                self.changes.popitem(last=False)  # the view is approximate: a lost change costs a misplaced request, never a wrong token
+
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """(keys registered, keys evicted) since the last call, each key's last change only."""
+        with self._changes_lock:
+            changes, self.changes = self.changes, OrderedDict()
+        return [h for h, r in changes.items() if r], [h for h, r in changes.items() if not r]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds, the counters and the changes (after
+        a worker's start-up profile, whose random prompts are no one's prefix)."""
+        while self.cached:
+            i, _ = self.cached.popitem(last=False)
+            self._unregister(i)
+            self.free_ids.append(i)
+        self.queries = self.hits = 0
+        self.take_changes()
+
+    def leaked(self) -> list[int]:
+        """Blocks still referenced (for the end-of-test check: every count zero)."""
+        return [i for i, c in enumerate(self.ref_counts) if c]

@@ -6,7 +6,11 @@ scheduled sequence's `num_computed_tokens` (`LLMEngine.execute`). Running sequen
 next token, the newest running sequence is preempted (blocks freed, back to the front of the
 queue for re-prefill). Then waiting sequences are
 admitted in arrival order while the token budget, the sequence cap and the pool allow; a long
-prompt is cut into chunks over several steps. The output is plain data, so it is tested on the
+prompt is cut into chunks over several steps. With the prefix cache on, an admitted sequence
+first takes the cached blocks of its longest cached prefix (never its last token: that one's
+logits are needed) and starts computing after them; if the rest does not fit, the match is
+given back and the sequence keeps waiting. A sequence whose next uncached block another
+sequence computes in the same step waits one step (keeping its place) and then finds it cached. The output is plain data, so it is tested on the
 CPU without a model.
 """
 from __future__ import annotations
@@ -86,16 +90,73 @@ class Scheduler:
             out.finished.append(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        computing = self._computing(out.scheduled)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self._match_prefix(seq)
+            if self._defer(seq, computing):
+                self._unmatch(seq)
+                deferred.append(self.waiting.popleft())
+                continue
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
+                if hit:
+                    self._unmatch(seq)
                 break
+            if self.blocks.prefix_cache:
+                self.blocks.count_lookup(seq.num_tokens, hit)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
+            computing.update(self._computing([(seq, n)]))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # first in the next step, in their order
+
+    def _computing(self, scheduled: list[tuple[Sequence, int]]) -> set[int]:
+        """Keys of the blocks this step fills (registered after it): with the prefix cache on."""
+        if not self.blocks.prefix_cache:
+            return set()
+        bs = self.blocks.block_size
+        keys: set[int] = set()
+        for seq, n in scheduled:
+            first, full = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
+            if full > first:
+                keys.update(seq.hashes(bs, full)[first:])
+        return keys
+
+    def _defer(self, seq: Sequence, computing: set[int]) -> bool:
+        """Whether seq's next uncached block is being computed in this step by another sequence
+        (a burst of prompts sharing a prefix): admitted next step, it finds that block cached
+        instead of computing it again (vLLM would compute it twice)."""
+        if not computing:
+            return False
+        bs = self.blocks.block_size
+        keys = seq.hashes(bs, (seq.num_tokens - 1) // bs)
+        k = seq.num_computed_tokens // bs
+        return k < len(keys) and keys[k] in computing
+
+    def _unmatch(self, seq: Sequence) -> None:
+        self.blocks.free_table(seq.block_table)
+        seq.num_computed_tokens = 0
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with nothing computed the cached blocks of its prefix; tokens hit."""
+        if not self.blocks.prefix_cache or seq.block_table:
+            return 0
+        bs = self.blocks.block_size
+        seq.block_table = self.blocks.match(seq.hashes(bs, (seq.num_tokens - 1) // bs))
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def register_computed(self, seq: Sequence, before: int) -> None:
+        """Register the blocks that became full of computed tokens (from `before` computed on)."""
+        bs = self.blocks.block_size
+        full = seq.num_computed_tokens // bs
+        first = before // bs
+        if self.blocks.prefix_cache and full > first:
+            self.blocks.register(seq.block_table[first:full], seq.hashes(bs, full)[first:])
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free_table(seq.block_table)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 
+from runtime.prefix_hash import chain_hashes
 from runtime.params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
+        "block_hashes",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None,
@@ -48,6 +50,7 @@ class Sequence:
         self.top_logprobs: list = []
         self.stop_text: str | None = None  # the stop string that ended it, if any
         self.priority = priority  # preemption takes the lowest priority, then the latest arrival
+        self.block_hashes: list[int] = []  # chained keys of its full blocks so far (runtime.kv_cache.chain_hashes)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,12 @@ class Sequence:
         if end <= n:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def hashes(self, block_size: int, upto_blocks: int) -> list[int]:
+        """The chained keys of its first upto_blocks full blocks (computed once, then extended)."""
+        if len(self.block_hashes) < upto_blocks:
+            self.block_hashes = chain_hashes(self.tokens(0, upto_blocks * block_size), block_size, upto_blocks, self.block_hashes)
+        return self.block_hashes[:upto_blocks]
 
     @property
     def finished(self) -> bool:

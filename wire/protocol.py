@@ -157,6 +157,11 @@ class Heartbeat(_Msg):
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
     inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
     fenced_blocks: int = 0  # decode: blocks of given-up grants held until their writer answers or dies
+    prefix_added: list[int] = []  # block keys its prefix cache registered since the last heartbeat (bounded)
+    prefix_evicted: list[int] = []  # and evicted
+    cached_blocks: int = 0  # blocks registered in its prefix cache now
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since start
+    prefix_hits: int = 0  # of those, tokens found cached
 
 
 class Admit(_Msg):
@@ -166,6 +171,7 @@ class Admit(_Msg):
     writer_pid: int = 0  # the prefill worker that will fill the grant (its Hello's pid, host and boot id): on the
     writer_host: str = ""  # decode worker's machine it may write into the pool directly (shm), so blocks of a grant
     writer_boot: str = ""  # given up before it answered stay fenced until it answers or its process is gone
+    prefix_hashes: list[int] = []  # chained keys of its full blocks the decode worker may already hold (runtime.prefix_hash)
 
 
 class Granted(_Msg):
@@ -173,6 +179,7 @@ class Granted(_Msg):
     block_ids: list[int]
     admission: int = 0
     grant: int = 0  # the decode worker's number for this grant; Prefill, KVReady and KVFailed carry it on
+    cached_blocks: int = 0  # the first block_ids already hold the prompt's KV (prefix cache): only the rest is sent
 
 
 class AdmitRefused(_Msg):
@@ -191,6 +198,7 @@ class Prefill(_Msg):
     output_token_ids: list[int] = []  # tokens already generated (recompute after a failure)
     priority: int = 0
     grant: int = 0  # Granted.grant, echoed in the hand-off
+    dest_cached_blocks: int = 0  # Granted.cached_blocks: the first dest blocks are not sent (KVReady names the rest)
 
 
 class Generate(_Msg):
@@ -253,6 +261,7 @@ CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Re
 
 class KVReady(_Msg):
     """Sent after the KV of `num_computed` tokens is in the destination's granted blocks.
+    block_ids: the granted blocks sent, i.e. all of them less the Granted.cached_blocks first.
 
     For tcp the block bytes follow as one extra frame per layer, each shaped
     (2, len(block_ids), block_size, kv_heads, head_dim).

@@ -87,8 +87,8 @@ def test_every_step_reaches_the_heartbeat(tiny):
     step's size and time reach the coordinator's latency model."""
     p = prefill_worker(tiny, batch_window_ms=1000, max_num_batched_tokens=16)  # a full budget ends the window at once
     p.sender.register(DEST, torch.zeros_like(p.pool))
-    for rid in ("a", "b"):
-        p.link.inbox.append(job(rid, list(range(3, 19)), [0, 1]))
+    for i, rid in enumerate(("a", "b")):
+        p.link.inbox.append(job(rid, list(range(3 + 20 * i, 19 + 20 * i)), [0, 1]))  # distinct: no prefix-cache hit
         p.turn(0)
     steps = p.heartbeat().steps
     assert [(seqs, tokens) for seqs, tokens, _, _ in steps] == [(1, 16), (1, 16)] and all(s[3] > 0 for s in steps)

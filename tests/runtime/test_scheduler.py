@@ -11,7 +11,8 @@ def seq(rid, n, max_tokens=4):
 
 
 def test_scheduler_budget_chunks_and_admission_order():
-    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    # a and b share a prefix (range(n)): with the prefix cache b would wait for a's blocks
+    s = Scheduler(BlockManager(100, 4, prefix_cache=False), max_num_seqs=8, max_num_batched_tokens=10)
     a, b = seq("a", 7), seq("b", 6)
     s.add(a)
     s.add(b)

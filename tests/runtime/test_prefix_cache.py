@@ -1,0 +1,195 @@
+"""The prefix cache: the block manager's keys, ref counts and LRU eviction as plain data, and the
+single-process engine on a tiny random model giving the same greedy tokens with the cache as
+without it (shared prefixes, chunked prefill, n copies of one prompt, preemption, an abort
+mid-prefill), with every pool whole and every cached block's ref count zero at the end."""
+import hashlib
+from array import array
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.kv_cache import BlockManager
+from runtime.prefix_hash import chain_hashes
+from runtime.sampling import SamplingParams
+from tests.helpers import save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_keys_chain_and_are_stable():
+    a = chain_hashes(list(range(40)), 8)
+    assert len(a) == 5 and len(set(a)) == 5
+    assert chain_hashes(list(range(40)), 8, upto_blocks=2) == a[:2]
+    assert chain_hashes(list(range(40)), 8, known=a[:3]) == a
+    b = chain_hashes([99] + list(range(1, 40)), 8)
+    assert b[0] != a[0] and all(x != y for x, y in zip(a, b))  # a change early changes every later key
+    # the same in every process: blake2b over the previous key and the tokens, no per-process salt
+    want = hashlib.blake2b((0).to_bytes(8, "little") + array("q", range(8)).tobytes(), digest_size=8).digest()
+    assert a[0] == int.from_bytes(want, "little")
+
+
+def test_register_match_and_lru_eviction():
+    bm = BlockManager(4, 4)
+    keys = chain_hashes(list(range(12)), 4)
+    t = bm.allocate(3)
+    bm.register(t, keys)
+    assert bm.cached_blocks == 3 and bm.free_blocks == 1
+    bm.free_table(list(t))  # counts zero: kept, evictable, still free
+    assert bm.free_blocks == 4 and bm.leaked() == []
+    got = bm.match(keys[:2] + [12345])
+    assert got == t[:2] and bm.free_blocks == 2  # taken: count 1, not evictable
+    other = bm.allocate(2)  # the never-registered block first, then the least recently freed cached one
+    assert t[2] in other  # t[2] was freed first (free_table frees last blocks first)
+    assert bm.by_hash.get(keys[2]) is None and bm.cached_blocks == 2
+    bm.free(got)
+    bm.free(other)
+    assert bm.free_blocks == 4 and bm.leaked() == []
+    added, evicted = bm.take_changes()
+    assert set(added) == set(keys[:2]) and evicted == [keys[2]]
+    assert bm.take_changes() == ([], [])
+
+
+def test_off_registers_and_matches_nothing():
+    bm = BlockManager(4, 4, prefix_cache=False)
+    keys = chain_hashes(list(range(8)), 4)
+    t = bm.allocate(2)
+    bm.register(t, keys)
+    bm.free(t)
+    assert bm.match(keys) == [] and bm.cached_blocks == 0
+
+
+def test_duplicate_key_leaves_second_block_unregistered():
+    bm = BlockManager(4, 4)
+    keys = chain_hashes(list(range(4)), 4)
+    a, b = bm.allocate(1), bm.allocate(1)
+    bm.register(a, keys)
+    bm.register(b, keys)
+    assert bm.by_hash[keys[0]] == a[0] and bm.hash_of[b[0]] is None
+    bm.free(a + b)
+    assert bm.free_blocks == 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(d, max_position_embeddings=256)
+    return d
+
+
+def engine(path, cache=True, **kw):
+    conf = dict(num_blocks=96, block_size=8, prefix_cache=cache)
+    conf.update(kw)
+    return LLMEngine.load(str(path), EngineConfig(**conf), progress=False, tokenizer=False)
+
+
+SYSTEM = [5 + (j * 11) % 400 for j in range(37)]  # a shared "system prompt" of 4 full blocks and a part
+
+
+def shared_prompts():
+    return [SYSTEM + [7 + (i * 17 + j * 5) % 450 for j in range(n)] for i, n in enumerate([3, 20, 1, 9, 31])]
+
+
+def assert_whole(eng):
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks
+    assert eng.blocks.leaked() == []
+
+
+def run_each(eng, prompts, params=GREEDY):
+    """One prompt after the other (the later ones find the earlier ones' blocks cached)."""
+    return [eng.generate([p], params)[0].token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    eng = engine(tiny, cache=False)
+    out = run_each(eng, shared_prompts())
+    assert eng.blocks.hits == 0 and eng.blocks.cached_blocks == 0
+    return out
+
+
+def test_shared_prefix_same_tokens_and_hits(tiny, reference):
+    eng = engine(tiny)
+    assert run_each(eng, shared_prompts()) == reference
+    assert eng.blocks.hits >= 4 * 8 * 4  # every later prompt found the 4 full system blocks
+    assert eng.blocks.cached_blocks > 0
+    assert_whole(eng)
+    assert run_each(eng, shared_prompts()) == reference  # again: whole prompts (but the last token) cached
+    assert_whole(eng)
+
+
+def test_batched_and_chunked_prefill_same_tokens(tiny, reference):
+    eng = engine(tiny, max_num_batched_tokens=16)
+    run_each(eng, shared_prompts()[:1])  # warm the system prompt
+    assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == reference
+    assert eng.blocks.hits > 0
+    assert_whole(eng)
+
+
+def test_n_copies_of_one_prompt(tiny, reference):
+    eng = engine(tiny)
+    p = shared_prompts()[1]
+    out = [c.token_ids for c in eng.generate([p] * 4, GREEDY)]
+    assert out == [reference[1]] * 4
+    out = [c.token_ids for c in eng.generate([p] * 4, GREEDY)]  # now every copy shares the cached prompt
+    assert out == [reference[1]] * 4
+    assert eng.blocks.hits >= 4 * (len(p) - 1) // 8 * 8
+    assert_whole(eng)
+
+
+def test_burst_sharing_a_prefix_computes_it_once(tiny, reference):
+    eng = engine(tiny)
+    assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == reference
+    assert eng.blocks.hits == 4 * (len(SYSTEM) // 8 * 8)  # the 4 later prompts deferred one step, then hit
+    assert_whole(eng)
+    off = engine(tiny, cache=False)
+    assert [c.token_ids for c in off.generate(shared_prompts(), GREEDY)] == reference and off.blocks.hits == 0
+
+
+def test_preemption_same_tokens(tiny, reference):
+    eng = engine(tiny, num_blocks=24)  # 5 prompts of 5-9 blocks each cannot run at once
+    run_each(eng, shared_prompts()[:1])
+    assert [c.token_ids for c in eng.generate(shared_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))] == reference
+    assert eng.scheduler.num_preemptions > 0
+    assert_whole(eng)
+
+
+def test_abort_mid_prefill_keeps_counts(tiny, reference):
+    eng = engine(tiny, max_num_batched_tokens=8)
+    long = shared_prompts()[4]
+    seq = eng.add_request(long, GREEDY)
+    eng.step()
+    eng.step()  # two chunks computed: two full blocks registered
+    assert 0 < seq.num_computed_tokens < len(long)
+    assert eng.blocks.cached_blocks == 2
+    assert eng.abort(seq.request_id)
+    assert_whole(eng)
+    assert run_each(eng, shared_prompts()) == reference  # the aborted prompt's blocks are reused
+    assert eng.blocks.hits >= 2 * 8
+    assert_whole(eng)
+
+
+def test_prefill_mode_reuses_its_cache(tiny, reference):
+    eng = LLMEngine.load(str(tiny), EngineConfig(num_blocks=96, block_size=8), progress=False, tokenizer=False)
+    eng.prefill_only = True
+    first = [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)]
+    assert [t[:1] for t in reference] == first
+    # one burst: the first prompt computes the system blocks, the others wait a step and find them
+    assert eng.blocks.hits == 4 * (len(SYSTEM) // 8 * 8)
+    assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == first
+    assert eng.blocks.hits >= sum((len(p) - 1) // 8 * 8 for p in shared_prompts())  # released blocks stay cached
+    assert_whole(eng)
+
+
+def test_no_prefix_cache_switch_reaches_workers():
+    from click.testing import CliRunner
+
+    from pdserve.cli import main
+    from pdserve.engine_flags import worker_args
+
+    assert worker_args({"no_prefix_cache": True}) == ["--no-prefix-cache"]
+    assert worker_args({"no_prefix_cache": True, "block_size": 8}) == ["--block-size", "8", "--no-prefix-cache"]
+    assert worker_args({"no_prefix_cache": None}) == []
+    for cmd in ("launch", "prefill", "decode"):
+        help_text = CliRunner().invoke(main, [cmd, "--help"]).output
+        assert "--no-prefix-cache" in help_text, cmd
