@@ -108,7 +108,10 @@ class PhaseTracker:
         self.hist["request_decode_time_seconds"].observe(split.decode)
         if t is None or t.done is None:
             return split  # colocated, or a hand-off that was never reported
-        waited_at_worker = max(0.0, (t.done - t.prefill_sent) - t.compute_s - t.kv_s)
+        # PrefillDone can arrive after the decode worker's first token (the prefill process sends it
+        # after the hand-off, and may be descheduled in between): time past the first token is not waiting
+        done = min(t.done, arrival + ttft)
+        waited_at_worker = max(0.0, (done - t.prefill_sent) - t.compute_s - t.kv_s)
         queue = max(0.0, min(ttft, (t.prefill_sent - arrival) + waited_at_worker))
         prefill = max(0.0, min(t.compute_s, ttft - queue))
         kv = max(0.0, min(t.kv_s, ttft - queue - prefill))

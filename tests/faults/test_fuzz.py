@@ -33,6 +33,7 @@ from runtime.params import SamplingParams
 from tests.faults.fuzzing import fuzz_messages, mutate_json
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
+from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 
 N = 10_000  # messages per ZeroMQ endpoint
 N_HTTP = 1500
@@ -117,13 +118,19 @@ def test_client_port_fuzz(cluster):
     replies = decoder(CoordinatorToClient)
     rng = random.Random(1)
     messages = list(fuzz_messages(rng, client_templates(), N))
-    bad = [len(f) != 1 or _undecodable(dec, f[0]) for f in messages]
+    # a large frame whose prompt or stop list is over the limits by its length is refused before it is
+    # decoded (wire/limits.py): answered limit_exceeded, whether or not the rest of it would decode
+    limits = RequestLimits()
+    refused = [len(f) == 1 and len(f[0]) > SCAN_FIRST_BYTES and limits.oversized_frame(f[0]) is not None for f in messages]
+    bad = [not r and (len(f) != 1 or _undecodable(dec, f[0])) for f, r in zip(messages, refused)]
     answered = [0]
+    limited = [0]
 
     def on_reply(frames):
         assert len(frames) == 1
         msg = replies.decode(frames[0])  # the coordinator only ever sends what a client can decode
         answered[0] += isinstance(msg, ErrorReply) and msg.code == "bad_message"
+        limited[0] += isinstance(msg, ErrorReply) and msg.code == "limit_exceeded"
 
     before = counter(cluster, "bad_client_messages")
     sock = dealer(cluster.plan.client_addr)
@@ -132,10 +139,11 @@ def test_client_port_fuzz(cluster):
     # every undecodable single frame is answered with a typed ErrorReply; multi-frame ones are dropped
     want_answers = sum(b and len(f) == 1 for b, f in zip(bad, messages))
     deadline = time.monotonic() + 30
-    while answered[0] < want_answers and time.monotonic() < deadline:
+    while (answered[0] < want_answers or limited[0] < sum(refused)) and time.monotonic() < deadline:
         if sock.poll(100):
             on_reply(sock.recv_multipart())
     assert answered[0] == want_answers
+    assert limited[0] >= sum(refused)  # (a valid request the fuzz made may be refused by a limit too)
     poll(lambda: counter(cluster, "bad_client_messages") >= before + sum(bad), timeout=30)
     assert counter(cluster, "bad_client_messages") == before + sum(bad), "each bad message is counted once"
     print(f"client port: {N} messages ({sum(bad)} bad) in {time.monotonic() - t0:.1f}s")

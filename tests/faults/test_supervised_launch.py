@@ -26,6 +26,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
+from wire import security
 from wire.protocol import (
     PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut,
     Welcome, decoder, encode,
@@ -81,6 +82,11 @@ class Node:
                     pass
                 assert time.monotonic() < deadline, "node not ready in time"
                 time.sleep(0.2)
+
+    def worker_secret(self) -> str | None:
+        """The per-launch worker secret the launcher handed its coordinator (wire/security.py)."""
+        args = open(f"/proc/{self.child('coordinator')}/cmdline").read().split("\0")
+        return security.read_secret(args[args.index("--worker-secret-file") + 1]) if "--worker-secret-file" in args else None
 
     def child(self, role: str) -> int | None:
         """The pid of the launcher's live child running `pdserve ROLE` (None between a death and its restart)."""
@@ -180,11 +186,13 @@ class FakeWorker:
     """A colocated worker speaking the protocol by hand on its own thread: registers (again after
     Reject "unregistered"), heartbeats, and queues every Generate it receives."""
 
-    def __init__(self, address: str, wid: str):
+    def __init__(self, address: str, wid: str, secret: str | None = None):
         self.wid = wid
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        for opt, value in security.worker_options(None, secret).items():  # a worker of this launch presents its secret
+            self.sock.setsockopt(opt, value)
         self.sock.connect(address)
         self.lock = threading.Lock()
         self.generates: queue.Queue = queue.Queue()
@@ -230,7 +238,7 @@ def test_coordinator_and_gateway_restart_with_fresh_request_ids_and_identity_che
     pool = ThreadPoolExecutor(2)
     try:
         node.wait_workers(0)
-        worker = FakeWorker(node.workers, "fake-0")
+        worker = FakeWorker(node.workers, "fake-0", node.worker_secret())
         with Client(node.clients, timeout=30) as c:
             poll("the fake worker's registration", lambda: len(c.stats()["workers"]) == 1, 10)
             epoch = c.stats()["epoch"]
@@ -245,7 +253,7 @@ def test_coordinator_and_gateway_restart_with_fresh_request_ids_and_identity_che
             new = worker.generates.get(timeout=10).request_id
             assert new != old  # ids carry the coordinator's epoch
             worker.send(TokenBatch([TokenOut(old, 42, finish_reason=FinishReason.STOP)]))  # late, from before the restart
-            rogue = FakeWorker(node.workers, "fake-1")
+            rogue = FakeWorker(node.workers, "fake-1", node.worker_secret())
             poll("the rogue's registration", lambda: len(c.stats()["workers"]) == 2, 10)
             rogue.send(TokenBatch([TokenOut(new, 43, finish_reason=FinishReason.STOP)]))  # not placed there
             poll("the rogue's message counted", lambda: c.stats()["requests"].get("wrong_worker_messages", 0) >= 1, 10)

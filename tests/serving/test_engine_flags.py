@@ -72,6 +72,6 @@ def test_max_model_len_beyond_the_model_stops_the_launch(model_dir, tmp_path):
                           "--threads", "1", "--max-model-len", "4096", "--log-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    assert "colocated-0 exited" in out.stderr
+    assert "colocated-0 (pid" in out.stderr and "cannot start with this configuration" in out.stderr  # exit 78: not restarted
     log = (tmp_path / "colocated-0.log").read_text()
     assert "max_model_len 4096 is longer than the model's context (1024 tokens)" in log
