@@ -56,6 +56,9 @@ log = logging.getLogger("pdserve.decode")
 FENCE_CHECK_S = 0.5  # how often fenced writers are checked for death
 
 
+LIVE_WRITER_GRANT_FACTOR = 10  # a grant whose local writer lives expires after this many grant timeouts
+
+
 @dataclass
 class Grant:
     block_ids: list[int]
@@ -64,6 +67,7 @@ class Grant:
     writer: int = 0  # pid of a prefill process on this machine that may write into the blocks directly; 0: none
     cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
     cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
+    last_resort: float = float("inf")  # expires at this even while its writer lives (see expire_grants)
 
 
 @dataclass
@@ -215,7 +219,9 @@ class DecodeWorker:
         ids, cached = ids
         self.grants_made += 1
         writer = msg.writer_pid if (msg.writer_host, msg.writer_boot) == self.machine else 0
-        self.grants[msg.request_id] = Grant(ids, time.monotonic() + self.grant_timeout_s, self.grants_made, writer, cached=cached)
+        now = time.monotonic()
+        self.grants[msg.request_id] = Grant(ids, now + self.grant_timeout_s, self.grants_made, writer, cached=cached,
+                                            last_resort=now + LIVE_WRITER_GRANT_FACTOR * self.grant_timeout_s)
         self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made, cached))
 
     def grant_blocks(self, msg: Admit) -> tuple[list[int], int] | None:
@@ -304,6 +310,13 @@ class DecodeWorker:
                 log.warning("prefill pid %d is gone: %d fenced blocks of grant %d freed", fence.writer, len(fence.block_ids), number)
                 self.engine.blocks.free(fence.block_ids)
         for rid in [r for r, g in self.grants.items() if g.deadline < now]:
+            grant = self.grants[rid]
+            if grant.writer and now < grant.last_resort and not grant.cancelled and process_alive(grant.writer):
+                # its writer on this machine lives: the prompt is still queued behind others at a busy
+                # prefill worker (a 64-request burst queues > 30 s), not lost; a stalled or dead writer is
+                # the coordinator's to detect (heartbeats -> Release). Look again a timeout later.
+                grant.deadline = now + self.grant_timeout_s
+                continue
             log.warning("grant for %s expired without KV", rid)
             if not self.grants[rid].cancelled:
                 self.link.send(WorkerError(rid, "kv_transfer_timeout", "prefill hand-off never arrived"))

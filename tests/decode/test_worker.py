@@ -170,7 +170,7 @@ def test_fenced_blocks_are_freed_when_the_writer_dies(tiny):
     writer = sleeper()
     _, d, _ = workers(tiny)
     g = admit_from(d, "a", 20, writer.pid)
-    d.grants["a"].deadline = 0.0  # its KV never came: expired while the writer lives
+    d.grants["a"].deadline = d.grants["a"].last_resort = 0.0  # its KV never came: expired for good while the writer lives
     d.turn(0)
     assert [e.code for e in d.link.taken(WorkerError)] == ["kv_transfer_timeout"] and g.grant in d.fences
     d.turn(0)
@@ -182,6 +182,27 @@ def test_fenced_blocks_are_freed_when_the_writer_dies(tiny):
         assert time.monotonic() < deadline, "fence not lifted after the writer died"
         d.turn(0.05)
     assert all_free(d)
+
+
+def test_a_grant_whose_local_writer_lives_waits_past_its_timeout(tiny):
+    """A prompt queued behind a long burst at a live prefill worker is not lost: its grant waits
+    (up to LIVE_WRITER_GRANT_FACTOR timeouts), and its KV is taken when it comes."""
+    writer = sleeper()
+    try:
+        _, d, _ = workers(tiny)
+        admit_from(d, "a", 20, writer.pid)
+        d.grants["a"].deadline = 0.0  # the ordinary timeout passed
+        d.turn(0)
+        assert "a" in d.grants and not d.link.taken(WorkerError) and not d.fences
+        assert d.grants["a"].deadline > 0.0  # looked at again a timeout later
+        d.link.inbox.append(Abort("a"))
+        d.turn(0)
+        d.grants["a"].deadline = d.grants["a"].last_resort = 0.0
+        d.turn(0)
+        assert "a" not in d.grants
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_a_grant_no_prefill_was_sent_for_is_freed_at_once_even_if_fenced(tiny):
