@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from client.library import AsyncClient, Client, ClientError, RequestError, RequestLost
+from client.library import Client, ClientError, RequestError, RequestLost
 from kvtransfer.pool import host_identity
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.sampling import SamplingParams
+from tests.faults.test_worker_death import run_and_kill
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 from wire import security
 from wire.protocol import (
@@ -118,29 +119,6 @@ def restarts(c: Client, role: str) -> int:
     return c.stats()["nodes"].get("local", {}).get("restarts", {}).get(role, 0)
 
 
-async def streams_with_a_kill(address, kill, when_tokens: int):
-    """8 greedy streams; kill() once `when_tokens` tokens arrived in all. Per stream: its tokens or
-    its typed error, and the seconds from the kill to its end."""
-    killed_at, total = [], [0]
-
-    async def one(c, p):
-        toks = []
-        try:
-            async for d in c.stream(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True):
-                toks += d.token_ids
-                total[0] += len(d.token_ids)
-                if total[0] >= when_tokens and not killed_at:
-                    killed_at.append(time.monotonic())
-                    kill()
-            return toks, time.monotonic()
-        except RequestError as e:
-            return e, time.monotonic()
-
-    async with AsyncClient(address, timeout=90) as c:
-        outs = await asyncio.gather(*(one(c, p) for p in prompts(8)))
-    assert killed_at, "the kill never happened"
-    return [(r, end - killed_at[0]) for r, end in outs]
-
 
 def test_launch_restarts_a_killed_decode_worker_and_every_stream_completes(model_dir, expected, tmp_path):
     node = Node(model_dir, tmp_path, "--decode", "2", "--engine-arg=--kv-cache-mb=16")
@@ -155,7 +133,7 @@ def test_launch_restarts_a_killed_decode_worker_and_every_stream_completes(model
             victim.update(busiest)
             os.kill(busiest["pid"], signal.SIGKILL)
 
-        outs = asyncio.run(streams_with_a_kill(node.clients, kill_busiest, 150))
+        outs = asyncio.run(run_and_kill(node.clients, kill_busiest, 150, max_tokens=MAX_TOKENS, timeout=90))
         killed_at = time.monotonic()
         for i, (r, after) in enumerate(outs):  # none hangs: every stream ended, each within a bound
             if isinstance(r, RequestError):

@@ -41,7 +41,7 @@ def proc(launcher, name):
     return dict(launcher.procs)[name]
 
 
-async def run_and_kill(address, kill, when_tokens: int):
+async def run_and_kill(address, kill, when_tokens: int, max_tokens: int = MAX_TOKENS, timeout: float = 60):
     """Start 8 greedy streams; once `when_tokens` tokens have arrived in total, call kill().
     Returns per request: token ids, or the typed error, and the seconds from the kill to its end."""
     killed_at = []
@@ -50,7 +50,7 @@ async def run_and_kill(address, kill, when_tokens: int):
     async def one(c, p):
         toks = []
         try:
-            async for d in c.stream(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True):
+            async for d in c.stream(token_ids=p, temperature=0, max_tokens=max_tokens, ignore_eos=True):
                 toks += d.token_ids
                 total[0] += len(d.token_ids)
                 if total[0] >= when_tokens and not killed_at:
@@ -60,7 +60,7 @@ async def run_and_kill(address, kill, when_tokens: int):
         except RequestError as e:
             return e, time.monotonic()
 
-    async with AsyncClient(address, timeout=60) as c:
+    async with AsyncClient(address, timeout=timeout) as c:
         outs = await asyncio.gather(*(one(c, p) for p in prompts(8)))
     assert killed_at, "the kill never happened"
     return [(r, end - killed_at[0]) for r, end in outs]
