@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("cpu_ops.c", "quant_ops.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("cpu_ops.c", "quant_ops.c", "step_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _lock = threading.Lock()
 _loaded: list = []  # [NativeOps | None] once tried
@@ -134,6 +134,8 @@ class NativeOps:
         lib.pd_q_dequant.restype = None
         lib.pd_q_matmul.argtypes = [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]
         lib.pd_q_matmul.restype = _I
+        lib.pd_decode_layers.argtypes = [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]
+        lib.pd_decode_layers.restype = _I
 
     def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True) -> None:
         """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages.
@@ -235,6 +237,45 @@ class NativeOps:
 
         return run
 
+    def decode_layers(self, layers: "DecodeLayers", kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens, cos, sin,
+                      scale: float, eps: float) -> None:
+        """Every decoder layer of a decode-only step in one call (step_ops.c): the per-op loop of
+        kernels.cpu_forward, same kernels, same order, so the same bits. h (T, hidden) is the
+        residual stream, x layer 0's normalised input; bufs = (qkv, attn, o_out, gate_up, act,
+        down), contiguous (T, width) float32; on return down holds the last layer's output.
+        T sequences of one query token each: row rows[b] is sequence b's (positions, slots, rows,
+        seq_lens (T,), block_tables (T, W), as decode_attention and rope_write_kv take them)."""
+        qkv, attn, o_out, gate_up, act, down = bufs
+        t = h.shape[0]
+        _check(kv_cache, "kv_cache")
+        if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[0] != layers.count or kv_cache.shape[1] != 2:
+            raise ValueError("decode_layers: kv_cache must be a contiguous (layers, 2, blocks, block size, kv heads, head dim) pool")
+        for name, m, width in (("h", h, layers.hidden), ("x", x, layers.hidden), ("qkv", qkv, layers.qkv_width), ("attn", attn, layers.q_size),
+                               ("o_out", o_out, layers.hidden), ("gate_up", gate_up, 2 * layers.inter), ("act", act, layers.inter),
+                               ("down", down, layers.hidden)):
+            _check(m, name)
+            if not m.is_contiguous() or m.shape != (t, width):
+                raise ValueError(f"decode_layers: {name} must be a contiguous ({t}, {width}) matrix")
+        pos, tables, lens = positions, block_tables, seq_lens
+        for v, n, dt in ((pos, "positions", torch.int64), (slots, "slots", torch.int64), (rows, "rows", torch.int64),
+                         (lens, "seq_lens", torch.int32), (tables, "block_tables", torch.int32)):
+            _check(v, n, dt)
+        if not (pos.shape == slots.shape == rows.shape == lens.shape == (t,)) or tables.shape[0] != t or tables.stride(1) != 1 \
+                or not (pos.is_contiguous() and slots.is_contiguous() and rows.is_contiguous() and lens.is_contiguous()):
+            raise ValueError("decode_layers: positions, slots, rows, seq_lens (T,) and block_tables (T, W) must be contiguous")
+        _, _, _, bs, kvh, d = kv_cache.shape
+        for v, n in ((cos, "cos"), (sin, "sin")):
+            _check(v, n)
+            if not v.is_contiguous() or v.shape[1] != d:
+                raise ValueError(f"decode_layers: {n} must be a contiguous (positions, {d}) table")
+        if self.lib.pd_decode_layers(
+            layers.array, layers.count, _ptr(kv_cache), kv_cache.stride(0), kv_cache.stride(1), _ptr(h), _ptr(x), _ptr(qkv), _ptr(attn),
+            _ptr(o_out), _ptr(gate_up), _ptr(act), _ptr(down), t, _ptr(pos), _ptr(slots), _ptr(cos), _ptr(sin), _ptr(rows),
+            _ptr(tables), tables.stride(0), _ptr(lens), layers.heads, kvh, d, bs, layers.hidden, layers.inter, scale, eps, layers.int8,
+        ):
+            raise MemoryError("decode_layers: scratch allocation failed")
+
+
     def q_dequant(self, w, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `rows` (int64, contiguous; None: all) of a QuantTensor as float32."""
         if rows is not None:
@@ -245,6 +286,41 @@ class NativeOps:
         out = torch.empty((n, w.shape[1]), dtype=torch.float32)
         self.lib.pd_q_dequant(_ptr(w.raw), w.raw.stride(0), w.type_id, w.shape[1], None if rows is None else _ptr(rows), n, _ptr(out))
         return out
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("w", _P), ("row_bytes", _I64), ("qt", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight),
+                ("down", _QWeight)]
+
+
+class DecodeLayers:
+    """The C description (step_ops.c pd_layer[]) of a model's decoder layers, built once from
+    per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the four
+    weights kernels.quant.QuantTensor; the tensors are kept referenced for the array's life."""
+
+    def __init__(self, layers: list, heads: int, int8_activations: bool):
+        self.count, self.heads, self.int8 = len(layers), heads, int(int8_activations)
+        self._keep = layers
+        self.array = (_Layer * len(layers))()
+        for slot, (in_norm, post_norm, bias, *weights) in zip(self.array, layers):
+            for v, n in ((in_norm, "input_norm"), (post_norm, "post_norm")) + (((bias, "qkv_bias"),) if bias is not None else ()):
+                _check(v, n)
+                if not v.is_contiguous():
+                    raise ValueError(f"DecodeLayers: {n} must be contiguous")
+            slot.input_norm, slot.post_norm, slot.qkv_bias = _ptr(in_norm), _ptr(post_norm), None if bias is None else _ptr(bias)
+            for name, w in zip(("qkv", "o", "gate_up", "down"), weights):
+                n, k = w.shape
+                setattr(slot, name, _QWeight(w.raw.data_ptr(), w.raw.stride(0), w.type_id, n, k, 0))
+        qkv, o, gate_up, down = layers[0][3:]
+        self.qkv_width, self.q_size, self.hidden, self.inter = qkv.shape[0], o.shape[1], o.shape[0], down.shape[1]
+        for _, _, _, q, o2, g, dn in layers:
+            if (q.shape[0], o2.shape, g.shape, dn.shape) != (self.qkv_width, o.shape, (2 * self.inter, self.hidden), (self.hidden, self.inter)) \
+                    or q.shape[1] != self.hidden:
+                raise ValueError("DecodeLayers: the layers' weight shapes disagree")
 
 
 # ------------------------------------------------------------------ torch twins

@@ -146,13 +146,24 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
     return runs
 
 
-async def kv_counters(backend) -> dict | None:
+async def kv_counters(backend, settle_s: float = 5.0) -> dict | None:
     """pdserve backend: the coordinator's KV hand-off bytes and count and its workers' prefix-cache
-    tokens looked up and hit (the run's figures are the differences); None for other backends."""
+    tokens looked up and hit (the run's figures are the differences); None for other backends.
+
+    The prefix-cache counters reach the coordinator in worker heartbeats (every 0.5 s by default),
+    so a run shorter than a heartbeat would read stale figures: this waits (up to settle_s) until
+    every worker has sent two more heartbeats, the second of which was built after this call."""
     client = getattr(backend, "client", None)
     if not hasattr(client, "stats"):
         return None
     s = await client.stats(timeout=10.0)
+    seen = {w["id"]: w.get("heartbeats", 0) for w in s.get("workers", [])}
+    deadline = asyncio.get_running_loop().time() + settle_s
+    while any(w.get("heartbeats", 0) < seen.get(w["id"], 0) + 2 for w in s.get("workers", [])):
+        if asyncio.get_running_loop().time() > deadline:
+            break  # a worker that stopped beating: report what the coordinator has
+        await asyncio.sleep(0.05)
+        s = await client.stats(timeout=10.0)
     caches = [w.get("prefix_cache", {}) for w in s.get("workers", [])]
     return {"kv_handoff_bytes": s["kv_transfer"]["bytes"], "kv_handoffs": s["kv_transfer"]["handoffs"],
             "prefix_cache_queries": sum(c.get("queries", 0) for c in caches), "prefix_cache_hits": sum(c.get("hits", 0) for c in caches)}

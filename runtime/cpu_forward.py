@@ -9,7 +9,10 @@ compiler), and the model keeps its module forward, which stays the slow twin thi
 tested against (for a quantized model, the twin is the same file loaded dequantized). `__call__(batch, kv_cache)` then replaces the
 module forward for every step.
 
-Per layer it makes eight calls instead of about forty torch ops: RMSNorm fused with the
+A decode-only step of a model whose projections are all quantized (the default model served
+`--quantization auto`) makes one C call for all layers (kernels/csrc/step_ops.c: the same
+kernels in the same order, so the same bits as the loop below, its twin). Otherwise, per layer
+it makes eight calls instead of about forty torch ops: RMSNorm fused with the
 residual add, the qkv GEMM, rotary embedding fused with the KV-cache write, attention, the o
 GEMM, the second fused add + RMSNorm, the gate/up GEMM, silu * up, the down GEMM. Decode rows
 (one query token) attend straight from the pages in C, all sequences in one call; a sequence
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_native
 from kernels.linear import PackedLinear
+from kernels import quant
 from kernels.quant import QuantTensor
 from kernels.torch_paged import attend_one, gather_pages
 
@@ -43,6 +47,10 @@ class CpuForward:
                                     int8_activations=int8_activations)
         self.widths = (c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)  # qkv, o, gate_up, down
         self._kv_key, self._kv = None, []
+        # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
+        # fused_step False keeps the per-op loop, the twin it is tested against
+        self.step_layers = _step_layers(self.layers, c.num_heads, int8_activations)
+        self.fused_step = self.step_layers is not None
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
@@ -64,11 +72,27 @@ class CpuForward:
         h = self.embed(batch.input_ids)  # (T, hidden): the residual stream, updated in place
         x = torch.empty_like(h)
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
-        delta = None
-        attn = torch.empty((tokens, c.q_size), dtype=h.dtype)
-        act = torch.empty((tokens, c.intermediate_size), dtype=h.dtype)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
-        qkv_out, o_out, gate_up_out, down_out = (torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
+        bufs = (torch.empty((tokens, self.widths[0]), dtype=h.dtype), torch.empty((tokens, c.q_size), dtype=h.dtype),
+                torch.empty((tokens, self.widths[1]), dtype=h.dtype), torch.empty((tokens, self.widths[2]), dtype=h.dtype),
+                torch.empty((tokens, c.intermediate_size), dtype=h.dtype), torch.empty((tokens, self.widths[3]), dtype=h.dtype))
+        if self.fused_step and not plan.prefills and tokens <= quant.DIRECT_ROWS:
+            ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
+                              plan.decode_tables, plan.decode_lens, self.cos, self.sin, self.scale, self.eps)
+            delta = bufs[5]
+        else:
+            delta = self._layers(batch, plan, kv_cache, h, x, bufs)
+        rows = batch.logits_indices
+        last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
+        ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
+        return self.lm_head(last).float()  # (N, vocab)
+
+    def _layers(self, batch, plan: "_AttentionPlan", kv_cache, h, x, bufs) -> torch.Tensor:
+        """Every decoder layer, eight calls each; returns the last layer's output (not yet added
+        into the residual stream h)."""
+        c, ops = self.cfg, self.ops
+        qkv_out, attn, o_out, gate_up_out, act, down_out = bufs
+        delta = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._kv_views(kv_cache))):
             check = i == 0  # every layer passes tensors of the same kinds and shapes: the first one checks them
             if delta is not None:
@@ -80,10 +104,7 @@ class CpuForward:
             ops.rms_norm(layer.o(attn, o_out), layer.post_norm, x, self.eps, residual=h, check=check)
             ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
             delta = layer.down(act, down_out)
-        rows = batch.logits_indices
-        last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
-        ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
-        return self.lm_head(last).float()  # (N, vocab)
+        return delta
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
@@ -101,6 +122,16 @@ class CpuForward:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len)
             attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
+
+
+def _step_layers(layers: list, heads: int, int8_activations: bool) -> "cpu_native.DecodeLayers | None":
+    """The C description of the layers for the one-call decode step, or None unless every
+    projection is quantized (a float projection runs oneDNN, which C cannot call)."""
+    if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
+            or not all(layer.qkv.quantized for layer in layers):
+        return None
+    return cpu_native.DecodeLayers([(layer.input_norm, layer.post_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
+                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, int8_activations)
 
 
 class _Layer:

@@ -1,0 +1,69 @@
+/* A whole decode step's decoder layers in one C call, for a model whose projections are all
+ * GGUF-quantized (kernels/quant.py): the same kernels, in the same order, with the same
+ * arguments as kernels.cpu_forward's per-op loop, without the Python round trip (argument
+ * checks, ctypes marshalling) of each of the 8 calls per layer. Built into the same library as
+ * cpu_ops.c and quant_ops.c; called by kernels/cpu_native.py NativeOps.decode_layers.
+ *
+ * Because every op is the same C function on the same buffers, the result equals the per-op
+ * loop bit for bit; that loop stays the twin (tests/runtime/test_quantized.py compares them).
+ */
+#include <stdint.h>
+
+void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float *w, float *out, int rows, int dim, float eps);
+void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
+void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
+                      float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
+int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+                              const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                              const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale);
+int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
+                int64_t os, int int8_activations);
+
+/* One quantized weight: N rows of K/32 GGUF blocks, row_bytes apart. */
+typedef struct {
+    const uint8_t *w;
+    int64_t row_bytes;
+    int32_t qt, n, k, pad;
+} pd_qweight;
+
+/* One decoder layer: its two norm weights, an optional qkv bias (NULL: none) and four weights. */
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias;
+    pd_qweight qkv, o, gate_up, down;
+} pd_layer;
+
+static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int i8) {
+    return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, w->n, i8);
+}
+
+/* T decode rows (one query token per sequence, B = T sequences, row b is sequence b) through L
+ * layers. h (T, hidden): the residual stream; x: layer 0's normalised input on entry. Scratch
+ * rows: qkv (T, qkv.n), attn (T, H*D), o_out (T, hidden), gate_up (T, 2*inter), act (T, inter),
+ * down (T, hidden): on return down holds the last layer's output, not yet added into h (the
+ * caller's final norm adds it). Layer l's k cache is kv + l * kv_layer_stride, its v cache
+ * kv_half_stride further. Returns nonzero if a scratch allocation failed. */
+int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
+                     float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
+                     const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
+                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int H, int KVH, int D, int BS,
+                     int hidden, int inter, float scale, float eps, int int8_activations) {
+    for (int l = 0; l < L; l++) {
+        const pd_layer *ly = layers + l;
+        float *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
+        if (l > 0) pd_rms_norm(down, hidden, h, ly->input_norm, x, T, hidden, eps);
+        if (q_mm(&ly->qkv, x, T, qkv, int8_activations)) return 1;
+        if (ly->qkv_bias)
+            for (int t = 0; t < T; t++)
+                for (int j = 0; j < ly->qkv.n; j++) qkv[(int64_t)t * ly->qkv.n + j] += ly->qkv_bias[j];
+        pd_rope_write_kv(qkv, ly->qkv.n, positions, cos_t, sin_t, k_cache, v_cache, slots, T, H, KVH, D);
+        if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, k_cache, v_cache, block_tables, bt_stride,
+                                      seq_lens, T, H, KVH, D, BS, scale))
+            return 1;
+        if (q_mm(&ly->o, attn, T, o_out, int8_activations)) return 1;
+        pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);
+        if (q_mm(&ly->gate_up, x, T, gate_up, int8_activations)) return 1;
+        pd_silu_mul(gate_up, act, T, inter);
+        if (q_mm(&ly->down, act, T, down, int8_activations)) return 1;
+    }
+    return 0;
+}
