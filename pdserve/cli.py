@@ -26,7 +26,9 @@ def _engine_options(f):
                      help="auto: bfloat16 on CUDA, float32 on the CPU"),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N"),
         click.option("--block-size", default=16, show_default=True, type=int),
-        click.option("--kv-cache-mb", default=512, show_default=True, type=int, help="KV pool memory budget"),
+        click.option("--kv-cache-mb", default=None, type=int,
+                     help="KV pool memory budget (default: 2048, or less on a small machine: at most a quarter of the available "
+                          "memory and half of /dev/shm's free space)"),
         click.option("--num-blocks", default=None, type=int, help="KV pool size in blocks (overrides --kv-cache-mb)"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
         click.option("--max-num-batched-tokens", "--max-batched-tokens", "max_batched_tokens", default=2048, show_default=True, type=int,
@@ -56,9 +58,11 @@ def _engine_options(f):
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
              quantization, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
-    from runtime.config import EngineConfig, WorkerConfig
+    from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
     from runtime.errors import PdserveError
 
+    if kv_cache_mb is None:  # not used when --num-blocks or --gpu-memory-utilization sizes the pool
+        kv_cache_mb = auto_kv_cache_mb() if num_blocks is None and gpu_memory_utilization is None else 0
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,

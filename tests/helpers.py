@@ -155,6 +155,10 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
     from pdserve.launch import Launcher, NodePlan
 
     plan.setdefault("worker_secret", False)
+    if not any(a.startswith(("--kv-cache-mb", "--num-blocks")) for a in engine_args):
+        # the workers' default budget is up to 2 GiB each (reserved in /dev/shm when shared): tests
+        # keep the old 512 MiB, which start faster
+        engine_args = ["--kv-cache-mb", "512", *engine_args]
 
     plan = NodePlan(
         prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,

@@ -1,4 +1,6 @@
-"""The block manager as plain data, without a model."""
+"""The block manager as plain data, without a model; the workers' default KV budget."""
+import os
+
 from runtime.kv_cache import BlockManager
 
 
@@ -33,3 +35,15 @@ def test_ensure_slots_and_slot_mapping():
     assert bm.ensure_slots(table, 8) and len(table) == 2
     assert bm.slot(table, 5) == table[1] * 4 + 1
     assert not bm.ensure_slots(table, 100) and len(table) == 2
+
+
+def test_auto_kv_budget_is_2_gib_or_what_a_small_machine_can_spare(tmp_path):
+    from runtime.config import AUTO_KV_CACHE_MB, auto_kv_cache_mb
+
+    with open("/proc/meminfo") as f:
+        available_mib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) // 1024
+    shm = os.statvfs("/dev/shm")
+    expected = min(AUTO_KV_CACHE_MB, available_mib // 4, shm.f_bavail * shm.f_frsize // 2**20 // 2)
+    assert abs(auto_kv_cache_mb() - expected) <= max(64, expected // 20)  # MemAvailable moves a little between the reads
+    assert auto_kv_cache_mb(shm_dir=str(tmp_path / "absent")) >= auto_kv_cache_mb()  # no /dev/shm: only the memory cap applies
+    assert 16 <= auto_kv_cache_mb() <= AUTO_KV_CACHE_MB
