@@ -101,6 +101,15 @@ def _load() -> "NativeOps | None":
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how <= 4 rows meet quantized weights
+
+
+def activation_mode(activations: str) -> int:
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {activations!r}")
+    return ACTIVATION_MODES[activations]
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -213,16 +222,16 @@ class NativeOps:
             tokens, heads, kv_heads, d,
         )
 
-    def q_matmul(self, x, w, int8_activations: bool = False) -> torch.Tensor:
+    def q_matmul(self, x, w, activations: str = "float") -> torch.Tensor:
         """x (M, K) float32 with contiguous rows @ w^T for a kernels.quant.QuantTensor w (N, K);
-        int8_activations: up to 4 rows are rounded to int8 first (kernels.quant.matmul_int8_twin)."""
-        return self.q_linear(w, int8_activations)(x)
+        activations int16 / int8: up to 4 rows are rounded to integers first (kernels.quant.matmul_int_twin)."""
+        return self.q_linear(w, activations)(x)
 
-    def q_linear(self, w, int8_activations: bool = False):
+    def q_linear(self, w, activations: str = "float"):
         """q_matmul bound to one weight: a callable x -> x @ w^T with the weight's arguments
         computed once and only the input checked per call (the per-layer hot path)."""
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
-        i8 = int(int8_activations)
+        i8 = activation_mode(activations)
 
         def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
@@ -302,8 +311,8 @@ class DecodeLayers:
     per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the four
     weights kernels.quant.QuantTensor; the tensors are kept referenced for the array's life."""
 
-    def __init__(self, layers: list, heads: int, int8_activations: bool):
-        self.count, self.heads, self.int8 = len(layers), heads, int(int8_activations)
+    def __init__(self, layers: list, heads: int, activations: str):
+        self.count, self.heads, self.int8 = len(layers), heads, activation_mode(activations)
         self._keep = layers
         self.array = (_Layer * len(layers))()
         for slot, (in_norm, post_norm, bias, *weights) in zip(self.array, layers):

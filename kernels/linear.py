@@ -44,16 +44,16 @@ def row_bucket(rows: int) -> int:
 
 class PackedLinear:
     def __init__(self, weight: "torch.Tensor | quant.QuantTensor", bias: torch.Tensor | None = None, kind: str = "auto",
-                 batch_hint: int = 32, int8_activations: bool = False):
+                 batch_hint: int = 32, activations: str = "float"):
         self.quantized = isinstance(weight, quant.QuantTensor)
-        self.int8_activations = int8_activations  # quant only: kernels.quant.matmul's integer path
+        self.activations = activations  # quant only: how kernels.quant.matmul takes <= 4 rows (float, int16, int8)
         self.kind = "quant" if self.quantized else resolve_kind(kind, weight)
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # kept: the twin, and the tied embedding reads it
         self.bias = bias
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
-        self.q_run = quant.bound_matmul(weight, int8_activations) if self.quantized else None
+        self.q_run = quant.bound_matmul(weight, activations) if self.quantized else None
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
@@ -69,7 +69,7 @@ class PackedLinear:
             out = self.q_run(x, out)
             return out if self.bias is None else out.add_(self.bias)
         if self.quantized:
-            return quant.matmul(x, self.weight, self.bias, self.int8_activations)
+            return quant.matmul(x, self.weight, self.bias, self.activations)
         rows = x.shape[0]
         if self.packed is None or rows > self.max_rows or rows == 0:
             return F.linear(x, self.weight, self.bias)

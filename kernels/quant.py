@@ -100,49 +100,55 @@ def dequantize_raw(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
     return w.reshape(rows, cols)
 
 
-def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, activations: str = "float") -> torch.Tensor:
     """x (M, K) float32 @ w^T: the C kernel up to DIRECT_ROWS rows, else dequantize and F.linear.
-    int8_activations: at most DIRECT_INT8_ROWS rows are rounded to int8 first (faster, approximate)."""
+    activations "int16" / "int8": at most DIRECT_INT8_ROWS rows are rounded to integers per 32-wide
+    block first and multiplied in integers (faster; matmul_int_twin is what they compute)."""
     from kernels import cpu_native
 
     ops = cpu_native.native()
     if ops is None or x.shape[0] > DIRECT_ROWS:
         return F.linear(x, w.dequantize() if ops is None else ops.q_dequant(w), bias)
-    out = ops.q_matmul(x, w, int8_activations)
+    out = ops.q_matmul(x, w, activations)
     return out if bias is None else out.add_(bias)
 
 
-def bound_matmul(w: QuantTensor, int8_activations: bool = False):
+def bound_matmul(w: QuantTensor, activations: str = "float"):
     """The C kernel bound to one weight (kernels.cpu_native.NativeOps.q_linear): x -> x @ w^T for
     at most DIRECT_ROWS rows; None without the C kernels (callers then use `matmul`)."""
     from kernels import cpu_native
 
     ops = cpu_native.native()
-    return None if ops is None else ops.q_linear(w, int8_activations)
+    return None if ops is None else ops.q_linear(w, activations)
 
 
 def matmul_twin(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w.dequantize(), bias)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The integer path's activations: (codes (M, K) int8, scales dx (M, K/32), block sums (M, K/32)),
-    x ~ dx * codes per 32-wide block with dx = max|x| / 127, rounded half to even."""
+INT_LIMITS = {"int8": 127.0, "int16": 32767.0}  # the largest code of each integer activation kind
+
+
+def quantize_activations(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer paths' activations: (codes (M, K), scales dx (M, K/32), block sums (M, K/32)),
+    x ~ dx * codes per 32-wide block with dx = max|x| / L (L = 127 for int8, 32767 for int16),
+    rounded half to even."""
     rows, cols = x.shape
+    limit = INT_LIMITS[kind]
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8)
-    return codes.reshape(rows, cols), amax / 127.0, blocks.sum(-1)
+    inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8 if kind == "int8" else torch.int16)
+    return codes.reshape(rows, cols), amax / limit, blocks.sum(-1)
 
 
-def matmul_int8_twin(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """What the C kernel's integer path (at most DIRECT_INT8_ROWS rows) computes, in float64:
+def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
+    """What the C kernel's integer paths (at most DIRECT_INT8_ROWS rows) compute, in float64:
     per block d * dx * (codes . xq) + m * sum(x). Its difference from `matmul_twin` is the
-    activations' rounding to int8, which is the price of that path."""
+    activations' rounding to int8 or int16, which is the price of those paths."""
     rows, cols = x.shape
     nb = cols // BLOCK
-    xq, dx, xsum = quantize_activations(x)
+    xq, dx, xsum = quantize_activations(x, kind)
     blocks = w.raw.reshape(w.shape[0], nb, QTYPES[w.qtype][1])
     d = blocks[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # (N, nb)
     if w.qtype == "Q8_0":

@@ -12,7 +12,9 @@ streaming client (`/v1/completions`, usage counted from the stream), stop it. Ro
   `setup` builds it first if missing: about 6 minutes);
 - `colocated`, `disagg`: `pdserve launch` (one colocated worker; 1 prefill + 1 decode), with
   the gateway, SLO control off (`--no-slo`: a throughput comparison, nothing shed), weights
-  served quantized as the GGUF ships them; `colocated-int8` adds `--int8-activations`;
+  served quantized as the GGUF ships them (a lone stream's rows with int16 activations, the
+  default); `colocated-int8` and `colocated-qfloat` run them with `--quant-activations int8` /
+  `float`;
   `colocated-fp32`, `disagg-fp32` dequantize to float32 (`--quantization none`). Each pdserve
   row also reports its workers' resident memory (VmRSS) after the workloads;
 - `colocated-slo`, `disagg-slo`: the same with default settings (SLO control on), first burst
@@ -36,16 +38,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROWS = ("vllm", "llamacpp", "colocated", "disagg", "colocated-int8", "colocated-fp32", "disagg-fp32", "colocated-slo", "disagg-slo",
+ROWS = ("vllm", "llamacpp", "colocated", "disagg", "colocated-int8", "colocated-qfloat", "colocated-fp32", "disagg-fp32", "colocated-slo", "disagg-slo",
         "hf-batch")
 ROW_NAMES = {"vllm": "vLLM CPU 0.32 (float32)", "llamacpp": "llama.cpp server (Q4_1)", "colocated": "pdserve colocated",
-             "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-fp32": "pdserve colocated fp32",
+             "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-qfloat": "pdserve coloc float-act", "colocated-fp32": "pdserve colocated fp32",
              "disagg-fp32": "pdserve disagg fp32", "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on",
              "hf-batch": "HF static batch"}
 PEERS = {"vllm": ("vllm_cpu.sh", "VLLM_PORT"), "llamacpp": ("llama_cpp.sh", "LLAMA_PORT")}
-# pdserve rows: the weights as the GGUF ships them (default --quantization auto), with int8
-# activations for small decode batches, or dequantized to float32 (--quantization none)
-ROW_ENGINE_ARGS = {"-int8": ["--int8-activations"], "-fp32": ["--quantization", "none"]}
+# pdserve rows: the weights as the GGUF ships them (default --quantization auto; small decode
+# batches with int16 activations, the default, or int8 or float ones), or dequantized to float32
+# (--quantization none)
+ROW_ENGINE_ARGS = {"-int8": ["--quant-activations", "int8"], "-qfloat": ["--quant-activations", "float"], "-fp32": ["--quantization", "none"]}
 REPO = Path(__file__).resolve().parents[1]
 
 

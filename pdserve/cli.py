@@ -38,8 +38,11 @@ def _engine_options(f):
                      help="CUDA only: size the KV pool so that this share of the GPU's memory is used (instead of --kv-cache-mb)"),
         click.option("--quantization", "-q", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
                      help="auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
-        click.option("--int8-activations", is_flag=True,
-                     help="quantized weights: round a small decode batch's activations to int8 (llama.cpp's way; faster, approximate)"),
+        click.option("--quant-activations", default=None, type=click.Choice(["float", "int16", "int8"]),
+                     help="quantized weights: how a decode batch of <= 4 rows is multiplied: float (exact to summation order), "
+                          "int16 or int8 (activations rounded per 32-wide block, integer products; faster, approximate) "
+                          "[default: the engine's]"),
+        click.option("--int8-activations", is_flag=True, help="the same as --quant-activations int8"),
         click.option("--no-prefix-cache", "no_prefix_cache", is_flag=True,
                      help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)"),
         click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
@@ -57,7 +60,7 @@ def _engine_options(f):
 
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
-             quantization, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
+             quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
     from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
     from runtime.errors import PdserveError
 
@@ -66,7 +69,8 @@ def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                            quantization=quantization, int8_activations=int8_activations, prefix_cache=not no_prefix_cache)
+                            quantization=quantization, prefix_cache=not no_prefix_cache,
+                            quant_activations="int8" if int8_activations else quant_activations or EngineConfig.quant_activations)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)
     except PdserveError as e:

@@ -32,7 +32,7 @@ from kernels.torch_paged import attend_one, gather_pages
 
 
 class CpuForward:
-    def __init__(self, model, ops: cpu_native.NativeOps, linear_kind: str = "auto", int8_activations: bool = False):
+    def __init__(self, model, ops: cpu_native.NativeOps, linear_kind: str = "auto", activations: str = "float"):
         c = model.cfg
         self.cfg = c
         self.ops = ops
@@ -41,15 +41,15 @@ class CpuForward:
         embed = model.weight("embed_tokens.weight")
         self.embed = embed.rows_float if isinstance(embed, QuantTensor) else lambda ids: F.embedding(ids, embed)
         self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
-        self.layers = [_Layer(model, i, linear_kind, int8_activations) for i in range(c.num_layers)]
+        self.layers = [_Layer(model, i, linear_kind, activations) for i in range(c.num_layers)]
         self.final_norm = model.norm.weight
         self.lm_head = PackedLinear(model.weight("embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"), None, linear_kind,
-                                    int8_activations=int8_activations)
+                                    activations=activations)
         self.widths = (c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)  # qkv, o, gate_up, down
         self._kv_key, self._kv = None, []
         # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
         # fused_step False keeps the per-op loop, the twin it is tested against
-        self.step_layers = _step_layers(self.layers, c.num_heads, int8_activations)
+        self.step_layers = _step_layers(self.layers, c.num_heads, activations)
         self.fused_step = self.step_layers is not None
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
@@ -58,11 +58,11 @@ class CpuForward:
             lin.warm()
 
     @classmethod
-    def build(cls, model, linear_kind: str = "auto", int8_activations: bool = False) -> "CpuForward | None":
+    def build(cls, model, linear_kind: str = "auto", activations: str = "float") -> "CpuForward | None":
         if model.embed_tokens.weight.device.type != "cpu" or model.dtype != torch.float32:
             return None
         ops = cpu_native.native()
-        return None if ops is None else cls(model, ops, linear_kind, int8_activations)
+        return None if ops is None else cls(model, ops, linear_kind, activations)
 
     @torch.inference_mode()
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -124,26 +124,26 @@ class CpuForward:
             attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
 
 
-def _step_layers(layers: list, heads: int, int8_activations: bool) -> "cpu_native.DecodeLayers | None":
+def _step_layers(layers: list, heads: int, activations: str) -> "cpu_native.DecodeLayers | None":
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call)."""
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
     return cpu_native.DecodeLayers([(layer.input_norm, layer.post_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
-                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, int8_activations)
+                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations)
 
 
 class _Layer:
     """One decoder layer's weights in fast-path form."""
 
-    def __init__(self, model, i: int, kind: str, int8_activations: bool):
+    def __init__(self, model, i: int, kind: str, activations: str):
         layer, p = model.layers[i], f"layers.{i}."
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
 
         def linear(name, bias=None):
-            return PackedLinear(model.weight(p + name), bias, kind, int8_activations=int8_activations)
+            return PackedLinear(model.weight(p + name), bias, kind, activations=activations)
 
         self.qkv = linear("self_attn.qkv_proj.weight", layer.self_attn.qkv_proj.bias)
         self.o = linear("self_attn.o_proj.weight")

@@ -71,7 +71,7 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaMo
     model.load_weights(tensors)
     model = model.to(econf.device).eval()
     if econf.fast_path and econf.attention_backend in ("auto", "torch"):
-        model.enable_fast_path(econf.linear_kind, econf.int8_activations)
+        model.enable_fast_path(econf.linear_kind, econf.quant_activations)
     if model.quantized and model.fast is None:
         raise RuntimeError("the quantized weights need the CPU fast path, which did not start")
     kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype

@@ -133,11 +133,11 @@ class LlamaModel(nn.Module):
         dense = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n not in self.quantized)
         return dense + sum(q.nbytes for q in self.quantized.values())
 
-    def enable_fast_path(self, linear_kind: str = "auto", int8_activations: bool = False) -> bool:
+    def enable_fast_path(self, linear_kind: str = "auto", activations: str = "float") -> bool:
         """Run `forward` through the fused CPU path where it can; True if it is on."""
         from runtime.cpu_forward import CpuForward
 
-        self.fast = CpuForward.build(self, linear_kind, int8_activations)
+        self.fast = CpuForward.build(self, linear_kind, activations)
         return self.fast is not None
 
     @torch.inference_mode()

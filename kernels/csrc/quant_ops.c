@@ -12,10 +12,13 @@
  *   pd_q_dequant   whole rows to float32 (the prefill path hands the result to MKL; also the
  *                  embedding lookup);
  *   pd_q_matmul    M <= Q_DIRECT_ROWS: each weight block is unpacked in registers once and
- *                  multiplied into every row (a lone user's decode step); with int8_activations
- *                  the rows are first rounded to int8 per 32-wide block (llama.cpp's Q8_1) and
- *                  the products are integer (maddubs), about 1.6x faster, at the price of that
- *                  rounding (kernels/quant.py matmul_int8_twin is its exact twin);
+ *                  multiplied into every row (a lone user's decode step). `activations` says
+ *                  how: ACT_FLOAT, float products as above; ACT_INT16 (the engine's default),
+ *                  each row is first rounded to int16 per 32-wide block (1/32767 of the block's
+ *                  largest value) and the products are exact integers (madd_epi16), about 1.6x
+ *                  faster than float and scoring like it; ACT_INT8, rounded to int8 (llama.cpp's
+ *                  Q8_1) with maddubs, faster again but measurably less accurate. The integer
+ *                  paths' exact twin is kernels/quant.py matmul_int_twin;
  *                  larger M: tiles of Q_TILE weight rows are dequantised into a per-thread
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
@@ -32,6 +35,7 @@ enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
 #define Q_TILE 24  /* a multiple of 6 */
 #define Q_KC 256  /* K chunk of the tiled kernel */
 #define Q_DIRECT_ROWS 4
+enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };  /* how the direct path (<= Q_DIRECT_ROWS rows) takes x */
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -186,6 +190,71 @@ static void q8_activations(const float *x, int64_t xs, int M, int K, int8_t *xq,
         }
 }
 
+/* Activations for the int16 path: each row's 32-wide blocks as int16 codes xq with a scale dx
+ * (x ~ dx * xq, dx = max|x| / 32767, rounded to nearest even) and the exact float block sum. The
+ * rounding is 256 times finer than int8's: about 1.5e-5 of a block's largest value. */
+static void q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, float *dx, float *xsum) {
+    const int nb = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *src = x + r * xs + b * 32;
+            __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(src + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+                sum = _mm256_add_ps(sum, v[j]);
+            }
+            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+            a = _mm_max_ss(a, _mm_movehdup_ps(a));
+            const float mx = _mm_cvtss_f32(a), d = mx / 32767.0f, id = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            dx[r * nb + b] = d;
+            xsum[r * nb + b] = hsum8(sum);
+            __m256 idv = _mm256_set1_ps(id);
+            for (int j = 0; j < 4; j += 2) {
+                __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], idv));
+                __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);  /* back in order */
+                _mm256_storeu_si256((__m256i *)(xq + (int64_t)r * K + b * 32 + 8 * j), p);
+            }
+        }
+}
+
+/* int16 path, R (constant, 1..4) rows: out[r][n] = sum over blocks of d * dx * (q . xq) + m * sum(x);
+ * q . xq is exact in int32 (|q| <= 127, |xq| <= 32767, 32 terms) and each 8-lane partial sum
+ * (4 products) stays below 2^24, so its conversion to float is exact too. */
+static inline __attribute__((always_inline)) void q_direct_i16(
+    const uint8_t *w, int64_t row_bytes, int qt, int K, const int16_t *xq, const float *dx, const float *xsum,
+    float *out, int64_t os, int n, const int R) {
+    const int nb = K / 32, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    const __m128i mask = _mm_set1_epi8(15);
+    __m256 acc[4];
+    float moff[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); moff[r] = 0.0f; }
+    for (int b = 0; b < nb; b++) {
+        float d, m;
+        const uint8_t *q = q_block_head(row + (int64_t)b * bb, qt, &d, &m);
+        __m256i w0, w1;  /* weights 0..15 and 16..31 as int16 */
+        if (qt == QT_Q8_0) {
+            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        } else {
+            __m128i raw = _mm_loadu_si128((const __m128i *)q);
+            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+        }
+        for (int r = 0; r < R; r++) {
+            const int16_t *xr = xq + (int64_t)r * K + b * 32;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[r * nb + b]), acc[r]);
+            moff[r] += m * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(acc[r]) + moff[r];
+}
+
 /* Direct path with float activations, R (constant, 1..4) rows: out[r][n] = sum over blocks of
  * d * (codes . x) + m * sum(x), every product a float32 product of x with an exact code. */
 static inline __attribute__((always_inline)) void q_direct_f32(
@@ -274,16 +343,20 @@ static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6
 /* out (M, N, row stride os) = x (M, K, row stride xs) @ W^T. Returns nonzero if scratch could
  * not be allocated. K is a multiple of 32. */
 int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
-                float *out, int64_t os, int int8_activations) {
+                float *out, int64_t os, int activations) {
     const int nb = K / 32;
 #ifdef __AVX2__
     if (M <= Q_DIRECT_ROWS) {
-        /* codes (int8 path only), block scales, block sums: one allocation */
-        int8_t *xq = (int8_t *)malloc((size_t)M * K + 2 * sizeof(float) * M * nb);
+        /* codes (int8: 1 byte each, int16: 2), block scales, block sums: one allocation */
+        const size_t code_bytes = (size_t)M * K * (activations == ACT_INT16 ? 2 : 1);
+        int8_t *xq = (int8_t *)malloc(code_bytes + 2 * sizeof(float) * M * nb);
         if (!xq) return 1;
-        float *dx = (float *)(xq + (size_t)M * K), *xsum = dx + M * nb;  /* M * K is a multiple of 32 */
-        if (int8_activations) {
+        int16_t *xq16 = (int16_t *)xq;
+        float *dx = (float *)(xq + code_bytes), *xsum = dx + M * nb;  /* M * K is a multiple of 32 */
+        if (activations == ACT_INT8) {
             q8_activations(x, xs, M, K, xq, dx, xsum);
+        } else if (activations == ACT_INT16) {
+            q16_activations(x, xs, M, K, xq16, dx, xsum);
         } else {
             for (int r = 0; r < M; r++)
                 for (int b = 0; b < nb; b++) {
@@ -294,7 +367,14 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         }
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
-            if (int8_activations) {
+            if (activations == ACT_INT16) {
+                switch (M) {
+                    case 1: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 1); break;
+                    case 2: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 2); break;
+                    case 3: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 3); break;
+                    default: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 4); break;
+                }
+            } else if (activations == ACT_INT8) {
                 switch (M) {
                     case 1: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1); break;
                     case 2: q_direct_i8(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2); break;
@@ -357,7 +437,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
     }
     return failed;
 #else
-    (void)int8_activations;  /* no AVX2: float activations, a row at a time */
+    (void)activations;  /* no AVX2: float activations, a row at a time */
     int failed = 0;
 #pragma omp parallel for schedule(static) reduction(| : failed)
     for (int n = 0; n < N; n++) {

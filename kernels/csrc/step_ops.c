@@ -17,7 +17,7 @@ int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int6
                               const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                               const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale);
 int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
-                int64_t os, int int8_activations);
+                int64_t os, int activations);
 
 /* One quantized weight: N rows of K/32 GGUF blocks, row_bytes apart. */
 typedef struct {
@@ -46,12 +46,12 @@ int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_
                      float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
                      const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int H, int KVH, int D, int BS,
-                     int hidden, int inter, float scale, float eps, int int8_activations) {
+                     int hidden, int inter, float scale, float eps, int activations) {
     for (int l = 0; l < L; l++) {
         const pd_layer *ly = layers + l;
         float *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
         if (l > 0) pd_rms_norm(down, hidden, h, ly->input_norm, x, T, hidden, eps);
-        if (q_mm(&ly->qkv, x, T, qkv, int8_activations)) return 1;
+        if (q_mm(&ly->qkv, x, T, qkv, activations)) return 1;
         if (ly->qkv_bias)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < ly->qkv.n; j++) qkv[(int64_t)t * ly->qkv.n + j] += ly->qkv_bias[j];
@@ -59,11 +59,11 @@ int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_
         if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, k_cache, v_cache, block_tables, bt_stride,
                                       seq_lens, T, H, KVH, D, BS, scale))
             return 1;
-        if (q_mm(&ly->o, attn, T, o_out, int8_activations)) return 1;
+        if (q_mm(&ly->o, attn, T, o_out, activations)) return 1;
         pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);
-        if (q_mm(&ly->gate_up, x, T, gate_up, int8_activations)) return 1;
+        if (q_mm(&ly->gate_up, x, T, gate_up, activations)) return 1;
         pd_silu_mul(gate_up, act, T, inter);
-        if (q_mm(&ly->down, act, T, down, int8_activations)) return 1;
+        if (q_mm(&ly->down, act, T, down, activations)) return 1;
     }
     return 0;
 }

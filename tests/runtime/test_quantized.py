@@ -3,16 +3,18 @@
 - The C dequantizer equals the torch twin, which equals the gguf package's, bit for bit.
 - The matmul paths (float activations: direct for <= 4 rows, tiled up to 128, dequantize + MKL
   above) equal the float twin (dequantize, F.linear) to float32 summation order: max error
-  <= 1e-5 of the output's largest magnitude. The int8-activation path equals its own twin
-  (kernels.quant.matmul_int8_twin, float64) to the same bound.
+  <= 1e-5 of the output's largest magnitude. The int16 and int8 activation paths (<= 4 rows)
+  equal their own twin (kernels.quant.matmul_int_twin, float64) to the same bound, and int16
+  stays within 1e-4 of the float path.
 - A tiny random Llama written as Q4_0 / Q4_1 / Q8_0 GGUF decodes greedily like its float twin
   (the same file loaded with quantization none), keeps its matrices quantized, and its
   weights take about the quantization ratio of the float bytes.
 - The one-call decode step (kernels/csrc/step_ops.c) equals the per-op layer loop it replaces
   bit for bit (logits and KV cache), with and without a qkv bias, at direct and tiled row counts.
 - The default model, teacher-forced over the 54 shipped prompts against the float twin
-  (the issue's goals: top-1 agreement >= 99%, mean KL <= 0.01): the quantized path meets them;
-  the opt-in int8-activation decode path at 4 rows is held to looser bounds (figures printed).
+  (the issue's goals: top-1 agreement >= 99%, mean KL <= 0.01): the quantized prefill path and
+  the default int16-activation decode path at 4 rows meet them; the opt-in int8-activation
+  decode path is held to looser bounds (figures printed).
 """
 import json
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from kernels.quant import QTYPES, QuantTensor, matmul, matmul_int8_twin, matmul_twin
+from kernels.quant import QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_model
 from runtime.kv_cache import allocate_kv_cache
@@ -61,10 +63,19 @@ def test_matmul_paths_equal_their_twins(qtype, rows):
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     strided = torch.randn(rows, 200)[:, :160]  # rows with a stride wider than K
     assert torch.allclose(matmul(strided, w), matmul_twin(strided, w), rtol=0, atol=1e-5 * float(matmul_twin(strided, w).abs().max()))
-    if rows <= 4:
-        got8, ref8 = matmul(x, w, int8_activations=True), matmul_int8_twin(x, w)
-        assert float((got8.double() - ref8).abs().max()) <= 1e-5 * float(ref8.abs().max())
-        assert not torch.equal(got8, got)  # the integer path does round the activations
+    for kind in ("int8", "int16"):
+        got_int = matmul(x, w, activations=kind)
+        if rows > 4:  # the integer paths take decode batches of <= 4 rows; larger ones stay float
+            assert torch.equal(got_int, matmul(x, w))
+            continue
+        got = matmul(x, w)
+        ref_int = matmul_int_twin(x, w, kind)
+        assert float((got_int.double() - ref_int).abs().max()) <= 1e-5 * float(ref_int.abs().max())
+        assert not torch.equal(got_int, got)  # the integer path does round the activations
+        # int16's rounding is far finer than int8's: within 1e-4 of the float path's largest value
+        plain = matmul_twin(x, w)
+        err = float((got_int - plain).abs().max()) / float(plain.abs().max())
+        assert err <= (1e-4 if kind == "int16" else 3e-2), (kind, err)
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
@@ -132,11 +143,11 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode:
     return [torch.stack(o) for o in out]
 
 
-@pytest.mark.parametrize("arch,qtype,int8", [("llama", "Q4_1", False), ("qwen2", "Q8_0", False), ("llama", "Q4_0", True)])
-def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, int8):
+@pytest.mark.parametrize("arch,qtype,acts", [("llama", "Q4_1", "float"), ("qwen2", "Q8_0", "int16"), ("llama", "Q4_0", "int8")])
+def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts):
     save_tiny_model(tmp_path / "hf", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
     write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)
-    _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, int8_activations=int8))
+    _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, quant_activations=acts))
     fast = model.fast
     assert fast.step_layers is not None and fast.fused_step
     calls = []
@@ -163,7 +174,8 @@ def shipped_prompts() -> list[str]:
 def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     twin = LLMEngine.load(None, EngineConfig(num_blocks=512, quantization="none"), progress=False)
     _, quant = load_model(None, EngineConfig())
-    _, quant8 = load_model(None, EngineConfig(int8_activations=True))
+    _, quant8 = load_model(None, EngineConfig(quant_activations="int8"))
+    _, quant16 = load_model(None, EngineConfig(quant_activations="int16"))
     assert quant.quantized and quant8.quantized and quant.weight_bytes() < 0.2 * twin.model.weight_bytes()
     texts = shipped_prompts()
     assert len(texts) == 54
@@ -173,7 +185,8 @@ def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     lens = [len(p) for p in prompts]
     ref = teacher_forced(twin.model, seqs, lens, decode=False)
     results = {}
-    for name, model, decode in (("prefill, float activations", quant, False), ("decode 4 rows, int8 activations", quant8, True)):
+    for name, model, decode in (("prefill, float activations", quant, False), ("decode 4 rows, int16 activations", quant16, True),
+                                ("decode 4 rows, int8 activations", quant8, True)):
         got = []
         for g in range(0, len(seqs), 4):  # decode steps of 4 rows: the int8 path's batch
             got += teacher_forced(model, seqs[g:g + 4], lens[g:g + 4], decode)
@@ -183,11 +196,13 @@ def test_default_model_quantized_scores_like_float_twin_teacher_forced():
         agree = float((r.argmax(-1) == q.argmax(-1)).float().mean())
         results[name] = (agree, kl, r.shape[0])
         print(f"quantized ({name}) vs float twin, teacher-forced: top-1 {agree:.2%} over {r.shape[0]} positions, mean KL {kl:.5f}")
-    # The default path meets the issue's goals (top-1 >= 99%, mean KL <= 0.01; measured 100% and
-    # 0.00000 over 852 positions). The int8-activation path does not (measured 95.8%, KL 0.0101 on an
+    # The default paths (float prefill, int16 decode) meet the issue's goals (top-1 >= 99%, mean KL
+    # <= 0.01; measured 100% and 0.00000 over 852 positions, both). The int8-activation path does
+    # not (measured 95.9%, KL 0.0100 on an
     # AVX2 EPYC): rounding each 32-wide block of activations to 8 bits costs this 135M model more
     # than Q4_1 itself, which is why it is opt-in; its bounds here guard against it getting worse.
-    bounds = {"prefill, float activations": (0.99, 0.01), "decode 4 rows, int8 activations": (0.93, 0.02)}
+    bounds = {"prefill, float activations": (0.99, 0.01), "decode 4 rows, int16 activations": (0.99, 0.01),
+              "decode 4 rows, int8 activations": (0.93, 0.02)}
     for name, (agree, kl, n) in results.items():
         assert n >= 54 * 5
         assert agree >= bounds[name][0] and kl <= bounds[name][1], f"{name}: top-1 {agree:.2%}, mean KL {kl:.5f}"
