@@ -26,7 +26,7 @@ import torch.nn.functional as F
 QTYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 BLOCK = 32
 DIRECT_ROWS = 128  # up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
-DIRECT_INT8_ROWS = 4  # up to this many rows the C kernel rounds activations to int8 (quant_ops.c Q_DIRECT_ROWS)
+DIRECT_INT_ROWS = {"int8": 4, "int16": 7}  # up to this many rows the C kernel rounds activations to integers (quant_ops.c)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def dequantize_raw(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, activations: str = "float") -> torch.Tensor:
     """x (M, K) float32 @ w^T: the C kernel up to DIRECT_ROWS rows, else dequantize and F.linear.
-    activations "int16" / "int8": at most DIRECT_INT8_ROWS rows are rounded to integers per 32-wide
+    activations "int16" / "int8": at most DIRECT_INT_ROWS rows are rounded to integers per 32-wide
     block first and multiplied in integers (faster; matmul_int_twin is what they compute)."""
     from kernels import cpu_native
 
@@ -143,7 +143,7 @@ def quantize_activations(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Ten
 
 
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
-    """What the C kernel's integer paths (at most DIRECT_INT8_ROWS rows) compute, in float64:
+    """What the C kernel's integer paths (at most DIRECT_INT_ROWS rows) compute, in float64:
     per block d * dx * (codes . xq) + m * sum(x). Its difference from `matmul_twin` is the
     activations' rounding to int8 or int16, which is the price of those paths."""
     rows, cols = x.shape

@@ -39,7 +39,7 @@ def _engine_options(f):
         click.option("--quantization", "-q", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
                      help="auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
         click.option("--quant-activations", default=None, type=click.Choice(["float", "int16", "int8"]),
-                     help="quantized weights: how a decode batch of <= 4 rows is multiplied: float (exact to summation order), "
+                     help="quantized weights: how a small decode batch (<= 4 rows; int16: <= 7) is multiplied: float (exact to summation order), "
                           "int16 or int8 (activations rounded per 32-wide block, integer products; faster, approximate) "
                           "[default: the engine's]"),
         click.option("--int8-activations", is_flag=True, help="the same as --quant-activations int8"),

@@ -164,7 +164,7 @@ class EngineConfig:
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized (kernels.quant) where the CPU fast path
     # runs; none: dequantized to float32 at load (the reference the HF-equivalence tests use)
     quantization: str = "auto"
-    # quantized weights only: how a decode step of at most 4 rows meets them. float: every
+    # quantized weights only: how a small decode step (<= 4 rows; int16: <= 7) meets them. float: every
     # product is x times the dequantized weight (the float twin up to summation order); int16
     # (the default) / int8: x is rounded per 32-wide block to integers (to 1/32767 / 1/127 of the
     # block's largest value) and multiplied in integers (int8 is what llama.cpp does). int16 is

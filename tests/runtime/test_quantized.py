@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from kernels.quant import QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
+from kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_model
 from runtime.kv_cache import allocate_kv_cache
@@ -54,7 +54,7 @@ def test_dequantize_c_equals_twin_equals_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 33, 128, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 128, 131])
 def test_matmul_paths_equal_their_twins(qtype, rows):
     w = random_quant(qtype, 53, 160, seed=rows)  # 53: tile (24) and register-block (3) tails
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
@@ -65,7 +65,7 @@ def test_matmul_paths_equal_their_twins(qtype, rows):
     assert torch.allclose(matmul(strided, w), matmul_twin(strided, w), rtol=0, atol=1e-5 * float(matmul_twin(strided, w).abs().max()))
     for kind in ("int8", "int16"):
         got_int = matmul(x, w, activations=kind)
-        if rows > 4:  # the integer paths take decode batches of <= 4 rows; larger ones stay float
+        if rows > DIRECT_INT_ROWS[kind]:  # the integer paths take small decode batches; larger ones stay float
             assert torch.equal(got_int, matmul(x, w))
             continue
         got = matmul(x, w)
