@@ -59,7 +59,7 @@ class CpuForward:
 
     @classmethod
     def build(cls, model, linear_kind: str = "auto", activations: str = "float") -> "CpuForward | None":
-        if model.embed_tokens.weight.device.type != "cpu" or model.dtype != torch.float32:
+        if model.norm.weight.device.type != "cpu" or model.dtype != torch.float32:
             return None
         ops = cpu_native.native()
         return None if ops is None else cls(model, ops, linear_kind, activations)

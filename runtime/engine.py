@@ -72,7 +72,7 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaMo
     model = model.to(econf.device).eval()
     if econf.fast_path and econf.attention_backend in ("auto", "torch"):
         model.enable_fast_path(econf.linear_kind, econf.quant_activations)
-    if model.quantized and model.fast is None:
+    if model.quantized and model.fast is None and not econf.device.startswith("cuda"):
         raise RuntimeError("the quantized weights need the CPU fast path, which did not start")
     kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype
     log.info("weights: %.1f MiB (%s)", model.weight_bytes() / 2**20, kinds)
@@ -83,13 +83,21 @@ def _why_not_quantized(econf: EngineConfig) -> str | None:
     """None where quantized weights can be served as they are; else the reason they cannot."""
     if econf.quantization == "none":
         return "off (--quantization none)"
+    if econf.device.startswith("cuda"):
+        return None if _triton_available() else "Triton is not installed (the CUDA weight-only kernel is Triton)"
     if not econf.device.startswith("cpu"):
-        return f"not supported on {econf.device} yet"
+        return f"not supported on {econf.device}"
     if econf.dtype != "float32" or not econf.fast_path or econf.attention_backend not in ("auto", "torch"):
         return "it runs on the float32 CPU fast path only"
     if cpu_native.native() is None:
         return "the C kernels could not be built"
     return None
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_model(model=None, config: EngineConfig | None = None, progress: bool = False) -> tuple[ModelConfig, LlamaModel]:

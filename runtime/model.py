@@ -9,9 +9,10 @@ into the pages and returns float32 logits only for the rows in `batch.logits_ind
 `enable_fast_path()` (called by the engine after loading) switches `forward` to the fused CPU
 path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
 (`forward_modules`), which the tests compare it with. Weights given as kernels.quant.QuantTensor
-(`--quantization auto` on a GGUF) stay in their blocks in `quantized`, their parameters become
-zero-stride placeholders, and only the fast path can run them (the twin is the same model
-loaded dequantized).
+(`--quantization auto` on a GGUF) stay in their blocks: their modules become `QuantLinear`s
+(listed by weight name in `quantized`), which the CPU fast path reads directly and the module
+forward runs with the Triton weight-only kernel on CUDA (the twin, dequantize + F.linear,
+elsewhere).
 """
 from __future__ import annotations
 
@@ -42,6 +43,38 @@ class ForwardBatch:
 def _stack_rows(parts: list) -> "torch.Tensor | QuantTensor":
     """q/k/v or gate/up as one matrix: quantized blocks stay blocks when all parts share a type."""
     return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
+
+
+class QuantLinear(nn.Module):
+    """A matrix kept in GGUF blocks (kernels.quant.QuantTensor) in the module forward: a linear
+    layer (`forward`) or, for the embedding, a row lookup (`rows`). Its bytes are a buffer, so
+    `.to(device)` moves them. On a CUDA device it multiplies with the Triton weight-only kernel
+    (kernels.triton_quant: the blocks are read as they are); elsewhere with the twin (dequantize,
+    F.linear), which is slow and exists for tests: the CPU serves quantized weights through
+    runtime.cpu_forward, which reads the same blocks."""
+
+    def __init__(self, w: QuantTensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("raw", w.raw)
+        self.qtype, self.shape = w.qtype, w.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def blocks(self) -> QuantTensor:
+        return QuantTensor(self.raw, self.qtype, self.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kernels import triton_quant
+
+            return triton_quant.matmul(x.contiguous(), self.blocks, self.bias)
+        return F.linear(x, self.blocks.dequantize().to(x.dtype), self.bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantized (an embedding lookup), in plain torch on any device."""
+        from kernels.quant import dequantize_raw
+
+        return dequantize_raw(self.raw.index_select(0, ids.reshape(-1)), self.qtype, self.shape[1]).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -121,7 +154,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.requires_grad_(False)
         self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
-        self.quantized: dict[str, QuantTensor] = {}  # parameter name -> its GGUF blocks (the parameter is a placeholder)
+        self.quantized: dict[str, QuantTensor] = {}  # weight name -> its GGUF blocks (a QuantLinear module holds them)
 
     def weight(self, name: str) -> "torch.Tensor | QuantTensor":
         """A parameter by name, or its QuantTensor where the model keeps it quantized."""
@@ -129,7 +162,7 @@ class LlamaModel(nn.Module):
         return q if q is not None else self.get_parameter(name)
 
     def weight_bytes(self) -> int:
-        """Bytes the weights occupy (a quantized matrix counts its blocks, not its placeholder)."""
+        """Bytes the weights occupy (a quantized matrix counts its blocks)."""
         dense = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n not in self.quantized)
         return dense + sum(q.nbytes for q in self.quantized.values())
 
@@ -160,18 +193,32 @@ class LlamaModel(nn.Module):
         params = dict(self.named_parameters())
         if set(params) != set(fused):
             raise ValueError(f"weight names do not cover the model: {sorted(set(params) ^ set(fused))[:3]}")
-        self.quantized = {}
         for name, param in params.items():
             src = fused[name]
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
-            if isinstance(src, QuantTensor):
-                if self.dtype != torch.float32:
-                    raise ValueError(f"{name}: quantized weights run with float32 activations only (model dtype {self.dtype})")
-                self.quantized[name] = src
-                param.data = torch.zeros((), dtype=self.dtype).expand(param.shape)  # no memory; the fast path reads the blocks
+            if isinstance(src, QuantTensor):  # the module becomes a QuantLinear over the blocks
+                owner, _, _ = name.rpartition(".")
+                bias_name = owner + ".bias"
+                bias = fused[bias_name].to(self.dtype).contiguous() if bias_name in fused else None
+                swapped = QuantLinear(src, bias)
+                parent, _, child = owner.rpartition(".")
+                setattr(self.get_submodule(parent) if parent else self, child, swapped)
+                if owner == "embed_tokens" and self.cfg.tie_embeddings:
+                    self.lm_head = swapped
                 continue
+            if name.endswith(".bias") and isinstance(fused.get(name[:-5] + ".weight"), QuantTensor):
+                continue  # taken by the QuantLinear above
             param.data = src.to(self.dtype).contiguous()
+        self.quantized = self._blocks()
+
+    def _blocks(self) -> dict[str, QuantTensor]:
+        return {f"{n}.weight": m.blocks for n, m in self.named_modules() if isinstance(m, QuantLinear)}
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.quantized = self._blocks()  # .to(device) moved the blocks' buffers
+        return out
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         if self.fast is not None:
@@ -180,12 +227,14 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_modules(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        if self.quantized:
-            raise NotImplementedError("the module forward runs float weights only: this model keeps quantized blocks "
-                                      "(load it with quantization='none' for the float twin)")
         # kv_cache: (layers, 2, num_blocks, block_size, KVH, D)
-        h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if isinstance(self.embed_tokens, QuantLinear):
+            h = self.embed_tokens.rows(batch.input_ids, self.dtype)
+        else:
+            h = self.embed_tokens(batch.input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, self.rope, kv_cache[i, 0], kv_cache[i, 1])
         h = self.norm(h[batch.logits_indices])  # (N, hidden): the final norm is per row
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(h).float()
         return F.linear(h, self.lm_head.weight).float()  # (N, vocab)

@@ -233,3 +233,20 @@ def tiny_engine(model_dir, prefill_only: bool = False, **config):
     cfg, tensors = load_checkpoint(str(model_dir), progress=False)
     pool = allocate_kv_cache(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.torch_dtype, econf.device)
     return LLMEngine(build_model(cfg, tensors, econf), None, econf, kv_cache=pool, prefill_only=prefill_only), pool
+
+
+def run_native_cuda_check(test_file: str, timeout: float = 900) -> None:
+    """Run `native_cuda_check()` of a test module in a fresh interpreter with Triton compiling for
+    CUDA (TRITON_INTERPRET=0: this process already imported Triton in interpreter mode)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = (
+        "import importlib.util, sys; sys.path.insert(0, %r);"
+        "spec = importlib.util.spec_from_file_location('native_check', %r);"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.native_cuda_check()"
+    ) % (str(repo), test_file)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)

@@ -8,7 +8,6 @@ test runs it natively in a subprocess, since the interpreter choice is fixed at 
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import torch_paged
+from tests.helpers import run_native_cuda_check
 
 TOL = 1e-3
 BLOCK_SIZES = (8, 16, 32)
@@ -259,10 +259,4 @@ def native_cuda_check() -> None:
 
 @pytest.mark.gpu
 def test_triton_native_cuda_matches_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    code = (
-        "import importlib.util, sys; sys.path.insert(0, %r);"
-        "spec = importlib.util.spec_from_file_location('attn_test', %r);"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.native_cuda_check()"
-    ) % (str(_REPO), __file__)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=_REPO, env=env, timeout=900)
+    run_native_cuda_check(__file__)

@@ -90,8 +90,14 @@ def test_tiny_quantized_gguf_decodes_like_its_float_twin(tmp_path, qtype):
     ratio = QTYPES[qtype][1] / (32 * 4)
     linear = sum(p.numel() * 4 for n, p in twin.model.named_parameters() if n in quant.model.quantized)
     assert quant.model.weight_bytes() <= twin.model.weight_bytes() - linear * (1 - ratio) + 1024
-    with pytest.raises(NotImplementedError, match="quantization='none'"):
-        quant.model.forward_modules(None, None)
+    # the module forward (QuantLinear: the Triton kernel on CUDA, dequantize + F.linear here) is
+    # the float twin's, bit for bit
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 12)]
+    tables = torch.arange(2, dtype=torch.int32).reshape(2, 1)
+    kv_q, kv_t = (allocate_kv_cache(m.model.cfg, 2, 16, torch.float32) for m in (quant, twin))
+    batch = _forward_batch(seqs, [0, 0], tables, 16)
+    assert torch.equal(quant.model.forward_modules(batch, kv_q), twin.model.forward_modules(batch, kv_t))
     prompts = [[5, 9, 12, 30, 7], list(range(3, 40)), [17]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for batch in ([p] for p in prompts):
