@@ -98,6 +98,8 @@ class DecodeWorker:
         self.machine = host_identity()  # a writer with the same (host, boot id) can write into the pool directly
         self.next_fence_check = 0.0
         self.running = True
+        self.deferring = False  # holding steps while a prefill worker of this node is busy
+        self.last_step_end = 0.0
 
     @classmethod
     def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig, role: Role = Role.DECODE) -> "DecodeWorker":
@@ -156,7 +158,8 @@ class DecodeWorker:
         self.link.start(self.heartbeat)
         try:
             while self.running:
-                self.turn(0 if self.engine.has_work() else 0.05)
+                # deferring to a busy local prefill worker: look again in 5 ms (messages wake it sooner)
+                self.turn((0.005 if self.deferring else 0) if self.engine.has_work() else 0.05)
         finally:
             self.close()
 
@@ -167,9 +170,13 @@ class DecodeWorker:
             self.cores.idle()
         for msg in self.link.drain(timeout):
             self.handle(msg)
-        if self.engine.has_work():
+        self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end)
+        if self.deferring:
+            self.cores.idle()  # the prefill worker of this node takes every core meanwhile (runtime.cores)
+        elif self.engine.has_work():
             self.cores.busy()
             self.emit(self.engine.step())
+            self.last_step_end = time.monotonic()
         self.expire_grants()
 
     def close(self) -> None:

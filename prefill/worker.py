@@ -107,7 +107,7 @@ class PrefillWorker:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()
-            self.cores.busy()
+            self.cores.busy(prefill=True)
             self.step()
 
     def close(self) -> None:

@@ -6,6 +6,13 @@ every worker all cores instead oversubscribes them whenever two are busy, and Op
 then wait on preempted threads. Here each worker says when it is busy; a busy worker runs on
 cores // (busy workers) threads, re-read before every step.
 
+Prefill first: a busy prefill worker marks itself so (flag 2), and a decode worker on the same
+node then defers its steps (`defer_to_prefill`): it stays idle, so the prefill worker runs on
+every core, and steps only when its last step ended DECODE_STALL_CAP_S ago. Time to first token
+is what a backed-up prefill queue costs, and each prompt's whole prefill waits on it, while a
+decode stream loses at most the cap per token: split 1 + 1 on two cores, a burst of 32 prompts
+took the prefill worker twice as long and the disaggregated p99 TTFT was 1.65x vLLM's.
+
 Lifecycle: the launcher calls `create_share(n_workers)` once (a file of one byte per worker in
 /dev/shm) and hands worker i the spec "PATH:i" (`--core-share`); it unlinks the file when it
 stops. A worker builds `CoreShare.open(spec, cores)`, calls `busy()` before each step it is
@@ -35,6 +42,9 @@ def create_share(num_workers: int, directory: str | None = None) -> str:
     return path
 
 
+DECODE_STALL_CAP_S = 0.2  # a deferring decode worker still steps this often (its tokens' added latency)
+
+
 class CoreShare:
     def __init__(self, path: str, slot: int, cores: int):
         self.cores = max(1, cores)
@@ -57,11 +67,13 @@ class CoreShare:
         return cls(path, int(slot), cores or os.cpu_count() or 1)
 
     def busy_workers(self) -> int:
-        return max(1, self.flags[:].count(1))
+        flags = self.flags[:]
+        return max(1, len(flags) - flags.count(0))
 
-    def busy(self) -> int:
-        """Mark this worker busy and size its thread pool for the busy workers; returns threads."""
-        self.flags[self.slot] = 1
+    def busy(self, prefill: bool = False) -> int:
+        """Mark this worker busy (a prefill worker says so) and size its thread pool for the busy
+        workers; returns threads."""
+        self.flags[self.slot] = 2 if prefill else 1
         threads = max(1, self.cores // self.busy_workers())
         if threads != self.threads:
             torch.set_num_threads(threads)
@@ -70,6 +82,12 @@ class CoreShare:
 
     def idle(self) -> None:
         self.flags[self.slot] = 0
+
+    def defer_to_prefill(self, since_last_step: float) -> bool:
+        """Whether a decode worker should hold its next step: another worker of the node is busy
+        prefilling and this one stepped less than DECODE_STALL_CAP_S ago."""
+        flags = self.flags[:]
+        return since_last_step < DECODE_STALL_CAP_S and any(f == 2 for i, f in enumerate(flags) if i != self.slot)
 
     def close(self) -> None:
         if not self.flags.closed:
@@ -80,11 +98,14 @@ class CoreShare:
 class StaticCores:
     """The no-op share of a worker started without --core-share."""
 
-    def busy(self) -> int:
+    def busy(self, prefill: bool = False) -> int:
         return torch.get_num_threads()
 
     def idle(self) -> None:
         pass
+
+    def defer_to_prefill(self, since_last_step: float) -> bool:
+        return False
 
     def close(self) -> None:
         pass

@@ -56,3 +56,26 @@ def test_bad_specs_are_refused(share_path):
     with pytest.raises(ValueError, match="slot 3"):
         CoreShare.open(f"{share_path}:3")
     assert isinstance(CoreShare.open(None), StaticCores)
+
+
+def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_path):
+    from runtime.cores import DECODE_STALL_CAP_S
+
+    before = torch.get_num_threads()
+    try:
+        decode = CoreShare.open(f"{share_path}:0", cores=2)
+        prefill = CoreShare.open(f"{share_path}:1", cores=2)
+        other_decode = CoreShare.open(f"{share_path}:2", cores=2)
+        other_decode.busy()
+        assert not decode.defer_to_prefill(0.0)  # another decode worker is busy: no deferring to it
+        assert prefill.busy(prefill=True) == 1  # two busy workers: one core each
+        assert decode.defer_to_prefill(0.0) and decode.defer_to_prefill(DECODE_STALL_CAP_S / 2)
+        assert not decode.defer_to_prefill(DECODE_STALL_CAP_S)  # the cap: a decode step is due
+        assert not prefill.defer_to_prefill(0.0)  # a worker never defers to itself
+        other_decode.idle()
+        assert prefill.busy(prefill=True) == 2  # the deferring decode worker is idle: every core
+        prefill.idle()
+        assert not decode.defer_to_prefill(0.0)
+        assert not StaticCores().defer_to_prefill(0.0)
+    finally:
+        torch.set_num_threads(before)
