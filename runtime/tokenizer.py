@@ -10,6 +10,7 @@ start of a stop string, and reports the stop string that ends the request.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -23,20 +24,43 @@ def _cache_root() -> Path:
     return Path(base) / "pdserve" / "tokenizers"
 
 
-def load_tokenizer(model=None, cache_dir: Path | None = None):
+# tokenizer_config.json classes that are transformers' tokenizers-library class itself
+_TOKENIZERS_BACKEND = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def _from_dir(path: Path):
+    """AutoTokenizer.from_pretrained(path), but a folder whose tokenizer_config.json names the
+    tokenizers-backed class (what save_pretrained writes for the default model) is read with that
+    class directly: the same class AutoTokenizer picks, without AutoTokenizer's import of torch
+    (seconds of start-up for the coordinator and the gateway, which need no torch)."""
+    try:
+        tok_class = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tok_class = None
+    if tok_class in _TOKENIZERS_BACKEND:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_tokenizer(model=None, cache_dir: Path | None = None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     path = resolve_model_path(model)
     try:
         if path.is_dir():
-            return AutoTokenizer.from_pretrained(str(path))
+            return _from_dir(path)
         st = path.stat()
         key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
         cached = (cache_dir or _cache_root()) / key
         if (cached / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _from_dir(cached)
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         try:
             tok.save_pretrained(str(cached))

@@ -115,8 +115,9 @@ def attributes(span) -> dict:
 
 
 @pytest.mark.parametrize("protocol, receiver, colocated", [("grpc", grpc_receiver, False), ("http/protobuf", http_receiver, True)])
-def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, receiver, colocated):
+def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, receiver, colocated, monkeypatch):
     """gRPC on a (prefill, decode) pair with --served-model-name; http/protobuf on a colocated worker (one launch each)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # the SDK's batch processor exports every 0.2 s, not every 5 s
     rec, endpoint, stop_receiver = receiver()
     name = model_dir.name if colocated else "traced-tiny"
     clients, workers, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()

@@ -61,14 +61,23 @@ def default_engine():
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf(default_engine):
+def test_default_model_matches_hf(default_engine, monkeypatch):
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from runtime.tokenizer import render_chat
     from runtime.weights import default_model_path
 
     path = default_model_path()
+    # transformers' GGUF loader parses the file twice (config, then weights) and rebuilds gguf's
+    # tensor-name map once per module (~400 times): ~60% of its load time. Both are pure functions
+    # of their arguments, so they are memoized for this load; what HF computes is unchanged.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    monkeypatch.undo()
     eng = default_engine
     prompts = [render_chat(eng.tokenizer, [{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=48)

@@ -176,6 +176,26 @@ def shipped_prompts() -> list[str]:
     return [json.loads(line)["conversations"][0]["value"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def greedy_scored(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt with the model's greedy continuation (up to max_tokens, ending after an eos token),
+    and per sequence the (L - p, vocab) logits that chose tokens p..L-1: teacher_forced's decode mode
+    forced on the model's own choices, so the generation and its scores are one computation."""
+    block = 16
+    per = -(-(max(len(p) for p in prompts) + max_tokens) // block)
+    tables = torch.arange(len(prompts) * per, dtype=torch.int32).reshape(len(prompts), per)
+    kv = allocate_kv_cache(model.cfg, len(prompts) * per, block, torch.float32)
+    seqs = [list(p) for p in prompts]
+    scores = [[r] for r in model(_forward_batch(seqs, [0] * len(seqs), tables, block), kv)]
+    for s, o in zip(seqs, scores):
+        s.append(int(o[-1].argmax()))
+    while live := [i for i, s in enumerate(seqs) if len(s) - len(prompts[i]) < max_tokens and s[-1] not in eos_ids]:
+        b = _forward_batch([seqs[i] for i in live], [len(seqs[i]) - 1 for i in live], tables[live], block)
+        for i, r in zip(live, model(b, kv)):
+            scores[i].append(r)
+            seqs[i].append(int(r.argmax()))
+    return seqs, [torch.stack(o) for o in scores]
+
+
 @pytest.mark.slow
 def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     twin = LLMEngine.load(None, EngineConfig(num_blocks=512, quantization="none"), progress=False)
@@ -186,10 +206,8 @@ def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     texts = shipped_prompts()
     assert len(texts) == 54
     prompts = [render_chat(twin.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    outs = twin.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    seqs, ref = greedy_scored(twin.model, prompts, 16, twin.eos_ids)  # the float twin's greedy text, scored as it is chosen
     lens = [len(p) for p in prompts]
-    ref = teacher_forced(twin.model, seqs, lens, decode=False)
     results = {}
     for name, model, decode in (("prefill, float activations", quant, False), ("decode 4 rows, int16 activations", quant16, True),
                                 ("decode 4 rows, int8 activations", quant8, True)):

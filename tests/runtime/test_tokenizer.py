@@ -18,6 +18,23 @@ def test_cached_tokenizer_equals_fresh_conversion(tmp_path, tok):
     assert render_chat(fresh, [{"role": "user", "content": "hi"}]) == render_chat(again, [{"role": "user", "content": "hi"}])
 
 
+def test_saved_tokenizer_is_read_as_autotokenizer_would_without_torch(tmp_path, tok):
+    """A folder naming the tokenizers-backed class is read with that class directly (the coordinator
+    and gateway then start without importing torch) and equals what AutoTokenizer reads."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(str(tmp_path))
+    direct, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    text, chat = "Hello, wörld! 日本語 ✓ <|im_start|>", [{"role": "user", "content": "hi"}]
+    assert type(direct) is type(auto) and direct.encode(text) == auto.encode(text)
+    assert render_chat(direct, chat) == render_chat(auto, chat) and direct.eos_token_id == auto.eos_token_id
+    probe = f"import sys; from runtime.tokenizer import load_tokenizer; load_tokenizer({str(tmp_path)!r}); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 def test_chat_template_renders_im_start(tok):
     ids = render_chat(tok, [{"role": "user", "content": "What is 2+2?"}])
     text = tok.decode(ids)
