@@ -68,12 +68,13 @@ def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_pat
         other_decode = CoreShare.open(f"{share_path}:2", cores=2)
         other_decode.busy()
         assert not decode.defer_to_prefill(0.0)  # another decode worker is busy: no deferring to it
-        assert prefill.busy(prefill=True) == 1  # two busy workers: one core each
+        assert prefill.busy(prefill=True) == 2  # decode workers defer to it: it shares with prefill workers only
+        assert other_decode.busy() == 1  # a decode worker still counts every busy worker
         assert decode.defer_to_prefill(0.0) and decode.defer_to_prefill(DECODE_STALL_CAP_S / 2)
         assert not decode.defer_to_prefill(DECODE_STALL_CAP_S)  # the cap: a decode step is due
         assert not prefill.defer_to_prefill(0.0)  # a worker never defers to itself
         other_decode.idle()
-        assert prefill.busy(prefill=True) == 2  # the deferring decode worker is idle: every core
+        assert prefill.busy(prefill=True) == 2
         prefill.idle()
         assert not decode.defer_to_prefill(0.0)
         assert not StaticCores().defer_to_prefill(0.0)
