@@ -93,9 +93,11 @@ def structured_output(req) -> StructuredOutput | None:
 
 async def check_jobs(jobs) -> None:
     """400 unless every structured spec of these jobs compiles."""
+    specs = {j.sampling["structured"] for j in jobs if j.sampling.get("structured") is not None}
+    if not specs:
+        return  # no import: runtime.structured brings torch and xgrammar (seconds of a first request)
     from runtime.structured import check
 
-    specs = {j.sampling["structured"] for j in jobs if j.sampling.get("structured") is not None}
     for spec in specs:
         try:
             await asyncio.to_thread(check, spec)

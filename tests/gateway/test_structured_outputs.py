@@ -193,3 +193,17 @@ def test_openai_parse_validates_for_five_schemas(default_service):
         with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # the five schemas decode in one batch, each with its own grammar
             for job in [pool.submit(parse_and_stream, i, kind, question) for i, (kind, question) in enumerate(SCHEMAS)]:
                 job.result()
+
+
+def test_an_unconstrained_request_imports_no_grammar_machinery():
+    """The gateway checks specs with runtime.structured (xgrammar, torch: seconds to import on a
+    small CPU); a request without one must not pay that (it did: the first plain request after
+    start took ~1.7 s of the gateway's CPU)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, sys, types; from gateway.structured import check_jobs; "
+            "asyncio.run(check_jobs([types.SimpleNamespace(sampling={'structured': None}), types.SimpleNamespace(sampling={})])); "
+            "print('torch' in sys.modules, 'xgrammar' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
