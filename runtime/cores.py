@@ -11,7 +11,7 @@ node then defers its steps (`defer_to_prefill`): it stays idle, so the prefill w
 every core, and steps only when its last step ended DECODE_STALL_CAP_S ago; a prefill worker
 sizes its threads by the busy prefill workers alone (a decode step at the cap briefly
 oversubscribes the cores rather than halving a multi-second prefill step: measured, a 32-prompt
-burst's median TTFT 5.2 s against 7.8 s, p99 11.2 against 13.2 s). Time to first token
+burst's TTFT median / p99 5.1 / 10.0 s against 7.8 / 13.2 s with the deferral alone). Time to first token
 is what a backed-up prefill queue costs, and each prompt's whole prefill waits on it, while a
 decode stream loses at most the cap per token: split 1 + 1 on two cores, a burst of 32 prompts
 took the prefill worker twice as long and the disaggregated p99 TTFT was 1.65x vLLM's.
