@@ -26,6 +26,7 @@ WORKER_FLAGS = {
     "gpu_memory_utilization": (float, "CUDA only: size the KV pool so that this share of the GPU's memory is used"),
     "block_size": (int, "tokens per KV block (a power of two)"),
     "quantization": (click.Choice(["auto", "none"]), "auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
+    "quant_activations": (click.Choice(["int16", "float", "int8"]), "quantized weights: how a small decode batch is multiplied (default int16)"),
 }
 
 WORKER_SWITCHES = {"no_prefix_cache": "do not reuse the KV of token prefixes computed before (on by default, as in vLLM)"}

@@ -26,7 +26,8 @@ def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
     proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
                    "--http-port", str(http), "--log-dir", str(tmp_path),
                    "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-mb", "128", "--max-model-len", "256",
-                   "--max-num-batched-tokens", "512", "--block-size", "8", "--device", "cpu", "--served-model-name", "tiny-chat")
+                   "--max-num-batched-tokens", "512", "--block-size", "8", "--device", "cpu", "--served-model-name", "tiny-chat",
+                   "--quant-activations", "int8")
     try:
         wait_ready(proc, clients, 2)
         out = subprocess.run([sys.executable, "-m", "pdserve", "stats", "--coordinator", clients], capture_output=True, text=True, timeout=60)
@@ -37,7 +38,7 @@ def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
             e = w["engine"]
             assert (e["dtype"], e["device"], e["max_num_seqs"], e["kv_cache_mb"], e["max_model_len"], e["max_num_batched_tokens"],
                     e["block_size"]) == ("float32", "cpu", 8, 128, 256, 512, 8), w
-            assert w["max_model_len"] == 256 and w["block_size"] == 8
+            assert w["max_model_len"] == 256 and w["block_size"] == 8 and e["quant_activations"] == "int8"
             assert 127 < e["kv_pool_mb"] <= 128  # the pool fills the budget, in whole blocks
         models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny-chat"]
