@@ -101,7 +101,7 @@ def _load() -> "NativeOps | None":
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how <= 4 rows meet quantized weights
+ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 
 def activation_mode(activations: str) -> int:
@@ -246,19 +246,24 @@ class NativeOps:
 
         return run
 
-    def decode_layers(self, layers: "DecodeLayers", kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens, cos, sin,
+    def decode_layers(self, layers: "DecodeLayers", kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens,
                       scale: float, eps: float) -> None:
         """Every decoder layer of a decode-only step in one call (step_ops.c): the per-op loop of
         kernels.cpu_forward, same kernels, same order, so the same bits. h (T, hidden) is the
         residual stream, x layer 0's normalised input; bufs = (qkv, attn, o_out, gate_up, act,
         down), contiguous (T, width) float32; on return down holds the last layer's output.
         T sequences of one query token each: row rows[b] is sequence b's (positions, slots, rows,
-        seq_lens (T,), block_tables (T, W), as decode_attention and rope_write_kv take them)."""
+        seq_lens (T,), block_tables (T, W), as decode_attention and rope_write_kv take them).
+        The pool is checked once per pool (layers.pool_key), the step's tensors every call."""
         qkv, attn, o_out, gate_up, act, down = bufs
         t = h.shape[0]
-        _check(kv_cache, "kv_cache")
-        if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[0] != layers.count or kv_cache.shape[1] != 2:
-            raise ValueError("decode_layers: kv_cache must be a contiguous (layers, 2, blocks, block size, kv heads, head dim) pool")
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, tuple(kv_cache.stride()))
+        if layers.pool_key != key:
+            _check(kv_cache, "kv_cache")
+            if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[0] != layers.count or kv_cache.shape[1] != 2 \
+                    or kv_cache.shape[-1] != layers.cos.shape[1]:
+                raise ValueError("decode_layers: kv_cache must be a contiguous (layers, 2, blocks, block size, kv heads, head dim) pool")
+            layers.pool_key = key
         for name, m, width in (("h", h, layers.hidden), ("x", x, layers.hidden), ("qkv", qkv, layers.qkv_width), ("attn", attn, layers.q_size),
                                ("o_out", o_out, layers.hidden), ("gate_up", gate_up, 2 * layers.inter), ("act", act, layers.inter),
                                ("down", down, layers.hidden)):
@@ -273,13 +278,9 @@ class NativeOps:
                 or not (pos.is_contiguous() and slots.is_contiguous() and rows.is_contiguous() and lens.is_contiguous()):
             raise ValueError("decode_layers: positions, slots, rows, seq_lens (T,) and block_tables (T, W) must be contiguous")
         _, _, _, bs, kvh, d = kv_cache.shape
-        for v, n in ((cos, "cos"), (sin, "sin")):
-            _check(v, n)
-            if not v.is_contiguous() or v.shape[1] != d:
-                raise ValueError(f"decode_layers: {n} must be a contiguous (positions, {d}) table")
         if self.lib.pd_decode_layers(
             layers.array, layers.count, _ptr(kv_cache), kv_cache.stride(0), kv_cache.stride(1), _ptr(h), _ptr(x), _ptr(qkv), _ptr(attn),
-            _ptr(o_out), _ptr(gate_up), _ptr(act), _ptr(down), t, _ptr(pos), _ptr(slots), _ptr(cos), _ptr(sin), _ptr(rows),
+            _ptr(o_out), _ptr(gate_up), _ptr(act), _ptr(down), t, _ptr(pos), _ptr(slots), _ptr(layers.cos), _ptr(layers.sin), _ptr(rows),
             _ptr(tables), tables.stride(0), _ptr(lens), layers.heads, kvh, d, bs, layers.hidden, layers.inter, scale, eps, layers.int8,
         ):
             raise MemoryError("decode_layers: scratch allocation failed")
@@ -309,11 +310,18 @@ class _Layer(ctypes.Structure):
 class DecodeLayers:
     """The C description (step_ops.c pd_layer[]) of a model's decoder layers, built once from
     per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the four
-    weights kernels.quant.QuantTensor; the tensors are kept referenced for the array's life."""
+    weights kernels.quant.QuantTensor, and the rotary cos / sin tables (positions, head dim);
+    the tensors are kept referenced for the array's life."""
 
-    def __init__(self, layers: list, heads: int, activations: str):
+    def __init__(self, layers: list, heads: int, activations: str, cos: torch.Tensor, sin: torch.Tensor):
         self.count, self.heads, self.int8 = len(layers), heads, activation_mode(activations)
         self._keep = layers
+        for v, n in ((cos, "cos"), (sin, "sin")):
+            _check(v, n)
+            if not v.is_contiguous() or v.shape != cos.shape:
+                raise ValueError(f"DecodeLayers: {n} must be a contiguous (positions, head dim) table like cos")
+        self.cos, self.sin = cos, sin
+        self.pool_key = None  # the KV pool decode_layers last checked
         self.array = (_Layer * len(layers))()
         for slot, (in_norm, post_norm, bias, *weights) in zip(self.array, layers):
             for v, n in ((in_norm, "input_norm"), (post_norm, "post_norm")) + (((bias, "qkv_bias"),) if bias is not None else ()):

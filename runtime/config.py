@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_native import ACTIVATION_MODES
+
 from runtime.errors import InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -119,7 +121,7 @@ class ModelConfig:
         )
 
 
-QUANT_ACTIVATIONS = ("float", "int16", "int8")
+QUANT_ACTIVATIONS = tuple(ACTIVATION_MODES)  # float, int8, int16: how a small decode batch meets quantized weights
 AUTO_KV_CACHE_MB = 2048  # the workers' KV budget unless --kv-cache-mb is given (vLLM's CPU peer here runs with 2 GiB)
 
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels import cpu_native, quant
 from kernels.linear import PackedLinear
-from kernels import quant
-from kernels.quant import QuantTensor
 from kernels.torch_paged import attend_one, gather_pages
 
 
@@ -39,17 +37,18 @@ class CpuForward:
         self.eps = c.rms_eps
         self.scale = c.head_dim**-0.5
         embed = model.weight("embed_tokens.weight")
-        self.embed = embed.rows_float if isinstance(embed, QuantTensor) else lambda ids: F.embedding(ids, embed)
+        self.embed = embed.rows_float if isinstance(embed, quant.QuantTensor) else lambda ids: F.embedding(ids, embed)
         self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
         self.layers = [_Layer(model, i, linear_kind, activations) for i in range(c.num_layers)]
         self.final_norm = model.norm.weight
         self.lm_head = PackedLinear(model.weight("embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"), None, linear_kind,
                                     activations=activations)
-        self.widths = (c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)  # qkv, o, gate_up, down
+        # the step's scratch rows, in _layers' order: qkv, attention output, o, gate_up, silu * up, down
+        self.widths = (c.q_size + 2 * c.kv_size, c.q_size, c.hidden_size, 2 * c.intermediate_size, c.intermediate_size, c.hidden_size)
         self._kv_key, self._kv = None, []
         # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
         # fused_step False keeps the per-op loop, the twin it is tested against
-        self.step_layers = _step_layers(self.layers, c.num_heads, activations)
+        self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
         self.fused_step = self.step_layers is not None
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
@@ -73,12 +72,10 @@ class CpuForward:
         x = torch.empty_like(h)
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
-        bufs = (torch.empty((tokens, self.widths[0]), dtype=h.dtype), torch.empty((tokens, c.q_size), dtype=h.dtype),
-                torch.empty((tokens, self.widths[1]), dtype=h.dtype), torch.empty((tokens, self.widths[2]), dtype=h.dtype),
-                torch.empty((tokens, c.intermediate_size), dtype=h.dtype), torch.empty((tokens, self.widths[3]), dtype=h.dtype))
+        bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
         if self.fused_step and not plan.prefills and tokens <= quant.DIRECT_ROWS:
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
-                              plan.decode_tables, plan.decode_lens, self.cos, self.sin, self.scale, self.eps)
+                              plan.decode_tables, plan.decode_lens, self.scale, self.eps)
             delta = bufs[5]
         else:
             delta = self._layers(batch, plan, kv_cache, h, x, bufs)
@@ -124,14 +121,14 @@ class CpuForward:
             attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
 
 
-def _step_layers(layers: list, heads: int, activations: str) -> "cpu_native.DecodeLayers | None":
+def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> "cpu_native.DecodeLayers | None":
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call)."""
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
     return cpu_native.DecodeLayers([(layer.input_norm, layer.post_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
-                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations)
+                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin)
 
 
 class _Layer:

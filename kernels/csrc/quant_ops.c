@@ -163,29 +163,36 @@ static inline void q_block_dequant8(const uint8_t *blk, int qt, float *out) {
     }
 }
 
+/* One 32-wide block of activations for the integer paths: its four vectors in v, its exact float
+ * sum in *sum, its scale *d = max|x| / limit, and the inverse scale returned (0 for a block of
+ * zeros), so that codes = round(x * inverse) lie in [-limit, limit]. */
+static inline float q_block_scale(const float *src, float limit, __m256 v[4], float *d, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        s = _mm256_add_ps(s, v[j]);
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float mx = _mm_cvtss_f32(a);
+    *d = mx / limit;
+    *sum = hsum8(s);
+    return mx > 0.0f ? limit / mx : 0.0f;
+}
+
 /* Activations for the integer path: each row's 32-wide blocks as int8 codes xq with a scale dx
  * (x ~ dx * xq, dx = max|x| / 127, rounded to nearest even) and the float sum of the block (for
  * the offset term m * sum(x), taken exactly). llama.cpp's Q8_1 activations, with an exact sum. */
 static void q8_activations(const float *x, int64_t xs, int M, int K, int8_t *xq, float *dx, float *xsum) {
     const int nb = K / 32;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
-            const float *src = x + r * xs + b * 32;
-            __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(src + 8 * j);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-                sum = _mm256_add_ps(sum, v[j]);
-            }
-            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-            a = _mm_max_ss(a, _mm_movehdup_ps(a));
-            const float mx = _mm_cvtss_f32(a), d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
-            dx[r * nb + b] = d;
-            xsum[r * nb + b] = hsum8(sum);
-            __m256 idv = _mm256_set1_ps(id);
+            __m256 v[4];
+            const __m256 idv = _mm256_set1_ps(q_block_scale(x + r * xs + b * 32, 127.0f, v, dx + r * nb + b, xsum + r * nb + b));
             __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv));
             __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv));
             i0 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
@@ -198,23 +205,10 @@ static void q8_activations(const float *x, int64_t xs, int M, int K, int8_t *xq,
  * rounding is 256 times finer than int8's: about 1.5e-5 of a block's largest value. */
 static void q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, float *dx, float *xsum) {
     const int nb = K / 32;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
-            const float *src = x + r * xs + b * 32;
-            __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(src + 8 * j);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-                sum = _mm256_add_ps(sum, v[j]);
-            }
-            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-            a = _mm_max_ss(a, _mm_movehdup_ps(a));
-            const float mx = _mm_cvtss_f32(a), d = mx / 32767.0f, id = mx > 0.0f ? 32767.0f / mx : 0.0f;
-            dx[r * nb + b] = d;
-            xsum[r * nb + b] = hsum8(sum);
-            __m256 idv = _mm256_set1_ps(id);
+            __m256 v[4];
+            const __m256 idv = _mm256_set1_ps(q_block_scale(x + r * xs + b * 32, 32767.0f, v, dx + r * nb + b, xsum + r * nb + b));
             for (int j = 0; j < 4; j += 2) {
                 __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], idv));
                 __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);  /* back in order */
