@@ -581,7 +581,13 @@ class Coordinator:
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
         else:
             old.last_seen = time.monotonic()
-        self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION))])
+        self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION, self.tightest_tpot_ms()))])
+
+    def tightest_tpot_ms(self) -> float:
+        """The lowest TPOT target of any class (0 without SLO control), told to every worker."""
+        if not self.cfg.slo:
+            return 0.0
+        return min([self.cfg.tpot_ms, *(t for _, t in self.cfg.class_targets.values())])
 
     def on_granted(self, d: WorkerState, msg: Granted) -> None:
         st = self.requests.get(msg.request_id)

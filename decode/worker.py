@@ -9,7 +9,9 @@ built from those parts (tests pass an in-process transport and link). Then `run`
   new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
   step the engine (continuous batching: joiners enter at the next step, finished sequences
-  leave at once, a short pool preempts the newest sequence, which is recomputed here);
+  leave at once, a short pool preempts the newest sequence, which is recomputed here), unless a
+  prefill worker of this node is busy and the last step ended less than the stall cap ago
+  (runtime.cores: 3 s, or 0.4 of the TPOT target the coordinator's Welcome names);
   send the step's tokens as one TokenBatch; expire grants whose KV never came.
 Every block is freed on every path: finish, abort, release, failed hand-off, grant timeout.
 Fenced writes: each grant has a number (Granted -> Prefill -> KVReady/KVFailed), and a hand-off
@@ -36,7 +38,7 @@ from kvtransfer.pool import KVPool, host_identity, process_alive
 from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.cores import CoreShare, StaticCores
+from runtime.cores import CoreShare, StaticCores, stall_cap
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
 from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
@@ -170,7 +172,9 @@ class DecodeWorker:
             self.cores.idle()
         for msg in self.link.drain(timeout):
             self.handle(msg)
-        self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end)
+        welcome = getattr(self.link, "welcome", None)
+        cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
+        self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
         if self.deferring:
             self.cores.idle()  # the prefill worker of this node takes every core meanwhile (runtime.cores)
         elif self.engine.has_work():

@@ -8,7 +8,8 @@ cores // (busy workers) threads, re-read before every step.
 
 Prefill first: a busy prefill worker marks itself so (flag 2), and a decode worker on the same
 node then defers its steps (`defer_to_prefill`): it stays idle, so the prefill worker runs on
-every core, and steps only when its last step ended DECODE_STALL_CAP_S ago; a prefill worker
+every core, and steps only when its last step ended a stall cap ago (`stall_cap`: 3 s, or 0.4 of
+the coordinator's TPOT target under SLO control); a prefill worker
 sizes its threads by the busy prefill workers alone (a decode step at the cap briefly
 oversubscribes the cores rather than halving a multi-second prefill step: measured, a 32-prompt
 burst's TTFT median / p99 5.1 / 10.0 s against 7.8 / 13.2 s with the deferral alone). Time to first token
@@ -45,7 +46,22 @@ def create_share(num_workers: int, directory: str | None = None) -> str:
     return path
 
 
-DECODE_STALL_CAP_S = 0.2  # a deferring decode worker still steps this often (its tokens' added latency)
+# How long a deferring decode worker holds its streams (the latency it adds to their tokens)
+# before it steps anyway. Without SLO control, DECODE_STALL_CAP_S: measured on 2 cores
+# (`scripts/vs_vllm --rows disagg`, 128/128), a burst of 64 prompts had its p99 TTFT at
+# 20.8 s with a 0.5 s cap and 15.9 s with 3 s, and mean TPOT 293 against 279 ms (each decode step
+# that runs during a prefill step takes its cores from it, and a step of 64 streams is long);
+# 32 prompts: p99 TTFT 10.7 s at 0.2 s, 8.8 at 0.5, 8.6 at 2 s. vLLM's chunked prefill makes the
+# same trade: each of its steps during a burst carries up to 2,048 prompt tokens, seconds here.
+# With SLO control the coordinator's Welcome names its TPOT target and the cap is
+# STALL_SHARE_OF_TPOT of it (0.2 s at the default 500 ms target), so held streams still meet it.
+DECODE_STALL_CAP_S = 3.0
+STALL_SHARE_OF_TPOT = 0.4
+
+
+def stall_cap(tpot_ms: float) -> float:
+    """The decode worker's stall cap for the coordinator's TPOT target (0: no SLO control)."""
+    return min(DECODE_STALL_CAP_S, STALL_SHARE_OF_TPOT * tpot_ms / 1000) if tpot_ms > 0 else DECODE_STALL_CAP_S
 
 
 class CoreShare:
@@ -89,11 +105,11 @@ class CoreShare:
     def idle(self) -> None:
         self.flags[self.slot] = 0
 
-    def defer_to_prefill(self, since_last_step: float) -> bool:
+    def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:
         """Whether a decode worker should hold its next step: another worker of the node is busy
-        prefilling and this one stepped less than DECODE_STALL_CAP_S ago."""
+        prefilling and this one stepped less than `cap` seconds ago (stall_cap)."""
         flags = self.flags[:]
-        return since_last_step < DECODE_STALL_CAP_S and any(f == 2 for i, f in enumerate(flags) if i != self.slot)
+        return since_last_step < cap and any(f == 2 for i, f in enumerate(flags) if i != self.slot)
 
     def close(self) -> None:
         if not self.flags.closed:
@@ -110,7 +126,7 @@ class StaticCores:
     def idle(self) -> None:
         pass
 
-    def defer_to_prefill(self, since_last_step: float) -> bool:
+    def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:
         return False
 
     def close(self) -> None:

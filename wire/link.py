@@ -42,6 +42,7 @@ class WorkerLink:
         self.inbox: queue.Queue = queue.Queue(maxsize=self.INBOX_SIZE)  # bounded: see _put
         self.dropped = 0  # messages dropped because the inbox was full (reported in heartbeats)
         self.registered = threading.Event()
+        self.welcome: Welcome | None = None  # the coordinator's last Welcome (its TPOT target)
         self.bad_messages = 0
         self._pipe = f"inproc://link-{uuid.uuid4().hex}"
         self._local = threading.local()
@@ -135,6 +136,7 @@ class WorkerLink:
             self.bad_messages += 1
             return
         if isinstance(msg, Welcome):
+            self.welcome = msg
             self.registered.set()
             log.info("registered with the coordinator at %s", self.address)
         elif isinstance(msg, Reject):

@@ -137,6 +137,9 @@ class Hello(_Msg):
 
 class Welcome(_Msg):
     version: int
+    # the coordinator's TPOT target in ms (the tightest of its classes), 0 without SLO control: how
+    # long a decode worker may hold its streams while a prefill worker of its node runs (runtime.cores)
+    tpot_ms: float = 0.0
 
 
 class Reject(_Msg):

@@ -72,6 +72,7 @@ def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_pat
         assert other_decode.busy() == 1  # a decode worker still counts every busy worker
         assert decode.defer_to_prefill(0.0) and decode.defer_to_prefill(DECODE_STALL_CAP_S / 2)
         assert not decode.defer_to_prefill(DECODE_STALL_CAP_S)  # the cap: a decode step is due
+        assert decode.defer_to_prefill(0.1, 0.2) and not decode.defer_to_prefill(0.2, 0.2)  # a cap from the TPOT target
         assert not prefill.defer_to_prefill(0.0)  # a worker never defers to itself
         other_decode.idle()
         assert prefill.busy(prefill=True) == 2
@@ -80,3 +81,11 @@ def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_pat
         assert not StaticCores().defer_to_prefill(0.0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_stall_cap_follows_the_coordinators_tpot_target():
+    from runtime.cores import DECODE_STALL_CAP_S, STALL_SHARE_OF_TPOT, stall_cap
+
+    assert stall_cap(0.0) == DECODE_STALL_CAP_S  # no SLO control: prefill first, up to the cap
+    assert stall_cap(500.0) == pytest.approx(STALL_SHARE_OF_TPOT * 0.5)  # the default target: 0.2 s
+    assert stall_cap(60_000.0) == DECODE_STALL_CAP_S  # never above the cap
