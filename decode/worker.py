@@ -174,10 +174,9 @@ class DecodeWorker:
             self.handle(msg)
         welcome = getattr(self.link, "welcome", None)
         cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
+        # deferring: the prefill worker of this node takes every core meanwhile (runtime.cores)
         self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
-        if self.deferring:
-            self.cores.idle()  # the prefill worker of this node takes every core meanwhile (runtime.cores)
-        elif self.engine.has_work():
+        if not self.deferring and self.engine.has_work():
             self.cores.busy()
             self.emit(self.engine.step())
             self.last_step_end = time.monotonic()

@@ -17,8 +17,6 @@ up to a bucket (1, 2, 4, 8, then multiples of 8; zero rows, sliced off the resul
 row counts per weight (19). The packed copy doubles the memory of the weights it packs.
 - `quant`: the weight is a kernels.quant.QuantTensor (GGUF Q4_0/Q4_1/Q8_0 blocks, `--quantization
   auto`), multiplied by kernels.quant.matmul; chosen by the weight's type whatever the kind asked.
-  `keep_float_copy()` (a prefill worker's choice) holds its dequantized values as well, for
-  prefill-sized batches.
 """
 from __future__ import annotations
 
@@ -56,15 +54,6 @@ class PackedLinear:
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
         self.q_run = quant.bound_matmul(weight, activations) if self.quantized else None
-        self.float_copy: torch.Tensor | None = None  # keep_float_copy()
-
-    def keep_float_copy(self) -> int:
-        """Quantized only: keep the dequantized weight, so that prefill-sized batches (more than
-        quant.DIRECT_ROWS rows) skip dequantizing it on every call; the same values reach the same
-        F.linear, so results are unchanged. Returns the bytes it holds."""
-        if self.quantized and self.float_copy is None:
-            self.float_copy = self.weight.dequantized()
-        return 0 if self.float_copy is None else self.float_copy.numel() * self.float_copy.element_size()
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
@@ -79,8 +68,6 @@ class PackedLinear:
         if self.q_run is not None and x.shape[0] <= quant.DIRECT_ROWS:
             out = self.q_run(x, out)
             return out if self.bias is None else out.add_(self.bias)
-        if self.float_copy is not None and x.shape[0] > quant.DIRECT_ROWS:
-            return F.linear(x, self.float_copy, self.bias)
         if self.quantized:
             return quant.matmul(x, self.weight, self.bias, self.activations)
         rows = x.shape[0]

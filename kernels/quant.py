@@ -68,14 +68,6 @@ class QuantTensor:
         raw = torch.cat([p.raw for p in parts])
         return QuantTensor(raw, parts[0].qtype, (raw.shape[0], parts[0].shape[1]))
 
-    def dequantized(self) -> torch.Tensor:
-        """Every weight as float32 by the C kernel where it is built (the values `matmul` hands
-        F.linear above DIRECT_ROWS rows), else by the twin."""
-        from kernels import cpu_native
-
-        ops = cpu_native.native()
-        return self.dequantize() if ops is None else ops.q_dequant(self)
-
     def dequantize(self) -> torch.Tensor:
         """The twin: every weight as float32, the values gguf.quants.dequantize gives."""
         return dequantize_raw(self.raw, self.qtype, self.shape[1])
@@ -116,7 +108,7 @@ def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, ac
 
     ops = cpu_native.native()
     if ops is None or x.shape[0] > DIRECT_ROWS:
-        return F.linear(x, w.dequantized(), bias)
+        return F.linear(x, w.dequantize() if ops is None else ops.q_dequant(w), bias)
     out = ops.q_matmul(x, w, activations)
     return out if bias is None else out.add_(bias)
 

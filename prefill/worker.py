@@ -1,9 +1,7 @@
 """The prefill worker (`pdserve prefill`): prompt forward passes, first token, KV hand-off.
 
 Lifecycle: `PrefillWorker.build` loads the model into an engine in prefill mode with a private
-KV pool (a quantized model's projections also keep their dequantized values: prompt batches are
-float GEMMs, and no step dequantizes the weights again; CpuForward.keep_float_copies), times a
-few prompts, and makes the KV sender and the link that says Hello; the worker
+KV pool, times a few prompts, and makes the KV sender and the link that says Hello; the worker
 itself is built from those parts (tests pass an in-process transport and link). Then `run`
 loops:
   drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
@@ -75,8 +73,6 @@ class PrefillWorker:
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
         engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
-        if engine.model.fast is not None and engine.model.quantized:  # prompts are its only work: float GEMMs, no per-step dequantizing
-            log.info("prefill worker: float copies of the quantized projections, %.0f MiB", engine.model.fast.keep_float_copies() / 2**20)
         cores.busy()
         profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         cores.idle()
@@ -111,7 +107,7 @@ class PrefillWorker:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()
-            self.cores.busy(prefill=True)
+            self.cores.take_prefill_turn()
             self.step()
 
     def close(self) -> None:

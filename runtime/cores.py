@@ -6,12 +6,14 @@ every worker all cores instead oversubscribes them whenever two are busy, and Op
 then wait on preempted threads. Here each worker says when it is busy; a busy worker runs on
 cores // (busy workers) threads, re-read before every step.
 
-Prefill first: a busy prefill worker marks itself so (flag 2), and a decode worker on the same
-node then defers its steps (`defer_to_prefill`): it stays idle, so the prefill worker runs on
-every core, and steps only when its last step ended a stall cap ago (`stall_cap`: 3 s, or 0.4 of
-the coordinator's TPOT target under SLO control); a prefill worker
-sizes its threads by the busy prefill workers alone (a decode step at the cap briefly
-oversubscribes the cores rather than halving a multi-second prefill step: measured, a 32-prompt
+Prefill first: a busy prefill worker marks itself so (PREFILLING), and a decode worker on the
+same node then defers its steps (`defer_to_prefill`): it stays idle, so the prefill worker runs
+on every core. Turns: a while after its last step the decode worker asks for one (WANTS_TURN);
+the prefill worker, before its next step, stops (YIELDING) until that decode step is done, and
+before any step waits for a decode step in progress to end (`take_prefill_turn`), so the two
+never run at once on the same cores; past its stall cap a decode worker steps regardless (see
+`stall_cap` and `turn_after`: under SLO control both follow the coordinator's TPOT target). A
+prefill worker sizes its threads by the busy prefill workers alone (measured, a 32-prompt
 burst's TTFT median / p99 5.1 / 10.0 s against 7.8 / 13.2 s with the deferral alone). Time to first token
 is what a backed-up prefill queue costs, and each prompt's whole prefill waits on it, while a
 decode stream loses at most the cap per token: split 1 + 1 on two cores, a burst of 32 prompts
@@ -31,6 +33,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import time
 
 import torch
 
@@ -46,17 +49,37 @@ def create_share(num_workers: int, directory: str | None = None) -> str:
     return path
 
 
-# How long a deferring decode worker holds its streams (the latency it adds to their tokens)
-# before it steps anyway. Without SLO control, DECODE_STALL_CAP_S: measured on 2 cores
-# (`scripts/vs_vllm --rows disagg`, 128/128), a burst of 64 prompts had its p99 TTFT at
-# 20.8 s with a 0.5 s cap and 15.9 s with 3 s, and mean TPOT 293 against 279 ms (each decode step
-# that runs during a prefill step takes its cores from it, and a step of 64 streams is long);
-# 32 prompts: p99 TTFT 10.7 s at 0.2 s, 8.8 at 0.5, 8.6 at 2 s. vLLM's chunked prefill makes the
-# same trade: each of its steps during a burst carries up to 2,048 prompt tokens, seconds here.
-# With SLO control the coordinator's Welcome names its TPOT target and the cap is
-# STALL_SHARE_OF_TPOT of it (0.2 s at the default 500 ms target), so held streams still meet it.
-DECODE_STALL_CAP_S = 3.0
+# A decode worker that defers to a busy prefill worker of its node asks for a turn (one step on
+# every core, taken between two prefill steps: take_prefill_turn) once its last step ended
+# `turn_after` ago, and steps whatever the prefill worker does once it ended the stall cap ago.
+# Without SLO control: a turn after DECODE_TURN_AFTER_S, the cap DECODE_STALL_CAP_S only bounds a
+# prefill worker that stopped answering (a flag left set by a killed one). With SLO control the
+# coordinator's Welcome names its TPOT target: the cap is STALL_SHARE_OF_TPOT of it (0.2 s at the
+# default 500 ms), the turn is asked for at half the cap, so held streams still meet the target.
+# Measured on 2 cores (`scripts/vs_vllm --rows disagg`, 128/128), before turns existed (a decode
+# step at the cap ran beside the prefill step, each slowing the other): a burst of 64 prompts had
+# p99 TTFT 20.8 s with a 0.5 s cap and 15.9 s with 3 s (mean TPOT 293 against 279 ms); 32 prompts:
+# 10.7 s at 0.2 s, 8.8 at 0.5, 8.6 at 2 s. vLLM's chunked prefill makes the same trade: each of its
+# steps during a burst carries up to 2,048 prompt tokens, seconds here.
+DECODE_STALL_CAP_S = 10.0
+DECODE_TURN_AFTER_S = 1.0
 STALL_SHARE_OF_TPOT = 0.4
+PREFILL_YIELD_LIMIT_S = 1.0  # a prefill worker waits at most this long for a decode worker's turn
+
+
+def stall_cap(tpot_ms: float) -> float:
+    """The decode worker's stall cap for the coordinator's TPOT target (0: no SLO control)."""
+    return min(DECODE_STALL_CAP_S, STALL_SHARE_OF_TPOT * tpot_ms / 1000) if tpot_ms > 0 else DECODE_STALL_CAP_S
+
+
+def turn_after(cap: float) -> float:
+    """How long after its last step a deferring decode worker asks for a turn."""
+    return min(DECODE_TURN_AFTER_S, cap / 2)
+
+
+# one byte per worker: what it is doing now
+IDLE, DECODING, PREFILLING, WANTS_TURN, YIELDING = 0, 1, 2, 3, 4
+BUSY = (DECODING, PREFILLING)  # the flags that hold cores (a worker's thread count divides them)
 
 
 def stall_cap(tpot_ms: float) -> float:
@@ -73,7 +96,7 @@ class CoreShare:
             raise ValueError(f"core-share slot {slot} outside the {len(self.flags)} workers of {path}")
         self.slot = slot
         self.threads = torch.get_num_threads()
-        self.flags[slot] = 0
+        self.flags[slot] = IDLE
 
     @classmethod
     def open(cls, spec: str | None, cores: int | None = None) -> "CoreShare | StaticCores":
@@ -87,15 +110,15 @@ class CoreShare:
 
     def busy_workers(self) -> int:
         flags = self.flags[:]
-        return max(1, len(flags) - flags.count(0))
+        return max(1, sum(flags.count(f) for f in BUSY))
 
     def busy(self, prefill: bool = False) -> int:
         """Mark this worker busy (a prefill worker says so) and size its thread pool for the busy
         workers; returns threads."""
-        self.flags[self.slot] = 2 if prefill else 1
+        self.flags[self.slot] = PREFILLING if prefill else DECODING
         # a prefill worker shares the cores with the other busy prefill workers only: decode
-        # workers defer to it (defer_to_prefill), apart from one short step per DECODE_STALL_CAP_S
-        sharing = self.flags[:].count(2) if prefill else self.busy_workers()
+        # workers defer to it (defer_to_prefill) and step in its turns (take_prefill_turn)
+        sharing = self.flags[:].count(PREFILLING) if prefill else self.busy_workers()
         threads = max(1, self.cores // max(1, sharing))
         if threads != self.threads:
             torch.set_num_threads(threads)
@@ -103,13 +126,38 @@ class CoreShare:
         return threads
 
     def idle(self) -> None:
-        self.flags[self.slot] = 0
+        self.flags[self.slot] = IDLE
 
     def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:
-        """Whether a decode worker should hold its next step: another worker of the node is busy
-        prefilling and this one stepped less than `cap` seconds ago (stall_cap)."""
-        flags = self.flags[:]
-        return since_last_step < cap and any(f == 2 for i, f in enumerate(flags) if i != self.slot)
+        """Whether a decode worker should hold its next step (it is then marked idle, or, past
+        turn_after(cap), as wanting a turn): a prefill worker of the node is busy, this worker
+        stepped less than `cap` seconds ago (stall_cap), and no prefill worker has yielded it a
+        turn. Past the cap it steps whatever the prefill workers do."""
+        others = [f for i, f in enumerate(self.flags[:]) if i != self.slot]
+        if PREFILLING not in others and (YIELDING not in others or self.flags[self.slot] == WANTS_TURN):
+            return False  # no prefill runs, or the one that ran has stopped for this worker's turn
+        if since_last_step >= cap:
+            return False
+        self.flags[self.slot] = WANTS_TURN if since_last_step >= turn_after(cap) else IDLE
+        return True
+
+    def take_prefill_turn(self, limit_s: float = PREFILL_YIELD_LIMIT_S) -> int:
+        """A prefill worker, before each step: first let a decode worker that wants a turn take
+        one step on every core (marked YIELDING meanwhile), and let a decode step in progress
+        end (marked PREFILLING, so that no other begins), at most limit_s; then busy(prefill=True).
+        Steps of the two never overlap on the cores, so neither's OpenMP barriers wait on threads
+        the other preempted."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            others = [f for i, f in enumerate(self.flags[:]) if i != self.slot]
+            if WANTS_TURN in others or (self.flags[self.slot] == YIELDING and DECODING in others):
+                self.flags[self.slot] = YIELDING
+            elif DECODING in others:
+                self.flags[self.slot] = PREFILLING
+            else:
+                break
+            time.sleep(0.001)
+        return self.busy(prefill=True)
 
     def close(self) -> None:
         if not self.flags.closed:
@@ -128,6 +176,9 @@ class StaticCores:
 
     def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:
         return False
+
+    def take_prefill_turn(self, limit_s: float = PREFILL_YIELD_LIMIT_S) -> int:
+        return self.busy(prefill=True)
 
     def close(self) -> None:
         pass

@@ -56,13 +56,6 @@ class CpuForward:
         for lin in shapes.values():
             lin.warm()
 
-    def keep_float_copies(self) -> int:
-        """Quantized projections keep their dequantized values too (PackedLinear.keep_float_copy):
-        a prefill worker's choice, its prompt batches then skip dequantizing every weight per
-        step (measured +11% prompt tokens/s on the default model). The LM head, run on one row
-        per prompt, stays as it is. Returns the bytes added."""
-        return sum(lin.keep_float_copy() for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-
     @classmethod
     def build(cls, model, linear_kind: str = "auto", activations: str = "float") -> "CpuForward | None":
         if model.norm.weight.device.type != "cpu" or model.dtype != torch.float32:

@@ -59,7 +59,7 @@ def test_bad_specs_are_refused(share_path):
 
 
 def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_path):
-    from runtime.cores import DECODE_STALL_CAP_S
+    from runtime.cores import IDLE, WANTS_TURN
 
     before = torch.get_num_threads()
     try:
@@ -70,9 +70,9 @@ def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_pat
         assert not decode.defer_to_prefill(0.0)  # another decode worker is busy: no deferring to it
         assert prefill.busy(prefill=True) == 2  # decode workers defer to it: it shares with prefill workers only
         assert other_decode.busy() == 1  # a decode worker still counts every busy worker
-        assert decode.defer_to_prefill(0.0) and decode.defer_to_prefill(DECODE_STALL_CAP_S / 2)
-        assert not decode.defer_to_prefill(DECODE_STALL_CAP_S)  # the cap: a decode step is due
-        assert decode.defer_to_prefill(0.1, 0.2) and not decode.defer_to_prefill(0.2, 0.2)  # a cap from the TPOT target
+        assert decode.defer_to_prefill(0.0, 4.0) and decode.flags[0] == IDLE
+        assert decode.defer_to_prefill(2.5, 4.0) and decode.flags[0] == WANTS_TURN  # past turn_after: asks for a turn
+        assert not decode.defer_to_prefill(4.0, 4.0)  # the cap: a decode step is due whatever the prefill does
         assert not prefill.defer_to_prefill(0.0)  # a worker never defers to itself
         other_decode.idle()
         assert prefill.busy(prefill=True) == 2
@@ -83,9 +83,66 @@ def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_pat
         torch.set_num_threads(before)
 
 
+def test_prefill_and_decode_steps_take_turns_and_never_overlap(share_path):
+    """The turn protocol, both sides in threads of this process (the flags are the same bytes
+    other processes map): a decode worker that wants a turn gets one step between two prefill
+    steps, and a prefill step never starts while a decode step runs."""
+    import threading
+    import time
+
+    from runtime.cores import PREFILLING, YIELDING
+
+    before = torch.get_num_threads()
+    try:
+        decode = CoreShare.open(f"{share_path}:0", cores=2)
+        prefill = CoreShare.open(f"{share_path}:1", cores=2)
+        running, log, overlaps = set(), [], []
+
+        def run(name, seconds):
+            if running:
+                overlaps.append(f"{name} began while {running} ran")
+            running.add(name)
+            log.append(name)
+            time.sleep(seconds)
+            running.discard(name)
+
+        stop = threading.Event()
+
+        def prefill_loop():
+            while not stop.is_set():
+                prefill.take_prefill_turn(limit_s=5)
+                run("prefill", 0.05)
+            prefill.idle()
+
+        t = threading.Thread(target=prefill_loop)
+        t.start()
+        last = time.monotonic()
+        decode_steps = 0
+        try:
+            while decode_steps < 3:
+                if decode.defer_to_prefill(time.monotonic() - last, cap=30.0):  # never forced: only turns
+                    time.sleep(0.001)
+                    continue
+                assert decode.busy() == 2  # its turn: every core (the yielding prefill worker holds none)
+                assert prefill.flags[1] in (YIELDING, PREFILLING) and "prefill" not in running
+                run("decode", 0.02)
+                decode_steps += 1
+                last = time.monotonic()
+        finally:
+            stop.set()
+            t.join(10)
+        assert not overlaps and not t.is_alive()
+        assert log.count("decode") == 3 and log.count("prefill") >= 3
+        assert "decode,decode" not in ",".join(log)  # one decode step per turn, prefill steps between
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_stall_cap_follows_the_coordinators_tpot_target():
-    from runtime.cores import DECODE_STALL_CAP_S, STALL_SHARE_OF_TPOT, stall_cap
+    from runtime.cores import DECODE_STALL_CAP_S, DECODE_TURN_AFTER_S, STALL_SHARE_OF_TPOT, stall_cap, turn_after
 
     assert stall_cap(0.0) == DECODE_STALL_CAP_S  # no SLO control: prefill first, up to the cap
     assert stall_cap(500.0) == pytest.approx(STALL_SHARE_OF_TPOT * 0.5)  # the default target: 0.2 s
     assert stall_cap(60_000.0) == DECODE_STALL_CAP_S  # never above the cap
+    assert turn_after(stall_cap(500.0)) == pytest.approx(0.1)  # under SLO control: half the cap
+    assert turn_after(stall_cap(0.0)) == DECODE_TURN_AFTER_S

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from kernels.quant import DIRECT_INT_ROWS, DIRECT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
+from kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_model
 from runtime.kv_cache import allocate_kv_cache
@@ -169,30 +169,6 @@ def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch,
         loop = teacher_forced(model, live, prompts, decode=True)
         assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
     assert calls == [1] * 3 + [3] * 3 + [7] * 3  # each fused decode step made the one call; the loop never did
-
-
-def test_a_prefill_workers_float_copies_change_no_result(tmp_path, monkeypatch):
-    """keep_float_copies (what a prefill worker does) hands F.linear the values it would have
-    dequantized per call: a prompt batch above kernels.quant.DIRECT_ROWS rows scores the same,
-    bit for bit, without dequantizing per call any more."""
-    from kernels import linear
-
-    save_tiny_model(tmp_path / "hf", arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q4_1")
-    _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16))
-    per_call = []  # rows of each matmul that dequantized its weight for the call
-    monkeypatch.setattr(linear.quant, "matmul", lambda x, *a, **k: per_call.append(x.shape[0]) or matmul(x, *a, **k))
-    g = torch.Generator().manual_seed(8)
-    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (90, 70)]  # a 154-row prompt batch
-    prompts = [len(s) - 3 for s in seqs]
-    before = teacher_forced(model, seqs, prompts, decode=True)
-    assert per_call and min(per_call) > DIRECT_ROWS
-    added = model.fast.keep_float_copies()
-    assert added == sum(4 * q.shape[0] * q.shape[1] for n, q in model.quantized.items() if "layers." in n)
-    per_call.clear()
-    after = teacher_forced(model, seqs, prompts, decode=True)
-    assert not per_call
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def shipped_prompts() -> list[str]:
