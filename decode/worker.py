@@ -10,8 +10,9 @@ built from those parts (tests pass an in-process transport and link). Then `run`
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
   step the engine (continuous batching: joiners enter at the next step, finished sequences
   leave at once, a short pool preempts the newest sequence, which is recomputed here), unless a
-  prefill worker of this node is busy and the last step ended less than the stall cap ago
-  (runtime.cores: 3 s, or 0.4 of the TPOT target the coordinator's Welcome names);
+  prefill worker of this node is busy: then it holds its step until that worker yields it a turn
+  between two prefill steps, or until its stall cap (runtime.cores: the TPOT target the
+  coordinator's Welcome names sets both);
   send the step's tokens as one TokenBatch; expire grants whose KV never came.
 Every block is freed on every path: finish, abort, release, failed hand-off, grant timeout.
 Fenced writes: each grant has a number (Granted -> Prefill -> KVReady/KVFailed), and a hand-off

@@ -224,7 +224,8 @@ class NativeOps:
 
     def q_matmul(self, x, w, activations: str = "float") -> torch.Tensor:
         """x (M, K) float32 with contiguous rows @ w^T for a kernels.quant.QuantTensor w (N, K);
-        activations int16 / int8: up to 4 rows are rounded to integers first (kernels.quant.matmul_int_twin)."""
+        activations int16 / int8: up to kernels.quant.DIRECT_INT_ROWS rows are rounded to integers
+        first (kernels.quant.matmul_int_twin)."""
         return self.q_linear(w, activations)(x)
 
     def q_linear(self, w, activations: str = "float"):
@@ -281,7 +282,7 @@ class NativeOps:
         if self.lib.pd_decode_layers(
             layers.array, layers.count, _ptr(kv_cache), kv_cache.stride(0), kv_cache.stride(1), _ptr(h), _ptr(x), _ptr(qkv), _ptr(attn),
             _ptr(o_out), _ptr(gate_up), _ptr(act), _ptr(down), t, _ptr(pos), _ptr(slots), _ptr(layers.cos), _ptr(layers.sin), _ptr(rows),
-            _ptr(tables), tables.stride(0), _ptr(lens), layers.heads, kvh, d, bs, layers.hidden, layers.inter, scale, eps, layers.int8,
+            _ptr(tables), tables.stride(0), _ptr(lens), layers.heads, kvh, d, bs, layers.hidden, layers.inter, scale, eps, layers.activations,
         ):
             raise MemoryError("decode_layers: scratch allocation failed")
 
@@ -314,7 +315,7 @@ class DecodeLayers:
     the tensors are kept referenced for the array's life."""
 
     def __init__(self, layers: list, heads: int, activations: str, cos: torch.Tensor, sin: torch.Tensor):
-        self.count, self.heads, self.int8 = len(layers), heads, activation_mode(activations)
+        self.count, self.heads, self.activations = len(layers), heads, activation_mode(activations)
         self._keep = layers
         for v, n in ((cos, "cos"), (sin, "sin")):
             _check(v, n)

@@ -46,7 +46,7 @@ class PackedLinear:
     def __init__(self, weight: "torch.Tensor | quant.QuantTensor", bias: torch.Tensor | None = None, kind: str = "auto",
                  batch_hint: int = 32, activations: str = "float"):
         self.quantized = isinstance(weight, quant.QuantTensor)
-        self.activations = activations  # quant only: how kernels.quant.matmul takes <= 4 rows (float, int16, int8)
+        self.activations = activations  # quant only: how kernels.quant.matmul takes a small batch (float, int16, int8; DIRECT_INT_ROWS)
         self.kind = "quant" if self.quantized else resolve_kind(kind, weight)
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # kept: the twin, and the tied embedding reads it

@@ -72,13 +72,17 @@ class QuantTensor:
         """The twin: every weight as float32, the values gguf.quants.dequantize gives."""
         return dequantize_raw(self.raw, self.qtype, self.shape[1])
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` as float32 in plain torch, on the blocks' device (the twin of rows_float)."""
+        return dequantize_raw(self.raw.index_select(0, index.reshape(-1)), self.qtype, self.shape[1])
+
     def rows_float(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` as float32 (an embedding lookup), through the C kernel when it is built."""
         from kernels import cpu_native
 
         ops = cpu_native.native()
         if ops is None:
-            return dequantize_raw(self.raw.index_select(0, index.reshape(-1)), self.qtype, self.shape[1])
+            return self.rows(index)
         return ops.q_dequant(self, index.reshape(-1).to(torch.int64).contiguous())
 
 

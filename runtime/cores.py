@@ -128,12 +128,17 @@ class CoreShare:
     def idle(self) -> None:
         self.flags[self.slot] = IDLE
 
+    def _others(self) -> bytes:
+        """The other workers' flags."""
+        flags = self.flags[:]
+        return flags[:self.slot] + flags[self.slot + 1:]
+
     def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:
         """Whether a decode worker should hold its next step (it is then marked idle, or, past
         turn_after(cap), as wanting a turn): a prefill worker of the node is busy, this worker
         stepped less than `cap` seconds ago (stall_cap), and no prefill worker has yielded it a
         turn. Past the cap it steps whatever the prefill workers do."""
-        others = [f for i, f in enumerate(self.flags[:]) if i != self.slot]
+        others = self._others()
         if PREFILLING not in others and (YIELDING not in others or self.flags[self.slot] == WANTS_TURN):
             return False  # no prefill runs, or the one that ran has stopped for this worker's turn
         if since_last_step >= cap:
@@ -149,7 +154,7 @@ class CoreShare:
         the other preempted."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
-            others = [f for i, f in enumerate(self.flags[:]) if i != self.slot]
+            others = self._others()
             if WANTS_TURN in others or (self.flags[self.slot] == YIELDING and DECODING in others):
                 self.flags[self.slot] = YIELDING
             elif DECODING in others:

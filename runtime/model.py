@@ -72,9 +72,7 @@ class QuantLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized (an embedding lookup), in plain torch on any device."""
-        from kernels.quant import dequantize_raw
-
-        return dequantize_raw(self.raw.index_select(0, ids.reshape(-1)), self.qtype, self.shape[1]).to(dtype)
+        return self.blocks.rows(ids).to(dtype)
 
 
 class RMSNorm(nn.Module):
