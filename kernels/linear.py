@@ -65,7 +65,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias); `out`, a (rows, out_features) buffer the quantized kernel may write
         into (the result is returned either way; other kinds allocate)."""
-        if self.q_run is not None and x.shape[0] <= quant.DIRECT_ROWS:
+        if self.q_run is not None and x.shape[0] <= quant.kernel_rows(self.activations):
             out = self.q_run(x, out)
             return out if self.bias is None else out.add_(self.bias)
         if self.quantized:

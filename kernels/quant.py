@@ -25,8 +25,17 @@ import torch.nn.functional as F
 # name -> (ggml type id, bytes per 32-weight block)
 QTYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 BLOCK = 32
-DIRECT_ROWS = 128  # up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
-DIRECT_INT_ROWS = {"int8": 4, "int16": 7}  # up to this many rows the C kernel rounds activations to integers (quant_ops.c)
+DIRECT_ROWS = 128  # float / int8 activations: up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
+ANY_ROWS = 1 << 62
+# rows up to which the C kernel rounds activations to integers (quant_ops.c): int8 in small decode
+# steps only; int16 at every row count (above 7 rows, q_gemm_i16: 1.1-1.2x dequantize + MKL at
+# prompt sizes, 1.3-1.5x the float tiled kernel at 32-64 rows)
+DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
+
+
+def kernel_rows(activations: str) -> int:
+    """The most rows the C kernel takes for these activations (more: dequantize + F.linear)."""
+    return ANY_ROWS if activations == "int16" else DIRECT_ROWS
 
 
 @dataclass(frozen=True)
@@ -105,13 +114,13 @@ def dequantize_raw(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, activations: str = "float") -> torch.Tensor:
-    """x (M, K) float32 @ w^T: the C kernel up to DIRECT_ROWS rows, else dequantize and F.linear.
-    activations "int16" / "int8": at most DIRECT_INT_ROWS rows are rounded to integers per 32-wide
-    block first and multiplied in integers (faster; matmul_int_twin is what they compute)."""
+    """x (M, K) float32 @ w^T: the C kernel up to kernel_rows(activations) rows, else dequantize and
+    F.linear. activations "int16" / "int8": up to DIRECT_INT_ROWS rows are rounded to integers per
+    32-wide block first and multiplied in integers (faster; matmul_int_twin is what they compute)."""
     from kernels import cpu_native
 
     ops = cpu_native.native()
-    if ops is None or x.shape[0] > DIRECT_ROWS:
+    if ops is None or x.shape[0] > kernel_rows(activations):
         return F.linear(x, w.dequantize() if ops is None else ops.q_dequant(w), bias)
     out = ops.q_matmul(x, w, activations)
     return out if bias is None else out.add_(bias)
@@ -119,7 +128,7 @@ def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, ac
 
 def bound_matmul(w: QuantTensor, activations: str = "float"):
     """The C kernel bound to one weight (kernels.cpu_native.NativeOps.q_linear): x -> x @ w^T for
-    at most DIRECT_ROWS rows; None without the C kernels (callers then use `matmul`)."""
+    at most kernel_rows(activations) rows; None without the C kernels (callers then use `matmul`)."""
     from kernels import cpu_native
 
     ops = cpu_native.native()
@@ -147,7 +156,7 @@ def quantize_activations(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Ten
 
 
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
-    """What the C kernel's integer paths (at most DIRECT_INT_ROWS rows) compute, in float64:
+    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
     per block d * dx * (codes . xq) + m * sum(x). Its difference from `matmul_twin` is the
     activations' rounding to int8 or int16, which is the price of those paths."""
     rows, cols = x.shape

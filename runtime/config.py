@@ -166,13 +166,15 @@ class EngineConfig:
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized (kernels.quant) where the CPU fast path
     # runs; none: dequantized to float32 at load (the reference the HF-equivalence tests use)
     quantization: str = "auto"
-    # quantized weights only: how a small decode step (<= 4 rows; int16: <= 7) meets them. float: every
+    # quantized weights only: how activations meet them. float: every
     # product is x times the dequantized weight (the float twin up to summation order); int16
     # (the default) / int8: x is rounded per 32-wide block to integers (to 1/32767 / 1/127 of the
     # block's largest value) and multiplied in integers (int8 is what llama.cpp does). int16 is
     # 1.6x faster than float at one row and scores like it (teacher-forced over the 54 shipped
     # prompts: top-1 100%, mean KL 0.00000); int8 is faster still but misses (95.9%, 0.0100).
-    # Larger batches always run float.
+    # int16 also takes larger batches and prompts (kernels.quant.kernel_rows: 1.1-1.5x dequantize
+    # + MKL or the float tiled kernel; prefill top-1 99.88%, KL 0.00000); with float or int8,
+    # batches above 4 rows run float.
     quant_activations: str = "int16"
     gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
     prefix_cache: bool = True  # reuse the KV of full blocks whose token prefix was computed before (off: --no-prefix-cache)

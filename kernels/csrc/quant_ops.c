@@ -20,7 +20,10 @@
  *                  at a time, q_direct8_i16); ACT_INT8, rounded to int8 (llama.cpp's
  *                  Q8_1) with maddubs, faster again but measurably less accurate. The integer
  *                  paths' exact twin is kernels/quant.py matmul_int_twin;
- *                  larger M: tiles of Q_TILE weight rows are dequantised into a per-thread
+ *                  ACT_INT16 and more than Q_DIRECT_INT16_ROWS rows (batched decode steps and
+ *                  prompts): the same integer products as a GEMM (q_gemm_i16: activations
+ *                  repacked once a call, weight codes widened to int16 a panel at a time);
+ *                  other larger M: tiles of Q_TILE weight rows are dequantised into a per-thread
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
  *                  call (measured 15-35% faster than oneDNN's packed float32 at 8-64 rows).
@@ -316,6 +319,139 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
 }
 #endif
 
+/* int16 GEMM (ACT_INT16, more than Q_DIRECT_INT16_ROWS rows: batched decode steps and prompts).
+ * The products are q_direct_i16's (exact int32 block sums of codes times int16 activations,
+ * each scaled by d * dx in float, plus m * sum(x)), with lanes over activation rows instead of
+ * weight rows so that only the activations are repacked (once a call; a tile's rows are 16
+ * 32-bit pairs apart) and weight codes are unpacked in place into int16 rows, one panel of
+ * Q_GEMM_NP weight rows per thread task, then broadcast two codes at a time. A micro-tile is 16
+ * activation rows by Q_GEMM_NR weight rows: 2 * NR int32 accumulators for a block, folded into
+ * 2 * NR float accumulators after each block. Rows past M are zero codes with zero scales. */
+#define Q_GEMM_MT 16  /* activation rows in a tile (two 8-lane vectors) */
+#define Q_GEMM_NR 4   /* weight rows in a micro-tile */
+#define Q_GEMM_NP 48  /* weight rows in a panel (a multiple of Q_GEMM_NR) */
+
+/* Tiles of Q_GEMM_MT rows: per tile and block, codes as [16 pairs][MT rows] 32-bit words, then the
+ * rows' scales dx and block sums, [MT] each. */
+static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp, float *dxp, float *sump) {
+    const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
+#pragma omp parallel for schedule(static) if (tiles > 1)
+    for (int t = 0; t < tiles; t++) {
+        for (int i = 0; i < Q_GEMM_MT; i++) {
+            const int r = t * Q_GEMM_MT + i;
+            for (int b = 0; b < nb; b++) {
+                int32_t *dst = xp + ((int64_t)t * nb + b) * 16 * Q_GEMM_MT + i;
+                float *dxd = dxp + ((int64_t)t * nb + b) * Q_GEMM_MT + i, *sd = sump + ((int64_t)t * nb + b) * Q_GEMM_MT + i;
+                if (r >= M) {
+                    for (int p = 0; p < 16; p++) dst[p * Q_GEMM_MT] = 0;
+                    *dxd = 0.0f; *sd = 0.0f;
+                    continue;
+                }
+                int16_t codes[32];
+                q16_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, codes, dxd, sd);
+                int32_t words[16];
+                memcpy(words, codes, sizeof words);
+                for (int p = 0; p < 16; p++) dst[p * Q_GEMM_MT] = words[p];
+            }
+        }
+    }
+}
+
+/* One micro-tile: activation tile t (packed) times weight rows wc[0..NR) (int16 codes, K each),
+ * scales d / offsets m [NR][nb]; the 16 x NR results go to res[NR][16]. */
+static inline __attribute__((always_inline)) void q_gemm_tile(
+    const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
+    int nb, int K, int qt, float res[Q_GEMM_NR][16]) {
+    __m256 f[Q_GEMM_NR][2];
+    for (int j = 0; j < Q_GEMM_NR; j++) f[j][0] = f[j][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
+        __m256i a[Q_GEMM_NR][2];
+        for (int j = 0; j < Q_GEMM_NR; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const __m256i x0 = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT));
+            const __m256i x1 = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT + 8));
+#pragma GCC unroll 8
+            for (int j = 0; j < Q_GEMM_NR; j++) {
+                int32_t pair;
+                memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
+                const __m256i w = _mm256_set1_epi32(pair);
+                a[j][0] = _mm256_add_epi32(_mm256_madd_epi16(w, x0), a[j][0]);
+                a[j][1] = _mm256_add_epi32(_mm256_madd_epi16(w, x1), a[j][1]);
+                __asm__("" : "+x"(a[j][0]), "+x"(a[j][1]));  /* keeps GCC from reassociating the sums (it spilled every product) */
+            }
+        }
+        const __m256 dx0 = _mm256_load_ps(dxp + b * Q_GEMM_MT), dx1 = _mm256_load_ps(dxp + b * Q_GEMM_MT + 8);
+        for (int j = 0; j < Q_GEMM_NR; j++) {
+            const __m256 d = _mm256_set1_ps(wd[j * nb + b]);
+            f[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][0]), _mm256_mul_ps(d, dx0), f[j][0]);
+            f[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][1]), _mm256_mul_ps(d, dx1), f[j][1]);
+        }
+        if (qt != QT_Q8_0) {
+            const __m256 s0 = _mm256_load_ps(sump + b * Q_GEMM_MT), s1 = _mm256_load_ps(sump + b * Q_GEMM_MT + 8);
+            for (int j = 0; j < Q_GEMM_NR; j++) {
+                const __m256 m = _mm256_set1_ps(wm[j * nb + b]);
+                f[j][0] = _mm256_fmadd_ps(m, s0, f[j][0]);
+                f[j][1] = _mm256_fmadd_ps(m, s1, f[j][1]);
+            }
+        }
+    }
+    for (int j = 0; j < Q_GEMM_NR; j++) {
+        _mm256_storeu_ps(res[j], f[j][0]);
+        _mm256_storeu_ps(res[j] + 8, f[j][1]);
+    }
+}
+
+static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
+                      float *out, int64_t os) {
+    const int nb = K / 32, bb = q_block_bytes(qt), tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
+    const int panels = (N + Q_GEMM_NP - 1) / Q_GEMM_NP;
+    const size_t words = (size_t)tiles * nb * 16 * Q_GEMM_MT, scales = (size_t)tiles * nb * Q_GEMM_MT;
+    int32_t *xp = (int32_t *)aligned_alloc(64, (words + 2 * scales) * 4);
+    if (!xp) return 1;
+    float *dxp = (float *)(xp + words), *sump = dxp + scales;
+    q_gemm_pack_x(x, xs, M, K, xp, dxp, sump);
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int pn = 0; pn < panels; pn++) {
+        /* the panel's codes (int16, K per row), then d and m ([row][nb]); rows past N are zeros */
+        float *scratch = q_scratch((size_t)Q_GEMM_NP * K / 2 + 2 * Q_GEMM_NP * nb);
+        if (!scratch) { failed = 1; continue; }
+        int16_t *wc = (int16_t *)scratch;
+        float *wd = scratch + (size_t)Q_GEMM_NP * K / 2, *wm = wd + Q_GEMM_NP * nb;
+        const int n0 = pn * Q_GEMM_NP, np = N - n0 < Q_GEMM_NP ? N - n0 : Q_GEMM_NP;
+        for (int i = 0; i < Q_GEMM_NP; i++)
+            for (int b = 0; b < nb; b++) {
+                int16_t *dst = wc + (int64_t)i * K + b * 32;
+                if (i >= np) {
+                    memset(dst, 0, 64);
+                    wd[i * nb + b] = wm[i * nb + b] = 0.0f;
+                    continue;
+                }
+                const uint8_t *q = q_block_head(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * bb, qt, wd + i * nb + b, wm + i * nb + b);
+                __m256i w0, w1;
+                q_codes_i16(q, qt, &w0, &w1);
+                _mm256_storeu_si256((__m256i *)dst, w0);
+                _mm256_storeu_si256((__m256i *)(dst + 16), w1);
+            }
+        for (int t = 0; t < tiles; t++) {
+            const int m0 = t * Q_GEMM_MT, mr = M - m0 < Q_GEMM_MT ? M - m0 : Q_GEMM_MT;
+            const int32_t *xt = xp + (int64_t)t * nb * 16 * Q_GEMM_MT;
+            const float *dxt = dxp + (int64_t)t * nb * Q_GEMM_MT, *st = sump + (int64_t)t * nb * Q_GEMM_MT;
+            for (int j0 = 0; j0 < np; j0 += Q_GEMM_NR) {
+                float res[Q_GEMM_NR][16];
+                q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res);
+                const int nr = np - j0 < Q_GEMM_NR ? np - j0 : Q_GEMM_NR;
+                for (int r = 0; r < mr; r++)
+                    for (int j = 0; j < nr; j++) out[(int64_t)(m0 + r) * os + n0 + j0 + j] = res[j][r];
+            }
+        }
+    }
+    free(xp);
+    return failed;
+}
+
 /* Direct path with float activations, R (constant, 1..4) rows: out[r][n] = sum over blocks of
  * d * (codes . x) + m * sum(x), every product a float32 product of x with an exact code. */
 static inline __attribute__((always_inline)) void q_direct_f32(
@@ -476,6 +612,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         free(xq);
         return 0;
     }
+    if (activations == ACT_INT16) return q_gemm_i16(x, xs, w, row_bytes, qt, M, N, K, out, os);
     const int tiles = (N + Q_TILE - 1) / Q_TILE;
     int failed = 0;
     {  /* M > Q_DIRECT_ROWS */

@@ -65,7 +65,7 @@ def test_matmul_paths_equal_their_twins(qtype, rows):
     assert torch.allclose(matmul(strided, w), matmul_twin(strided, w), rtol=0, atol=1e-5 * float(matmul_twin(strided, w).abs().max()))
     for kind in ("int8", "int16"):
         got_int = matmul(x, w, activations=kind)
-        if rows > DIRECT_INT_ROWS[kind]:  # the integer paths take small decode batches; larger ones stay float
+        if rows > DIRECT_INT_ROWS[kind]:  # int8 takes small decode batches; larger ones stay float (int16: every size)
             assert torch.equal(got_int, matmul(x, w))
             continue
         got = matmul(x, w)
@@ -199,9 +199,9 @@ def greedy_scored(model, prompts: list[list[int]], max_tokens: int, eos_ids: set
 @pytest.mark.slow
 def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     twin = LLMEngine.load(None, EngineConfig(num_blocks=512, quantization="none"), progress=False)
-    _, quant = load_model(None, EngineConfig())
+    _, quant = load_model(None, EngineConfig())  # default: int16 activations at every batch size
+    _, quantf = load_model(None, EngineConfig(quant_activations="float"))
     _, quant8 = load_model(None, EngineConfig(quant_activations="int8"))
-    _, quant16 = load_model(None, EngineConfig(quant_activations="int16"))
     assert quant.quantized and quant8.quantized and quant.weight_bytes() < 0.2 * twin.model.weight_bytes()
     texts = shipped_prompts()
     assert len(texts) == 54
@@ -209,7 +209,8 @@ def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     seqs, ref = greedy_scored(twin.model, prompts, 16, twin.eos_ids)  # the float twin's greedy text, scored as it is chosen
     lens = [len(p) for p in prompts]
     results = {}
-    for name, model, decode in (("prefill, float activations", quant, False), ("decode 4 rows, int16 activations", quant16, True),
+    for name, model, decode in (("prefill, int16 activations", quant, False), ("prefill, float activations", quantf, False),
+                                ("decode 4 rows, int16 activations", quant, True),
                                 ("decode 4 rows, int8 activations", quant8, True)):
         got = []
         for g in range(0, len(seqs), 4):  # decode steps of 4 rows: the int8 path's batch
@@ -220,12 +221,14 @@ def test_default_model_quantized_scores_like_float_twin_teacher_forced():
         agree = float((r.argmax(-1) == q.argmax(-1)).float().mean())
         results[name] = (agree, kl, r.shape[0])
         print(f"quantized ({name}) vs float twin, teacher-forced: top-1 {agree:.2%} over {r.shape[0]} positions, mean KL {kl:.5f}")
-    # The default paths (float prefill, int16 decode) meet the goals (top-1 >= 99%, mean KL
-    # <= 0.01; measured 100% and 0.00000 over 852 positions, both). The int8-activation path does
+    # The default paths (int16 activations in prefill and decode) meet the goals (top-1 >= 99%,
+    # mean KL <= 0.01; measured 99.88% (one position of 852) and 100%, KL 0.00000; float activations
+    # in prefill: 100%, 0.00000). The int8-activation path does
     # not (measured 95.9%, KL 0.0100 on an
     # AVX2 EPYC): rounding each 32-wide block of activations to 8 bits costs this 135M model more
     # than Q4_1 itself, which is why it is opt-in; its bounds here guard against it getting worse.
-    bounds = {"prefill, float activations": (0.99, 0.01), "decode 4 rows, int16 activations": (0.99, 0.01),
+    bounds = {"prefill, int16 activations": (0.99, 0.01), "prefill, float activations": (0.99, 0.01),
+              "decode 4 rows, int16 activations": (0.99, 0.01),
               "decode 4 rows, int8 activations": (0.93, 0.02)}
     for name, (agree, kl, n) in results.items():
         assert n >= 54 * 5
