@@ -357,51 +357,50 @@ static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp,
     }
 }
 
-/* One micro-tile: activation tile t (packed) times weight rows wc[0..NR) (int16 codes, K each),
- * scales d / offsets m [NR][nb]; the 16 x NR results go to res[NR][16]. */
+/* One micro-tile: the first 8 * V (constant, 1 or 2) rows of an activation tile (packed) times
+ * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the 8V x NR results
+ * go to res[NR][16]. V = 1 for a last tile of at most 8 rows. */
 static inline __attribute__((always_inline)) void q_gemm_tile(
     const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
-    int nb, int K, int qt, float res[Q_GEMM_NR][16]) {
+    int nb, int K, int qt, float res[Q_GEMM_NR][16], const int V) {
     __m256 f[Q_GEMM_NR][2];
-    for (int j = 0; j < Q_GEMM_NR; j++) f[j][0] = f[j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < Q_GEMM_NR; j++)
+        for (int v = 0; v < V; v++) f[j][v] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
         __m256i a[Q_GEMM_NR][2];
-        for (int j = 0; j < Q_GEMM_NR; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
+        for (int j = 0; j < Q_GEMM_NR; j++)
+            for (int v = 0; v < V; v++) a[j][v] = _mm256_setzero_si256();
 #pragma GCC unroll 16
         for (int p = 0; p < 16; p++) {
-            __m256i x0 = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT));
-            __m256i x1 = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT + 8));
-            __asm__("" : "+x"(x0), "+x"(x1));  /* in registers: GCC reloaded them for every weight row (10-14% slower) */
+            __m256i xv[2];
+            for (int v = 0; v < V; v++) {
+                xv[v] = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT + 8 * v));
+                __asm__("" : "+x"(xv[v]));  /* in registers: GCC reloaded them for every weight row (10-14% slower) */
+            }
 #pragma GCC unroll 8
             for (int j = 0; j < Q_GEMM_NR; j++) {
                 int32_t pair;
                 memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
                 const __m256i w = _mm256_set1_epi32(pair);
-                a[j][0] = _mm256_add_epi32(_mm256_madd_epi16(w, x0), a[j][0]);
-                a[j][1] = _mm256_add_epi32(_mm256_madd_epi16(w, x1), a[j][1]);
-                __asm__("" : "+x"(a[j][0]), "+x"(a[j][1]));  /* keeps GCC from reassociating the sums (it spilled every product) */
+                for (int v = 0; v < V; v++) {
+                    a[j][v] = _mm256_add_epi32(_mm256_madd_epi16(w, xv[v]), a[j][v]);
+                    __asm__("" : "+x"(a[j][v]));  /* keeps GCC from reassociating the sums (it spilled every product) */
+                }
             }
         }
-        const __m256 dx0 = _mm256_load_ps(dxp + b * Q_GEMM_MT), dx1 = _mm256_load_ps(dxp + b * Q_GEMM_MT + 8);
-        for (int j = 0; j < Q_GEMM_NR; j++) {
-            const __m256 d = _mm256_set1_ps(wd[j * nb + b]);
-            f[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][0]), _mm256_mul_ps(d, dx0), f[j][0]);
-            f[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][1]), _mm256_mul_ps(d, dx1), f[j][1]);
-        }
-        if (qt != QT_Q8_0) {
-            const __m256 s0 = _mm256_load_ps(sump + b * Q_GEMM_MT), s1 = _mm256_load_ps(sump + b * Q_GEMM_MT + 8);
-            for (int j = 0; j < Q_GEMM_NR; j++) {
-                const __m256 m = _mm256_set1_ps(wm[j * nb + b]);
-                f[j][0] = _mm256_fmadd_ps(m, s0, f[j][0]);
-                f[j][1] = _mm256_fmadd_ps(m, s1, f[j][1]);
+        for (int v = 0; v < V; v++) {
+            const __m256 dx = _mm256_load_ps(dxp + b * Q_GEMM_MT + 8 * v);
+            for (int j = 0; j < Q_GEMM_NR; j++)
+                f[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][v]), _mm256_mul_ps(_mm256_set1_ps(wd[j * nb + b]), dx), f[j][v]);
+            if (qt != QT_Q8_0) {
+                const __m256 s = _mm256_load_ps(sump + b * Q_GEMM_MT + 8 * v);
+                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = _mm256_fmadd_ps(_mm256_set1_ps(wm[j * nb + b]), s, f[j][v]);
             }
         }
     }
-    for (int j = 0; j < Q_GEMM_NR; j++) {
-        _mm256_storeu_ps(res[j], f[j][0]);
-        _mm256_storeu_ps(res[j] + 8, f[j][1]);
-    }
+    for (int j = 0; j < Q_GEMM_NR; j++)
+        for (int v = 0; v < V; v++) _mm256_storeu_ps(res[j] + 8 * v, f[j][v]);
 }
 
 static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
@@ -442,7 +441,8 @@ static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_
             const float *dxt = dxp + (int64_t)t * nb * Q_GEMM_MT, *st = sump + (int64_t)t * nb * Q_GEMM_MT;
             for (int j0 = 0; j0 < np; j0 += Q_GEMM_NR) {
                 float res[Q_GEMM_NR][16];
-                q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res);
+                if (mr > 8) q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 2);
+                else q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 1);
                 const int nr = np - j0 < Q_GEMM_NR ? np - j0 : Q_GEMM_NR;
                 for (int r = 0; r < mr; r++)
                     for (int j = 0; j < nr; j++) out[(int64_t)(m0 + r) * os + n0 + j0 + j] = res[j][r];

@@ -54,9 +54,9 @@ def test_dequantize_c_equals_twin_equals_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 128, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 45, 128, 131])
 def test_matmul_paths_equal_their_twins(qtype, rows):
-    w = random_quant(qtype, 53, 160, seed=rows)  # 53: tile (24) and register-block (3) tails
+    w = random_quant(qtype, 53, 160, seed=rows)  # 53: float tile (24) and register-block (3) tails, int16 panel (48) and micro-tile (4) tails; rows 8, 33, 45, 131: last int16 tiles of 8, 1, 13, 3 rows
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(53)
     got, ref = matmul(x, w, bias), matmul_twin(x, w, bias)
