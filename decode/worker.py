@@ -126,9 +126,8 @@ class DecodeWorker:
             "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", wid, num_blocks, engine_cfg.block_size,
             num_blocks * engine_cfg.block_size, pool.nbytes / 2**20, f" in {pool.path}" if pool.path else "",
         )
-        cores.busy()
-        profile = engine.profile()
-        cores.idle()
+        with cores.alone():
+            profile = engine.profile()
         security.check_bind(wcfg.kv_bind, wcfg.keys, wcfg.insecure)
         ctx = zmq.Context()
         secret = security.read_secret(wcfg.worker_secret_file)

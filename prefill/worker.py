@@ -73,9 +73,8 @@ class PrefillWorker:
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
         engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
-        cores.busy()
-        profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
-        cores.idle()
+        with cores.alone():
+            profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         ctx = zmq.Context()
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file)),
                           backend=wcfg.kv_backend)

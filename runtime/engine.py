@@ -228,13 +228,16 @@ class LLMEngine:
 
     def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4) -> list[tuple[int, int, int, float]]:
         """Time a few prefill and decode steps on random tokens (before serving), so the
-        coordinator's latency model has data from the first request on. Frees everything, the
-        prefix cache's blocks and counters included."""
+        coordinator's latency model has data from the first request on. The first batch runs
+        twice and is timed the second time (a process's first steps pay one-time costs: thread
+        pools, scratch buffers). Frees everything, the prefix cache's blocks and counters included."""
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
         prompt_len = min(prompt_len, self.max_model_len - decode_steps - 2)
         self.step_log.clear()
-        for b in batches:
+        for i, b in enumerate((*batches[:1], *batches)):
+            if i == 1:
+                self.step_log.clear()
             if self.blocks.blocks_for(prompt_len + decode_steps + 1) * b > self.blocks.num_blocks:
                 break
             prompts = [torch.randint(0, self.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]

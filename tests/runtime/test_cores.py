@@ -3,6 +3,7 @@ the file between processes as the launcher sets them up."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -47,6 +48,41 @@ def test_flags_are_shared_between_processes(share_path):
         assert out.stdout.strip() == "2", out.stderr
         assert mine.busy_workers() == 2 and mine.busy() == 1  # the other process's flag is still set
     finally:
+        torch.set_num_threads(before)
+
+
+def test_start_up_profiles_run_one_at_a_time(share_path):
+    """alone() excludes the other workers' alone() across processes, and a worker killed inside
+    one does not block the rest (the kernel drops its lock)."""
+    code = (
+        "import sys; from runtime.cores import CoreShare\n"
+        f"s = CoreShare.open({share_path!r} + ':1', cores=2)\n"
+        "with s.alone():\n    print('profiling', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    before = torch.get_num_threads()
+    try:
+        assert child.stdout.readline().strip() == "profiling"
+        mine = CoreShare.open(f"{share_path}:0", cores=2)
+        assert mine.busy_workers() == 1 and mine.flags[1] != 0  # the child is marked busy
+        entered = threading.Event()
+
+        def profile():
+            with mine.alone():
+                entered.set()
+
+        t = threading.Thread(target=profile)
+        t.start()
+        assert not entered.wait(1.0)  # held off while the child profiles
+        child.kill()
+        child.wait(timeout=30)
+        assert entered.wait(30)
+        t.join(timeout=30)
+        assert mine.flags[1] != 0 and mine.flags[0] == 0  # the killed child's flag stays set (slow, not oversubscribed); mine is idle again
+    finally:
+        if child.poll() is None:
+            child.kill()
         torch.set_num_threads(before)
 
 
