@@ -143,6 +143,8 @@ class NativeOps:
         lib.pd_q_dequant.restype = None
         lib.pd_q_matmul.argtypes = [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]
         lib.pd_q_matmul.restype = _I
+        lib.pd_f_matmul.argtypes = [_P, _I64, _P, _I, _I, _I, _P, _I64]
+        lib.pd_f_matmul.restype = _I
         lib.pd_decode_layers.argtypes = [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]
         lib.pd_decode_layers.restype = _I
 
@@ -243,6 +245,29 @@ class NativeOps:
                 raise ValueError(f"q_linear: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
             if x.shape[0] and fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8):
                 raise MemoryError("q_matmul: scratch allocation failed")
+            return out
+
+        return run
+
+    def f_linear(self, w: torch.Tensor):
+        """x -> x @ w^T for a float32 (N, K) weight with contiguous rows, by the tiled kernel of
+        quant_ops.c reading w in place (batched decode steps; F.linear is its twin); None where
+        that kernel is not built (no AVX2)."""
+        if w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+            raise ValueError("f_linear: the weight must be a contiguous CPU float32 matrix")
+        fn, wp, (n, k) = self.lib.pd_f_matmul, w.data_ptr(), w.shape
+        if fn(None, k, wp, 0, n, k, None, n) == 2:  # no rows: 0 where the kernel is built
+            return None
+
+        def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+                raise ValueError(f"f_linear: x must be a CPU float32 (M, {k}) matrix with contiguous rows")
+            if out is None:
+                out = torch.empty((x.shape[0], n), dtype=torch.float32)
+            elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+                raise ValueError(f"f_linear: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
+            if x.shape[0] and fn(x.data_ptr(), x.stride(0), wp, x.shape[0], n, k, out.data_ptr(), n):
+                raise MemoryError("f_matmul: scratch allocation failed")
             return out
 
         return run

@@ -6,7 +6,10 @@ and kept for the process; `__call__(x)` runs per step. Kinds:
 - `torch`: F.linear on the weight as loaded (what nn.Linear does; the slow twin);
 - `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied with
   `mkldnn._linear_pointwise`, what inductor's weight prepacking (and vLLM's CPU path) emits;
-- `auto` (the default on the CPU in float32): onednn for decode-sized batches (at most
+- `auto` (the default on the CPU in float32): the C tiled kernel (kernels/csrc/quant_ops.c
+  `pd_f_matmul`, reading W in place) for NATIVE_ROWS (8-48 rows: a batch-32 step's GEMMs 102
+  against oneDNN's 130 ms, alternating, same process; at 64 rows even, at 128 oneDNN ahead),
+  onednn for the other decode-sized batches (at most
   ONEDNN_MAX_ROWS rows), F.linear above. Measured side by side on a quiet 2-core AVX2 EPYC, 2
   threads: a batch-32 step's GEMMs take 78 ms with oneDNN against 110 ms with MKL's F.linear
   (the 49152-wide LM head alone 17 against 34 ms), while at prefill sizes (512, 2048 rows)
@@ -27,6 +30,7 @@ from kernels import quant
 
 KINDS = ("auto", "torch", "onednn")
 ONEDNN_MAX_ROWS = 128  # auto: larger batches (prefill) go to F.linear
+NATIVE_ROWS = (8, 48)  # auto: row counts the C tiled kernel takes (fewer: padded to 8 it loses; more: oneDNN is as fast)
 
 
 def resolve_kind(kind: str, weight: torch.Tensor) -> str:
@@ -54,6 +58,7 @@ class PackedLinear:
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
         self.q_run = quant.bound_matmul(weight, activations) if self.quantized else None
+        self.f_run = _native_float(weight) if self.kind == "auto" else None
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
@@ -71,6 +76,9 @@ class PackedLinear:
         if self.quantized:
             return quant.matmul(x, self.weight, self.bias, self.activations)
         rows = x.shape[0]
+        if self.f_run is not None and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1] and x.stride(1) == 1:
+            out = self.f_run(x, out)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is None or rows > self.max_rows or rows == 0:
             return F.linear(x, self.weight, self.bias)
         bucket = row_bucket(rows)
@@ -79,3 +87,11 @@ class PackedLinear:
             padded[:rows] = x
             return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _native_float(weight: torch.Tensor):
+    """The C tiled kernel bound to a float32 weight, or None (no C kernels, or not built for this CPU)."""
+    from kernels import cpu_native
+
+    ops = cpu_native.native()
+    return ops.f_linear(weight.contiguous()) if ops is not None and weight.is_contiguous() else None

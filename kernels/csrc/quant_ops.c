@@ -536,6 +536,68 @@ static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6
         if (V == 2) _mm256_storeu_ps(res[r] + 8, _mm256_add_ps(_mm256_loadu_ps(res[r] + 8), c[r][1]));
     }
 }
+
+/* The tiled path: out (M, N) = x (M, K) @ W^T for W given as float32 rows (wf, K apart: read in
+ * place) or as quantized rows (w, dequantised a tile of Q_TILE rows at a time into a per-thread
+ * scratch). Returns nonzero if memory could not be allocated. */
+static int tiled_matmul(const float *x, int64_t xs, int M, int N, int K, float *out, int64_t os,
+                        const float *wf, const uint8_t *w, int64_t row_bytes, int qt) {
+    const int tiles = (N + Q_TILE - 1) / Q_TILE, nb = K / 32;
+    int failed = 0;
+    const int Mp = (M + 7) & ~7;
+    float *xt = (float *)aligned_alloc(64, (size_t)K * Mp * sizeof(float));
+    if (!xt) return 1;
+    for (int k = 0; k < K; k++) {
+        for (int m = 0; m < M; m++) xt[(int64_t)k * Mp + m] = x[(int64_t)m * xs + k];
+        for (int m = M; m < Mp; m++) xt[(int64_t)k * Mp + m] = 0.0f;
+    }
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * Q_TILE, nt = N - n0 < Q_TILE ? N - n0 : Q_TILE;
+        const float *tile = wf ? wf + (int64_t)n0 * K : q_scratch((size_t)Q_TILE * K);
+        if (!tile) { failed = 1; continue; }
+        if (!wf)
+            for (int i = 0; i < nt; i++)
+                for (int b = 0; b < nb; b++)
+                    q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, (float *)tile + (int64_t)i * K + b * 32);
+        for (int m0 = 0; m0 < M; m0 += 16) {
+            const int mr = M - m0 < 16 ? M - m0 : 16;
+            float res[Q_TILE / 6][6][16];
+            memset(res, 0, sizeof res);
+            for (int k0 = 0; k0 < K; k0 += Q_KC) {  /* a K chunk of x stays in L1 across the tile's row blocks */
+                const int k1 = K - k0 < Q_KC ? K : k0 + Q_KC;
+                for (int j = 0; j < nt; j += 6) {
+                    const int nr = nt - j < 6 ? nt - j : 6;
+                    const float *wr[6];
+                    for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
+                    if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2);
+                    else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1);
+                }
+            }
+            for (int j = 0; j < nt; j += 6) {
+                const int nr = nt - j < 6 ? nt - j : 6;
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[j / 6][c][r];
+            }
+        }
+    }
+    free(xt);
+    return failed;
+}
+
+/* out (M, N, row stride os) = x (M, K, row stride xs) @ W^T for a float32 W (N, K), contiguous
+ * rows: the tiled kernel without the dequantising (float weights of batched decode steps; the
+ * float twin is F.linear up to summation order). Returns 1 if memory could not be allocated, 2
+ * where the kernel is not built (no AVX2: callers use F.linear). */
+int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os) {
+    if (M <= 0) return 0;  /* (and how a caller asks whether the kernel is built) */
+    return tiled_matmul(x, xs, M, N, K, out, os, wf, NULL, 0, 0);
+}
+#else
+int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os) {
+    (void)x; (void)xs; (void)wf; (void)M; (void)N; (void)K; (void)out; (void)os;
+    return 2;
+}
 #endif
 
 /* out (M, N, row stride os) = x (M, K, row stride xs) @ W^T. Returns nonzero if scratch could
@@ -614,49 +676,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         return 0;
     }
     if (activations == ACT_INT16) return q_gemm_i16(x, xs, w, row_bytes, qt, M, N, K, out, os);
-    const int tiles = (N + Q_TILE - 1) / Q_TILE;
-    int failed = 0;
-    {  /* M > Q_DIRECT_ROWS */
-        const int Mp = (M + 7) & ~7;
-        float *xt = (float *)aligned_alloc(64, (size_t)K * Mp * sizeof(float));
-        if (!xt) return 1;
-        for (int k = 0; k < K; k++) {
-            for (int m = 0; m < M; m++) xt[(int64_t)k * Mp + m] = x[(int64_t)m * xs + k];
-            for (int m = M; m < Mp; m++) xt[(int64_t)k * Mp + m] = 0.0f;
-        }
-#pragma omp parallel for schedule(static) reduction(| : failed)
-        for (int t = 0; t < tiles; t++) {
-            float *tile = q_scratch((size_t)Q_TILE * K);
-            if (!tile) { failed = 1; continue; }
-            const int n0 = t * Q_TILE, nt = N - n0 < Q_TILE ? N - n0 : Q_TILE;
-            for (int i = 0; i < nt; i++)
-                for (int b = 0; b < nb; b++)
-                    q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, tile + (int64_t)i * K + b * 32);
-            for (int m0 = 0; m0 < M; m0 += 16) {
-                const int mr = M - m0 < 16 ? M - m0 : 16;
-                float res[Q_TILE / 6][6][16];
-                memset(res, 0, sizeof res);
-                for (int k0 = 0; k0 < K; k0 += Q_KC) {  /* a K chunk of x stays in L1 across the tile's row blocks */
-                    const int k1 = K - k0 < Q_KC ? K : k0 + Q_KC;
-                    for (int j = 0; j < nt; j += 6) {
-                        const int nr = nt - j < 6 ? nt - j : 6;
-                        const float *wr[6];
-                        for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
-                        if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2);
-                        else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1);
-                    }
-                }
-                for (int j = 0; j < nt; j += 6) {
-                    const int nr = nt - j < 6 ? nt - j : 6;
-                    for (int r = 0; r < mr; r++)
-                        for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[j / 6][c][r];
-                }
-            }
-        }
-        free(xt);
-        return failed;
-    }
-    return failed;
+    return tiled_matmul(x, xs, M, N, K, out, os, NULL, w, row_bytes, qt);
 #else
     (void)activations;  /* no AVX2: float activations, a row at a time */
     int failed = 0;

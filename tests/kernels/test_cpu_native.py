@@ -8,9 +8,10 @@ order, so they are held to float32 rounding: 2e-6 relative to the values' scale.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_native as cn
-from kernels.linear import ONEDNN_MAX_ROWS, PackedLinear, row_bucket
+from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear, row_bucket
 from kernels.reference import paged_attention_ref
 
 ops = cn.native()
@@ -146,6 +147,25 @@ def test_packed_linear_matches_f_linear(rows):
     fast, twin = PackedLinear(w, b, "onednn"), PackedLinear(w, b, "torch")
     assert fast.kind == "onednn" and twin.kind == "torch"
     close(fast(x), twin(x), rel=4e-6)
+
+
+@pytest.mark.parametrize("rows", [8, 13, 32, 48])
+def test_float_tiled_kernel_matches_f_linear(rows):
+    """pd_f_matmul (the tiled kernel reading a float32 weight in place), the auto kind's path at
+    NATIVE_ROWS, against its twin F.linear: 53 weight rows (tile and 6-row block tails), K = 80
+    (not a multiple of the K chunk), x rows strided wider than K, and into a given out buffer."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(53, 80, generator=g)
+    run = ops.f_linear(w)
+    assert run is not None  # AVX2 machines build it (the suite's CI does)
+    x = torch.randn(rows, 120, generator=g)[:, :80]
+    close(run(x), F.linear(x, w), rel=4e-6)
+    out = torch.full((rows, 53), float("nan"))
+    assert run(x, out) is out and torch.isfinite(out).all()
+    close(out, F.linear(x, w), rel=4e-6)
+    auto = PackedLinear(w, None, "auto")
+    assert auto.f_run is not None and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1]
+    close(auto(x.contiguous()), F.linear(x, w), rel=4e-6)
 
 
 def test_auto_linear_pads_decode_batches_to_few_row_counts_and_matches_f_linear():
