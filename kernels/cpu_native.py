@@ -126,6 +126,24 @@ def _check_rows(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D with contiguous rows, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
+def _bound_linear(name: str, n: int, k: int, call):
+    """A callable (x, out=None) -> x @ W^T for an (n, k) weight whose C call is call(x, out)
+    (nonzero: scratch allocation failed): x is checked, out allocated or checked."""
+
+    def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+            raise ValueError(f"{name}: x must be a CPU float32 (M, {k}) matrix with contiguous rows")
+        if out is None:
+            out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+            raise ValueError(f"{name}: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
+        if x.shape[0] and call(x, out):
+            raise MemoryError(f"{name}: scratch allocation failed")
+        return out
+
+    return run
+
+
 class NativeOps:
     """Typed entry points over the loaded library."""
 
@@ -235,19 +253,7 @@ class NativeOps:
         computed once and only the input checked per call (the per-layer hot path)."""
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
         i8 = activation_mode(activations)
-
-        def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
-                raise ValueError(f"q_linear: x must be a CPU float32 (M, {k}) matrix with contiguous rows")
-            if out is None:
-                out = torch.empty((x.shape[0], n), dtype=torch.float32)
-            elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
-                raise ValueError(f"q_linear: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
-            if x.shape[0] and fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8):
-                raise MemoryError("q_matmul: scratch allocation failed")
-            return out
-
-        return run
+        return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
 
     def f_linear(self, w: torch.Tensor):
         """x -> x @ w^T for a float32 (N, K) weight with contiguous rows, by the tiled kernel of
@@ -259,18 +265,7 @@ class NativeOps:
         if fn(None, k, wp, 0, n, k, None, n) == 2:  # no rows: 0 where the kernel is built
             return None
 
-        def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
-                raise ValueError(f"f_linear: x must be a CPU float32 (M, {k}) matrix with contiguous rows")
-            if out is None:
-                out = torch.empty((x.shape[0], n), dtype=torch.float32)
-            elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
-                raise ValueError(f"f_linear: out must be a contiguous float32 ({x.shape[0]}, {n}) matrix")
-            if x.shape[0] and fn(x.data_ptr(), x.stride(0), wp, x.shape[0], n, k, out.data_ptr(), n):
-                raise MemoryError("f_matmul: scratch allocation failed")
-            return out
-
-        return run
+        return _bound_linear("f_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, x.shape[0], n, k, out.data_ptr(), n))
 
     def decode_layers(self, layers: "DecodeLayers", kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens,
                       scale: float, eps: float) -> None:

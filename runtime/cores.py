@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import tempfile
 import time
 
 import torch
+
+log = logging.getLogger("pdserve.cores")
 
 
 def create_share(num_workers: int, directory: str | None = None) -> str:
@@ -68,6 +71,7 @@ DECODE_STALL_CAP_S = 10.0
 DECODE_TURN_AFTER_S = 1.0
 STALL_SHARE_OF_TPOT = 0.4
 PREFILL_YIELD_LIMIT_S = 1.0  # a prefill worker waits at most this long for a decode worker's turn
+PROFILE_WAIT_LIMIT_S = 60.0  # a worker waits at most this long for another's start-up profile (alone)
 
 
 def stall_cap(tpot_ms: float) -> float:
@@ -133,15 +137,26 @@ class CoreShare:
         self.flags[self.slot] = IDLE
 
     @contextlib.contextmanager
-    def alone(self):
+    def alone(self, limit_s: float = PROFILE_WAIT_LIMIT_S):
         """Busy, with no other worker of the launch in an `alone` block meanwhile (an exclusive
-        lock on the share file; the kernel drops it if the process dies): the start-up profiles,
+        lock on the share file, waited for at most limit_s; the kernel drops it if the process
+        dies): the start-up profiles,
         whose timings seed the coordinator's latency models, then each measure a step on every
         core as served, not two workers' profiles at once on half the cores each (measured: the
         prefill worker's model then put a 32-prompt burst's 13th prompt at 4.3 s and shed it,
         while the 11 it kept had a p99 TTFT of 2.5 s)."""
         with open(self.path, "rb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            deadline = time.monotonic() + limit_s
+            while True:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:  # a worker hung in its profile: go on, timings shared
+                        log.warning("core share %s: another worker's start-up profile held the cores for %.0f s; profiling anyway",
+                                    self.path, limit_s)
+                        break
+                    time.sleep(0.01)
             try:
                 self.busy()
                 yield
@@ -201,7 +216,7 @@ class StaticCores:
         pass
 
     @contextlib.contextmanager
-    def alone(self):
+    def alone(self, limit_s: float = 0.0):
         yield
 
     def defer_to_prefill(self, since_last_step: float, cap: float = DECODE_STALL_CAP_S) -> bool:

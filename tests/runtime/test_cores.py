@@ -72,6 +72,8 @@ def test_start_up_profiles_run_one_at_a_time(share_path):
             with mine.alone():
                 entered.set()
 
+        with mine.alone(limit_s=0.2):  # a profile that never ends is waited for at most limit_s
+            assert mine.flags[0] != 0
         t = threading.Thread(target=profile)
         t.start()
         assert not entered.wait(1.0)  # held off while the child profiles
