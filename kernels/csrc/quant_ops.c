@@ -333,26 +333,51 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
 
 /* Tiles of Q_GEMM_MT rows: per tile and block, codes as [16 pairs][MT rows] 32-bit words, then the
  * rows' scales dx and block sums, [MT] each. */
+/* Words w[i][0..7] of eight rows (r[i]) as eight vectors c[p] = w[0..7][p]: an 8x8 transpose. */
+static inline void transpose8_epi32(const __m256i r[8], __m256i c[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int p = 0; p < 4; p++) {
+        c[p] = _mm256_permute2x128_si256(u[p], u[p + 4], 0x20);
+        c[p + 4] = _mm256_permute2x128_si256(u[p], u[p + 4], 0x31);
+    }
+}
+
 static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp, float *dxp, float *sump) {
     const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
 #pragma omp parallel for schedule(static) if (tiles > 1)
     for (int t = 0; t < tiles; t++) {
-        for (int i = 0; i < Q_GEMM_MT; i++) {
-            const int r = t * Q_GEMM_MT + i;
-            for (int b = 0; b < nb; b++) {
-                int32_t *dst = xp + ((int64_t)t * nb + b) * 16 * Q_GEMM_MT + i;
-                float *dxd = dxp + ((int64_t)t * nb + b) * Q_GEMM_MT + i, *sd = sump + ((int64_t)t * nb + b) * Q_GEMM_MT + i;
-                if (r >= M) {
-                    for (int p = 0; p < 16; p++) dst[p * Q_GEMM_MT] = 0;
-                    *dxd = 0.0f; *sd = 0.0f;
-                    continue;
+        for (int b = 0; b < nb; b++) {
+            /* the tile's 16 rows of this block as int16 codes (16 32-bit pairs a row), then
+             * transposed eight rows by eight pairs at a time into [pair][row] */
+            int16_t codes[Q_GEMM_MT][32] __attribute__((aligned(32)));
+            int32_t *dst = xp + ((int64_t)t * nb + b) * 16 * Q_GEMM_MT;
+            float *dxd = dxp + ((int64_t)t * nb + b) * Q_GEMM_MT, *sd = sump + ((int64_t)t * nb + b) * Q_GEMM_MT;
+            for (int i = 0; i < Q_GEMM_MT; i++) {
+                const int r = t * Q_GEMM_MT + i;
+                if (r < M) {
+                    q16_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, codes[i], dxd + i, sd + i);
+                } else {
+                    memset(codes[i], 0, sizeof codes[i]);
+                    dxd[i] = sd[i] = 0.0f;
                 }
-                int16_t codes[32];
-                q16_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, codes, dxd, sd);
-                int32_t words[16];
-                memcpy(words, codes, sizeof words);
-                for (int p = 0; p < 16; p++) dst[p * Q_GEMM_MT] = words[p];
             }
+            for (int h = 0; h < Q_GEMM_MT / 8; h++)
+                for (int g = 0; g < 2; g++) {
+                    __m256i rows[8], cols[8];
+                    for (int i = 0; i < 8; i++) rows[i] = _mm256_load_si256((const __m256i *)(codes[8 * h + i] + 16 * g));
+                    transpose8_epi32(rows, cols);
+                    for (int p = 0; p < 8; p++) _mm256_store_si256((__m256i *)(dst + (8 * g + p) * Q_GEMM_MT + 8 * h), cols[p]);
+                }
         }
     }
 }
