@@ -58,6 +58,7 @@ class PackedLinear:
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
         self.q_run = quant.bound_matmul(weight, activations) if self.quantized else None
+        self.q_rows = quant.kernel_rows(activations)  # quant: rows the C kernel takes
         self.f_run = _native_float(weight) if self.kind == "auto" else None
 
     def warm(self) -> None:
@@ -70,7 +71,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias); `out`, a (rows, out_features) buffer the quantized kernel may write
         into (the result is returned either way; other kinds allocate)."""
-        if self.q_run is not None and x.shape[0] <= quant.kernel_rows(self.activations):
+        if self.q_run is not None and x.shape[0] <= self.q_rows:
             out = self.q_run(x, out)
             return out if self.bias is None else out.add_(self.bias)
         if self.quantized:
@@ -94,4 +95,4 @@ def _native_float(weight: torch.Tensor):
     from kernels import cpu_native
 
     ops = cpu_native.native()
-    return ops.f_linear(weight.contiguous()) if ops is not None and weight.is_contiguous() else None
+    return ops.f_linear(weight) if ops is not None and weight.is_contiguous() else None

@@ -35,7 +35,7 @@ DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
 
 def kernel_rows(activations: str) -> int:
     """The most rows the C kernel takes for these activations (more: dequantize + F.linear)."""
-    return ANY_ROWS if activations == "int16" else DIRECT_ROWS
+    return max(DIRECT_ROWS, DIRECT_INT_ROWS.get(activations, 0))
 
 
 @dataclass(frozen=True)

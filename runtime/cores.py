@@ -89,11 +89,6 @@ IDLE, DECODING, PREFILLING, WANTS_TURN, YIELDING = 0, 1, 2, 3, 4
 BUSY = (DECODING, PREFILLING)  # the flags that hold cores (a worker's thread count divides them)
 
 
-def stall_cap(tpot_ms: float) -> float:
-    """The decode worker's stall cap for the coordinator's TPOT target (0: no SLO control)."""
-    return min(DECODE_STALL_CAP_S, STALL_SHARE_OF_TPOT * tpot_ms / 1000) if tpot_ms > 0 else DECODE_STALL_CAP_S
-
-
 class CoreShare:
     def __init__(self, path: str, slot: int, cores: int):
         self.cores = max(1, cores)

@@ -331,8 +331,6 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
 #define Q_GEMM_NR 4   /* weight rows in a micro-tile */
 #define Q_GEMM_NP 48  /* weight rows in a panel (a multiple of Q_GEMM_NR) */
 
-/* Tiles of Q_GEMM_MT rows: per tile and block, codes as [16 pairs][MT rows] 32-bit words, then the
- * rows' scales dx and block sums, [MT] each. */
 /* Words w[i][0..7] of eight rows (r[i]) as eight vectors c[p] = w[0..7][p]: an 8x8 transpose. */
 static inline void transpose8_epi32(const __m256i r[8], __m256i c[8]) {
     __m256i t[8], u[8];
@@ -352,6 +350,8 @@ static inline void transpose8_epi32(const __m256i r[8], __m256i c[8]) {
     }
 }
 
+/* Tiles of Q_GEMM_MT rows: per tile and block, codes as [16 pairs][MT rows] 32-bit words, then the
+ * rows' scales dx and block sums, [MT] each. */
 static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp, float *dxp, float *sump) {
     const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
 #pragma omp parallel for schedule(static) if (tiles > 1)
