@@ -17,7 +17,6 @@ import json
 import statistics
 import subprocess
 import sys
-import multiprocessing
 import time
 
 import httpx
@@ -28,6 +27,7 @@ import zmq
 from client.library import Client
 from runtime.params import SamplingParams
 from wire.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
+from tests.faults.probe import Probe
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 
@@ -58,46 +58,6 @@ def service(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def read_probe(url: str, model: str, count, stop, conn) -> None:
-    """A greedy stream read over HTTP in its own process (so the test's own work never delays its
-    reads), each token's arrival time kept until `stop` is set; sends (times, error) on conn."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 3500, "temperature": 0, "ignore_eos": True, "stream": True}
-    times, error = [], None
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    times.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
-                    count.value = len(times)
-                if stop.is_set():
-                    break
-    except Exception as e:
-        error = repr(e)
-    conn.send((times, error))
-
-
-class Probe:
-    def __init__(self, url: str, model: str):
-        mp = multiprocessing.get_context("spawn")
-        self.count, self.stop = mp.Value("i", 0), mp.Event()
-        self.conn, child = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=read_probe, args=(url, model, self.count, self.stop, child), daemon=True)
-        self.times: list[float] = []
-        self.error: str | None = None
-
-    def start(self):
-        self.proc.start()
-
-    def finish(self):
-        self.stop.set()
-        assert self.conn.poll(60), "the probe did not report"
-        self.times, self.error = self.conn.recv()
-        self.proc.join(10)
-
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 def timed(fn):
