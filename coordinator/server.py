@@ -44,6 +44,7 @@ from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
+from runtime.prefix_hash import new_secret
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 from wire import security
 from wire.limits import SCAN_FIRST_BYTES, RequestLimits
@@ -104,6 +105,7 @@ class Coordinator:
         secret = security.read_secret(cfg.worker_secret_file)
         self.auth = security.start_authenticator(self.ctx, cfg.keys, secret)
         self.workers: dict[str, WorkerState] = {}
+        self.prefix_secret = new_secret()  # keys prefix-cache blocks: this view's and (told in Welcome) every worker's
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}  # waiting for their token ids (off the loop)
@@ -415,18 +417,19 @@ class Coordinator:
 
     def cached_on(self, w: WorkerState, st: RequestState) -> int:
         """Leading tokens of st that w's prefix cache is thought to hold (0 with its cache off)."""
-        return w.cached_tokens(st.prefix_hashes(w.hello.block_size)) if w.prefix_cache else 0
+        return w.cached_tokens(st.prefix_hashes(w.hello.block_size, self.prefix_secret)) if w.prefix_cache else 0
 
     def note_placed_prefix(self, st: RequestState, *workers: WorkerState) -> None:
         """The workers st goes to will hold its prefix: say so in their views at once, so the
         next request with that prefix finds it before their heartbeats tell it."""
         for w in workers:
             if w.prefix_cache:
-                w.note_prefix(st.prefix_hashes(w.hello.block_size))
+                w.note_prefix(st.prefix_hashes(w.hello.block_size, self.prefix_secret))
 
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
-        need = placement.blocks_needed(st.num_tokens - self.cached_on(d, st), d.hello.block_size)  # what d lacks
+        held = self.cached_on(d, st)
+        need = placement.blocks_needed(st.num_tokens - held, d.hello.block_size)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
         st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
         st.predicted_ttft = decision.predicted_ttft
@@ -438,8 +441,9 @@ class Coordinator:
         self.admitting.pop(st.iid, None)
         self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
         st.admissions += 1
+        bs = d.hello.block_size  # d confirms the blocks it holds against their tokens: sent if it is thought to hold some
         self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, p.hello.pid, p.hello.host, p.hello.boot_id,
-                                  st.prefix_hashes(d.hello.block_size) if d.prefix_cache else []))
+                                  st.prefix_tokens((st.num_tokens - 1) // bs, bs) if held else []))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
         st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - self.cached_on(w, st)
@@ -581,7 +585,7 @@ class Coordinator:
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
         else:
             old.last_seen = time.monotonic()
-        self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION, self.tightest_tpot_ms()))])
+        self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION, self.tightest_tpot_ms(), self.prefix_secret))])
 
     def tightest_tpot_ms(self) -> float:
         """The lowest TPOT target of any class (0 without SLO control), told to every worker."""

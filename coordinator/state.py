@@ -53,7 +53,7 @@ class WorkerState:
     admitted_tokens: int = 0  # their sum
     prefix_view: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # block keys it is thought to hold
 
-    def note_prefix(self, added: list[int], evicted: list[int] = ()) -> None:
+    def note_prefix(self, added: list[bytes], evicted: list[bytes] = ()) -> None:
         """Update the approximate view of its prefix cache: keys its heartbeat reported registered
         or evicted, or a placement's keys at once (it will hold them; the router inserts on
         routing as SGLang's does). Bounded: past MAX_VIEW keys the least recently noted go."""
@@ -66,7 +66,7 @@ class WorkerState:
         while len(view) > MAX_VIEW:
             view.popitem(last=False)
 
-    def cached_tokens(self, hashes: list[int]) -> int:
+    def cached_tokens(self, hashes: list[bytes]) -> int:
         """Leading tokens of a request (its block keys) this worker is thought to hold."""
         n = 0
         for h in hashes:
@@ -130,20 +130,25 @@ class RequestState:
     grant: int = 0  # the decode worker's number for its grant (Granted), named by the Prefill and a Release
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
-    _hashes: tuple | None = None  # (block size, tokens, keys): prefix_hashes' last answer
+    _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
 
     @property
     def priority(self) -> int:
         return self.req.priority
 
-    def prefix_hashes(self, block_size: int) -> list[int]:
-        """The chained keys of its full blocks but the one holding its last token (what a
-        prefix cache may hold for it), kept until its tokens or the block size change."""
+    def prefix_hashes(self, block_size: int, secret: bytes) -> list[bytes]:
+        """The chained keys (keyed with the deployment's secret) of its full blocks but the one
+        holding its last token (what a prefix cache may hold for it), kept until its tokens or
+        the block size change."""
         n = self.num_tokens
-        if self._hashes is None or self._hashes[:2] != (block_size, n):
-            self._hashes = (block_size, n, chain_hashes(self.prompt + self.tokens, block_size, (n - 1) // block_size))
-        return self._hashes[2]
+        if self._hashes is None or self._hashes[:3] != (block_size, n, secret):
+            self._hashes = (block_size, n, secret, chain_hashes(self.prompt + self.tokens, block_size, secret, (n - 1) // block_size))
+        return self._hashes[3]
+
+    def prefix_tokens(self, blocks: int, block_size: int) -> list[int]:
+        """The tokens of its first `blocks` full blocks (an Admit's, for the decode worker's prefix cache)."""
+        return (self.prompt + self.tokens)[:blocks * block_size]
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,9 @@ Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memo
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket and makes the link that says Hello; the worker itself is
 built from those parts (tests pass an in-process transport and link). Then `run` loops:
-  drain the inbox: Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of
-  the Admit's prefix keys first (Granted.cached_blocks: the prefill side sends only the rest),
+  drain the inbox (first keying its prefix cache with the secret of the coordinator's Welcome):
+  Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of the Admit's prefix
+  tokens first, each confirmed against its tokens (Granted.cached_blocks: the prefill side sends only the rest),
   new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
   step the engine (continuous batching: joiners enter at the next step, finished sequences
@@ -170,7 +171,9 @@ class DecodeWorker:
         engine with its tokens sent, expired grants freed."""
         if not self.engine.has_work():
             self.cores.idle()
-        for msg in self.link.drain(timeout):
+        msgs = self.link.drain(timeout)
+        process.adopt_prefix_secret(self.link, self.engine.blocks)  # before them: they came after the Welcome it names
+        for msg in msgs:
             self.handle(msg)
         welcome = getattr(self.link, "welcome", None)
         cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
@@ -240,7 +243,7 @@ class DecodeWorker:
         prefix cache, so every hand-off carries at least one block."""
         blocks = self.engine.blocks
         need = blocks.blocks_for(msg.num_tokens)
-        cached = blocks.match(msg.prefix_hashes[:need - 1]) if blocks.prefix_cache else []
+        cached = blocks.match_tokens(msg.prefix_token_ids, need - 1)
         rest = blocks.allocate(need - len(cached))
         if rest is None:
             blocks.free(cached)

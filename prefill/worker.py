@@ -102,7 +102,9 @@ class PrefillWorker:
         prompts queued, the batching window, a step and its hand-offs."""
         if not self.jobs:
             self.cores.idle()
-        for msg in self.link.drain(timeout):
+        msgs = self.link.drain(timeout)
+        process.adopt_prefix_secret(self.link, self.engine.blocks)  # before them: they came after the Welcome it names
+        for msg in msgs:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()

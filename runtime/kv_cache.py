@@ -8,14 +8,23 @@ let a block be shared (a forked or prefix-shared sequence); a block returns to t
 count reaches zero. At shutdown `free_blocks == num_blocks` is the leak check.
 
 Prefix cache (on unless `prefix_cache=False`): a full block whose KV is computed is registered
-under a hash of its tokens chained to the previous block's hash (`block_hashes`, `register`).
-When its count reaches zero a registered block is not wiped but kept, evictable, in LRU order;
-`match` hands the registered blocks of a token prefix to a new sequence (count + 1) so its
-prefill starts after them. `allocate` takes never-registered blocks first, then evicts the least
-recently freed cached ones, so cached blocks count as free. A block's hash and tokens stay with
-it until it is evicted; a block is only ever written while it is unregistered (it is registered
-once full, and shared blocks are full), so sharing needs no copy. `changes` records hash changes since
-the last `take_changes` (the worker's heartbeat reports them, bounded).
+under a key of its tokens chained to the previous block's key (runtime.prefix_hash, keyed with
+`prefix_key`; `register`), keeping its token ids and its parent: the registration number of the
+block before it (0 for a first block). When its count reaches zero a registered block is not
+wiped but kept, evictable, in LRU order; `match` hands the registered blocks of a token prefix to
+a new sequence (count + 1) so its prefill starts after them. A key alone never hands out a block:
+`match` takes a block only if its tokens equal the prefix's and its parent is the block matched
+just before, so every matched block's KV was computed from exactly that prefix even if keys
+collide; a key whose block fails that is a miss, counted in `mismatches`. A block whose key is
+already held by another (the same prefix computed twice at once) stays unregistered but linked
+to that equal block, so its sequence's later blocks still register; a block that cannot be linked
+(a colliding key) ends its sequence's registrations. `allocate` takes never-registered blocks
+first, then evicts the least recently freed cached ones, so cached blocks count as free. A
+block's key and tokens stay with it until it is evicted; a block is only ever written while it is
+unregistered (it is registered once full, and shared blocks are full), so sharing needs no copy.
+`set_prefix_key` (a worker's coordinator's Welcome: a new coordinator, a new secret) forgets every
+registration. `changes` records key changes since the last `take_changes` (the worker's heartbeat
+reports them, bounded).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from collections import OrderedDict, deque
 import torch
 
 from runtime.config import ModelConfig
+from runtime.prefix_hash import chain_hashes, new_secret
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -36,22 +46,28 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
 
 
-MAX_CHANGES = 4096  # hash additions/evictions kept for the next heartbeat; beyond this the oldest are dropped
+MAX_CHANGES = 4096  # key additions/evictions kept for the next heartbeat; beyond this the oldest are dropped
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, prefix_key: bytes | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_cache = prefix_cache
+        self.prefix_key = prefix_key or new_secret()  # the secret block keys are made with (set_prefix_key)
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))  # count 0, holding nothing
         self.cached: OrderedDict[int, None] = OrderedDict()  # count 0, registered: evictable, least recently freed first
-        self.hash_of: list[int | None] = [None] * num_blocks  # a registered block's key
-        self.by_hash: dict[int, int] = {}  # key -> the block registered under it
+        self.hash_of: list[bytes | None] = [None] * num_blocks  # a registered block's key
+        self.tokens_of: list[list[int] | None] = [None] * num_blocks  # and its token ids
+        self.parent_of = [0] * num_blocks  # and the registration number of the block before it (0: a first block)
+        self.link_of = [0] * num_blocks  # the registration number of the block whose KV equals this one's (0: none)
+        self.registrations = 0  # registration numbers handed out (never reused)
+        self.by_hash: dict[bytes, int] = {}  # key -> the block registered under it
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached (prefix_cache_hits)
-        self.changes: OrderedDict[int, bool] = OrderedDict()  # key -> registered (True) or evicted, since take_changes
+        self.mismatches = 0  # keys found whose block's tokens or parent differed: a miss (a key collision)
+        self.changes: OrderedDict[bytes, bool] = OrderedDict()  # key -> registered (True) or evicted, since take_changes
         self._changes_lock = threading.Lock()  # take_changes runs on a worker's heartbeat (I/O) thread
 
     @property
@@ -97,6 +113,7 @@ class BlockManager:
                 if self.hash_of[i] is not None:
                     self.cached[i] = None  # most recently freed: evicted last
                 else:
+                    self.link_of[i] = 0
                     self.free_ids.append(i)
 
     def ensure_slots(self, block_table: list[int], num_tokens: int) -> bool:
@@ -119,53 +136,95 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, hashes: list[int]) -> list[int]:
-        """The registered blocks of the longest prefix of `hashes` (chained block keys), each
-        taken (count + 1: a cached one leaves the evictable set). The caller counts the lookup
-        (`count_lookup`) once it keeps the match."""
+    def match(self, hashes: list[bytes], tokens: list[int]) -> list[int]:
+        """The registered blocks of the longest prefix of `hashes` (chained block keys of
+        `tokens`' blocks) whose tokens and parents are confirmed, each taken (count + 1: a cached
+        one leaves the evictable set). The caller counts the lookup (`count_lookup`) once it
+        keeps the match."""
         ids = []
-        if self.prefix_cache:
-            for h in hashes:
-                i = self.by_hash.get(h)
-                if i is None:
-                    break
-                if self.ref_counts[i] == 0:
-                    del self.cached[i]
-                self.ref_counts[i] += 1
-                ids.append(i)
+        if not self.prefix_cache:
+            return ids
+        bs = self.block_size
+        for k, h in enumerate(hashes):
+            i = self.by_hash.get(h)
+            if i is None:
+                break
+            if self.parent_of[i] != (self.link_of[ids[-1]] if ids else 0) or self.tokens_of[i] != tokens[k * bs:(k + 1) * bs]:
+                self.mismatches += 1
+                break
+            if self.ref_counts[i] == 0:
+                del self.cached[i]
+            self.ref_counts[i] += 1
+            ids.append(i)
         return ids
+
+    def match_tokens(self, tokens: list[int], upto_blocks: int) -> list[int]:
+        """`match` for the full blocks of tokens (at most upto_blocks), keyed here."""
+        if not self.prefix_cache:
+            return []
+        return self.match(chain_hashes(tokens, self.block_size, self.prefix_key, upto_blocks), tokens)
 
     def count_lookup(self, tokens_queried: int, tokens_hit: int) -> None:
         self.queries += tokens_queried
         self.hits += tokens_hit
 
-    def register(self, block_table: list[int], hashes: list[int]) -> None:
-        """Register block_table[i] under hashes[i] (its KV is computed). A key already held by
-        another block (the same prefix computed twice at once) leaves this block unregistered."""
+    def register(self, block_table: list[int], hashes: list[bytes], first: int, tokens: list[int]) -> None:
+        """Register block_table[k] under hashes[k] for k from first on (their KV is computed;
+        `tokens` are theirs, from block first on; the blocks before first were registered or
+        linked by earlier calls). A key already held by an equal block (same tokens, same parent)
+        links this block to it; one held by a different block ends the registrations, as does
+        a block before first that is linked to nothing."""
         if not self.prefix_cache:
             return
-        for i, h in zip(block_table, hashes):
-            if self.hash_of[i] is not None or h in self.by_hash:
-                continue
-            self.hash_of[i] = h
-            self.by_hash[h] = i
-            self._note(h, True)
+        bs = self.block_size
+        parent = self.link_of[block_table[first - 1]] if first else 0
+        for k in range(first, len(hashes)):
+            i, h, t = block_table[k], hashes[k], tokens[(k - first) * bs:(k - first + 1) * bs]
+            if k and not parent:
+                return  # its prefix's KV is linked to no registered block: never matchable
+            if self.hash_of[i] is None:
+                j = self.by_hash.get(h)
+                if j is None:
+                    self.registrations += 1
+                    self.hash_of[i], self.tokens_of[i], self.parent_of[i], self.link_of[i] = h, t, parent, self.registrations
+                    self.by_hash[h] = i
+                    self._note(h, True)
+                elif self.parent_of[j] == parent and self.tokens_of[j] == t:
+                    self.link_of[i] = self.link_of[j]  # the same prefix computed twice at once
+                else:
+                    self.mismatches += 1
+                    return
+            parent = self.link_of[i]
+
+    def set_prefix_key(self, key: bytes) -> None:
+        """Key blocks with `key` from now on; a new key forgets every registration (blocks held
+        stay held, unregistered), so no key made with the old one can match."""
+        if key == self.prefix_key:
+            return
+        self.prefix_key = key
+        for i in list(self.by_hash.values()):
+            self._unregister(i)
+        while self.cached:
+            self.free_ids.append(self.cached.popitem(last=False)[0])
+        self.link_of = [0] * self.num_blocks
+        self.take_changes()
 
     def _unregister(self, i: int) -> None:
         h = self.hash_of[i]
         if h is not None:
-            self.hash_of[i] = None
+            self.hash_of[i] = self.tokens_of[i] = None
+            self.link_of[i] = 0
             del self.by_hash[h]
             self._note(h, False)
 
-    def _note(self, h: int, registered: bool) -> None:
+    def _note(self, h: bytes, registered: bool) -> None:
         with self._changes_lock:
             self.changes[h] = registered
             self.changes.move_to_end(h)
             if len(self.changes) > MAX_CHANGES:
                 self.changes.popitem(last=False)  # the view is approximate: a lost change costs a misplaced request, never a wrong token
 
-    def take_changes(self) -> tuple[list[int], list[int]]:
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
         """(keys registered, keys evicted) since the last call, each key's last change only."""
         with self._changes_lock:
             changes, self.changes = self.changes, OrderedDict()

@@ -114,26 +114,26 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # first in the next step, in their order
 
-    def _computing(self, scheduled: list[tuple[Sequence, int]]) -> set[int]:
+    def _computing(self, scheduled: list[tuple[Sequence, int]]) -> set[bytes]:
         """Keys of the blocks this step fills (registered after it): with the prefix cache on."""
         if not self.blocks.prefix_cache:
             return set()
         bs = self.blocks.block_size
-        keys: set[int] = set()
+        keys: set[bytes] = set()
         for seq, n in scheduled:
             first, full = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
             if full > first:
-                keys.update(seq.hashes(bs, full)[first:])
+                keys.update(seq.hashes(bs, full, self.blocks.prefix_key)[first:])
         return keys
 
-    def _defer(self, seq: Sequence, computing: set[int]) -> bool:
+    def _defer(self, seq: Sequence, computing: set[bytes]) -> bool:
         """Whether seq's next uncached block is being computed in this step by another sequence
         (a burst of prompts sharing a prefix): admitted next step, it finds that block cached
         instead of computing it again (vLLM would compute it twice)."""
         if not computing:
             return False
         bs = self.blocks.block_size
-        keys = seq.hashes(bs, (seq.num_tokens - 1) // bs)
+        keys = seq.hashes(bs, (seq.num_tokens - 1) // bs, self.blocks.prefix_key)
         k = seq.num_computed_tokens // bs
         return k < len(keys) and keys[k] in computing
 
@@ -146,7 +146,8 @@ class Scheduler:
         if not self.blocks.prefix_cache or seq.block_table:
             return 0
         bs = self.blocks.block_size
-        seq.block_table = self.blocks.match(seq.hashes(bs, (seq.num_tokens - 1) // bs))
+        n = (seq.num_tokens - 1) // bs
+        seq.block_table = self.blocks.match(seq.hashes(bs, n, self.blocks.prefix_key), seq.tokens(0, n * bs))
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
@@ -156,7 +157,7 @@ class Scheduler:
         full = seq.num_computed_tokens // bs
         first = before // bs
         if self.blocks.prefix_cache and full > first:
-            self.blocks.register(seq.block_table[first:full], seq.hashes(bs, full)[first:])
+            self.blocks.register(seq.block_table, seq.hashes(bs, full, self.blocks.prefix_key), first, seq.tokens(first * bs, full * bs))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free_table(seq.block_table)

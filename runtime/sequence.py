@@ -32,7 +32,7 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
-        "block_hashes",
+        "block_hashes", "hash_secret",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None,
@@ -50,7 +50,8 @@ class Sequence:
         self.top_logprobs: list = []
         self.stop_text: str | None = None  # the stop string that ended it, if any
         self.priority = priority  # preemption takes the lowest priority, then the latest arrival
-        self.block_hashes: list[int] = []  # chained keys of its full blocks so far (runtime.kv_cache.chain_hashes)
+        self.block_hashes: list[bytes] = []  # chained keys of its full blocks so far (runtime.prefix_hash.chain_hashes)
+        self.hash_secret = b""  # the secret they were made with
 
     @property
     def num_tokens(self) -> int:
@@ -66,10 +67,13 @@ class Sequence:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
-    def hashes(self, block_size: int, upto_blocks: int) -> list[int]:
-        """The chained keys of its first upto_blocks full blocks (computed once, then extended)."""
+    def hashes(self, block_size: int, upto_blocks: int, secret: bytes) -> list[bytes]:
+        """The chained keys of its first upto_blocks full blocks, keyed with secret (computed
+        once, then extended; made again if the secret changes)."""
+        if secret != self.hash_secret:
+            self.block_hashes, self.hash_secret = [], secret
         if len(self.block_hashes) < upto_blocks:
-            self.block_hashes = chain_hashes(self.tokens(0, upto_blocks * block_size), block_size, upto_blocks, self.block_hashes)
+            self.block_hashes = chain_hashes(self.tokens(0, upto_blocks * block_size), block_size, secret, upto_blocks, self.block_hashes)
         return self.block_hashes[:upto_blocks]
 
     @property

@@ -222,6 +222,22 @@ class FakeLink:
         return [m for m in self.sent if isinstance(m, kind)]
 
 
+def force_colliding_keys(monkeypatch) -> bytes:
+    """Make every prefix-cache block key the same (what a forged collision would be) in the block
+    manager and in sequences; returns that key."""
+    from runtime import kv_cache, sequence
+
+    key = b"k" * 16
+
+    def chain_hashes(tokens, block_size, secret, upto_blocks=None, known=None):
+        n = len(tokens) // block_size
+        return [key] * (n if upto_blocks is None else min(upto_blocks, n))
+
+    monkeypatch.setattr(kv_cache, "chain_hashes", chain_hashes)
+    monkeypatch.setattr(sequence, "chain_hashes", chain_hashes)
+    return key
+
+
 def tiny_engine(model_dir, prefill_only: bool = False, **config):
     """(engine, its KV pool) on a tiny checkpoint, as a worker builds them; config: EngineConfig fields."""
     from runtime.config import EngineConfig

@@ -16,17 +16,19 @@ extra zero-copy frames after the msgpack body, never inside it. No pickle anywhe
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
 from runtime.params import SamplingParams
 from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 4  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+PROTOCOL_VERSION = 5  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
-# (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes
+# (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes; 5: prefix-cache keys
+# are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
+PrefixKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # a prefix-cache block key (runtime.prefix_hash)
 
 
 class Role(enum.IntEnum):
@@ -140,6 +142,9 @@ class Welcome(_Msg):
     # the coordinator's TPOT target in ms (the tightest of its classes), 0 without SLO control: how
     # long a decode worker may hold its streams while a prefill worker of its node runs (runtime.cores)
     tpot_ms: float = 0.0
+    # the deployment's prefix-cache secret (runtime.prefix_hash): workers key their blocks with it, so the
+    # keys their heartbeats report are the coordinator's; a new one empties a worker's prefix cache
+    prefix_secret: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Reject(_Msg):
@@ -160,8 +165,8 @@ class Heartbeat(_Msg):
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
     inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
     fenced_blocks: int = 0  # decode: blocks of given-up grants held until their writer answers or dies
-    prefix_added: list[int] = []  # block keys its prefix cache registered since the last heartbeat (bounded)
-    prefix_evicted: list[int] = []  # and evicted
+    prefix_added: list[PrefixKey] = []  # block keys its prefix cache registered since the last heartbeat (bounded)
+    prefix_evicted: list[PrefixKey] = []  # and evicted
     cached_blocks: int = 0  # blocks registered in its prefix cache now
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since start
     prefix_hits: int = 0  # of those, tokens found cached
@@ -174,7 +179,9 @@ class Admit(_Msg):
     writer_pid: int = 0  # the prefill worker that will fill the grant (its Hello's pid, host and boot id): on the
     writer_host: str = ""  # decode worker's machine it may write into the pool directly (shm), so blocks of a grant
     writer_boot: str = ""  # given up before it answered stay fenced until it answers or its process is gone
-    prefix_hashes: list[int] = []  # chained keys of its full blocks the decode worker may already hold (runtime.prefix_hash)
+    # the tokens of its full blocks the decode worker may already hold: it keys them itself and confirms a
+    # cached block's tokens before reusing it (runtime.kv_cache); empty when its cache is not thought to hold any
+    prefix_token_ids: list[int] = []
 
 
 class Granted(_Msg):

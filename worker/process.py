@@ -2,7 +2,8 @@
 
 Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...)` for what the
 coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
-`run`, with its heartbeat). `build_or_exit(build)` ends the process with EX_CONFIG when the
+`run`, with its heartbeat); each pass of its loop keys its prefix cache with the secret the
+coordinator's Welcome names (`adopt_prefix_secret`). `build_or_exit(build)` ends the process with EX_CONFIG when the
 build fails with a typed error (a model it cannot load, a KV pool /dev/shm cannot hold): its
 launcher then stops rather than restarting it. `serve(worker)` freezes the start-up heap, turns
 SIGTERM and SIGINT into `worker.running = False`, and runs the worker's loop until then; the
@@ -23,6 +24,7 @@ from runtime.config import WorkerConfig
 from runtime.engine import LLMEngine
 from runtime.errors import EX_CONFIG, PdserveError
 from runtime.heap import freeze_startup_heap
+from runtime.kv_cache import BlockManager
 from wire import security
 from wire.link import WorkerLink
 from wire.protocol import PROTOCOL_VERSION, Hello, Role
@@ -48,6 +50,16 @@ def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:
     """The link to the coordinator that says h; the worker starts it with its heartbeat."""
     curve = security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file))  # the worker's own credential
     return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=curve)
+
+
+def adopt_prefix_secret(link, blocks: BlockManager) -> None:
+    """Key the prefix cache with the secret of the coordinator's last Welcome (a new coordinator's
+    empties it; without one the worker keeps its own random secret). The model loop calls this
+    after draining its inbox and before handling what it drained: every message it took came
+    after the Welcome it sees here."""
+    welcome = getattr(link, "welcome", None)
+    if welcome is not None and welcome.prefix_secret:
+        blocks.set_prefix_key(welcome.prefix_secret)
 
 
 def build_or_exit(build):

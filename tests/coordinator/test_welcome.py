@@ -1,5 +1,5 @@
 """The coordinator's Welcome tells each worker its TPOT budget: the tightest TPOT target of its
-priority classes, or 0 without SLO control. A decode worker sharing a node with a prefill worker
+priority classes, or 0 without SLO control, and the deployment's prefix-cache secret. A decode worker sharing a node with a prefill worker
 holds its streams for at most a share of it (runtime.cores.stall_cap). Real coordinator
 processes on loopback; the worker side is the WorkerLink every worker uses."""
 import subprocess
@@ -28,6 +28,7 @@ def test_the_welcome_names_the_tightest_tpot_target(tmp_path, args, tpot_ms):
     try:
         assert link.registered.wait(120), (tmp_path / "coordinator.log").read_text()
         assert link.welcome is not None and link.welcome.tpot_ms == tpot_ms
+        assert len(link.welcome.prefix_secret) == 32  # the deployment's prefix-cache secret (runtime.prefix_hash)
     finally:
         link.stop()
         ctx.destroy(linger=0)

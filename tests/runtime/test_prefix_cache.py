@@ -1,43 +1,53 @@
-"""The prefix cache: the block manager's keys, ref counts and LRU eviction as plain data, and the
+"""The prefix cache: keyed 128-bit block keys, the block manager's keys, token confirmation, ref
+counts and LRU eviction as plain data (forced key collisions never share KV), and the
 single-process engine on a tiny random model giving the same greedy tokens with the cache as
 without it (shared prefixes, chunked prefill, n copies of one prompt, preemption, an abort
-mid-prefill), with every pool whole and every cached block's ref count zero at the end."""
+mid-prefill, every key colliding), with every pool whole and every cached block's ref count zero at the end."""
 import hashlib
 from array import array
 
 import pytest
 
+from runtime import kv_cache
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.kv_cache import BlockManager
-from runtime.prefix_hash import chain_hashes
+from runtime.prefix_hash import ROOT_HASH, chain_hashes, new_secret
 from runtime.sampling import SamplingParams
-from tests.helpers import save_tiny_model
+from tests.helpers import force_colliding_keys, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SECRET = b"s" * 32
 
 
-def test_keys_chain_and_are_stable():
-    a = chain_hashes(list(range(40)), 8)
-    assert len(a) == 5 and len(set(a)) == 5
-    assert chain_hashes(list(range(40)), 8, upto_blocks=2) == a[:2]
-    assert chain_hashes(list(range(40)), 8, known=a[:3]) == a
-    b = chain_hashes([99] + list(range(1, 40)), 8)
+def test_keys_are_keyed_128_bit_chains():
+    a = chain_hashes(list(range(40)), 8, SECRET)
+    assert len(a) == 5 and len(set(a)) == 5 and all(isinstance(k, bytes) and len(k) == 16 for k in a)
+    assert chain_hashes(list(range(40)), 8, SECRET, upto_blocks=2) == a[:2]
+    assert chain_hashes(list(range(40)), 8, SECRET, known=a[:3]) == a
+    b = chain_hashes([99] + list(range(1, 40)), 8, SECRET)
     assert b[0] != a[0] and all(x != y for x, y in zip(a, b))  # a change early changes every later key
-    # the same in every process: blake2b over the previous key and the tokens, no per-process salt
-    want = hashlib.blake2b((0).to_bytes(8, "little") + array("q", range(8)).tobytes(), digest_size=8).digest()
-    assert a[0] == int.from_bytes(want, "little")
+    # the same in every process given the secret: BLAKE2b keyed with it over the previous key and the tokens
+    want = hashlib.blake2b(ROOT_HASH + array("q", range(8)).tobytes(), digest_size=16, key=SECRET).digest()
+    assert a[0] == want
+    other = chain_hashes(list(range(40)), 8, new_secret())  # another deployment's secret: no key in common
+    assert not set(other) & set(a)
+    assert new_secret() != new_secret() and len(new_secret()) == 32
+
+
+def blocks_with_keys(tokens, bm):
+    return chain_hashes(tokens, bm.block_size, bm.prefix_key), tokens
 
 
 def test_register_match_and_lru_eviction():
     bm = BlockManager(4, 4)
-    keys = chain_hashes(list(range(12)), 4)
+    keys, toks = blocks_with_keys(list(range(12)), bm)
     t = bm.allocate(3)
-    bm.register(t, keys)
+    bm.register(t, keys, 0, toks)
     assert bm.cached_blocks == 3 and bm.free_blocks == 1
     bm.free_table(list(t))  # counts zero: kept, evictable, still free
     assert bm.free_blocks == 4 and bm.leaked() == []
-    got = bm.match(keys[:2] + [12345])
+    got = bm.match(keys[:2] + [bytes(16)], toks)
     assert got == t[:2] and bm.free_blocks == 2  # taken: count 1, not evictable
     other = bm.allocate(2)  # the never-registered block first, then the least recently freed cached one
     assert t[2] in other  # t[2] was freed first (free_table frees last blocks first)
@@ -48,26 +58,69 @@ def test_register_match_and_lru_eviction():
     added, evicted = bm.take_changes()
     assert set(added) == set(keys[:2]) and evicted == [keys[2]]
     assert bm.take_changes() == ([], [])
+    assert bm.match_tokens(list(range(12)), 3) == t[:2] and bm.mismatches == 0
+    bm.free(t[:2])
 
 
 def test_off_registers_and_matches_nothing():
     bm = BlockManager(4, 4, prefix_cache=False)
-    keys = chain_hashes(list(range(8)), 4)
+    keys, toks = blocks_with_keys(list(range(8)), bm)
     t = bm.allocate(2)
-    bm.register(t, keys)
+    bm.register(t, keys, 0, toks)
     bm.free(t)
-    assert bm.match(keys) == [] and bm.cached_blocks == 0
+    assert bm.match(keys, toks) == [] and bm.match_tokens(toks, 2) == [] and bm.cached_blocks == 0
 
 
-def test_duplicate_key_leaves_second_block_unregistered():
-    bm = BlockManager(4, 4)
-    keys = chain_hashes(list(range(4)), 4)
-    a, b = bm.allocate(1), bm.allocate(1)
-    bm.register(a, keys)
-    bm.register(b, keys)
+def test_duplicate_key_leaves_second_block_unregistered_but_linked():
+    bm = BlockManager(6, 4)
+    keys, toks = blocks_with_keys(list(range(12)), bm)
+    a, b = bm.allocate(1), bm.allocate(3)
+    bm.register(a, keys[:1], 0, toks)
+    bm.register(b, keys[:1], 0, toks)  # the same first block computed twice at once
     assert bm.by_hash[keys[0]] == a[0] and bm.hash_of[b[0]] is None
+    bm.register(b, keys, 1, toks[4:])  # its later blocks register, chained to the equal block a[0]
+    assert bm.hash_of[b[1]] == keys[1] and bm.hash_of[b[2]] == keys[2]
     bm.free(a + b)
-    assert bm.free_blocks == 4
+    assert bm.match(keys, toks) == [a[0], b[1], b[2]] and bm.mismatches == 0
+    bm.free([a[0], b[1], b[2]])
+    assert bm.free_blocks == 6 and bm.leaked() == []
+
+
+@pytest.fixture
+def colliding(monkeypatch):
+    return force_colliding_keys(monkeypatch)
+
+
+def test_colliding_keys_never_share_kv(colliding):
+    bm = BlockManager(8, 4)
+    victim = [1, 2, 3, 4, 5, 6, 7, 8]
+    t = bm.allocate(2)
+    keys = kv_cache.chain_hashes(victim, 4, bm.prefix_key)
+    assert keys[0] == keys[1]
+    bm.register(t, keys, 0, victim)
+    assert bm.hash_of[t[0]] == keys[0] and bm.hash_of[t[1]] is None  # its second key was taken (by a different block)
+    assert bm.mismatches == 1
+    bm.free(t)
+    assert bm.match_tokens([9, 9, 9, 9, 5, 6, 7, 8, 0], 2) == []  # the key found, the tokens differ: a miss
+    assert bm.mismatches == 2
+    # the first block repeated: its second copy has the first's key and tokens but not its parent
+    assert bm.match_tokens([1, 2, 3, 4, 1, 2, 3, 4, 0], 2) == [t[0]] and bm.mismatches == 3
+    bm.free([t[0]])
+    assert bm.free_blocks == 8 and bm.leaked() == []
+
+
+def test_new_secret_forgets_every_registration():
+    bm = BlockManager(4, 4)
+    toks = list(range(8))
+    t = bm.allocate(2)
+    keys, _ = blocks_with_keys(toks, bm)
+    bm.register(t, keys, 0, toks)
+    bm.free(t[1:])  # t[0] still held
+    bm.set_prefix_key(new_secret())
+    assert bm.cached_blocks == 0 and bm.take_changes() == ([], [])
+    assert bm.match_tokens(toks, 2) == [] and bm.free_blocks == 3
+    bm.free(t[:1])
+    assert bm.free_blocks == 4 and bm.leaked() == []
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +246,13 @@ def test_no_prefix_cache_switch_reaches_workers():
     for cmd in ("launch", "prefill", "decode"):
         help_text = CliRunner().invoke(main, [cmd, "--help"]).output
         assert "--no-prefix-cache" in help_text, cmd
+
+
+def test_every_key_colliding_same_tokens(tiny, reference, colliding):
+    """With every block key forced equal, each prompt still gets its own KV: the engine's greedy
+    tokens equal the cache-off ones, the collisions are counted, and the pool is whole."""
+    eng = engine(tiny)
+    assert run_each(eng, shared_prompts()) == reference
+    assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == reference
+    assert eng.blocks.mismatches > 0 and eng.blocks.cached_blocks == 1
+    assert_whole(eng)
