@@ -5,8 +5,8 @@ Lifecycle of a request here: a client's GenerateRequest is checked against the r
 (wire/limits.py: every field, before anything else) and validated, then tokenized off the loop
 (coordinator/tokenizing.py: the request waits in `tokenizing`, in a lane chosen by its cost,
 sharing the work of identical inputs; an abort or a lost client ends it and cancels its queued
-work), then placed: on a
-(prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
+work), then placed:
+on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
 or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
 are detokenized incrementally (stop strings end the request and abort it on the worker) and
 streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost

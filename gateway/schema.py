@@ -25,8 +25,8 @@ from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams, StructuredOutput
 from wire.limits import FieldLimitExceeded, RequestLimits
 
-# response_format's type and json_schema name around the schema: the structured-output fields of a
-# body may hold this much more than the spec bound (their compact JSON, checked before the spec is built)
+# response_format's type and json_schema name around the schema, a choice list's quotes and commas: the
+# structured-output fields of a body may hold this much more than the spec bound (their compact JSON)
 STRUCTURED_WRAPPER_BYTES = 1024
 
 
@@ -157,10 +157,11 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
     limits.check_scheduling(req.priority, 0.0, 0.0, 0.0, 0.0)
     given = [v for v in (getattr(req, "response_format", None), req.structured_outputs, req.guided_json, req.guided_regex,
                          req.guided_choice) if v is not None]
-    # before the spec is built from them (json.dumps on the loop): their compact JSON is no longer than the spec they make
+    # before a spec is built from them (json.dumps on the loop): the spec is at least their compact JSON
+    # less its wrapper (and a choice's quotes), so past this allowance it is certainly over its bound
     if sum(len(msgspec.json.encode(v)) for v in given) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
         raise FieldLimitExceeded("response_format" if getattr(req, "response_format", None) else "structured_outputs",
-                           f"the structured output spec is over {limits.max_structured_bytes} bytes")
+                                 f"the structured output spec is over {limits.max_structured_bytes} bytes")
     if isinstance(req, ChatCompletionRequest):
         limits.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
         limits.check_logprobs("top_logprobs", req.top_logprobs)

@@ -41,7 +41,7 @@ from gateway.schema import (
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.errors import MAX_BODY_BYTES, bad_request, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
 from gateway.structured import check_jobs
 from gateway.tokenize import TokenizerRoutes
