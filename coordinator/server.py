@@ -2,9 +2,11 @@
 and written through `SocketIO` (wire/loop_io.py: no future per message).
 
 Lifecycle of a request here: a client's GenerateRequest is checked against the request limits
-(wire/limits.py) and validated, then tokenized off the loop (coordinator/tokenizing.py: the
-request waits in `tokenizing`, where an abort or a lost client ends it), then placed: on a
-(prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
+(wire/limits.py: every field, before anything else) and validated, then tokenized off the loop
+(coordinator/tokenizing.py: the request waits in `tokenizing`, in a lane chosen by its cost,
+sharing the work of identical inputs; an abort or a lost client ends it and cancels its queued
+work), then placed:
+on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
 or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
 are detokenized incrementally (stop strings end the request and abort it on the worker) and
 streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost
@@ -38,7 +40,7 @@ from coordinator import placement
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
-from coordinator.tokenizing import OffLoopTokenizer, prompt_texts
+from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
@@ -108,7 +110,7 @@ class Coordinator:
         self.prefix_secret = new_secret()  # keys prefix-cache blocks: this view's and (told in Welcome) every worker's
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
-        self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}  # waiting for their token ids (off the loop)
+        self.tokenizing: dict[tuple[bytes, str], tuple[GenerateRequest, Ticket]] = {}  # waiting for their token ids (off the loop)
         self.tokenizer = OffLoopTokenizer(self.tok)
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
@@ -266,6 +268,12 @@ class Coordinator:
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)
+        try:
+            cost = self.check_request(req)  # first: even a refusal for load echoes only a bounded id
+        except PdserveError as e:
+            self.counts[f"error:{e.code}"] += 1
+            self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
+            return
         active = len(self.requests) + len(self.tokenizing)
         if active >= self.cfg.max_active_requests or self.client_load[ident] >= self.cfg.max_client_requests:
             mine = active < self.cfg.max_active_requests
@@ -277,37 +285,41 @@ class Coordinator:
         if key in self.by_client or key in self.tokenizing:
             self.send_client(ident, ErrorReply(req.request_id, "invalid_request", f"request id {req.request_id!r} is already running"))
             return
-        try:
-            nbytes = self.check_request(req)
-        except PdserveError as e:
-            self.counts[f"error:{e.code}"] += 1
-            self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
-            return
         if req.token_ids is not None:
             self.start_request(ident, req, list(req.token_ids))
             return
-        self.tokenizing[key] = req
         self.client_load[ident] += 1
-        self.tokenizer.submit(req, nbytes, lambda fut: self.tokenized(key, req, fut))
+        ticket = self.tokenizer.submit(req, cost, lambda fut: self.tokenized(key, req, fut))
+        self.tokenizing[key] = (req, ticket)
 
     def check_request(self, req: GenerateRequest) -> int:
-        """Bounds first (each costs one pass over what the request holds), then the parameters;
-        returns the prompt's bytes."""
+        """The table of bounds first (wire/limits.py: each costs one pass over what the request
+        holds), then the parameters; returns the prompt's cost (bytes plus message overhead),
+        by which its tokenizing lane is chosen."""
         limits, p = self.cfg.limits, req.params
-        limits.check_sampling(p.stop, p.stop_token_ids)
+        limits.check_name("request_id", req.request_id)
+        limits.check_trace_headers(req.trace_headers)
+        limits.check_params(p)
         base = self.cfg.class_targets.get(req.priority, (self.cfg.ttft_ms, self.cfg.tpot_ms))
         limits.check_scheduling(req.priority, req.ttft_ms, req.tpot_ms, *base)
         if sum(x is not None for x in (req.prompt, req.messages, req.token_ids)) != 1:
             raise InvalidRequestError("give exactly one of prompt, messages, token_ids")
-        texts = prompt_texts(req) if req.token_ids is None else []
-        limits.check_prompt_bytes(texts)
+        if req.token_ids is not None:
+            limits.check_token_ids(len(req.token_ids), "token_ids")
+        if req.messages is not None:
+            limits.check_messages(len(req.messages))
+        cost = limits.check_prompt_bytes(prompt_texts(req) if req.token_ids is None else [], len(req.messages or ()),
+                                         "messages" if req.messages is not None else "prompt")
         p.validate()
-        return sum(map(len, texts))
+        return cost
 
     def forget_tokenizing(self, key: tuple[bytes, str]) -> bool:
-        """Drop a request still being tokenized (aborted, or its client gone); its result is ignored."""
-        if self.tokenizing.pop(key, None) is None:
+        """Drop a request still being tokenized (aborted, or its client gone): its queued work is
+        cancelled unless a twin waits for it too, and its result never arrives."""
+        entry = self.tokenizing.pop(key, None)
+        if entry is None:
             return False
+        self.tokenizer.cancel(entry[1])
         self.unload(key[0])
         return True
 
@@ -318,10 +330,11 @@ class Coordinator:
 
     def tokenized(self, key: tuple[bytes, str], req: GenerateRequest, fut) -> None:
         """Back on the loop with req's token ids (or the error tokenizing raised)."""
-        if self.tokenizing.get(key) is not req or not self.forget_tokenizing(key):
+        entry = self.tokenizing.get(key)
+        if entry is None or entry[0] is not req or not self.forget_tokenizing(key):
             return  # aborted or its client gone meanwhile
         try:
-            prompt = fut.result()
+            prompt = list(fut.result())  # its own copy: twins share the work's result
         except PdserveError as e:
             self.counts[f"error:{e.code}"] += 1
             self.send_client(key[0], ErrorReply(req.request_id, e.code, str(e)))

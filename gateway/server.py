@@ -11,8 +11,8 @@ Every error leaves in OpenAI's JSON error shape with its status: 400 bad input o
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
 freed. /metrics wants the API key when one is set, /health never does; both ask the
-coordinator for its stats on every call. Each request's bounds (wire/limits.py) are checked
-before its fan-out, and its choices hold fair shares of the in-flight slots (gateway/slots.py).
+coordinator for its stats on every call. Every field of a request is checked against the table
+of bounds (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its choices hold fair shares of the in-flight slots (gateway/slots.py).
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ from client.library import (
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
-    refuse_oversized,
+    refuse_oversized, request_bounds, structured_bounds,
 )
 from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.errors import MAX_BODY_BYTES, bad_request, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
 from gateway.structured import check_jobs
 from gateway.tokenize import TokenizerRoutes
@@ -49,7 +49,7 @@ from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer
-from wire.limits import RequestLimits
+from wire.limits import TRACE_HEADERS, RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
@@ -142,28 +142,27 @@ class Gateway:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
 
     async def decode_request(self, request, kind):
-        """The body as `kind`; a large one is decoded on a thread, so the loop keeps streaming
-        (msgspec takes ~5 ms a megabyte and holds the GIL, which the loop gets back every 5 ms)."""
-        body = await read_body(request)
+        return await self.decode(await read_body(request), kind)
+
+    async def decode(self, body: bytes, kind):
+        """The body as `kind`; a large one is scanned for what is certainly over the bounds
+        (refuse_oversized), then decoded, on a thread, so the loop keeps streaming (msgspec takes
+        ~5 ms a megabyte and holds the GIL, which the loop gets back every 5 ms)."""
         if len(body) <= DECODE_INLINE_BYTES:
             return decode_body(body, kind)
-        refuse_oversized(body, self.cfg.limits)
-        return await asyncio.to_thread(decode_body, body, kind)
+        return await asyncio.to_thread(self._scan_and_decode, body, kind)
 
-    def check_limits(self, req, texts: list[str]) -> None:
-        """The request limits the coordinator applies too, here before any fan-out: each prompt's
-        bytes (a chat's contents together), the stop lists, the priority."""
-        limits = self.cfg.limits
-        try:
-            limits.check_sampling([req.stop] if isinstance(req.stop, str) else req.stop or [], req.stop_token_ids or [])
-            limits.check_scheduling(req.priority, 0.0, 0.0, 0.0, 0.0)
-            if isinstance(req, ChatCompletionRequest):
-                limits.check_prompt_bytes(texts)
-            else:
-                for t in texts:
-                    limits.check_prompt_bytes([t] if isinstance(t, str) else [])  # a non-string is refused by completion_inputs
-        except InvalidRequestError as e:
-            raise bad_request(str(e), None, e.code) from None
+    def _scan_and_decode(self, body: bytes, kind):
+        refuse_oversized(body, self.cfg.limits)
+        return decode_body(body, kind)
+
+    def check_limits(self, request, req) -> dict:
+        """Every field of the body and its trace headers against the table of bounds
+        (wire/limits.py), before any fan-out; the coordinator checks each job again. Returns the
+        trace headers (the coordinator's span joins them)."""
+        trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
+        request_bounds(req, self.cfg.limits, trace)
+        return trace
 
     def api_error(self, e: Exception) -> ApiError:
         if isinstance(e, ApiError):
@@ -187,23 +186,23 @@ class Gateway:
         self.authorize(request)
         req = await self.decode_request(request, CompletionRequest)
         self.check_model(req.model)
-        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if req.prompt and isinstance(req.prompt[0], str) else []
-        self.check_limits(req, texts)
+        trace = self.check_limits(request, req)
         jobs = completion_jobs(req, len(self.tok), self.max_model_len)
+        structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
-        return await self.run(request, req, jobs, fmt)
+        return await self.run(request, req, jobs, fmt, trace)
 
     async def chat_completions(self, request) -> Response:
         self.authorize(request)
         req = await self.decode_request(request, ChatCompletionRequest)
         self.check_model(req.model)
-        self.check_limits(req, [m.content for m in req.messages if isinstance(m.content, str)]
-                          + [p.text for m in req.messages if isinstance(m.content, list) for p in m.content if p.text])
+        trace = self.check_limits(request, req)
         jobs = chat_jobs(req, await self.context_len())
+        structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
-        return await self.run(request, req, jobs, fmt)
+        return await self.run(request, req, jobs, fmt, trace)
 
     async def context_len(self) -> int:
         """Tokens a chat without max_tokens may use: the workers stop at the end of the context."""
@@ -211,9 +210,8 @@ class Gateway:
             await self.stats()
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
-    async def run(self, request, req, jobs, fmt) -> Response:
-        trace = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}  # the coordinator's span joins it
-        for job in jobs if trace else ():
+    async def run(self, request, req, jobs, fmt, trace: dict) -> Response:
+        for job in jobs if trace else ():  # the coordinator's span joins the client's trace
             job.inputs = {**job.inputs, "trace_headers": trace}
         try:
             fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots)

@@ -9,8 +9,11 @@ token_strs}; /detokenize takes {model?, tokens} and answers {prompt}; /version a
 
 Lifecycle: `TokenizerRoutes(gateway)` is built once with the gateway and lends it three
 routes; each request is authorized like /v1 (bearer key, when one is set), decoded into the
-Structs here (a wrong type or a bad id is a 400 naming the field), and answered from the
-gateway's own tokenizer in a worker thread. Nothing goes to the coordinator but the stats
+Structs here as the gateway decodes a completion (a large body scanned first; a wrong type or a
+bad id is a 400 naming the field), checked against the table of bounds (wire/limits.py: the
+prompt's bytes, messages and parts, token ids, and chat_template_kwargs, an allow-list of plain
+values that never carries template source; 400 `limit_exceeded`), and answered from the
+gateway's own tokenizer in a worker thread, which a client already gone never starts. Nothing goes to the coordinator but the stats
 call that learns max_model_len from the workers; until a worker has said it, the model files'
 own context length is answered. A chat body is rendered with the same chat
 template the coordinator applies, so /tokenize's count for a chat equals the prompt_tokens a
@@ -22,11 +25,12 @@ import asyncio
 from importlib import metadata
 
 import msgspec
+from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import bad_request, read_body
-from gateway.schema import ChatMessageIn, chat_message, decode_body
-
+from gateway.schema import ChatMessageIn, bounded, chat_bounds, chat_message
+from gateway.stream import ClientGone, unless_disconnected
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -111,17 +115,25 @@ class TokenizerRoutes:
     async def tokenize(self, request):
         body = await self._body(request)
         kind = TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest
-        req = decode_body(body, kind)
+        req = await self.gw.decode(body, kind)
         self._model(req.model)
+        limits = self.gw.cfg.limits
         if kind is TokenizeChatRequest:
             if req.add_generation_prompt and req.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
+            bounded(chat_bounds, req.messages, limits)
+            bounded(limits.check_template_kwargs, req.chat_template_kwargs)
             messages = [{"role": m.role, "content": m.content} for m in map(chat_message, req.messages)]
-            ids = await asyncio.to_thread(self._chat_ids, req, messages)
+            work = asyncio.to_thread(self._chat_ids, req, messages)
         else:
-            ids = await asyncio.to_thread(self._prompt_ids, req)
+            bounded(limits.check_prompt_bytes, [req.prompt])
+            work = asyncio.to_thread(self._prompt_ids, req)
+        try:
+            ids = await unless_disconnected(request.receive, work)  # a client gone: its queued work is cancelled
+        except ClientGone:
+            return Response(status_code=400)  # never sent: nobody is listening
         strs = self.gw.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return _json(TokenizeResponse(len(ids), await self._max_model_len(), ids, strs))
 
@@ -149,8 +161,9 @@ class TokenizerRoutes:
         return self.model_context
 
     async def detokenize(self, request):
-        req = decode_body(await self._body(request), DetokenizeRequest)
+        req = await self.gw.decode(await self._body(request), DetokenizeRequest)
         self._model(req.model)
+        bounded(self.gw.cfg.limits.check_token_ids, len(req.tokens), "tokens")
         vocab = len(self.gw.tok)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -162,16 +175,18 @@ class TokenizerRoutes:
         return _json(VersionResponse(self.version))
 
 
+class _Shape(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"")
+
+
 def _has_messages(body: bytes) -> bool:
-    """Which of the two /tokenize shapes a body is: a JSON object with a "messages" key is a chat."""
+    """Which of the two /tokenize shapes a body is: a JSON object with a "messages" key is a
+    chat. Read as undecoded JSON: a scan, not a decode of the whole body."""
     try:
-        doc = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return False  # decode_body then reports the bad JSON
-    return isinstance(doc, dict) and "messages" in doc
+        return len(msgspec.json.decode(body, type=_Shape).messages) > 0
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False  # the decode then reports the bad JSON or the wrong shape
 
 
 def _json(obj):
-    from starlette.responses import Response
-
     return Response(msgspec.json.encode(obj), media_type="application/json")

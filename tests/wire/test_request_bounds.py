@@ -1,0 +1,191 @@
+"""The table of bounds (wire/limits.py) without processes: each bound accepts a request at its
+limit and refuses one past it as limit_exceeded naming the field, at the gateway (a body's
+fields, gateway/schema.py) and on the coordinator's client port (a GenerateRequest, by its frame's
+lengths before it is decoded and field by field after, by a coordinator built in-process)."""
+import json
+
+import pytest
+
+from coordinator.server import Coordinator, CoordinatorConfig
+from gateway.schema import (
+    ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, decode_body, refuse_oversized, request_bounds, structured_bounds,
+)
+from runtime.errors import LimitExceededError
+from runtime.params import SamplingParams, StructuredOutput
+from wire.limits import FieldLimitExceeded, RequestLimits
+from wire.protocol import ChatMessage, GenerateRequest, encode
+
+L = RequestLimits()
+
+
+def chat(messages=({"role": "user", "content": "hi"},), **fields) -> ChatCompletionRequest:
+    return decode_body(json.dumps({"model": "m", "messages": list(messages), **fields}).encode(), ChatCompletionRequest)
+
+
+def completion(**fields) -> CompletionRequest:
+    return decode_body(json.dumps({"model": "m", "prompt": "hi", **fields}).encode(), CompletionRequest)
+
+
+def refused(req, param, trace=None, limits=L):
+    with pytest.raises(ApiError) as e:
+        request_bounds(req, limits, trace)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "limit_exceeded", param), e.value.message
+
+
+def msgs(n, content=""):
+    return [{"role": "user", "content": content}] * n
+
+
+# ------------------------------------------------------------------ gateway: each bound at its limit, and one past it
+
+@pytest.mark.parametrize("at, over, param", [
+    (lambda: chat(msgs(L.max_messages)), lambda: chat(msgs(L.max_messages + 1)), "messages"),
+    (lambda: chat([{"role": "user", "content": [{"type": "text", "text": "a"}] * L.max_content_parts}]),
+     lambda: chat([{"role": "user", "content": [{"type": "text", "text": "a"}] * (L.max_content_parts + 1)}]), "messages"),
+    (lambda: chat([{"role": "user", "content": "x", "name": "n" * L.max_name_length}]),
+     lambda: chat([{"role": "user", "content": "x", "name": "n" * (L.max_name_length + 1)}]), "name"),
+    (lambda: completion(model="m" * L.max_name_length), lambda: completion(model="m" * (L.max_name_length + 1)), "model"),
+    (lambda: completion(user="u" * L.max_name_length), lambda: completion(user="u" * (L.max_name_length + 1)), "user"),
+    (lambda: completion(n=L.max_n), lambda: completion(n=L.max_n + 1), "n"),
+    (lambda: completion(prompt=["a"] * 8, n=L.max_fanout // 8), lambda: completion(prompt=["a"] * 8, n=L.max_fanout // 8 + 1), "n"),
+    (lambda: completion(prompt=["a"] * L.max_prompts), lambda: completion(prompt=["a"] * (L.max_prompts + 1)), "prompt"),
+    (lambda: completion(prompt=[1] * L.max_token_ids), lambda: completion(prompt=[1] * (L.max_token_ids + 1)), "prompt"),
+    (lambda: completion(prompt=[[1] * L.max_token_ids]), lambda: completion(prompt=[[1], [1] * (L.max_token_ids + 1)]), "prompt"),
+    (lambda: completion(prompt="x" * L.max_prompt_bytes), lambda: completion(prompt="x" * (L.max_prompt_bytes + 1)), "prompt"),
+    (lambda: completion(logprobs=L.max_logprobs), lambda: completion(logprobs=L.max_logprobs + 1), "logprobs"),
+    (lambda: chat(logprobs=True, top_logprobs=L.max_logprobs), lambda: chat(logprobs=True, top_logprobs=L.max_logprobs + 1), "top_logprobs"),
+    (lambda: completion(max_tokens=L.max_tokens), lambda: completion(max_tokens=L.max_tokens + 1), "max_tokens"),
+    (lambda: chat(max_completion_tokens=L.max_tokens), lambda: chat(max_completion_tokens=L.max_tokens + 1), "max_completion_tokens"),
+    (lambda: completion(stop=["s"] * L.max_stop), lambda: completion(stop=["s"] * (L.max_stop + 1)), "stop"),
+    (lambda: completion(stop_token_ids=[1] * L.max_stop_token_ids), lambda: completion(stop_token_ids=[1] * (L.max_stop_token_ids + 1)),
+     "stop_token_ids"),
+])
+def test_each_body_bound_at_its_limit_and_one_past(at, over, param):
+    request_bounds(at(), L)
+    refused(over(), param)
+
+
+def test_message_overhead_counts_in_the_prompt_bytes():
+    """Each message counts message_overhead bytes besides its text: 200,000 empty messages are
+    not 0 bytes. At exactly max_prompt_bytes accepted, one byte more refused."""
+    limits = RequestLimits(max_prompt_bytes=1000, message_overhead=32)
+    n = 10
+    text = 1000 - n * 32 - n * len("user")  # what is left for the contents
+    at = [{"role": "user", "content": "x" * (text if i == 0 else 0)} for i in range(n)]
+    request_bounds(chat(at), limits)
+    at[0] = {"role": "user", "content": "x" * (text + 1)}
+    refused(chat(at), "messages", limits=limits)
+    refused(chat(msgs(1000 // 32 + 1)), "messages", limits=limits)  # empty messages alone
+    assert limits.check_prompt_bytes(["ab", "c"], messages=2) == 3 + 64  # the cost a tokenizing lane is chosen by
+
+
+def test_trace_headers_only_w3c_keys_of_bounded_length():
+    request_bounds(completion(), L, {"traceparent": "t" * L.max_trace_header, "tracestate": "s" * L.max_trace_header})
+    refused(completion(), "tracestate", {"tracestate": "s" * (L.max_trace_header + 1)})
+    refused(completion(), "trace_headers", {"x-other": "1"})
+
+
+def test_structured_specs_are_sized_before_they_are_compiled():
+    limits = RequestLimits(max_structured_bytes=2000, max_regex_length=100, max_choices=4, max_choice_length=10)
+
+    def schema_of(n):  # a JSON schema whose text (json.dumps) is exactly n bytes
+        base = len(json.dumps({"type": "string", "description": ""}))
+        return {"type": "string", "description": "d" * (n - base)}
+
+    def spec_check(req):
+        request_bounds(req, limits)
+        structured_bounds(chat_jobs(req, 16), limits)
+
+    ok = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema_of(2000)}})
+    spec_check(ok)
+    with pytest.raises(ApiError) as e:
+        spec_check(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema_of(2001)}}))
+    assert (e.value.code, e.value.param) == ("limit_exceeded", "response_format")
+    # a 1.2 MB description is refused before the spec is even built from it
+    refused(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema_of(1_200_000)}}),
+            "response_format")
+    for ok, bad in (({"regex": "a" * 100}, {"regex": "a" * 101}),
+                    ({"choice": ["c" * 10] * 4}, {"choice": ["c" * 10] * 5}),
+                    ({"choice": ["c" * 10]}, {"choice": ["c" * 11]})):
+        spec_check(chat(structured_outputs=ok))
+        with pytest.raises(ApiError) as e:
+            spec_check(chat(structured_outputs=bad))
+        assert (e.value.code, e.value.param) == ("limit_exceeded", "structured_outputs"), bad
+
+
+@pytest.mark.parametrize("kwargs, ok", [
+    ({"enable_thinking": False, "x": 1, "y": 0.5, "z": None, "s": "v" * 256}, True),
+    ({f"k{i}": True for i in range(8)}, True),
+    ({f"k{i}": True for i in range(9)}, False),
+    ({"s": "v" * 257}, False),
+    ({"chat_template": "PWNED{% for m in messages %}{{ m.content }}{% endfor %}"}, False),
+    ({"tokenize": True}, False), ({"tools": None}, False), ({"documents": None}, False), ({"conversation": None}, False),
+    ({"return_dict": True}, False), ({"return_assistant_tokens_mask": True}, False),
+    ({"not an identifier": 1}, False), ({"nested": {"a": 1}}, False), ({"lst": [1]}, False),
+])
+def test_chat_template_kwargs_is_an_allow_list_of_plain_values(kwargs, ok):
+    if ok:
+        L.check_template_kwargs(kwargs)
+    else:
+        with pytest.raises(FieldLimitExceeded) as e:
+            L.check_template_kwargs(kwargs)
+        assert e.value.param == "chat_template_kwargs" and e.value.code == "limit_exceeded"
+
+
+def test_a_big_body_is_refused_by_its_message_count_before_it_is_decoded():
+    body = json.dumps({"model": "m", "n": 4, "messages": msgs(200_000)}).encode()
+    with pytest.raises(ApiError) as e:
+        refuse_oversized(body, L)
+    assert (e.value.code, e.value.param) == ("limit_exceeded", "messages")
+    refuse_oversized(json.dumps({"model": "m", "messages": msgs(L.max_messages)}).encode(), L)
+
+
+# ------------------------------------------------------------------ coordinator: frames by their lengths, then fields
+
+@pytest.fixture(scope="module")
+def coordinator():
+    from tests.helpers import free_port
+
+    coord = Coordinator(CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"), tokenizer=object())
+    yield coord
+    coord.release_sockets()
+
+
+def gen(rid="r", params=None, **kw):
+    if not any(k in kw for k in ("prompt", "messages", "token_ids")):
+        kw["prompt"] = "hi"
+    return GenerateRequest(rid, params or SamplingParams(), **kw)
+
+
+@pytest.mark.parametrize("req, why", [
+    (gen("i" * 2**20), "request_id"),
+    (gen(messages=[ChatMessage("user", "")] * 200_000), "messages"),
+    (gen(token_ids=[1] * (L.max_token_ids + 1)), "token_ids"),
+    (gen(trace_headers={"traceparent": "t" * 70_000}), "trace_headers"),
+    (gen(params=SamplingParams(structured=StructuredOutput("json", "{" + " " * 70_000 + "}"))), "structured"),
+])
+def test_oversized_frames_are_refused_by_their_lengths(req, why):
+    rid, message = L.oversized_frame(encode(req))
+    assert rid == req.request_id and message.startswith(why)
+
+
+def test_frames_at_the_limits_are_left_to_the_decoder():
+    for req in (gen("i" * L.max_name_length, prompt="x" * 70_000), gen(messages=[ChatMessage("user", "x" * 20)] * L.max_messages),
+                gen(token_ids=[1] * L.max_token_ids)):
+        assert L.oversized_frame(encode(req)) is None
+
+
+@pytest.mark.parametrize("at, over", [
+    (gen("i" * L.max_name_length), gen("i" * (L.max_name_length + 1))),
+    (gen(trace_headers={"tracestate": "s" * L.max_trace_header}), gen(trace_headers={"tracestate": "s" * (L.max_trace_header + 1)})),
+    (gen(messages=[ChatMessage("user", "")] * L.max_messages), gen(messages=[ChatMessage("user", "")] * (L.max_messages + 1))),
+    (gen(token_ids=[1] * L.max_token_ids), gen(token_ids=[1] * (L.max_token_ids + 1))),
+    (gen(params=SamplingParams(logprobs=L.max_logprobs)), gen(params=SamplingParams(logprobs=L.max_logprobs + 1))),
+    (gen(params=SamplingParams(max_tokens=L.max_tokens)), gen(params=SamplingParams(max_tokens=L.max_tokens + 1))),
+    (gen(params=SamplingParams(structured=StructuredOutput("choice", choices=("c",) * L.max_choices))),
+     gen(params=SamplingParams(structured=StructuredOutput("choice", choices=("c",) * (L.max_choices + 1))))),
+])
+def test_the_coordinator_checks_each_field(coordinator, at, over):
+    coordinator.check_request(at)
+    with pytest.raises(LimitExceededError):
+        coordinator.check_request(over)
