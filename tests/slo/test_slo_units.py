@@ -36,7 +36,19 @@ def test_step_model_recovers_a_linear_step_time():
     m = StepModel(samples)
     for seqs, tokens, ctx in [(8, 8, 3000), (32, 32, 6000), (4, 400, 900)]:  # inside the sampled range
         assert m.predict(seqs, tokens, ctx) == pytest.approx(a + b * seqs + c * tokens + d * ctx / 1000, rel=1e-3)
-    assert m.tokens_per_second() == pytest.approx(sum(s[1] for s in samples) / sum(s[3] for s in samples))
+    prompts = [s for s in samples if s[1] > s[0]]  # a backlog drains at the prompt steps' rate
+    assert m.tokens_per_second() == pytest.approx(sum(s[1] for s in prompts) / sum(s[3] for s in prompts))
+
+
+def test_decode_steps_never_push_the_prompt_steps_out_of_the_fit():
+    """A decode worker's profile prompts stay in the fit after any number of decode steps, so a
+    prompt placed on it (the local path) is predicted at its own cost."""
+    a, b, c = 0.004, 0.002, 0.001  # fixed, per sequence, per token
+    step = lambda seqs, tokens: (seqs, tokens, tokens, a + b * seqs + c * tokens)  # noqa: E731
+    m = StepModel([step(1, n) for n in (64, 128, 256, 512)], window=16)
+    m.add([step(s, s) for s in range(1, 33)] * 10)  # 320 decode steps
+    assert m.predict(1, 512, 512) == pytest.approx(a + b + c * 512, rel=0.05)
+    assert m.tokens_per_second() == pytest.approx(sum((64, 128, 256, 512)) / sum(step(1, n)[3] for n in (64, 128, 256, 512)))
 
 
 def test_step_model_window_follows_a_change_and_never_predicts_below_a_measured_step():
