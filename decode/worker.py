@@ -190,6 +190,10 @@ class DecodeWorker:
             end()
 
     def emit(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            if o.error is not None:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
+                self.link.send(WorkerError(o.request_id, o.error.code, str(o.error)))
+        outs = [o for o in outs if o.error is None]
         if outs:
             self.link.send(TokenBatch([token_out(o) for o in outs]))
 

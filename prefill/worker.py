@@ -159,6 +159,9 @@ class PrefillWorker:
             job = self.jobs.pop(out.request_id, None)
             if job is None:
                 continue
+            if out.error is not None:  # its grammar did not compile (in budget)
+                self.fail(job.msg, out.error.code, str(out.error))
+                continue
             if out.token_id is None:  # could never fit this worker's pool
                 self.fail(job.msg, "prompt_too_long", "prompt does not fit the prefill worker's KV pool")
                 continue
