@@ -168,16 +168,17 @@ class DecodeWorker:
     def turn(self, timeout: float) -> None:
         """One pass of the loop: messages (waiting up to timeout for the first), a step of the
         engine with its tokens sent, expired grants freed."""
-        if not self.engine.has_work():
+        if not self.engine.runnable():  # idle, or only grammars compiling (on their own thread)
             self.cores.idle()
         for msg in self.link.drain(timeout):
             self.handle(msg)
         welcome = getattr(self.link, "welcome", None)
         cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
         # deferring: the prefill worker of this node takes every core meanwhile (runtime.cores)
-        self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
+        self.deferring = self.engine.runnable() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
         if not self.deferring and self.engine.has_work():
-            self.cores.busy()
+            if self.engine.runnable():
+                self.cores.busy()
             self.emit(self.engine.step())
             self.last_step_end = time.monotonic()
         self.expire_grants()

@@ -106,7 +106,10 @@ class PrefillWorker:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()
-            self.cores.take_prefill_turn()
+            if self.engine.runnable():
+                self.cores.take_prefill_turn()
+            else:  # only grammars compiling (on their own thread): the decode worker keeps the cores
+                self.cores.idle()
             self.step()
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ at once. A request with a structured-output spec waits in `compiling` (not in th
 while its grammar compiles on the constrainer's compile thread (runtime/structured.py); each
 step first joins the requests whose grammar is ready and fails, with the typed error
 (StepOutput.error) and its blocks freed, those whose spec does not compile or not within the
-budget: a step never compiles. With only compiles pending, a step waits a few ms for one. `generate()` drives the loop to completion for a list of prompts. The colocated worker
+budget: a step never compiles. With only compiles pending (`runnable()` False), a step waits a
+few ms for one and computes nothing. `generate()` drives the loop to completion for a list of prompts. The colocated worker
 and the reference outputs of the disaggregated tests both run this engine.
 
 Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
@@ -206,6 +207,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.compiling)
 
+    def runnable(self) -> bool:
+        """Whether a step would compute: False while the only work is grammars compiling (a
+        worker then claims no cores for its steps)."""
+        return self.scheduler.has_work()
+
     def queued_tokens(self) -> int:
         """Tokens compiling, queued or running and not yet computed (a prefill worker's backlog)."""
         sched = self.scheduler
@@ -248,10 +254,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[StepOutput]:
-        outs = self._take_compiled() if self.compiling else []
-        if self.compiling and not self.scheduler.has_work():
-            self._wait_compiling(COMPILE_WAIT_S)
-            outs += self._take_compiled()
+        outs = []
+        if self.compiling:
+            runnable = self.runnable()
+            if not runnable:
+                self._wait_compiling(COMPILE_WAIT_S)
+            outs = self._take_compiled()
+            if not runnable:
+                return outs  # what joined computes in the next step, once the worker has claimed cores for it
         sched = self.scheduler.schedule()
         outs += [self._finish(seq, FinishReason.LENGTH, already=True) for seq in sched.finished]
         if not sched.scheduled:
