@@ -9,8 +9,9 @@ while its grammar compiles on the constrainer's compile thread (runtime/structur
 step first joins the requests whose grammar is ready and fails, with the typed error
 (StepOutput.error) and its blocks freed, those whose spec does not compile or not within the
 budget: a step never compiles. With only compiles pending (`runnable()` False), a step waits a
-few ms for one and computes nothing. `generate()` drives the loop to completion for a list of prompts. The colocated worker
-and the reference outputs of the disaggregated tests both run this engine.
+few ms for one and computes nothing. `generate()` drives the loop to completion for a list of
+prompts. The colocated worker and the reference outputs of the disaggregated tests both run
+this engine.
 
 Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
 its prompt is computed and its first token sampled; that step's output carries the token, and

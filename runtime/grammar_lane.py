@@ -147,7 +147,7 @@ class CompileLane:
 
     def _too_complex(self) -> GrammarTooComplex:
         return GrammarTooComplex(f"the structured output grammar did not compile within the server's "
-                                 f"{self.budget_ms:.0f} ms budget (max grammar compile ms); simplify the schema or pattern")
+                                 f"{self.budget_ms:.0f} ms budget; simplify the schema or pattern")
 
     def _run(self, job: CompileJob) -> None:
         with self.lock:
