@@ -169,7 +169,7 @@ class DecodeWorker:
     def turn(self, timeout: float) -> None:
         """One pass of the loop: messages (waiting up to timeout for the first), a step of the
         engine with its tokens sent, expired grants freed."""
-        if not self.engine.has_work():
+        if not self.engine.runnable():  # idle, or only grammars compiling (on their own thread)
             self.cores.idle()
         msgs = self.link.drain(timeout)
         process.adopt_prefix_secret(self.link, self.engine.blocks)  # before them: they came after the Welcome it names
@@ -178,9 +178,10 @@ class DecodeWorker:
         welcome = getattr(self.link, "welcome", None)
         cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
         # deferring: the prefill worker of this node takes every core meanwhile (runtime.cores)
-        self.deferring = self.engine.has_work() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
+        self.deferring = self.engine.runnable() and self.cores.defer_to_prefill(time.monotonic() - self.last_step_end, cap)
         if not self.deferring and self.engine.has_work():
-            self.cores.busy()
+            if self.engine.runnable():
+                self.cores.busy()
             self.emit(self.engine.step())
             self.last_step_end = time.monotonic()
         self.expire_grants()
@@ -193,6 +194,10 @@ class DecodeWorker:
             end()
 
     def emit(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            if o.error is not None:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
+                self.link.send(WorkerError(o.request_id, o.error.code, str(o.error)))
+        outs = [o for o in outs if o.error is None]
         if outs:
             self.link.send(TokenBatch([token_out(o) for o in outs]))
 

@@ -5,17 +5,24 @@
 
 Lifecycle: `structured_output(req)` runs while a request body becomes jobs (gateway/schema.py's
 sampling_kwargs): it picks the one constraint the body asks for, or None, and raises a 400
-naming the field for a malformed one. Before the jobs leave, `check_jobs(jobs)` compiles each
-distinct spec once with xgrammar in a worker thread (runtime.structured.check; the first call
-imports xgrammar) and raises a 400 naming the problem of an invalid schema or pattern. The
-workers then mask every step's logits with the grammar (runtime/structured.py).
+naming the field for a malformed one. Before the jobs leave, `check_jobs(jobs)` checks each
+distinct spec with xgrammar (runtime.structured.check; the first call imports xgrammar, off the
+event loop and outside the budget) on the gateway's compile lane (runtime/grammar_lane.py):
+CHECK_THREADS threads, so hostile specs hold at most that many and never the executor the
+tokenizer uses; an LRU of outcomes, so a repeated spec is not compiled again; and the budget: a
+check past it is abandoned (a 400 limit_exceeded; its thread runs on and its late result is
+remembered as that refusal), and with every thread held by such a check a new spec is refused
+with a 429 (overloaded). An invalid schema or pattern is a 400 naming the problem. The workers
+compile the spec again for their vocabulary before the request joins a batch
+(runtime/structured.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
-from gateway.errors import bad_request
+from gateway.errors import ApiError, bad_request
 from runtime.errors import InvalidRequestError
 from runtime.params import StructuredOutput
 
@@ -91,15 +98,59 @@ def structured_output(req) -> StructuredOutput | None:
     return found[0][1] if found else None
 
 
+CHECK_THREADS = 2  # specs the gateway checks at once
+CHECK_CACHE_ENTRIES = 1024  # outcomes remembered (an LRU), at most this many
+CHECK_CACHE_BYTES = 16 * 2**20  # ... holding this many bytes of specs
+
+_LANE = None
+
+
+def _lane():
+    global _LANE
+    if _LANE is None:
+        from runtime.grammar_lane import LRU, CompileLane
+        from runtime.structured import check, spec_bytes
+
+        outcomes = LRU(CHECK_CACHE_ENTRIES, CHECK_CACHE_BYTES, lambda spec, _: spec_bytes(spec))
+        _LANE = CompileLane(lambda spec: check(spec) or True, CHECK_THREADS, outcomes, name="grammar-check")
+    return _LANE
+
+
+def _import_xgrammar() -> None:
+    import runtime.structured  # noqa: F401 (torch)
+    import xgrammar  # noqa: F401
+
+
 async def check_jobs(jobs) -> None:
-    """400 unless every structured spec of these jobs compiles."""
+    """400 unless every structured spec of these jobs compiles (in budget); 429 if the checks are all held."""
     specs = {j.sampling["structured"] for j in jobs if j.sampling.get("structured") is not None}
     if not specs:
         return  # no import: runtime.structured brings torch and xgrammar (seconds of a first request)
-    from runtime.structured import check
+    if "xgrammar" not in sys.modules or "runtime.structured" not in sys.modules:
+        await asyncio.to_thread(_import_xgrammar)  # once per process; outside the budget
+    from runtime.errors import PdserveError
 
     for spec in specs:
         try:
-            await asyncio.to_thread(check, spec)
-        except InvalidRequestError as e:
-            raise _bad(str(e), "response_format" if spec.kind in ("json", "json_object") else "structured_outputs") from None
+            await _checked(_lane(), spec)
+        except PdserveError as e:
+            param = "response_format" if spec.kind in ("json", "json_object") else "structured_outputs"
+            if e.code == "overloaded":
+                raise ApiError(429, str(e), e.code, param) from None
+            raise bad_request(str(e), param, e.code) from None
+
+
+async def _checked(lane, spec) -> None:
+    """Wait, without blocking the loop, until lane's check of spec answers or runs out of budget."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    job = lane.submit(spec)
+    job.future.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(done.set))
+    try:
+        while lane.outcome(job) is None:  # raises the typed error
+            try:
+                await asyncio.wait_for(done.wait(), lane.next_check(job))
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        lane.release(job)

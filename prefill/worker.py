@@ -108,7 +108,10 @@ class PrefillWorker:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()
-            self.cores.take_prefill_turn()
+            if self.engine.runnable():
+                self.cores.take_prefill_turn()
+            else:  # only grammars compiling (on their own thread): the decode worker keeps the cores
+                self.cores.idle()
             self.step()
 
     def close(self) -> None:
@@ -160,6 +163,9 @@ class PrefillWorker:
         for out in outs:
             job = self.jobs.pop(out.request_id, None)
             if job is None:
+                continue
+            if out.error is not None:  # its grammar did not compile (in budget)
+                self.fail(job.msg, out.error.code, str(out.error))
                 continue
             if out.token_id is None:  # could never fit this worker's pool
                 self.fail(job.msg, "prompt_too_long", "prompt does not fit the prefill worker's KV pool")

@@ -4,8 +4,14 @@ Lifecycle: `LLMEngine.load(model, config)` reads weights and tokenizer and alloc
 pool once. `add_request` validates a request (typed errors, nothing queued on failure) and
 queues it; each `step()` is schedule -> execute -> postprocess and returns what every sequence
 produced; `abort` ends a request at any point. Finished or aborted sequences free their blocks
-at once. `generate()` drives the loop to completion for a list of prompts. The colocated worker
-and the reference outputs of the disaggregated tests both run this engine.
+at once. A request with a structured-output spec waits in `compiling` (not in the scheduler)
+while its grammar compiles on the constrainer's compile thread (runtime/structured.py); each
+step first joins the requests whose grammar is ready and fails, with the typed error
+(StepOutput.error) and its blocks freed, those whose spec does not compile or not within the
+budget: a step never compiles. With only compiles pending (`runnable()` False), a step waits a
+few ms for one and computes nothing. `generate()` drives the loop to completion for a list of
+prompts. The colocated worker and the reference outputs of the disaggregated tests both run
+this engine.
 
 Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
 its prompt is computed and its first token sampled; that step's output carries the token, and
@@ -15,6 +21,7 @@ so the worker can hand them off first. Stop conditions are left to the engine th
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -25,7 +32,7 @@ import torch
 from kernels import cpu_native
 from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
-from runtime.errors import InvalidRequestError, PromptTooLongError
+from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.kv_cache import BlockManager, allocate_kv_cache
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
@@ -38,6 +45,8 @@ from runtime import structured
 
 log = logging.getLogger("pdserve.runtime")
 
+COMPILE_WAIT_S = 0.005  # a step with nothing to run but grammars compiling waits this long for one (no busy loop)
+
 
 @dataclass
 class StepOutput:
@@ -47,6 +56,7 @@ class StepOutput:
     logprob: float | None = None
     top_logprobs: list | None = None
     finish_reason: FinishReason | None = None
+    error: PdserveError | None = None  # the request failed (its grammar did not compile): report it, not a finish
 
 
 @dataclass
@@ -129,6 +139,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_cache, self.blocks, eos_token_id=min(self.eos_ids) if self.eos_ids else None)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
+        # request id -> (sequence, its grammar's compile job, how it joins the scheduler once compiled)
+        self.compiling: dict[str, tuple[Sequence, object, object]] = {}
         self._ids = itertools.count()
         # (sequences, tokens computed, context tokens, seconds) of recent steps: the coordinator's
         # latency model is fitted from these (read by the worker's I/O thread; deque ops are atomic)
@@ -166,7 +178,7 @@ class LLMEngine:
         self.seqs[rid] = seq
         if self.tokenizer is not None:
             self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
-        self.scheduler.add(seq)
+        self._enter(seq, self.scheduler.add)
         return seq
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
@@ -179,7 +191,7 @@ class LLMEngine:
         seq.num_computed_tokens = num_computed
         self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache
         self.seqs[request_id] = seq
-        self.scheduler.add_running(seq)
+        self._enter(seq, self.scheduler.add_running)
         return self._append(seq, output_token_ids[-1], logprob, top_logprobs)
 
     def abort(self, request_id: str) -> bool:
@@ -194,18 +206,65 @@ class LLMEngine:
         self._finish(self.seqs[request_id], FinishReason.STOP)
 
     def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.compiling)
+
+    def runnable(self) -> bool:
+        """Whether a step would compute: False while the only work is grammars compiling (a
+        worker then claims no cores for its steps)."""
         return self.scheduler.has_work()
 
     def queued_tokens(self) -> int:
-        """Tokens queued or running and not yet computed (a prefill worker's backlog)."""
+        """Tokens compiling, queued or running and not yet computed (a prefill worker's backlog)."""
         sched = self.scheduler
-        return sum(s.num_uncomputed for s in [*sched.waiting, *sched.running])
+        return sum(s.num_uncomputed for s in [*(c[0] for c in self.compiling.values()), *sched.waiting, *sched.running])
+
+    # ------------------------------------------------------------------ grammars
+
+    def _enter(self, seq: Sequence, join) -> None:
+        """Join seq to the scheduler (`join`), at once or, with a spec, once its grammar is compiled."""
+        spec = seq.params.structured
+        if spec is None:
+            join(seq)
+            return
+        job = structured.constrainer().submit(spec, self.cfg.vocab_size, self.runner.eos_token_id)
+        self.compiling[seq.request_id] = (seq, job, join)
+
+    def _take_compiled(self) -> list[StepOutput]:
+        """Join the sequences whose grammar is ready; fail those refused (typed error, blocks freed)."""
+        outs = []
+        grammars = structured.constrainer()
+        for rid, (seq, job, join) in list(self.compiling.items()):
+            try:
+                compiled = grammars.outcome(job)
+            except PdserveError as e:
+                log.warning("request %s: %s", rid, e)
+                self._finish(seq, FinishReason.ABORT)  # releases the job
+                outs.append(StepOutput(rid, None, finish_reason=FinishReason.ABORT, error=e))
+                continue
+            if compiled is not None:
+                del self.compiling[rid]
+                grammars.release(job)
+                grammars.pin(seq.output_token_ids, compiled)
+                join(seq)
+        return outs
+
+    def _wait_compiling(self, timeout: float) -> None:
+        futures = [job.future for _, job, _ in self.compiling.values()]
+        concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[StepOutput]:
+        outs = []
+        if self.compiling:
+            runnable = self.runnable()
+            if not runnable:
+                self._wait_compiling(COMPILE_WAIT_S)
+            outs = self._take_compiled()
+            if not runnable:
+                return outs  # what joined computes in the next step, once the worker has claimed cores for it
         sched = self.scheduler.schedule()
-        outs = [self._finish(seq, FinishReason.LENGTH, already=True) for seq in sched.finished]
+        outs += [self._finish(seq, FinishReason.LENGTH, already=True) for seq in sched.finished]
         if not sched.scheduled:
             return outs
         samplers, sampled = self.execute(sched.scheduled)
@@ -284,6 +343,11 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.detoks.pop(seq.request_id, None)
+        if seq.params.structured is not None:
+            compiling = self.compiling.pop(seq.request_id, None)
+            if compiling is not None:
+                structured.constrainer().release(compiling[1])
+            structured.constrainer().unpin(seq.output_token_ids)
         return StepOutput(seq.request_id, None, finish_reason=reason)
 
     # ------------------------------------------------------------------ convenience

@@ -5,19 +5,23 @@ xgrammar 0.2.8 against 18 ms with llguidance 1.9.1.
 
 Lifecycle:
 - `check(spec)` compiles a spec without a tokenizer and raises InvalidRequestError naming the
-  problem; the HTTP gateway calls it before a request leaves (a 400), in a thread: the first
-  call imports xgrammar (and torch), seconds on a small CPU.
+  problem; the HTTP gateway calls it before a request leaves (a 400), on its own compile lane
+  (gateway/structured.py): the first call imports xgrammar (and torch), seconds on a small CPU.
 - Each process that samples has one `Constrainer` (module-level, `constrainer()`), told where
   its tokenizer comes from once (`configure(model=...)` by a worker, `configure(tokenizer=...)`
-  by an in-process engine). Nothing is loaded until the first constrained row: then the
-  tokenizer, xgrammar's vocabulary table and a grammar compiler (with its cache) are built.
+  by an in-process engine). Grammars are compiled before a request joins a batch, never in a
+  step: the engine `submit`s a request's spec to the constrainer's compile lane
+  (runtime/grammar_lane.py: one thread, a time budget, an LRU of compiled grammars bounded by
+  count and bytes; the first compile also loads the tokenizer and xgrammar's vocabulary table,
+  outside the budget), polls `outcome(job)` before each step, and `pin`s the compiled grammar
+  to the sequence's output list when it is ready (a spec that does not compile, or not in
+  budget, fails its request with the typed error); `unpin` when the sequence ends.
 - Every step, `sample()` calls `constrain(logits, rows, eos)` only when a row carries a spec. A
-  row's matcher is kept between steps, keyed by its sequence's output list, and caught up with
-  the tokens the row generated since (so a decode worker taking over from a prefill worker, or
-  a request recomputed elsewhere, rebuilds the state from the tokens); the row's logits outside
-  the grammar's next tokens become -inf. Matchers of rows not seen for a while are dropped.
-  A spec that fails to compile here (a client that skipped the gateway) leaves its row free,
-  logged once.
+  row's matcher is built from its pinned grammar, kept between steps, and caught up with the
+  tokens the row generated since (so a decode worker taking over from a prefill worker, or a
+  request recomputed elsewhere, rebuilds the state from the tokens); the row's logits outside
+  the grammar's next tokens become -inf. A constrained row with no pinned grammar (a caller
+  that skipped the engine) runs free, logged.
 """
 from __future__ import annotations
 
@@ -30,12 +34,15 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import InvalidRequestError
+from runtime.grammar_lane import LRU, CompileJob, CompileLane
 from runtime.params import StructuredOutput
 
 log = logging.getLogger("pdserve.structured")
 
-KEEP_MATCHERS = 256  # beyond this many, matchers unseen for STALE_STEPS steps are dropped
-STALE_STEPS = 64
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object grammar"}
+
+CACHE_ENTRIES = 128  # compiled grammars kept for reuse (an LRU), at most this many
+CACHE_BYTES = 64 * 2**20  # ... and this many bytes (a 200-property schema compiles to ~12 MB)
 
 
 def _message(e: Exception) -> str:
@@ -71,78 +78,117 @@ def check(spec: StructuredOutput) -> None:
     try:
         _grammar(spec)
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object grammar"}[spec.kind]
-        raise InvalidRequestError(f"invalid {what}: {_message(e)}") from None
+        raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {_message(e)}") from None
+
+
+def spec_bytes(spec: StructuredOutput) -> int:
+    return len(spec.spec) + sum(len(c) for c in spec.choices) + 64
+
+
+def _compiled_bytes(key, outcome) -> int:
+    compiled = outcome[0]
+    return spec_bytes(key[0]) + (compiled.memory_size_bytes if compiled is not None else 0)
 
 
 @dataclass
 class _Row:
     owner: list  # the sequence's own output list the matcher follows (kept: its id is the key)
-    spec: StructuredOutput
-    matcher: object | None  # None: the spec did not compile; the row runs free
+    compiled: object  # xgrammar.CompiledGrammar, compiled before the row joined a batch
+    matcher: object | None = None  # None: not built yet, or a token left the grammar (the row runs free)
     accepted: int = 0  # output tokens fed to the matcher
-    seen: int = 0  # step it was last constrained
+    broken: bool = False  # a generated token did not fit the grammar: free from then on
 
 
 class Constrainer:
     def __init__(self):
         self.model = None
         self.tokenizer = None
+        self.generation = 0  # bumped by configure(): compiled grammars of another tokenizer never match a key
         self.compiler = None
-        self.vocab = 0
-        self.rows: dict[int, _Row] = {}
-        self.step = 0
+        self.compiler_key = None  # (vocab, eos, generation) the compiler was built for
+        self.rows: dict[int, _Row] = {}  # id(output list) -> its pinned grammar and matcher
         self.lock = threading.Lock()
+        self.warned = False  # a row without a pinned grammar was seen (logged once)
+        self.lane = CompileLane(self._compile, threads=1, cache=LRU(CACHE_ENTRIES, CACHE_BYTES, _compiled_bytes),
+                                prepare=self._prepare)
 
     def configure(self, model=None, tokenizer=None) -> None:
-        self.model, self.tokenizer, self.compiler = model, tokenizer, None
+        self.model, self.tokenizer = model, tokenizer
+        self.generation += 1
 
-    def _compiler(self, vocab: int, eos: int | None):
+    # ------------------------------------------------------------------ compiling (the lane's thread)
+
+    def submit(self, spec: StructuredOutput, vocab: int, eos: int | None) -> CompileJob:
+        """Queue spec's grammar for this vocabulary; poll `outcome(job)`, `release(job)` if given up."""
+        return self.lane.submit((spec, vocab, eos, self.generation))
+
+    def outcome(self, job: CompileJob):
+        """The compiled grammar, None while compiling, or raises the typed error (runtime/grammar_lane.py)."""
+        return self.lane.outcome(job)
+
+    def release(self, job: CompileJob) -> None:
+        self.lane.release(job)
+
+    def compile_now(self, spec: StructuredOutput, vocab: int, eos: int | None):
+        """Compile on the calling thread (tests, tools); raises the typed error."""
+        key = (spec, vocab, eos, self.generation)
+        self._prepare(key)
+        return self._compile(key)
+
+    def _prepare(self, key) -> None:
         import xgrammar as xgr
 
-        if self.compiler is None or self.vocab != vocab:
+        _, vocab, eos, generation = key
+        if self.compiler_key != (vocab, eos, generation):
             if self.tokenizer is None:
                 from runtime.tokenizer import load_tokenizer
 
                 self.tokenizer = load_tokenizer(self.model)
             stops = sorted({t for t in (eos, self.tokenizer.eos_token_id) if t is not None})
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab, stop_token_ids=stops or None)
-            self.compiler, self.vocab = xgr.GrammarCompiler(info, max_threads=1), vocab
-        return self.compiler
+            # xgrammar's own cache is unbounded: the lane's LRU keeps what is reused
+            self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self.compiler_key = (vocab, eos, generation)
 
-    def _matcher(self, spec: StructuredOutput, compiler):
-        import xgrammar as xgr
-
+    def _compile(self, key):
+        spec, compiler = key[0], self.compiler
         try:
             if spec.kind == "json":
-                compiled = compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
-            elif spec.kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
-            else:
-                compiled = compiler.compile_grammar(_grammar(spec))
+                return compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+            return compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
-            log.warning("structured output spec does not compile; the request runs unconstrained: %s", _message(e))
-            return None
-        return xgr.GrammarMatcher(compiled)
+            raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {_message(e)}") from None
+
+    # ------------------------------------------------------------------ rows (the engine's thread)
+
+    def pin(self, output: list, compiled) -> None:
+        """Constrain the row whose generated tokens are `output` (a sequence's own list) by `compiled`."""
+        with self.lock:
+            self.rows[id(output)] = _Row(output, compiled)
+
+    def unpin(self, output: list) -> None:
+        with self.lock:
+            row = self.rows.get(id(output))
+            if row is not None and row.owner is output:
+                del self.rows[id(output)]
 
     def constrain(self, logits: torch.Tensor, rows, eos_token_id: int | None) -> torch.Tensor:
         """`logits` (B, V) float32 with every constrained row masked to its grammar (a copy)."""
         import xgrammar as xgr
 
         with self.lock:
-            self.step += 1
             vocab = logits.shape[1]
-            compiler = self._compiler(vocab, eos_token_id)
             which = [i for i, r in enumerate(rows) if r.params.structured is not None]
             mask = xgr.allocate_token_bitmask(len(rows), vocab)
             masked = []
             for i in which:
-                state = self._state(rows[i], compiler)
-                if state.matcher is None or state.matcher.is_terminated():
+                matcher = self._matcher(rows[i].output_token_ids)
+                if matcher is None or matcher.is_terminated():
                     continue
-                state.matcher.fill_next_token_bitmask(mask, i)
+                matcher.fill_next_token_bitmask(mask, i)
                 masked.append(i)
-            self._evict()
         if not masked:
             return logits
         out = logits.clone()
@@ -151,24 +197,27 @@ class Constrainer:
         xgr.apply_token_bitmask_inplace(out, mask, indices=masked)
         return out
 
-    def _state(self, row, compiler) -> _Row:
-        key, out, spec = id(row.output_token_ids), row.output_token_ids, row.params.structured
-        state = self.rows.get(key)
-        if state is None or state.owner is not out or state.spec != spec or state.accepted > len(out):
-            state = self.rows[key] = _Row(out, spec, self._matcher(spec, compiler))
-        state.seen = self.step
-        while state.matcher is not None and state.accepted < len(out):
-            if not state.matcher.accept_token(out[state.accepted]):
-                log.warning("a generated token does not fit its grammar; the request runs unconstrained from here")
-                state.matcher = None
-                break
-            state.accepted += 1
-        return state
+    def _matcher(self, out: list):
+        """The row's matcher caught up with its tokens; None: no pinned grammar, or it left it."""
+        import xgrammar as xgr
 
-    def _evict(self) -> None:
-        if len(self.rows) > KEEP_MATCHERS:
-            for key in [k for k, s in self.rows.items() if s.seen < self.step - STALE_STEPS]:
-                del self.rows[key]
+        row = self.rows.get(id(out))
+        if row is None or row.owner is not out:
+            if not self.warned:
+                log.warning("a structured row without a compiled grammar runs unconstrained (the engine compiles before a step)")
+                self.warned = True
+            return None
+        if row.broken:
+            return None
+        if row.matcher is None or row.accepted > len(out):  # new, or preempted and recomputed with fewer tokens
+            row.matcher, row.accepted = xgr.GrammarMatcher(row.compiled), 0
+        while row.accepted < len(out):
+            if not row.matcher.accept_token(out[row.accepted]):
+                log.warning("a generated token does not fit its grammar; the request runs unconstrained from here")
+                row.broken = True
+                return None
+            row.accepted += 1
+        return row.matcher
 
 
 _CONSTRAINER = Constrainer()

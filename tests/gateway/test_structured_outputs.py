@@ -5,7 +5,9 @@ With a tiny random model (disaggregated, 1 prefill + 1 decode): vLLM's extra-bod
 and sampled, streamed and not, obey their constraint: the prefill worker's first token obeys the
 grammar and the decode worker continues from the same state. An invalid schema or regex, or two
 constraints at once, is a 400 naming the problem. An unconstrained request's greedy tokens are
-the same whether or not constrained requests run beside it.
+the same whether or not constrained requests run beside it. In the gateway process, the check
+has a time budget (a spec past it is a 400 limit_exceeded, and so is its repeat, without a second
+compile) and a cache (a repeated spec is checked once).
 
 With the default model (slow): the official openai client's `chat.completions.parse(...,
 response_format=PydanticModel)` returns objects that validate for five schemas (nested objects,
@@ -15,6 +17,7 @@ import asyncio
 import enum
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
@@ -193,6 +196,44 @@ def test_openai_parse_validates_for_five_schemas(default_service):
         with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # the five schemas decode in one batch, each with its own grammar
             for job in [pool.submit(parse_and_stream, i, kind, question) for i, (kind, question) in enumerate(SCHEMAS)]:
                 job.result()
+
+
+def _spec_jobs(spec):
+    import types
+
+    return [types.SimpleNamespace(sampling={"structured": spec})]
+
+
+def test_the_gateway_check_has_a_budget_and_a_cache(monkeypatch):
+    from gateway import structured as gs
+    from gateway.errors import ApiError
+    from runtime.params import StructuredOutput
+
+    monkeypatch.setattr(gs, "_LANE", None)  # a fresh lane: its own cache and budget
+    lane = gs._lane()
+    compiled = []
+    check = lane.compile
+    monkeypatch.setattr(lane, "compile", lambda spec: compiled.append(spec) or check(spec))
+    ok = StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}")
+    for _ in range(3):
+        asyncio.run(gs.check_jobs(_spec_jobs(ok)))
+    assert compiled == [ok]  # checked once, then answered from the cache
+
+    item = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{1,8}"}, "b": {"type": "integer"}}}
+    big = StructuredOutput("json", json.dumps({"type": "object", "properties": {f"f{i}": item for i in range(300)}}))
+    monkeypatch.setattr(lane, "budget_ms", 1)
+    for _ in range(2):
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(gs.check_jobs(_spec_jobs(big)))
+        assert refused.value.status == 400 and refused.value.code == "limit_exceeded", refused.value.body()
+        assert refused.value.param == "response_format" and "1 ms" in refused.value.message, refused.value.message
+    deadline = time.monotonic() + 30
+    while lane.jobs:  # the abandoned check runs on in its thread
+        assert time.monotonic() < deadline, lane.jobs
+        time.sleep(0.005)
+    with pytest.raises(ApiError) as again:
+        asyncio.run(gs.check_jobs(_spec_jobs(big)))
+    assert again.value.code == "limit_exceeded" and compiled.count(big) == 1  # remembered, not compiled again
 
 
 def test_an_unconstrained_request_imports_no_grammar_machinery():
