@@ -45,7 +45,7 @@ from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
-from wire import security
+from wire import liveness, security
 from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 from wire.loop_io import SocketIO
 from wire.protocol import (
@@ -209,6 +209,7 @@ class Coordinator:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(0.02)
+            liveness.touch()  # the launcher's hang check (wire/liveness.py)
             now = time.monotonic()
             for wid in [w for w, s in self.workers.items() if now - s.last_seen > self.cfg.worker_timeout_s]:
                 self.drop_worker(wid, "worker stopped answering")
