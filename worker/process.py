@@ -4,9 +4,12 @@ Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...
 coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
 `run`, with its heartbeat). `build_or_exit(build)` ends the process with EX_CONFIG when the
 build fails with a typed error (a model it cannot load, a KV pool /dev/shm cannot hold): its
-launcher then stops rather than restarting it. `serve(worker)` freezes the start-up heap, turns
-SIGTERM and SIGINT into `worker.running = False`, and runs the worker's loop until then; the
-loop's own `finally` closes what the worker holds.
+launcher then stops the node if that was the worker's first start (a restart that fails so is
+retried with a back-off). `serve(worker)` freezes the start-up heap, turns SIGTERM and SIGINT
+into `worker.running = False`, and runs the worker's loop until then; each pass of the loop
+touches the launcher's liveness file (wire/liveness.py), so a loop stuck longer than the
+launcher's hang timeout gets the worker killed and restarted; the loop's own `finally` closes
+what the worker holds.
 """
 from __future__ import annotations
 

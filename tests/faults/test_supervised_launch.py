@@ -31,6 +31,7 @@ from runtime.sampling import SamplingParams
 from tests.faults.test_worker_death import run_and_kill
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 from wire import security
+from wire.liveness import LIVENESS_ENV
 from wire.protocol import (
     PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut,
     Welcome, decoder, encode,
@@ -277,6 +278,10 @@ def test_a_hung_worker_is_killed_and_restarted(model_dir, tmp_path):
     node = Node(model_dir, tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S), "--engine-arg=--kv-cache-mb=16")
     try:
         stats = node.wait_workers(2)
+        for role in ("coordinator", "gateway", "prefill", "decode"):  # each role's loop touches its file (or it is not watched)
+            path = liveness_file(node.child(role))
+            first = poll(f"{role}'s liveness file", lambda: os.path.exists(path) and os.stat(path).st_mtime_ns, 10)
+            poll(f"{role}'s next touch", lambda: os.stat(path).st_mtime_ns != first, 5)
         victim = next(w for w in stats["workers"] if w["role"] == "decode")
         os.kill(victim["pid"], signal.SIGSTOP)  # its loop stops; the process lives
         stopped_at = time.monotonic()
@@ -299,6 +304,32 @@ def test_a_hung_worker_is_killed_and_restarted(model_dir, tmp_path):
         assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")
     finally:
         assert node.stop() == 0
+
+
+def liveness_file(pid: int) -> str:
+    """The liveness file the launcher gave a child (wire/liveness.py), from its environment."""
+    env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+    return env[LIVENESS_ENV.encode()].decode()
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    from pdserve.launch import HANG_KILL_GRACE_S, Child, Launcher, NodePlan
+
+    alive = tmp_path / "x.alive"
+    launcher = Launcher(NodePlan(hang_timeout_s=0.5))
+    child = Child("x", [], str(alive))  # its loop touched once, then hung, deaf to SIGTERM
+    child.proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   f"open({str(alive)!r}, 'a').close(); print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        child.proc.stdout.readline()  # it ignores SIGTERM from here on
+        t0 = time.monotonic()
+        poll("the kill", lambda: launcher._check_liveness(child, time.monotonic()) or child.proc.poll() is not None, 10 + HANG_KILL_GRACE_S)
+        assert child.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 >= 0.5 + HANG_KILL_GRACE_S
+        launcher._note_exit(child, time.monotonic())
+        assert child.last_exit == "hung: killed" and child.restart_at is not None
+    finally:
+        child.proc.kill()
+        child.proc.wait()
 
 
 def test_a_crash_looping_worker_is_retried_with_back_off_while_the_node_serves(model_dir, tmp_path):
