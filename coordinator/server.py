@@ -48,7 +48,7 @@ from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
 from runtime.prefix_hash import new_secret
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
-from wire import security
+from wire import liveness, security
 from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 from wire.loop_io import SocketIO
 from wire.protocol import (
@@ -213,6 +213,7 @@ class Coordinator:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(0.02)
+            liveness.touch()  # the launcher's hang check (wire/liveness.py)
             now = time.monotonic()
             for wid in [w for w, s in self.workers.items() if now - s.last_seen > self.cfg.worker_timeout_s]:
                 self.drop_worker(wid, "worker stopped answering")

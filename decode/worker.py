@@ -46,7 +46,7 @@ from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
 from runtime.sequence import FinishReason
 from runtime.weights import load_checkpoint
-from wire import security
+from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
     Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, Reject, Release, Role, Shutdown, TokenBatch,
@@ -161,6 +161,7 @@ class DecodeWorker:
         self.link.start(self.heartbeat)
         try:
             while self.running:
+                liveness.touch()  # the launcher's hang check (wire/liveness.py)
                 # deferring to a busy local prefill worker: look again in 5 ms (messages wake it sooner)
                 self.turn((0.005 if self.deferring else 0) if self.engine.has_work() else 0.05)
         finally:

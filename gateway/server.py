@@ -49,6 +49,7 @@ from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer
+from wire import liveness
 from wire.limits import TRACE_HEADERS, RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
@@ -123,9 +124,11 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s, keys=self.cfg.keys)
+        beat = asyncio.create_task(liveness.beat())  # the launcher's hang check (wire/liveness.py)
         try:
             yield
         finally:
+            beat.cancel()
             await self.client.close()
 
     # ------------------------------------------------------------------ checks and errors

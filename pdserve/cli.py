@@ -10,6 +10,7 @@ import time
 import click
 
 from pdserve.engine_flags import engine_flag_options, worker_args
+from pdserve.launch import HANG_TIMEOUT_S
 
 COORDINATOR_CLIENTS = "tcp://127.0.0.1:5555"
 COORDINATOR_WORKERS = "tcp://127.0.0.1:5556"
@@ -371,13 +372,16 @@ def stats(address, timeout, keys):
 @click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
 @click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
               help="the gateway's coordinator requests in flight, shared fairly between HTTP requests")
+@click.option("--hang-timeout-s", default=HANG_TIMEOUT_S, show_default=True, type=click.FloatRange(2.0),
+              help="a role whose main loop has not run for this long is killed and restarted (keep it above the longest "
+                   "engine step: raise it for a big model on the CPU or a larger --max-num-batched-tokens)")
 @_slo_options
 @_limit_options
 @_security_options
 @_tracing_options
 @engine_flag_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, max_inflight, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure,
+           gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
            max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
@@ -410,6 +414,7 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
+    plan.hang_timeout_s = hang_timeout_s
 
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
@@ -418,7 +423,17 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
             click.echo(f"OpenAI API -> {plan.http_url}/v1 (metrics at {plan.http_url}/metrics)", err=True)
         click.echo("stop with Ctrl-C", err=True)
 
-    sys.exit(Launcher(plan, log_dir).run_forever(ready))
+    sys.exit(Launcher(plan, log_dir, _usage_error).run_forever(ready))
+
+
+def _usage_error(role: str, args: list[str]) -> str | None:
+    """click's message if `pdserve ROLE ARGS` would not parse, else None (the command is not run):
+    the launcher checks each role's flags before it starts any."""
+    try:
+        main.commands[role].make_context(f"pdserve {role}", list(args))
+    except click.ClickException as e:
+        return e.format_message()
+    return None
 
 
 @main.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)

@@ -5,14 +5,22 @@ Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node nam
 the coordinator first if this node runs it, then the workers, each a child process of this
 one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
-gateway, until it answers /health) -> print the endpoints -> supervise. A child that exits on
-its own is restarted with the same arguments (same worker id, same core-share slot) after a
-back-off, with one log line naming its exit status; the shared-memory KV pool it left is
-unlinked first. The node gives up (stops everything, exit status 1) only when a role keeps
-crashing at start: CRASH_LOOP exits in a row, each within CRASH_WINDOW_S of its start, or one
-exit with EX_CONFIG (78: a configuration it can never start with, e.g. a KV pool larger than
-/dev/shm). Restart counts reach `pdserve stats` (`nodes`) through a NodeReport the launcher
-sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything: SIGTERM to each child,
+gateway, until it answers /health) -> print the endpoints -> supervise. Before anything starts,
+the configuration is checked: the model path, and every child's flags parsed by its own
+command (an unknown flag or a bad value stops the launch with click's message). A child that
+exits on its own is restarted with the same arguments (same worker id, same core-share slot)
+after a back-off, with one log line naming its exit status; the shared-memory KV pool it left is
+unlinked first. The back-off is RESTART_BACKOFF_S, doubled for each further exit in a row within
+CRASH_WINDOW_S of its start, up to MAX_BACKOFF_S: a crash-looping role is retried for as long as
+the node runs while the other roles serve. A child whose main loop stops touching its liveness
+file (wire/liveness.py) for `hang_timeout_s` is hung: SIGTERM (with SIGCONT, for a stopped
+one), SIGKILL HANG_KILL_GRACE_S later, then restarted like a crash (last exit "hung: killed").
+The clock starts at its loop's first touch, so loading a model or a start-up profile is never
+taken for a hang. Only a configuration error stops the node (exit status 1, the child's last
+log lines printed): a role exiting at its first start with EX_CONFIG (78: a configuration it
+can never start with, e.g. a KV pool larger than /dev/shm) or click's usage status (2: a value
+its config rejects). Restart counts and last exits reach `pdserve stats` (`nodes`) through a
+NodeReport the launcher sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything: SIGTERM to each child,
 SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
 Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
 per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
@@ -23,20 +31,38 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
 
-from runtime.errors import EX_CONFIG, InvalidRequestError
+from runtime.errors import EX_CONFIG, InvalidRequestError, ModelLoadError
+from runtime.model_path import resolve_model_path
+from wire.liveness import LIVENESS_ENV
 
-RESTART_BACKOFF_S = 0.5  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
-MAX_BACKOFF_S = 10.0
+RESTART_BACKOFF_S = 1.0  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 30.0
 CRASH_WINDOW_S = 60.0  # an exit this soon after the start counts as a crash at start
-CRASH_LOOP = 5  # this many crashes at start in a row stop the node
+# A loop pass's longest legitimate wait: an engine step of max_num_batched_tokens (default 2048)
+# tokens, a decode worker's stall cap (10 s), a prefill hand-off's KV timeout (10 s, touched
+# between hand-offs). A big model on the CPU with a larger token budget may need more.
+HANG_TIMEOUT_S = 60.0
+HANG_KILL_GRACE_S = 5.0  # a hung child's SIGTERM -> SIGKILL
+USAGE_EXIT = 2  # click's UsageError.exit_code: a flag value the role's config rejects
 REPORT_S = 2.0  # NodeReport period (restart counts in `pdserve stats`; a restarted coordinator learns them again)
+
+
+class ConfigError(RuntimeError):
+    """The node cannot run with this configuration: the launch stops, the message printed."""
+
+
+def backoff(crashes: int) -> float:
+    """The delay before a restart after `crashes` exits in a row soon after their start."""
+    return min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** max(0, crashes - 1))
 
 
 @dataclass
@@ -64,6 +90,7 @@ class NodePlan:
     insecure: bool = False  # allow binds beyond loopback without keys
     served_model_name: str | None = None  # the gateway's model name
     worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
+    hang_timeout_s: float = HANG_TIMEOUT_S  # a child whose loop has not run for this long is killed and restarted
 
     @property
     def security_args(self) -> list[str]:
@@ -137,46 +164,67 @@ class Child:
 
     name: str
     args: list[str]
+    alive_path: str = ""  # its liveness file (wire/liveness.py)
     proc: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
     crashes: int = 0  # exits in a row that came within CRASH_WINDOW_S of their start
     restart_at: float | None = None  # set while it waits out its back-off
     last_exit: str = ""
+    alive_mtime: int | None = None  # the liveness file's mtime last seen (None: its loop has not run yet)
+    alive_at: float = 0.0  # when that mtime was first seen
+    kill_at: float | None = None  # hung: SIGKILL at this time unless it has exited
 
 
 class Launcher:
-    def __init__(self, plan: NodePlan, log_dir: str | None = None):
+    def __init__(self, plan: NodePlan, log_dir: str | None = None, usage_error=None):
         self.plan = plan
         self.log_dir = log_dir
+        self.usage_error = usage_error  # (role, args) -> click's message if `pdserve ROLE ARGS` would not parse, else None
         self.children: list[Child] = []
         self.stopping = False
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
         self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
+        self.alive_dir: str | None = None  # the children's liveness files
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
         """(role name, its current process) for every role."""
-        return [(c.name, c.proc) for c in self.children]
+        return [(c.name, c.proc) for c in self.children if c.proc is not None]
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        child = Child(name, args)
-        self.children.append(child)
-        self._start_child(child)
+        """Plan a child; `start` starts them all once their flags are checked."""
+        self.children.append(Child(name, args, os.path.join(self.alive_dir, f"{name}.alive")))
 
     def _start_child(self, child: Child) -> None:
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")
+        if os.path.exists(child.alive_path):
+            os.unlink(child.alive_path)  # the new process's loop makes it again
         try:
             child.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *child.args], stdout=out,
-                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent)
+                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
+                                          env={**os.environ, LIVENESS_ENV: child.alive_path})
         finally:
             if out is not None:
                 out.close()  # the child holds its own copy
         child.started = time.monotonic()
-        child.restart_at = None
+        child.restart_at = child.alive_mtime = child.kill_at = None
+
+    def validate(self) -> None:
+        """ConfigError if the model path is missing or a child's flags do not parse (`usage_error`:
+        the CLI parses them with the role's own command, without running it)."""
+        if self.plan.coordinator or self.plan.num_workers:
+            try:
+                resolve_model_path(self.plan.model)
+            except ModelLoadError as e:  # missing, or the default model not installed
+                raise ConfigError(str(e)) from None
+        for child in self.children:
+            error = self.usage_error and self.usage_error(child.args[0], child.args[1:])
+            if error:
+                raise ConfigError(f"{child.name}: {error}")
 
     def _worker_args(self) -> list[str]:
         p = self.plan
@@ -197,7 +245,9 @@ class Launcher:
         return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
 
     def start(self) -> None:
+        """Check the configuration (ConfigError), then start every role: the coordinator first."""
         p = self.plan
+        self.alive_dir = tempfile.mkdtemp(prefix="pdserve-alive-")
         if p.worker_secret and not p.keys and p.coordinator:
             from wire.security import write_secret
 
@@ -228,6 +278,9 @@ class Launcher:
         for i in range(p.colocated):
             self._spawn(f"colocated-{i}", ["decode", "--colocated", "--worker-id", f"{p.name}-colocated-{i}", "--kv-bind", kv_bind,
                                            *common, *share()])
+        self.validate()
+        for child in self.children:
+            self._start_child(child)
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with the coordinator; returns its stats."""
@@ -236,19 +289,21 @@ class Launcher:
         deadline = time.monotonic() + timeout
         mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),
                                                               ("colocated", self.plan.colocated)) for i in range(n)}
+        missing, next_report = mine, 0.0
         with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
             while time.monotonic() < deadline:
-                self.check_children()
+                next_report = self.tend(client, next_report)  # a role crash-looping meanwhile shows in stats
                 try:
                     stats = client.stats(timeout=1.0)
                 except ClientError:
                     continue
-                if mine <= {w["id"] for w in stats["workers"]}:
+                missing = mine - {w["id"] for w in stats["workers"]}
+                if not missing:
                     if self.plan.gateway:
                         self.wait_gateway(deadline)
                     return stats
                 time.sleep(0.2)
-        raise TimeoutError(f"workers not registered after {timeout:.0f}s")
+        raise TimeoutError(f"workers not registered after {timeout:.0f}s: {', '.join(sorted(missing)) or 'no coordinator answer'}")
 
     def wait_gateway(self, deadline: float) -> None:
         """Block until the gateway answers /health (503 counts: it answers while workers are missing)."""
@@ -267,35 +322,79 @@ class Launcher:
         raise TimeoutError(f"the gateway did not answer at {self.plan.http_url}/health in time")
 
     def check_children(self) -> bool:
-        """Restart what exited (after its back-off); True if a role was restarted. Raises
-        RuntimeError when a role keeps crashing at start (see the module docstring)."""
+        """Kill what hung, restart what exited (after its back-off); True if a role was
+        restarted. Raises ConfigError when a role cannot start with its configuration."""
         now = time.monotonic()
         restarted = False
         for child in self.children:
             if self.stopping:
                 return restarted
-            if child.restart_at is None and child.proc.poll() is not None:
-                self._note_exit(child, now)
+            if child.restart_at is None:
+                if child.proc.poll() is not None:
+                    self._note_exit(child, now)
+                else:
+                    self._check_liveness(child, now)
             if child.restart_at is not None and now >= child.restart_at:
                 child.restarts += 1
                 self._start_child(child)
                 restarted = True
         return restarted
 
+    def _check_liveness(self, child: Child, now: float) -> None:
+        """A child whose liveness file's mtime has not changed for hang_timeout_s since its loop
+        first touched it: SIGTERM (+SIGCONT), then SIGKILL after HANG_KILL_GRACE_S."""
+        if child.kill_at is not None:
+            if now >= child.kill_at:
+                child.proc.kill()
+            return
+        try:
+            mtime = os.stat(child.alive_path).st_mtime_ns
+        except FileNotFoundError:
+            return  # still starting: its loop has not run yet
+        if mtime != child.alive_mtime:
+            child.alive_mtime, child.alive_at = mtime, now
+        elif now - child.alive_at > self.plan.hang_timeout_s:
+            print(f"pdserve launch: {child.name} (pid {child.proc.pid}) hung: its loop has not run for {now - child.alive_at:.1f} s "
+                  f"(--hang-timeout-s {self.plan.hang_timeout_s:g}); killing it (SIGKILL in {HANG_KILL_GRACE_S:g} s)",
+                  file=sys.stderr, flush=True)
+            child.proc.send_signal(signal.SIGTERM)
+            child.proc.send_signal(signal.SIGCONT)  # a stopped child would never see the SIGTERM
+            child.kill_at = now + HANG_KILL_GRACE_S
+
     def _note_exit(self, child: Child, now: float) -> None:
         code, pid = child.proc.returncode, child.proc.pid
         unlink_pool_of(pid)
-        child.last_exit = exit_status(code)
+        hung = child.kill_at is not None
+        child.last_exit = "hung: killed" if hung else exit_status(code)
+        if not hung and child.restarts == 0 and code in (EX_CONFIG, USAGE_EXIT):
+            raise ConfigError(f"{child.name} (pid {pid}) cannot start with this configuration ({child.last_exit})"
+                              + self._log_tail(child.name))
         child.crashes = child.crashes + 1 if now - child.started < CRASH_WINDOW_S else 1
-        if code == EX_CONFIG:
-            raise RuntimeError(f"{child.name} (pid {pid}) cannot start with this configuration ({child.last_exit}; see its log)")
-        if child.crashes >= CRASH_LOOP:
-            raise RuntimeError(f"{child.name} (pid {pid}) exited with {child.last_exit}, its {child.crashes}th crash in a row "
-                               f"within {CRASH_WINDOW_S:g} s of starting; giving up")
-        delay = min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (child.crashes - 1))
+        delay = backoff(child.crashes)
         child.restart_at = now + delay
-        print(f"pdserve launch: {child.name} (pid {pid}) exited with {child.last_exit}; restarting in {delay:.1f} s "
-              f"(restart {child.restarts + 1})", file=sys.stderr, flush=True)
+        how = exit_status(code) + (" (hung: killed)" if hung else "")
+        in_a_row = f"; {child.crashes} exits in a row within {CRASH_WINDOW_S:g} s of their start" if child.crashes > 1 else ""
+        print(f"pdserve launch: {child.name} (pid {pid}) exited with {how}; restarting in {delay:.1f} s (restart {child.restarts + 1}"
+              f"{in_a_row})", file=sys.stderr, flush=True)
+
+    def _log_tail(self, name: str, lines: int = 8) -> str:
+        """The last lines of a child's log, to print with its configuration error."""
+        if not self.log_dir:
+            return "; its error is above"
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                tail = f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "; the end of its log:\n" + "\n".join(f"  {line}" for line in tail)
+
+    def tend(self, client, next_report: float) -> float:
+        """check_children, and a NodeReport after a restart or at next_report; returns the next report's time."""
+        if (self.check_children() or time.monotonic() >= next_report) and client is not None:
+            self.report(client)
+            return time.monotonic() + REPORT_S
+        return next_report
 
     def report(self, client) -> None:
         """Tell the coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
@@ -327,6 +426,8 @@ class Launcher:
         if self.secret_file and os.path.exists(self.secret_file):
             os.unlink(self.secret_file)
             os.rmdir(os.path.dirname(self.secret_file))
+        if self.alive_dir:
+            shutil.rmtree(self.alive_dir, ignore_errors=True)
 
     def run_forever(self, on_ready=None) -> int:
         stop = []
@@ -334,13 +435,16 @@ class Launcher:
             signal.signal(sig, lambda *_: stop.append(1))
         try:
             self.start()
-            stats = self.wait_ready() if self.plan.coordinator or self.plan.num_workers else None
-            if on_ready:
-                on_ready(stats)
+            try:
+                stats = self.wait_ready() if self.plan.coordinator or self.plan.num_workers else None
+                if on_ready:
+                    on_ready(stats)
+            except TimeoutError as e:  # a role that keeps crashing, or a slow start: go on restarting it
+                print(f"pdserve launch: {e}; serving with the roles that are up", file=sys.stderr, flush=True)
             self.supervise(stop)
             return 0
-        except (RuntimeError, TimeoutError) as e:
-            print(f"pdserve launch: {e}; stopping", file=sys.stderr)
+        except RuntimeError as e:  # ConfigError
+            print(f"pdserve launch: {e}\npdserve launch: stopping", file=sys.stderr)
             return 1
         finally:
             self.stop()
@@ -355,9 +459,7 @@ class Launcher:
         try:
             next_report = 0.0
             while not stop:
-                if (self.check_children() or time.monotonic() >= next_report) and client is not None:
-                    self.report(client)
-                    next_report = time.monotonic() + REPORT_S
+                next_report = self.tend(client, next_report)
                 time.sleep(0.2)
         finally:
             if client is not None:

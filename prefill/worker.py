@@ -35,7 +35,7 @@ from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, pref
 from runtime.errors import PdserveError
 from runtime.kv_cache import allocate_kv_cache
 from runtime.weights import load_checkpoint
-from wire import security
+from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import Abort, Heartbeat, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError
 from worker import process
@@ -93,6 +93,7 @@ class PrefillWorker:
         self.link.start(self.heartbeat)
         try:
             while self.running:
+                liveness.touch()  # the launcher's hang check (wire/liveness.py)
                 self.turn(0 if self.jobs else 0.05)
         finally:
             self.close()
@@ -161,6 +162,7 @@ class PrefillWorker:
         outs = self.engine.step()
         compute = time.perf_counter() - t0
         for out in outs:
+            liveness.touch()  # each hand-off may wait up to the sender's timeout (10 s) for a dead decode worker
             job = self.jobs.pop(out.request_id, None)
             if job is None:
                 continue

@@ -5,9 +5,12 @@ coordinator learns about it (role, model limits, pool size, start-up profile, it
 `run`, with its heartbeat); each pass of its loop keys its prefix cache with the secret the
 coordinator's Welcome names (`adopt_prefix_secret`). `build_or_exit(build)` ends the process with EX_CONFIG when the
 build fails with a typed error (a model it cannot load, a KV pool /dev/shm cannot hold): its
-launcher then stops rather than restarting it. `serve(worker)` freezes the start-up heap, turns
-SIGTERM and SIGINT into `worker.running = False`, and runs the worker's loop until then; the
-loop's own `finally` closes what the worker holds.
+launcher then stops the node if that was the worker's first start (a restart that fails so is
+retried with a back-off). `serve(worker)` freezes the start-up heap, turns SIGTERM and SIGINT
+into `worker.running = False`, and runs the worker's loop until then; each pass of the loop
+touches the launcher's liveness file (wire/liveness.py), so a loop stuck longer than the
+launcher's hang timeout gets the worker killed and restarted; the loop's own `finally` closes
+what the worker holds.
 """
 from __future__ import annotations
 

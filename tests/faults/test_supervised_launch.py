@@ -2,8 +2,11 @@
 decode worker killed with streams in flight is restarted while the others keep serving and
 every stream completes identically or ends with a typed error; a killed coordinator and gateway
 come back and the workers re-join; request ids differ across a coordinator restart and a
-worker's message about a request placed elsewhere is ignored; a role that keeps crashing at
-start stops the node. Each test ends with every pool whole."""
+worker's message about a request placed elsewhere is ignored; a hung (SIGSTOPped) worker is
+killed and restarted; a role that keeps crashing is retried with a growing back-off while the
+node serves; only a configuration error (a bad flag, a missing model, a value a worker rejects,
+a pool /dev/shm cannot hold) stops the node, with the error printed. Each test ends with every
+pool whole."""
 import asyncio
 import glob
 import os
@@ -28,6 +31,7 @@ from runtime.sampling import SamplingParams
 from tests.faults.test_worker_death import run_and_kill
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 from wire import security
+from wire.liveness import LIVENESS_ENV
 from wire.protocol import (
     PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut,
     Welcome, decoder, encode,
@@ -267,13 +271,119 @@ def health(url: str) -> bool:
         return False
 
 
-def test_a_role_that_keeps_crashing_at_start_stops_the_node(model_dir, tmp_path):
-    node = Node(model_dir, tmp_path, "--engine-arg=--no-such-flag=1")  # every worker exits with a usage error
-    code = node.proc.wait(timeout=180)
+HANG_TIMEOUT_S = 5.0  # short for the test; the default (60 s) is above the longest legitimate loop pass
+
+
+def test_a_hung_worker_is_killed_and_restarted(model_dir, tmp_path):
+    node = Node(model_dir, tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S), "--engine-arg=--kv-cache-mb=16")
+    try:
+        stats = node.wait_workers(2)
+        for role in ("coordinator", "gateway", "prefill", "decode"):  # each role's loop touches its file (or it is not watched)
+            path = liveness_file(node.child(role))
+            first = poll(f"{role}'s liveness file", lambda: os.path.exists(path) and os.stat(path).st_mtime_ns, 10)
+            poll(f"{role}'s next touch", lambda: os.stat(path).st_mtime_ns != first, 5)
+        victim = next(w for w in stats["workers"] if w["role"] == "decode")
+        os.kill(victim["pid"], signal.SIGSTOP)  # its loop stops; the process lives
+        stopped_at = time.monotonic()
+        # noticed within the timeout (+ a touch period), SIGKILL after the 5 s grace at worst, restarted after 1 s
+        poll("the hung worker's replacement", lambda: node.child("decode") not in (None, victim["pid"]), HANG_TIMEOUT_S + 15)
+        assert time.monotonic() - stopped_at > HANG_TIMEOUT_S  # not before the timeout
+        err = node.stderr()
+        assert f"decode-0 (pid {victim['pid']}) hung: its loop has not run for" in err
+        assert f"decode-0 (pid {victim['pid']}) exited with " in err and " (hung: killed); restarting in 1.0 s (restart 1)" in err
+        with Client(node.clients, timeout=30) as c:
+            poll("the restarted worker's registration", lambda: [w for w in c.stats()["workers"]
+                                                                 if w["id"] == victim["id"] and w["pid"] != victim["pid"]], 90)
+            r = c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=8, ignore_eos=True)
+            assert len(r.token_ids) == 8
+            poll("the restart in stats", lambda: restarts(c, "decode-0") == 1, 10)
+            node_report = c.stats()["nodes"]["local"]
+            assert node_report["last_exit"] == {"decode-0": "hung: killed"}  # the healthy roles were left alone
+            assert sum(node_report["restarts"].values()) == 1
+            wait_all_blocks_free(c, timeout=10)
+        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")
+    finally:
+        assert node.stop() == 0
+
+
+def liveness_file(pid: int) -> str:
+    """The liveness file the launcher gave a child (wire/liveness.py), from its environment."""
+    env = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+    return env[LIVENESS_ENV.encode()].decode()
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    from pdserve.launch import HANG_KILL_GRACE_S, Child, Launcher, NodePlan
+
+    alive = tmp_path / "x.alive"
+    launcher = Launcher(NodePlan(hang_timeout_s=0.5))
+    child = Child("x", [], str(alive))  # its loop touched once, then hung, deaf to SIGTERM
+    child.proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   f"open({str(alive)!r}, 'a').close(); print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        child.proc.stdout.readline()  # it ignores SIGTERM from here on
+        t0 = time.monotonic()
+        poll("the kill", lambda: launcher._check_liveness(child, time.monotonic()) or child.proc.poll() is not None, 10 + HANG_KILL_GRACE_S)
+        assert child.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 >= 0.5 + HANG_KILL_GRACE_S
+        launcher._note_exit(child, time.monotonic())
+        assert child.last_exit == "hung: killed" and child.restart_at is not None
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+
+
+def test_a_crash_looping_worker_is_retried_with_back_off_while_the_node_serves(model_dir, tmp_path):
+    node = Node(model_dir, tmp_path, "--decode", "2", "--engine-arg=--kv-cache-mb=16")
+    looping = "decode --worker-id local-decode-1"  # its command line, as ps shows it
+    try:
+        killed = []
+        for _ in range(4):  # killed as soon as it starts: four crashes at start in a row
+            pid = poll("decode-1's next start", lambda: (p := node.child(looping)) not in (None, *killed) and p, 30)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        err = poll("the fourth restart's line", lambda: "restarting in 8.0 s" in (e := node.stderr()) and e, 10)
+        for n, delay in ((2, 2), (3, 4), (4, 8)):  # one line each time, the delay doubling
+            assert (f"decode-1 (pid {killed[n - 1]}) exited with signal SIGKILL; restarting in {delay:.1f} s "
+                    f"(restart {n}; {n} exits in a row within 60 s of their start)") in err
+        assert f"decode-1 (pid {killed[0]}) exited with signal SIGKILL; restarting in 1.0 s (restart 1)" in err
+        with Client(node.clients, timeout=30) as c:  # the other roles serve meanwhile
+            poll("prefill-0 and decode-0", lambda: {"local-prefill-0", "local-decode-0"} <= {w["id"] for w in c.stats()["workers"]}, 90)
+            assert node.proc.poll() is None
+            r = c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=8, ignore_eos=True)
+            assert len(r.token_ids) == 8
+            assert restarts(c, "decode-1") >= 3 and c.stats()["nodes"]["local"]["last_exit"]["decode-1"] == "signal SIGKILL"
+            # still retried: after its 8 s back-off it starts again and joins
+            poll("decode-1's return", lambda: "local-decode-1" in {w["id"] for w in c.stats()["workers"]}, 90)
+            poll("the fourth restart in stats", lambda: restarts(c, "decode-1") == 4, 10)
+            wait_all_blocks_free(c, timeout=10)
+    finally:
+        assert node.stop() == 0
+
+
+def test_the_backoff_doubles_from_1_s_up_to_30_s():
+    from pdserve.launch import backoff
+
+    assert [backoff(n) for n in range(1, 9)] == [1, 2, 4, 8, 16, 30, 30, 30]
+
+
+@pytest.mark.parametrize("flag, error", [
+    ("--engine-arg=--no-such-flag=1", "prefill-0: No such option '--no-such-flag'."),  # checked before anything starts
+    ("--model=/no/such/model", "model path does not exist: /no/such/model"),
+])
+def test_a_configuration_error_stops_the_launch_before_anything_starts(model_dir, tmp_path, flag, error):
+    node = Node(model_dir, tmp_path, flag)
+    assert node.proc.wait(timeout=60) == 1
+    assert f"pdserve launch: {error}\npdserve launch: stopping" in node.stderr()
+    assert not glob.glob(str(tmp_path / "*.log"))  # no role was started
+
+
+def test_a_value_a_worker_rejects_at_its_first_start_stops_the_node(model_dir, tmp_path):
+    node = Node(model_dir, tmp_path, "--engine-arg=--max-num-seqs=0")  # parses; the worker's config refuses it
+    assert node.proc.wait(timeout=120) == 1
     err = node.stderr()
-    assert code == 1
-    assert "5th crash in a row within 60 s of starting; giving up" in err
-    assert err.count("exited with exit status 2; restarting") >= 4
+    assert "cannot start with this configuration (exit status 2); the end of its log:" in err
+    assert "max_num_seqs and max_num_batched_tokens must be >= 1" in err  # the worker's own message, printed
+    assert "restarting" not in err
 
 
 def test_a_decode_pool_larger_than_dev_shm_stops_the_node_at_once(model_dir, tmp_path):
