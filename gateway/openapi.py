@@ -65,9 +65,12 @@ def openapi(title: str, version: str) -> dict:
         return {method: spec}
 
     def generate(summary: str, body: str, whole: str, chunk: str) -> dict:
-        ok = {**json(ref[whole]), "text/event-stream": {"schema": {"type": "string"},
-                                                        "description": f"with stream=true: server-sent {chunk} events ending in `data: [DONE]`"}}
-        return op("post", summary, ok, _GENERATE, ref[body])
+        # one server-sent event: a chunk (or, after the headers went out, an error) as JSON, the last `[DONE]`
+        data = {"type": "string", "if": {"const": "[DONE]"}, "else": {
+            "contentMediaType": "application/json", "contentSchema": {"anyOf": [ref[chunk], ref["ErrorResponse"]]}}}
+        event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+        ok = {**json(ref[whole]), "text/event-stream": {"schema": event}}
+        return op("post", f"{summary} (stream=true: server-sent {chunk} events ending in `data: [DONE]`)", ok, _GENERATE, ref[body])
 
     tokenize_body = {"oneOf": [ref["TokenizeCompletionRequest"], ref["TokenizeChatRequest"]]}
     return {
