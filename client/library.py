@@ -87,11 +87,15 @@ class RequestLost(RequestError):
     """The coordinator no longer knows the request (it restarted while the request ran)."""
 
 
+class ClientTooSlow(RequestError):
+    """This client left more than the coordinator's send budget unread, so its requests were aborted."""
+
+
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
     "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
-    "unknown_request": RequestLost,
+    "unknown_request": RequestLost, "client_too_slow": ClientTooSlow,
 }
 PROBE_S = 2.0  # silence after which a waiting client asks whether its request is still known
 
@@ -389,7 +393,7 @@ class AsyncClient:
 
 
 __all__ = [
-    "DEFAULT_ADDRESS", "AsyncClient", "Client", "ClientError", "CoordinatorUnreachable", "InvalidRequest", "NoWorkers",
+    "DEFAULT_ADDRESS", "AsyncClient", "Client", "ClientError", "ClientTooSlow", "CoordinatorUnreachable", "InvalidRequest", "NoWorkers",
     "Overloaded", "PromptTooLong", "RequestError", "RequestLost", "RequestTimeout", "Result", "StreamDelta", "WorkerLost",
     "build_request", "encode_request", "request_error", "to_delta",
 ]

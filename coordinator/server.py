@@ -41,6 +41,7 @@ from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
 from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
+from coordinator.outbox import Outbox, Sent
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
@@ -83,6 +84,7 @@ class CoordinatorConfig:
     max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
     max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
     send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
+    client_send_budget: int = 32 * 2**20  # bytes queued for one client; past it its requests end client_too_slow (coordinator/outbox.py)
     max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
     keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
     insecure: bool = False  # allow a non-loopback bind without keys
@@ -130,6 +132,7 @@ class Coordinator:
         self.client_io, self.worker_io = SocketIO(self.client_sock), SocketIO(self.worker_sock)
         self.by_ident: dict[bytes, str] = {}  # worker socket identity -> worker id
         self.client_load = collections.Counter()  # client identity -> its requests in flight
+        self.outbox = Outbox(cfg.client_send_budget)  # bytes queued per client, bounded (send_client)
         self.client_dec = decoder(ClientToCoordinator)
         self.worker_dec = decoder(WorkerToCoordinator)
         self.stopping = asyncio.Event()
@@ -211,6 +214,7 @@ class Coordinator:
                 self.counts["internal_errors"] += 1
 
     async def _housekeeping(self) -> None:
+        pruned = time.monotonic()
         while True:
             await asyncio.sleep(0.02)
             liveness.touch()  # the launcher's hang check (wire/liveness.py)
@@ -219,18 +223,35 @@ class Coordinator:
                 self.drop_worker(wid, "worker stopped answering")
             self.retry_pending(now)
             self.admission_timeouts(now)
+            if now - pruned > 1.0:
+                self.outbox.prune(self.client_load.__contains__)
+                pruned = now
 
     # ------------------------------------------------------------------ clients
 
     def send_client(self, ident: bytes, msg) -> None:
-        if not self.client_io.send([ident, encode(msg)]):  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
+        sent = self.outbox.send(self.client_io, ident, encode(msg), idle=ident not in self.client_load)
+        if sent is Sent.OVER_BUDGET:  # the client does not read: its queued bytes are at client_send_budget
+            self.counts["client_over_budget_messages"] += 1
+            self.drop_client(ident, over_budget=True)
+        elif sent is Sent.FAILED:  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
             self.counts["client_send_failures"] += 1
             self.drop_client(ident)
 
-    def drop_client(self, ident: bytes) -> None:
-        """End every request of a client that can no longer be reached; their blocks are freed."""
+    def drop_client(self, ident: bytes, over_budget: bool = False) -> None:
+        """End every request of a client that can no longer be reached, or (over_budget) that
+        does not read what is queued for it: each is told client_too_slow if the budget's
+        overdraft holds the notice. Their blocks are freed."""
         for (who, _), iid in list(self.by_client.items()):
-            if who == ident and self.close(iid) is not None:
+            st = self.close(iid) if who == ident else None
+            if st is None:
+                continue
+            if over_budget:
+                self.counts["error:client_too_slow"] += 1
+                notice = ErrorReply(st.client_rid, "client_too_slow", f"aborted: over {self.cfg.client_send_budget} bytes "
+                                    "are queued for this client, which does not read them (--client-send-budget-mb)")
+                self.outbox.send(self.client_io, ident, encode(notice), idle=ident not in self.client_load, notice=True)
+            else:
                 self.counts["finished:abort"] += 1
                 self.counts["client_gone_aborts"] += 1
         for key in [k for k in self.tokenizing if k[0] == ident]:

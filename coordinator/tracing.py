@@ -10,7 +10,11 @@ included: the worker reports no split) and `decode`. A request that failed or wa
 the root span only, its status ERROR (failed) with the error code. A request that came with a
 W3C `traceparent` (the HTTP gateway passes the header on) joins that trace, as in vLLM. Spans carry the
 coordinator's own timestamps (its monotonic clock mapped to wall time once), so they are
-written after the fact, when the request ends, and never on the hot path of a token.
+written after the fact, when the request ends, and never on the hot path of a token. What a
+caller controls cannot bloat a span: every string attribute (the request id, worker ids) and an
+error status's description are cut to MAX_ATTRIBUTE_LENGTH characters here (quietly: the SDK's
+own span limits, kept as a backstop, log a warning per cut), and a trace header longer than
+MAX_TRACE_HEADER is ignored.
 
 Lifecycle: `RequestTracer.otlp(endpoint, protocol)` builds a tracer provider with a batch span
 processor and an OTLP exporter (grpc, as vLLM defaults to, or http/protobuf); the coordinator
@@ -33,6 +37,8 @@ if TYPE_CHECKING:
 PROTOCOLS = ("grpc", "http/protobuf")
 INSTALL_HINT = "pip install 'pdserve[otel]' (opentelemetry-sdk and opentelemetry-exporter-otlp)"
 FLUSH_TIMEOUT_S = 3.0  # at shutdown: a collector that does not answer must not hold the coordinator's exit
+MAX_ATTRIBUTE_LENGTH = 256  # characters of a span attribute or error description (a request id is a caller's string)
+MAX_TRACE_HEADER = 512  # characters of a traceparent or tracestate read (W3C: a tracestate of up to 512 is kept); a longer one is ignored
 
 
 class TracingUnavailable(RuntimeError):
@@ -68,11 +74,13 @@ class RequestTracer:
         time.monotonic() seconds to epoch nanoseconds (default: measured now)."""
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         self.trace = trace
-        self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}), shutdown_on_exit=False)  # shutdown() bounds it
+        limits = SpanLimits(max_span_attribute_length=MAX_ATTRIBUTE_LENGTH)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}), span_limits=limits,
+                                       shutdown_on_exit=False)  # shutdown() bounds it
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("pdserve.coordinator")
         self.offset_ns = time.time_ns() - time.monotonic_ns() if clock_offset_ns is None else clock_offset_ns
@@ -94,12 +102,15 @@ class RequestTracer:
 
         attrs = {k: v for k, v in attributes.items() if v is not None}
         attrs.update({k: v for k, v in (("pdserve.prefill_worker", prefill), ("pdserve.decode_worker", decode)) if v})
+        attrs = {k: v[:MAX_ATTRIBUTE_LENGTH] if isinstance(v, str) else v for k, v in attrs.items()}
+        prefill, decode = (w[:MAX_ATTRIBUTE_LENGTH] if w else w for w in (prefill, decode))
         if split is not None:
             attrs.update(_latency_attributes(split, end - arrival))
-        parent = TraceContextTextMapPropagator().extract(trace_headers) if trace_headers else None  # invalid: a new trace
+        headers = {k: v for k, v in (trace_headers or {}).items() if k in ("traceparent", "tracestate") and len(v) <= MAX_TRACE_HEADER}
+        parent = TraceContextTextMapPropagator().extract(headers) if headers else None  # invalid: a new trace
         root = self.tracer.start_span("llm_request", context=parent, kind=SpanKind.SERVER, start_time=self._ns(arrival), attributes=attrs)
         if error is not None:
-            root.set_status(Status(StatusCode.ERROR, error))
+            root.set_status(Status(StatusCode.ERROR, error[:MAX_ATTRIBUTE_LENGTH]))
         if split is not None:
             ctx = self.trace.set_span_in_context(root)
             t = arrival

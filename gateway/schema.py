@@ -8,8 +8,8 @@ bounds (wire/limits.py), then `completion_jobs()` or `chat_jobs()` turns it into
 job per (prompt, sample) with validated sampling parameters and `structured_bounds()` sizes its
 structured-output spec before it is compiled, each raising `ApiError` (status + OpenAI error
 body; a bound: 400 `limit_exceeded` naming the field) before anything is sent. Responses and stream chunks are built from the response Structs here and
-encoded with msgspec. The same Structs generate `/openapi.json`, so the schema cannot drift
-from what the code accepts.
+encoded with msgspec. The same Structs generate `/openapi.json` (gateway/openapi.py), so the schema
+cannot drift from what the code accepts.
 """
 from __future__ import annotations
 
@@ -446,38 +446,3 @@ class Model(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[Model]
     object: str = "list"
-
-
-# ------------------------------------------------------------------ OpenAPI
-
-
-def openapi(title: str, version: str) -> dict:
-    kinds = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
-             ModelList, ErrorResponse]
-    refs, components = msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
-    ref = dict(zip([k.__name__ for k in kinds], refs))
-    errors = {"default": {"description": "an error in OpenAI's shape", "content": {"application/json": {"schema": ref["ErrorResponse"]}}}}
-
-    def post(summary, body, whole, chunk):
-        return {"post": {
-            "summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": ref[body]}}},
-            "responses": {"200": {"description": f"{whole}, or with stream=true server-sent {chunk} events ending in `data: [DONE]`",
-                                  "content": {"application/json": {"schema": ref[whole]},
-                                              "text/event-stream": {"schema": {"type": "string"}}}}, **errors},
-        }}
-
-    def get(summary, media, schema):
-        return {"get": {"summary": summary, "responses": {"200": {"description": summary, "content": {media: {"schema": schema}}}}}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "paths": {
-            "/v1/completions": post("Text completion", "CompletionRequest", "CompletionResponse", "CompletionResponse"),
-            "/v1/chat/completions": post("Chat completion", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
-            "/v1/models": get("The served model", "application/json", ref["ModelList"]),
-            "/health": get("200 while a prefill+decode pair (or a colocated worker) is registered, else 503", "application/json", {"type": "object"}),
-            "/metrics": get("Prometheus metrics", "text/plain", {"type": "string"}),
-        },
-        "components": {"schemas": components},
-    }

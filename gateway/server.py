@@ -10,9 +10,13 @@ return as one JSON body or as server-sent events ending in `data: [DONE]` (gatew
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
-freed. /metrics wants the API key when one is set, /health never does; both ask the
-coordinator for its stats on every call. Every field of a request is checked against the table
-of bounds (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its choices hold fair shares of the in-flight slots (gateway/slots.py).
+freed. /metrics wants the API key when one is set and asks the coordinator for its stats on
+every call; /health never wants it and answers from a readiness summary that a task of the
+lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
+probes cost the coordinator one stats build a second. /openapi.json describes every route
+(gateway/openapi.py). Every field of a request is checked against the table of bounds
+(wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
+choices hold fair shares of the in-flight slots (gateway/slots.py).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from client.library import (
@@ -36,15 +40,16 @@ from client.library import (
 )
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body, openapi,
+    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body,
     refuse_oversized, request_bounds, structured_bounds,
 )
-from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
+from gateway.openapi import Health, openapi
+from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
 from gateway.structured import check_jobs
-from gateway.tokenize import TokenizerRoutes
+from gateway.tokenize import TokenizerRoutes, package_version
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
@@ -55,11 +60,13 @@ from wire.limits import TRACE_HEADERS, RequestLimits
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
 DECODE_INLINE_BYTES = 256 * 1024  # a larger request body is decoded off the event loop
+HEALTH_EVERY_S = 1.0  # how often /health's summary is refreshed from the coordinator's stats while ready
+HEALTH_NOT_READY_EVERY_S = 0.2  # and while not ready (a node coming up is seen ready within this)
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
 _STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
-_CODE_STATUS = {"unknown_request": 503}
+_CODE_STATUS = {"unknown_request": 503, "client_too_slow": 503}
 
 
 @dataclass
@@ -76,12 +83,15 @@ class GatewayConfig:
     keys: str | None = None  # CurveZMQ keys directory for the coordinator connection
     max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
+    stream_buffer_bytes: int = STREAM_BUFFER_BYTES  # events one HTTP request may leave unread before its streams are aborted
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
         if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
             raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
+        if self.stream_buffer_bytes < 16 * 1024:
+            raise InvalidRequestError(f"stream_buffer_bytes must be >= 16 KiB, got {self.stream_buffer_bytes}")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
 
@@ -107,6 +117,8 @@ class Gateway:
         self.max_model_len: int | None = None  # learnt from the coordinator's stats
         self.client: AsyncClient | None = None
         self.slots = Slots(cfg.max_inflight)
+        self.readiness = Health("unavailable", reason="the coordinator has not answered yet")  # what /health answers
+        self.openapi_doc = msgspec.json.encode(openapi("pdserve OpenAI-compatible API", package_version()))
 
     def app(self) -> Starlette:
         routes = [
@@ -124,11 +136,15 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s, keys=self.cfg.keys)
-        beat = asyncio.create_task(liveness.beat())  # the launcher's hang check (wire/liveness.py)
+        self.readiness = readiness(await self.stats())  # the first probe already has an answer (at most stats_timeout_s)
+        tasks = [asyncio.ensure_future(self.watch_health()),
+                 asyncio.ensure_future(liveness.beat())]  # the launcher's hang check (wire/liveness.py)
         try:
             yield
         finally:
-            beat.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.client.close()
 
     # ------------------------------------------------------------------ checks and errors
@@ -217,7 +233,7 @@ class Gateway:
         for job in jobs if trace else ():  # the coordinator's span joins the client's trace
             job.inputs = {**job.inputs, "trace_headers": trace}
         try:
-            fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots)
+            fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots, self.cfg.stream_buffer_bytes)
         except ClientError as e:  # every slot is held: 429
             raise self.api_error(e) from None
         streaming = False
@@ -268,23 +284,31 @@ class Gateway:
             self.max_model_len = min(lens)
         return s
 
+    async def watch_health(self) -> None:
+        """Refresh the summary /health answers, for as long as the app runs."""
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S if self.readiness.status == "ready" else HEALTH_NOT_READY_EVERY_S)
+            self.readiness = readiness(await self.stats())
+
     async def health(self, request) -> Response:
-        s = await self.stats()
-        if s is None:
-            return JSONResponse({"status": "unavailable", "reason": "the coordinator does not answer"}, 503)
-        roles = collections.Counter(w["role"] for w in s.get("workers", []))
-        ready = roles["colocated"] > 0 or (roles["prefill"] > 0 and roles["decode"] > 0)
-        body = {"status": "ready" if ready else "unavailable", "workers": dict(roles)}
-        if not ready:
-            body["reason"] = "no prefill+decode pair or colocated worker is registered"
-        return JSONResponse(body, 200 if ready else 503)
+        return encode_json(self.readiness, 200 if self.readiness.status == "ready" else 503)
 
     async def prometheus(self, request) -> Response:
         self.authorize(request)  # /health stays open (probes); /metrics shows traffic, so it wants the key when one is set
         return Response(self.metrics.render(await self.stats()), media_type=CONTENT_TYPE)
 
     async def openapi(self, request) -> Response:
-        return JSONResponse(openapi("pdserve OpenAI-compatible API", "1"))
+        return Response(self.openapi_doc, media_type="application/json")
+
+
+def readiness(stats: dict | None) -> Health:
+    """/health's answer from the coordinator's stats (None: it did not answer)."""
+    if stats is None:
+        return Health("unavailable", reason="the coordinator does not answer")
+    roles = collections.Counter(w["role"] for w in stats.get("workers", []))
+    if roles["colocated"] > 0 or (roles["prefill"] > 0 and roles["decode"] > 0):
+        return Health("ready", dict(roles))
+    return Health("unavailable", dict(roles), "no prefill+decode pair or colocated worker is registered")
 
 
 def build_app(cfg: GatewayConfig, tokenizer=None) -> Starlette:

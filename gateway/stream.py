@@ -8,7 +8,10 @@ back. Each is pumped by a task into one queue of (choice index, delta | error | 
 at once, or the first error, so that an immediate refusal still becomes an HTTP status), then
 drains `next_event()`; a whole response awaits `results()`. `close()` cancels the pumps that
 are still running: cancelling `AsyncClient.stream` sends AbortRequest, so the workers free the
-request's blocks. `EventStream` (the SSE response) and `unless_disconnected` watch the ASGI
+request's blocks. The events queued and not yet handed out are counted in bytes (`event_bytes`):
+an HTTP client that stops reading stops the response's writes (uvicorn waits for the socket), and
+once more than `buffer_bytes` wait for it the fanout drops them, cancels every stream (their
+blocks are freed) and leaves one `ClientTooSlow` error to be read. `EventStream` (the SSE response) and `unless_disconnected` watch the ASGI
 receive channel and close the fanout the moment the client disconnects.
 """
 from __future__ import annotations
@@ -18,11 +21,24 @@ import logging
 
 from starlette.responses import StreamingResponse
 
-from client.library import AsyncClient, ClientError, Overloaded, Result, StreamDelta
+from client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
 from gateway.schema import Job
 from gateway.slots import Slots
 
 log = logging.getLogger("pdserve.gateway")
+
+STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
+EVENT_OVERHEAD = 256  # bytes counted per queued delta beyond its contents (the delta, its tuple, the queue slot)
+ITEM_BYTES = 32  # per token id or logprob held in a delta (a list slot and a Python number)
+TOP_BYTES = 128  # per (token id, logprob) pair of top_logprobs (a tuple and two numbers)
+
+
+def event_bytes(item) -> int:
+    """What a queued event holds in memory, roughly (an upper estimate for text: 4 bytes a character)."""
+    if not isinstance(item, StreamDelta):
+        return 0  # errors and end markers: at most two per stream, not counted
+    top = sum(map(len, item.top_logprobs)) if item.top_logprobs else 0
+    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ())) + TOP_BYTES * top
 
 
 class ClientGone(Exception):
@@ -30,9 +46,11 @@ class ClientGone(Exception):
 
 
 class Fanout:
-    def __init__(self, client: AsyncClient, jobs: list[Job], request_id: str, metrics, timeout: float, slots: Slots):
+    def __init__(self, client: AsyncClient, jobs: list[Job], request_id: str, metrics, timeout: float, slots: Slots,
+                 buffer_bytes: int = STREAM_BUFFER_BYTES):
         self.client, self.metrics, self.timeout, self.request_id = client, metrics, timeout, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffer_bytes, self.buffered = buffer_bytes, 0  # the budget of queued events, and what is queued now
         self.buffer: list[tuple[int, object]] = []  # events read by first(), not yet handed out
         self.results: dict[int, Result] = {}
         self.open = len(jobs)
@@ -66,6 +84,9 @@ class Fanout:
                     self.results[job.index] = d.result
                     self.metrics.observe(d.result)
                 self.queue.put_nowait((job.index, d))
+                self.buffered += event_bytes(d)
+                if self.buffered > self.buffer_bytes:
+                    self._overflow(job.index)
         except ClientError as e:  # counted by type where it becomes an HTTP error, once per HTTP request
             ended = True
             self.queue.put_nowait((job.index, e))
@@ -79,6 +100,17 @@ class Fanout:
             self.queue.put_nowait((job.index, e))
         finally:
             self.queue.put_nowait((job.index, None))
+
+    def _overflow(self, index: int) -> None:
+        """The HTTP client leaves more than buffer_bytes unread: drop what waits for it, cancel
+        every stream (this one too, at its next await: each sends its abort) and leave the error."""
+        for t in [self.feeder, *self.tasks]:
+            t.cancel()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.buffered = 0
+        self.queue.put_nowait((index, ClientTooSlow("client_too_slow", f"aborted: the client left over {self.buffer_bytes} bytes of "
+                                                                      "events unread (--stream-buffer-kb)")))
 
     async def first(self) -> None:
         """Wait until every stream started at once has sent something; raise the first error among them."""
@@ -95,6 +127,7 @@ class Fanout:
         """The next (choice index, delta) of any stream; None once all have ended."""
         while self.open:
             index, item = self.buffer.pop(0) if self.buffer else await self.queue.get()
+            self.buffered = max(0, self.buffered - event_bytes(item))
             if item is None:
                 self.open -= 1
             elif isinstance(item, Exception):

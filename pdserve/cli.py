@@ -259,6 +259,8 @@ def _class_targets(specs) -> dict:
               help="seconds a decode worker may leave an admission unanswered before the request is placed again")
 @click.option("--max-active-requests", default=4096, show_default=True, help="requests in flight before new ones are refused (overloaded)")
 @click.option("--max-client-requests", default=1024, show_default=True, help="the same, per client connection")
+@click.option("--client-send-budget-kb", default=None, type=click.IntRange(64),
+              help="KiB queued for one client that does not read, past which its requests are aborted (client_too_slow; default 32768)")
 @_slo_options
 @_limit_options
 @_security_options
@@ -266,7 +268,8 @@ def _class_targets(specs) -> dict:
 @click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
 @_SECRET_OPTION
 @click.option("-v", "--verbose", is_flag=True)
-def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests,
+                client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target,
                 keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
@@ -279,7 +282,8 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
-                            served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file))
+                            served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file,
+                            **({"client_send_budget": client_send_budget_kb * 1024} if client_send_budget_kb else {})))
 
 
 @main.command()
@@ -294,9 +298,11 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
 @click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
               help="coordinator requests in flight for all HTTP requests (keep <= the coordinator's --max-client-requests); "
                    "one HTTP request holds at most a fair share of them")
+@click.option("--stream-buffer-kb", default=None, type=click.IntRange(16),
+              help="KiB of events one HTTP request may leave unread, past which its streams are aborted (client_too_slow; default 4096)")
 @_limit_options
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, verbose, **limits):
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb, verbose, **limits):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
@@ -304,7 +310,8 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
     _logging(verbose)
     try:
         cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys,
-                            max_inflight=max_inflight, limits=_limits(**limits))
+                            max_inflight=max_inflight, limits=_limits(**limits),
+                            **({"stream_buffer_bytes": stream_buffer_kb * 1024} if stream_buffer_kb else {}))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     serve(cfg)

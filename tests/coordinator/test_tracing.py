@@ -264,3 +264,29 @@ def test_a_collector_that_is_gone_does_not_hold_the_coordinator_at_exit(protocol
     t0 = time.monotonic()
     tracer.shutdown()
     assert time.monotonic() - t0 < FLUSH_TIMEOUT_S + 1.0
+
+
+def test_span_attributes_and_trace_headers_are_bounded():
+    """A caller's 1 MiB request id, error text or tracestate cannot bloat a span: values are cut to
+    MAX_ATTRIBUTE_LENGTH characters (also the SDK's span limit), an oversized trace header is ignored."""
+    from opentelemetry.trace import StatusCode
+
+    from coordinator.tracing import MAX_ATTRIBUTE_LENGTH
+
+    huge = "x" * 2**20
+    with InMemory() as m:
+        assert m.tracer.provider._span_limits.max_span_attribute_length == MAX_ATTRIBUTE_LENGTH
+        split = PhaseSplit(ttft=0.4, decode=0.6)
+        m.tracer.request(1.0, 2.0, split, None, huge, {"gen_ai.request.id": huge}, error=huge,
+                         trace_headers={"traceparent": TRACEPARENT, "tracestate": "a=" + huge})
+        m.tracer.request(3.0, 4.0, None, None, None, {"gen_ai.request.id": "joined"},
+                         trace_headers={"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
+        spans = m.exporter.get_finished_spans()
+    root = next(s for s in spans if s.name == "llm_request" and s.attributes["gen_ai.request.id"].startswith("x"))
+    assert root.attributes["gen_ai.request.id"] == "x" * MAX_ATTRIBUTE_LENGTH
+    assert root.attributes["pdserve.decode_worker"] == "x" * MAX_ATTRIBUTE_LENGTH
+    assert root.status.status_code == StatusCode.ERROR and len(root.status.description) == MAX_ATTRIBUTE_LENGTH
+    assert all(len(str(v)) <= MAX_ATTRIBUTE_LENGTH for s in spans for v in s.attributes.values())
+    assert f"{root.context.trace_id:032x}" == TRACE_ID and len(root.context.trace_state) == 0  # the oversized tracestate is ignored
+    joined = next(s for s in spans if s.attributes.get("gen_ai.request.id") == "joined")
+    assert f"{joined.context.trace_id:032x}" == TRACE_ID and dict(joined.context.trace_state) == {"vendor": "1"}

@@ -70,14 +70,14 @@ def greedy(client, model, prompt, n_tokens, **kw):
 
 
 def test_models_health_and_openapi(service, client, model, model_dir):
-    health = httpx.get(f"{service.plan.http_url}/health", timeout=10)
-    assert health.status_code == 200
+    health = poll(lambda: (r := httpx.get(f"{service.plan.http_url}/health", timeout=10)).status_code == 200 and r, timeout=5)
     assert health.json() == {"status": "ready", "workers": {"prefill": 1, "decode": 1}}
     models = client.models.list().data
     assert [m.id for m in models] == [model]
     assert models[0].root == str(model_dir) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
     doc = httpx.get(f"{service.plan.http_url}/openapi.json", timeout=10).json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/version",
+            "/openapi.json"} == set(doc["paths"])
     schemas = doc["components"]["schemas"]
     assert "prompt" in schemas["CompletionRequest"]["required"] and "messages" in schemas["ChatCompletionRequest"]["required"]
     assert "ignore_eos" in schemas["ChatCompletionRequest"]["properties"]
