@@ -764,6 +764,7 @@ class Coordinator:
         return st
 
     def finish(self, iid: str, reason: FinishReason, tell: bool = True) -> None:
+        ended = time.monotonic()  # the request's end in its trace: before the replies are sent
         split = None
         if reason != FinishReason.ABORT and iid in self.requests:
             split = self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
@@ -780,7 +781,7 @@ class Coordinator:
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))
         if self.tracer is not None:
-            self.tracer.ended(st, reason.name.lower(), split, self.model_name)
+            self.tracer.ended(st, reason.name.lower(), split, self.model_name, end=ended)
 
     def error(self, iid: str, code: str, message: str) -> None:
         st = self.close(iid)

@@ -121,10 +121,12 @@ class RequestTracer:
                 span.end(end_time=self._ns(t))
         root.end(end_time=self._ns(max(end, arrival)))
 
-    def ended(self, st: RequestState, outcome: str, split: PhaseSplit | None, model: str, error: str | None = None) -> None:
-        """A coordinator request that ended now: outcome is its finish reason, or "error"."""
+    def ended(self, st: RequestState, outcome: str, split: PhaseSplit | None, model: str, error: str | None = None,
+              end: float | None = None) -> None:
+        """A coordinator request that ended at `end` (monotonic; default now): outcome is its
+        finish reason, or "error"."""
         p = st.req.params
-        self.request(st.arrival, time.monotonic(), split, st.prefill, st.decode, {
+        self.request(st.arrival, time.monotonic() if end is None else end, split, st.prefill, st.decode, {
             "gen_ai.request.id": st.client_rid, "gen_ai.response.model": model, "gen_ai.request.n": 1,
             "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.usage.prompt_tokens": len(st.prompt), "gen_ai.usage.completion_tokens": len(st.tokens),
