@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 args.input_len, args.output_len, 0.0, args.seed + i), None, rate,
                              args.seed + i) for i, rate in enumerate(rates)]
     print(f"cpu: {cpu_line()}")
+    load_start = os.getloadavg()
     print(f"{load_line()} at the start")
     print(f"workload: random {args.input_len} in / {args.output_len} out, greedy, ignore_eos, Poisson arrivals at each rate, "
           f"{args.prompts_per_rate:g} x rate requests; goodput: served requests within TTFT <= {args.ttft_ms:g} ms and TPOT <= "
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(server logs in {log_dir})")
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump({"cpu": cpu_line(), "args": vars(args), "startup_s": startups,
+            json.dump({"cpu": cpu_line(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "args": vars(args), "startup_s": startups,
                        "rows": {row: [dataclasses.asdict(c) for c in cells] for row, cells in table.items()},
                        "goals": [{"check": text, "met": ok} for text, ok in goal_checks(table)]}, f, indent=1)
     return 0

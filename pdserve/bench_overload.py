@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [*(["--colocated"] if args.colocated else []), "--ttft-p99-ms", f"{args.ttft_ms:g}", "--tpot-p99-ms", f"{args.tpot_ms:g}",
              *gp.extra_launch_args(args)]
     print(f"cpu: {gp.cpu_line()}")
+    load_start = os.getloadavg()
     print(f"{gp.load_line()} at the start")
     print(f"workload: {args.runs} runs of {n} requests, random {args.input_len} in / {args.output_len} out, greedy, ignore_eos, "
           f"Poisson arrivals at {args.rate:g} req/s; server: pdserve launch {' '.join(flags)}, "
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(server logs in {log_dir})")
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump({"cpu": gp.cpu_line(), "args": vars(args), "startup_s": startups,
+            json.dump({"cpu": gp.cpu_line(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "args": vars(args), "startup_s": startups,
                        "runs": [{**dataclasses.asdict(c), "admitted": c.admitted, "within": within(c, args.ttft_ms, args.tpot_ms)}
                                 for c in cells]}, f, indent=1)
     return 0
