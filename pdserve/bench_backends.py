@@ -168,6 +168,7 @@ class OpenAIBackend:
             async with self.http.stream("POST", self.endpoint, json=self.body(req)) as resp:
                 if resp.status_code != 200:
                     out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                    out.latency = time.perf_counter() - timer.start  # how fast the refusal came (a 429's time)
                     return out
                 async for line in resp.aiter_lines():
                     data = line.strip()[5:].strip() if line.startswith("data:") else None

@@ -22,7 +22,8 @@ streaming client (`/v1/completions`, usage counted from the stream), stop it. Ro
 - `hf-batch`: HF transformers `generate` in this process, one static batch per workload.
 Prints per workload: requests served, output tok/s, TTFT p50/p99, mean TPOT and every row's
 ratio to vLLM, with the issue's goals; start-up seconds (process start to first answer) per
-server. `--save-result` writes every figure as JSON.
+server. `--save-result` writes every figure as JSON. scripts/goodput and scripts/overload_check
+reuse `run_workloads` (a Workload's `rate` and `seed`: Poisson arrivals), `peer_row` and `stop_group`.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class Workload:
     name: str
     requests: list
     max_concurrency: int | None
+    rate: float = float("inf")  # requests/s, Poisson arrivals (inf: all at once); scripts/goodput's rates
+    seed: int = 0  # of the arrival times
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +85,7 @@ def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
                                  tokenizer=tokenizer) as b:
             warm = [dataclasses.replace(r, output_len=4) for r in workloads[0].requests[:2]]
             await send_all(b, warm, float("inf"), 1.0, None, 0, False)
-            return {w.name: await send_all(b, w.requests, float("inf"), 1.0, w.max_concurrency, 0, False) for w in workloads}
+            return {w.name: await send_all(b, w.requests, w.rate, 1.0, w.max_concurrency, w.seed, False) for w in workloads}
 
     return asyncio.run(go())
 
@@ -107,13 +110,23 @@ def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, 
         startup = time.perf_counter() - t0
         return run_workloads(url, workloads, tokenizer), startup
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0, leader_only: bool = False) -> None:
+    """Stop a server started in a session of its own: SIGTERM to its process group (leader_only: to
+    the leader alone, which stops its children itself, as `pdserve launch` does), SIGKILL to the
+    group after grace_s."""
+    if leader_only:
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict) -> tuple[dict, float]:
