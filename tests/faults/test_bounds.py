@@ -74,10 +74,11 @@ def test_every_socket_has_a_message_size_limit():
         assert rx.sock.getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE  # any header the coordinator lets through
         assert rx.sock.getsockopt(zmq.RCVHWM) > 0
         rx.close()
-        big = torch.zeros(1, 2, 1024, 16, 2, 128, dtype=torch.bfloat16)  # 32 MiB a layer: a tcp layer frame must pass
+        big = torch.zeros(1, 2, 2048, 16, 2, 128, dtype=torch.bfloat16)  # 32 MiB a layer: a tcp layer frame must pass
         rx = KVReceiver(ctx, big, f"tcp://127.0.0.1:{free_port()}")
-        assert rx.sock.getsockopt(zmq.MAXMSGSIZE) == 32 * 2**20
+        limit = rx.sock.getsockopt(zmq.MAXMSGSIZE)
         rx.close()
+        assert limit == 32 * 2**20
         tx = KVSender(ctx, "p")
         assert tx._socket(f"tcp://127.0.0.1:{free_port()}").getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE
         tx.close()
