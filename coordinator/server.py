@@ -17,6 +17,12 @@ dropped and every request it held is placed again or ends with a clear error. Th
 workers carry this coordinator's epoch (random per start), so a late message from before a
 restart never names a request of this one; and a worker's message about a request counts only
 if the request is placed on that worker (others are dropped and counted: wrong_worker_messages).
+No message can outgrow its socket: a request whose worker messages (Prefill, Generate, KVReady:
+its token ids and params) could pass MAX_CONTROL_MESSAGE less a margin is refused (limit_exceeded)
+before any worker sees it. A hand-off whose KVReady was lost on the way is not left fenced: once
+its prefill worker reports PrefillDone (the writer is done with the grant), a request its decode
+worker has not started within `handoff_timeout_s` fails (kv_transfer_failed) and that grant is
+released without a writer (Release(prefill_sent=False)), whether the request still lives or not.
 Launchers report their roles' restart counts (NodeReport), shown under `nodes` in the stats. Bad frames on either port are
 counted and dropped (clients get an ErrorReply "bad_message"). The coordinator never loads a
 model: only the tokenizer.
@@ -44,9 +50,10 @@ from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
 from coordinator.outbox import Outbox, Sent
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
-from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from runtime.errors import InvalidRequestError, LimitExceededError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
+from runtime.params import SamplingParams
 from runtime.prefix_hash import new_secret
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 from wire import liveness, security
@@ -64,6 +71,19 @@ log = logging.getLogger("pdserve.coordinator")
 MAX_NODES = 256  # launchers whose NodeReport is kept
 MAX_NODE_ROLES = 64  # roles kept per report, each name and exit text cut to MAX_NODE_TEXT characters
 MAX_NODE_TEXT = 64
+WORKER_MESSAGE_MARGIN = 64 * 1024  # bytes of a worker message besides its ids and params: names, endpoints, logprobs, CURVE
+GONE_WRITER_KEEP_S = 30.0  # a Prefill's writer record is kept this long after its request ended, for a late PrefillDone
+
+
+@dataclass
+class Writer:
+    """A Prefill sent: `prefill` may write grant `grant` of `decode` until it reports PrefillDone."""
+
+    prefill: str
+    decode: str
+    grant: int
+    since: float = 0.0  # when PrefillDone came (handed_off)
+    gone_at: float = 0.0  # when its request was first seen ended or re-granted (writers are forgotten later)
 
 
 @dataclass
@@ -75,6 +95,7 @@ class CoordinatorConfig:
     max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
     pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
     admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
+    handoff_timeout_s: float = 5.0  # a hand-off reported done (PrefillDone) its decode worker has not started this long was lost
     slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
     ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
     tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
@@ -119,6 +140,9 @@ class Coordinator:
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
         self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
+        self.writers: dict[str, Writer] = {}  # iid -> its last Prefill's writer, until it reports PrefillDone
+        self.handed_off: dict[str, Writer] = {}  # iid -> writer done, no token yet; oldest first (handoff_timeouts)
+        self.next_writer_sweep = 0.0
         self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
         self.counts = collections.Counter()
@@ -223,6 +247,7 @@ class Coordinator:
                 self.drop_worker(wid, "worker stopped answering")
             self.retry_pending(now)
             self.admission_timeouts(now)
+            self.handoff_timeouts(now)
             if now - pruned > 1.0:
                 self.outbox.prune(self.client_load.__contains__)
                 pruned = now
@@ -383,6 +408,8 @@ class Coordinator:
             limit = self.max_model_len()
             if limit is not None and len(prompt) >= limit:
                 raise PromptTooLongError(f"prompt has {len(prompt)} tokens; this model's context is {limit} tokens (prompt + output)")
+            if limit is not None:
+                check_worker_message_size(len(prompt), req.params, limit)
         except PdserveError as e:
             self.counts[f"error:{e.code}"] += 1
             self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
@@ -574,8 +601,11 @@ class Coordinator:
         elif isinstance(msg, TokenBatch):
             for item in msg.items:
                 if self.request_on(w, item.request_id) is not None:
+                    if self.handed_off:
+                        self.handed_off.pop(item.request_id, None)  # its decode worker took the hand-off
                     self.on_token(item)
         elif isinstance(msg, PrefillDone):
+            self.writer_done(w, msg)
             st = self.requests.get(msg.request_id)
             if st is not None and self.request_on(w, msg.request_id) is None:
                 return  # about a request placed elsewhere
@@ -656,7 +686,52 @@ class Coordinator:
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
             msg.grant, msg.cached_blocks,
         ))
+        self.writers.pop(st.iid, None)
+        self.writers[st.iid] = Writer(p.hello.worker_id, d.hello.worker_id, msg.grant)  # re-inserted: oldest first
         self.phases.prefill_sent(st.iid)
+
+    def writer_done(self, p: WorkerState, msg: PrefillDone) -> None:
+        """p has finished writing msg's grant: from now on handoff_timeouts watches for its start."""
+        h = self.writers.get(msg.request_id)
+        if h is not None and h.prefill == p.hello.worker_id and h.grant == msg.grant:
+            del self.writers[msg.request_id]
+            h.since = time.monotonic()
+            self.handed_off.pop(msg.request_id, None)
+            self.handed_off[msg.request_id] = h
+
+    def handoff_timeouts(self, now: float) -> None:
+        """A hand-off done handoff_timeout_s ago whose request got no token from its decode worker
+        was lost on the way (dropped by the kv socket, a full inbox, a bad header): its writer is done,
+        so the grant is released without fencing; the request, if it still waits for it, fails."""
+        while self.handed_off:
+            iid, h = next(iter(self.handed_off.items()))
+            if now - h.since < self.cfg.handoff_timeout_s:
+                break
+            del self.handed_off[iid]
+            d = self.workers.get(h.decode)
+            if d is not None:  # frees the grant or its fence; one the decode worker took is untouched
+                self.send_worker(d, Release(iid, h.grant, prefill_sent=False))
+            st = self.requests.get(iid)
+            if st is not None and st.phase == Phase.PREFILLING and (st.decode, st.grant) == (h.decode, h.grant):
+                self.counts["lost_handoffs"] += 1
+                log.warning("hand-off of %s never reached decode worker %s: grant %d released", iid, h.decode, h.grant)
+                self.error(iid, "kv_transfer_failed", f"the prefill worker handed off this request's KV but decode worker "
+                                                      f"{h.decode} never received it within {self.cfg.handoff_timeout_s:g} s")
+        if now >= self.next_writer_sweep:
+            self.next_writer_sweep = now + 1.0
+            self.forget_gone_writers(now)
+
+    def forget_gone_writers(self, now: float) -> None:
+        """Writer records of requests that ended (or were granted again) before their PrefillDone:
+        an aborted prefill job never reports, so each is forgotten GONE_WRITER_KEEP_S after."""
+        for iid, h in list(self.writers.items()):
+            st = self.requests.get(iid)
+            if st is not None and (st.decode, st.grant) == (h.decode, h.grant):
+                continue
+            if not h.gone_at:
+                h.gone_at = now
+            elif now - h.gone_at > GONE_WRITER_KEEP_S or h.prefill not in self.workers:
+                del self.writers[iid]
 
     def unreserve(self, st: RequestState | None) -> None:
         if st is not None and st.reserved and st.decode in self.workers:
@@ -819,6 +894,18 @@ class Coordinator:
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
         }
+
+
+def check_worker_message_size(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """LimitExceededError if a Prefill, Generate or KVReady of this request could exceed a worker
+    socket's MAX_CONTROL_MESSAGE: each carries its params and at most the model's context in token
+    ids plus as many block ids, 9 bytes each at most in msgpack; the rest fits the margin."""
+    tokens = min(prompt_tokens + params.max_tokens, max_model_len)
+    params_bytes = len(encode(params))
+    limit = MAX_CONTROL_MESSAGE - WORKER_MESSAGE_MARGIN
+    if params_bytes + 18 * (tokens + 1) > limit:
+        raise LimitExceededError(f"the request's messages to workers would be over {limit} bytes, what a worker link takes "
+                                 f"(its sampling parameters alone are {params_bytes} bytes)")
 
 
 def prefix_stats(b: Heartbeat | None) -> dict:

@@ -22,11 +22,18 @@ newer admission) whose writer may write into this pool directly (Admit names it:
 process on this machine, shm) is not freed but fenced: its blocks stay out of the free list
 until the writer's KVReady/KVFailed for that grant arrives or its process is gone, so a stalled
 writer (SIGSTOP, a long pause) that wakes up can never land in blocks another request owns.
+A writer whose answer was lost is done all the same once it reported PrefillDone: the
+coordinator then sends Release(prefill_sent=False), which frees the grant or its fence at once.
+Peers are checked: a KVReady whose blocks are not its grant's, whose num_computed is not the
+granted token count (prompt + output - 1), or whose token ids, params or top logprobs are out of
+range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
+grant before anything reaches a copy or the engine; a Generate is validated by the engine.
 On exit the shared pool file is unlinked.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,7 +42,7 @@ import torch
 import zmq
 
 from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
-from kvtransfer.errors import KVTransferError
+from kvtransfer.errors import InvalidHandoff, KVTransferError
 from kvtransfer.pool import KVPool, host_identity, process_alive
 from kvtransfer.transfer import KVReceiver
 from runtime import cuda_graphs, structured
@@ -44,12 +51,13 @@ from runtime.cores import CoreShare, StaticCores, stall_cap
 from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
 from runtime.errors import PdserveError
 from runtime.kv_cache import kv_cache_shape
+from runtime.params import MAX_LOGPROBS
 from runtime.sequence import FinishReason
 from runtime.weights import load_checkpoint
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
-    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, Reject, Release, Role, Shutdown, TokenBatch,
+    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Reject, Release, Role, Shutdown, TokenBatch,
     TokenOut, WorkerError,
 )
 from worker import process
@@ -72,6 +80,7 @@ class Grant:
     cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
     cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
     last_resort: float = float("inf")  # expires at this even while its writer lives (see expire_grants)
+    tokens: int = 0  # Admit.num_tokens: the tokens whose KV the hand-off brings (its num_computed)
 
 
 @dataclass
@@ -240,7 +249,7 @@ class DecodeWorker:
         writer = msg.writer_pid if (msg.writer_host, msg.writer_boot) == self.machine else 0
         now = time.monotonic()
         self.grants[msg.request_id] = Grant(ids, now + self.grant_timeout_s, self.grants_made, writer, cached=cached,
-                                            last_resort=now + LIVE_WRITER_GRANT_FACTOR * self.grant_timeout_s)
+                                            last_resort=now + LIVE_WRITER_GRANT_FACTOR * self.grant_timeout_s, tokens=msg.num_tokens)
         self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made, cached))
 
     def grant_blocks(self, msg: Admit) -> tuple[list[int], int] | None:
@@ -268,14 +277,12 @@ class DecodeWorker:
         if grant is None or msg.grant not in (0, grant.number):
             return  # for a grant given up and freed, or one this worker never made: nothing of ours
         del self.grants[msg.request_id]
-        if isinstance(msg, KVFailed) or grant.cancelled or msg.block_ids != grant.block_ids[grant.cached:]:
+        if grant.cancelled:
             self.engine.blocks.free(grant.block_ids)
-            if isinstance(msg, KVFailed) and not grant.cancelled:
-                self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", msg.reason))
             return
         try:
-            self.receiver.copy_in(msg, frames)
-        except KVTransferError as e:  # nccl: the blocks never arrived; the communicator is already dropped
+            self.take_kv(msg, grant, frames)
+        except KVTransferError as e:  # failed, invalid, or (nccl) its blocks never arrived: the communicator is dropped
             self.engine.blocks.free(grant.block_ids)
             self.link.send(WorkerError(msg.request_id, e.code, str(e)))
             return
@@ -284,6 +291,38 @@ class DecodeWorker:
             msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority,
         )
         self.emit([out])
+
+    def take_kv(self, msg: KVReady | KVFailed, grant: Grant, frames) -> None:
+        """Take the answer to a live grant: its blocks copied in if it is a valid KVReady, else
+        KVTransferError (a KVFailed, a copy that failed, or InvalidHandoff: counted)."""
+        if isinstance(msg, KVFailed):
+            raise KVTransferError(msg.reason)
+        problem = self.handoff_problem(msg, grant)
+        if problem is not None:
+            self.receiver.bad_messages += 1
+            raise InvalidHandoff(f"invalid hand-off: {problem}")
+        self.receiver.copy_in(msg, frames)
+
+    def handoff_problem(self, msg: KVReady, grant: Grant) -> str | None:
+        """Why msg does not fill exactly its grant (None if it does): the granted blocks (less those
+        the prefix cache held), the granted tokens' KV, token ids and params this engine accepts."""
+        if msg.block_ids != grant.block_ids[grant.cached:]:
+            return f"{len(msg.block_ids)} block ids that are not the {len(grant.block_ids) - grant.cached} granted"
+        total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+        if not msg.prompt_token_ids or not msg.output_token_ids or not msg.num_computed == grant.tokens == total - 1:
+            return (f"KV of {msg.num_computed} tokens for {len(msg.prompt_token_ids)} prompt and {len(msg.output_token_ids)} "
+                    f"output tokens, {grant.tokens} granted")
+        vocab = self.engine.cfg.vocab_size
+        top = msg.top_logprobs or []
+        if not 0 <= msg.output_token_ids[-1] < vocab or len(top) > MAX_LOGPROBS or any(not 0 <= t < vocab for t, _ in top):
+            return f"an output token id outside [0, {vocab}) or too many top logprobs"
+        if msg.logprob is not None and math.isnan(msg.logprob):
+            return "a NaN logprob"
+        try:
+            self.engine.validate(msg.prompt_token_ids + msg.output_token_ids[:-1], msg.params)
+        except PdserveError as e:
+            return str(e)
+        return None
 
     def on_generate(self, msg: Generate) -> None:
         try:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from kvtransfer.pool import copy_blocks
+from kvtransfer.transfer import check_block_ids
 from wire.protocol import KVFailed, KVReady
 
 
@@ -34,6 +35,7 @@ class LocalKV:
             raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")
         if endpoint not in self.pools:
             raise ConnectionRefusedError(f"no pool is registered at {endpoint!r}")
+        check_block_ids(msg.block_ids, self.pools[endpoint].shape[2])
         t0 = time.perf_counter()
         copy_blocks(self.pools[endpoint], src, src_ids, msg.block_ids)
         nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)

@@ -17,8 +17,13 @@ moves the bytes with that backend and then delivers the `KVReady` header:
   nccl: join a communicator (a second KVConnect, with the ncclUniqueId), send the layers after
        the header; the receiver scatters them in `copy_in` (kvtransfer.nccl).
 GPU failures raise KVTransferError. A failed hand-off forgets the destination, so the next one
-asks again. Both sides validate shapes and block ids; a bad hand-off is counted and dropped,
-never fatal.
+asks again. Both sides validate shapes and block ids: the sender refuses ids outside the
+destination pool (InvalidHandoff) before writing; the receiver turns a KVReady whose ids or tcp
+frames are wrong into a KVFailed for its grant (counted), so the decode worker frees that grant
+and fails only that request; an undecodable message is counted and dropped, never fatal.
+The kv socket admits one frame of up to max(one layer of the pool, MAX_CONTROL_MESSAGE): any
+header the coordinator lets through (it refuses larger requests), and a tcp layer frame whose
+exact size `_check` then demands.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import torch
 import zmq
 
 from wire.protocol import MAX_CONTROL_MESSAGE, KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode, decoder, encode
-from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
 from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
 from runtime.errors import NotSupportedError
 
@@ -70,6 +75,13 @@ def _forced_gpu(forced: str, same: bool, src_gpu, dst_gpu) -> str:
         if offers is not None and forced not in offers:
             raise NotSupportedError(f"kv backend {forced} needs a CUDA KV pool and cupy on both workers; the {side} worker offers {list(offers) or 'none'}")
     return forced
+
+
+def check_block_ids(ids: list[int], num_blocks: int) -> None:
+    """InvalidHandoff unless ids is a non-empty list of block ids of a pool of num_blocks blocks
+    (a negative id would index from the end: another request's block)."""
+    if not ids or any(not 0 <= b < num_blocks for b in ids):
+        raise InvalidHandoff(f"block ids outside the pool of {num_blocks} blocks")
 
 
 def gpu_backends(pool: torch.Tensor) -> list[str]:
@@ -138,6 +150,7 @@ class KVSender:
         nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)
         try:
             pool, backend = self.destination(endpoint, src)
+            check_block_ids(msg.block_ids, pool.kv_shape[2])
             msg = msgspec.structs.replace(msg, backend=backend)
             sock = self._socket(endpoint)
             if backend == "shm":
@@ -253,7 +266,8 @@ class KVReceiver:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
         layer_bytes = pool[0].numel() * pool.element_size()
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, 2**20))  # no frame can exceed one layer of the pool
+        # a frame is a header (bounded by the coordinator below MAX_CONTROL_MESSAGE) or a layer's blocks
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, MAX_CONTROL_MESSAGE))
         for opt, value in (curve or {}).items():  # CurveZMQ server options (wire.security.server_options)
             self.sock.setsockopt(opt, value)
         self.sock.bind(bind)
@@ -263,7 +277,9 @@ class KVReceiver:
         self.bytes_received = 0
 
     def recv(self):
-        """One hand-off as (message, block frames), or None if it was bad and dropped (counted).
+        """One hand-off as (message, block frames), or None if it was undecodable and dropped
+        (counted). A KVReady that fails its checks comes back as a KVFailed for its grant (counted):
+        the decode worker frees that grant and fails that request only.
 
         Called from the I/O thread; the caller copies the frames in with `copy_in` from the
         thread that owns the blocks, once it has checked the grant is still live.
@@ -275,7 +291,11 @@ class KVReceiver:
                 self._connect(frames[0].bytes, msg)
                 return None
             if isinstance(msg, KVReady):
-                self._check(msg, frames[2:])
+                try:
+                    self._check(msg, frames[2:])
+                except (ValueError, InvalidHandoff) as e:
+                    self.bad_messages += 1
+                    return KVFailed(msg.request_id, f"invalid hand-off: {e}", msg.grant), []
                 if msg.backend == "nccl":  # receives posted now, for every header, keep sends and receives paired
                     return msg, self.nccl.post(frames[0].bytes, len(msg.block_ids))
             return msg, frames[2:]
@@ -285,8 +305,7 @@ class KVReceiver:
 
     def _check(self, msg: KVReady, frames) -> None:
         pool = self.pool
-        if not msg.block_ids or any(not 0 <= b < pool.shape[2] for b in msg.block_ids):
-            raise ValueError("block id out of range")
+        check_block_ids(msg.block_ids, pool.shape[2])
         if msg.backend not in BACKENDS and msg.backend not in GPU_BACKENDS:
             raise ValueError("unknown backend")
         if msg.backend in GPU_BACKENDS and frames:
@@ -340,4 +359,4 @@ class KVReceiver:
         self.sock.close(linger=0)
 
 
-__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "choose_backend", "copy_blocks", "describe", "gpu_backends"]
+__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "check_block_ids", "choose_backend", "copy_blocks", "describe", "gpu_backends"]

@@ -16,7 +16,12 @@ loops:
   worker's pool description (shm: written into its pool; tcp: frames; GPU: cuda_ipc or nccl),
   KVReady follows; release: the engine frees its blocks here at once.
 A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
-(WorkerError).
+(WorkerError); a finished one tells the coordinator PrefillDone naming the grant, so that a grant
+whose KVReady was lost on the way is freed all the same (coordinator: handoff_timeouts).
+Peers are checked: a Prefill whose grant does not fit its tokens (dest_block_ids, one per block
+of prompt + output, dest_cached_blocks below that) or whose token ids the engine refuses fails
+at once with WorkerError, before any compute; the sender refuses block ids outside the
+destination pool.
 """
 from __future__ import annotations
 
@@ -134,6 +139,11 @@ class PrefillWorker:
             self.running = False
 
     def on_prefill(self, msg: Prefill) -> None:
+        need = self.engine.blocks.blocks_for(len(msg.prompt_token_ids) + len(msg.output_token_ids))
+        if len(msg.dest_block_ids) != need or not 0 <= msg.dest_cached_blocks < need:
+            self.fail(msg, "kv_transfer_failed", f"invalid hand-off: granted {len(msg.dest_block_ids)} blocks "
+                                                 f"({msg.dest_cached_blocks} cached) for {need} needed")
+            return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority)
         except PdserveError as e:
@@ -192,7 +202,7 @@ class PrefillWorker:
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
             return
-        self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute))
+        self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute, msg.grant))
 
     def fail(self, msg: Prefill, code: str, message: str) -> None:
         self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message, msg.grant)

@@ -228,7 +228,7 @@ class Release(_Msg):
 
     request_id: str
     grant: int = 0  # 0: whatever grant request_id holds
-    prefill_sent: bool = True  # False: no Prefill was ever sent for it, so no writer can touch its blocks
+    prefill_sent: bool = True  # False: no writer can touch its blocks (no Prefill was sent, or its writer reported PrefillDone)
 
 
 class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -244,13 +244,15 @@ class TokenBatch(_Msg):
 
 
 class PrefillDone(_Msg):
-    """Prefill -> coordinator: the hand-off of request_id finished (for stats and placement)."""
+    """Prefill -> coordinator: the hand-off of request_id finished (for stats and placement); its
+    writer is done with the grant, which the coordinator frees if its KVReady never arrived."""
 
     request_id: str
     num_tokens: int
     kv_bytes: int
     kv_seconds: float
     compute_seconds: float
+    grant: int = 0  # Prefill.grant
 
 
 class WorkerError(_Msg):

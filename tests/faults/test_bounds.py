@@ -3,10 +3,13 @@ typed error or a counted drop, never memory growth.
 
 Lifecycle: the socket-option checks build each socket in-process (coordinator ROUTERs, client
 DEALERs, the worker link's DEALER, the kv ROUTER and the kv sender's DEALER) and close them.
-The live tests start a coordinator and one prefill + one decode worker (real processes on
-loopback, tiny model): an oversized frame sent to each endpoint is dropped with its connection
-(never decoded, so never counted) and the next normal request succeeds; a request too large to
-encode is refused by the client without touching its connection; with
+The kv ROUTER admits any header up to MAX_CONTROL_MESSAGE whatever its pool's size (one layer
+bounds it only when larger). The live tests start a coordinator and one prefill + one decode
+worker (real processes on loopback, tiny model): an oversized frame sent to each endpoint is
+dropped with its connection (never decoded, so never counted) and the next normal request
+succeeds; a request too large to encode is refused by the client without touching its
+connection; one whose Prefill could outgrow the worker link is refused by the coordinator
+(limit_exceeded) while a job held on the prefill worker is served; with
 `--max-active-requests 4 --max-client-requests 3` the fourth request of one client and the fifth
 overall are refused as `overloaded` at once, and accepted again once load falls. The worker
 link's inbox test runs a fake coordinator in-process: past the inbox bound messages are
@@ -29,7 +32,7 @@ from wire.protocol import (
 )
 from coordinator.server import Coordinator, CoordinatorConfig
 from kvtransfer.transfer import KVReceiver, KVSender
-from runtime.params import SamplingParams
+from runtime.params import SamplingParams, StructuredOutput
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
@@ -68,9 +71,14 @@ def test_every_socket_has_a_message_size_limit():
 
         pool = torch.zeros(2, 2, 64, 16, 2, 16)  # (layers, 2, blocks, block size, kv heads, head dim): 256 KiB a layer
         rx = KVReceiver(ctx, pool, f"tcp://127.0.0.1:{free_port()}")
-        assert rx.sock.getsockopt(zmq.MAXMSGSIZE) == 2**20  # max(one layer, 1 MiB)
+        assert rx.sock.getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE  # any header the coordinator lets through
         assert rx.sock.getsockopt(zmq.RCVHWM) > 0
         rx.close()
+        big = torch.zeros(1, 2, 2048, 16, 2, 128, dtype=torch.bfloat16)  # 32 MiB a layer: a tcp layer frame must pass
+        rx = KVReceiver(ctx, big, f"tcp://127.0.0.1:{free_port()}")
+        limit = rx.sock.getsockopt(zmq.MAXMSGSIZE)
+        rx.close()
+        assert limit == 32 * 2**20
         tx = KVSender(ctx, "p")
         assert tx._socket(f"tcp://127.0.0.1:{free_port()}").getsockopt(zmq.MAXMSGSIZE) == MAX_CONTROL_MESSAGE
         tx.close()
@@ -139,7 +147,7 @@ def test_oversized_frames_are_dropped_at_every_endpoint(cluster):
         decode = next(w for w in before["workers"] if w["role"] == "decode")
         send_oversized(cluster.plan.client_addr, OVERSIZED)
         send_oversized(cluster.plan.worker_addr, OVERSIZED)
-        send_oversized(decode["kv_endpoint"], OVERSIZED)  # over the kv socket's limit too (max of one layer, 1 MiB)
+        send_oversized(decode["kv_endpoint"], OVERSIZED)  # over the kv socket's limit too (max of one layer, MAX_CONTROL_MESSAGE)
         assert alive(cluster)
         r = c.generate(token_ids=[5, 6, 7], temperature=0, max_tokens=3, ignore_eos=True)
         assert r.completion_tokens == 3
@@ -158,6 +166,34 @@ def test_request_too_large_to_send_is_refused_by_the_client(cluster):
             c.generate(token_ids=list(range(100_000, 100_000 + 4 * 2**20)))  # 5 bytes a token id in msgpack: 20 MiB
         # the connection is untouched: the same client is served next
         assert c.generate(token_ids=[5, 6, 7], temperature=0, max_tokens=2, ignore_eos=True).completion_tokens == 2
+
+
+def test_a_request_whose_prefill_would_outgrow_the_worker_link_is_refused(cluster):
+    """A direct client's request under the client socket's limit whose Prefill (its params and
+    token ids, with the worker's names) could pass MAX_CONTROL_MESSAGE: refused as limit_exceeded
+    before any worker sees it, so the prefill worker's link (and every job on it) stays up."""
+    async def go():
+        async with AsyncClient(cluster.plan.client_addr, timeout=60) as c:
+            before = {w["id"]: w for w in (await c.stats())["workers"]}
+            held = asyncio.create_task(c.generate(token_ids=[5, 6, 7], temperature=0, max_tokens=5, ignore_eos=True))
+            deadline = time.monotonic() + 10
+            while (await c.stats())["active_requests"] != 1:  # on the prefill worker, in its 1 s batching window
+                assert time.monotonic() < deadline, "the held request never started"
+                await asyncio.sleep(0.02)
+            spec = "x" * (MAX_CONTROL_MESSAGE - 2**15)
+            t0 = time.monotonic()
+            with pytest.raises(InvalidRequest) as refused:
+                await c.generate(token_ids=[5, 6, 7], max_tokens=2, structured=StructuredOutput("regex", spec))
+            assert refused.value.code == "limit_exceeded" and time.monotonic() - t0 < 10
+            assert (await held).completion_tokens == 5  # the prefill worker's other job is served
+            after = await c.stats()
+            assert after["requests"].get("workers_lost", 0) == 0 and {w["id"] for w in after["workers"]} == set(before)
+            assert all(w["bad_messages"] == before[w["id"]]["bad_messages"] for w in after["workers"])
+
+    asyncio.run(go())
+    with Client(cluster.plan.client_addr) as c:
+        wait_all_blocks_free(c)
+    assert alive(cluster)
 
 
 def test_a_client_that_goes_away_has_its_requests_aborted(cluster):

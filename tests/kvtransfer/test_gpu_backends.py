@@ -241,7 +241,7 @@ def test_handshake_without_an_answer_times_out(ctx):
         silent.close(linger=0)
 
 
-def test_receiver_drops_gpu_headers_it_never_set_up(ctx):
+def test_receiver_fails_gpu_headers_it_never_set_up(ctx):
     receiver = KVReceiver(ctx, torch.zeros(SHAPE))
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(receiver.endpoint)
@@ -249,7 +249,8 @@ def test_receiver_drops_gpu_headers_it_never_set_up(ctx):
         for backend in ("cuda_ipc", "nccl"):
             dealer.send(encode(ready("r", [1], backend)))
             assert receiver.sock.poll(2000)
-            assert receiver.recv() is None
+            failed, frames = receiver.recv()  # that grant fails (its decode worker frees it), counted
+            assert isinstance(failed, KVFailed) and failed.request_id == "r" and "never set up" in failed.reason and frames == []
         assert receiver.bad_messages == 2
     finally:
         dealer.close(linger=0)
@@ -407,7 +408,8 @@ def test_nccl_peer_that_never_joins_times_out(pair, fake_nccl):
 def decode_side(receiver: KVReceiver, num_blocks: int):
     from decode.worker import DecodeWorker
 
-    engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]))  # the grant bookkeeping, without a model
+    # the grant bookkeeping, without a model: any token id and params pass the hand-off's checks
+    engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]), cfg=SimpleNamespace(vocab_size=2**31), validate=lambda *a: None)
     return DecodeWorker("decode-1", engine, receiver, FakeLink())
 
 
