@@ -23,10 +23,11 @@ import msgspec
 from runtime.params import SamplingParams
 from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 5  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+PROTOCOL_VERSION = 6  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
 # (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes; 5: prefix-cache keys
-# are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys
+# are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys;
+# 6: roles follow the load: Hello names the roles a worker can switch to, SetRole -> RoleSet
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
 PrefixKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # a prefix-cache block key (runtime.prefix_hash)
 
@@ -135,6 +136,7 @@ class Hello(_Msg):
     kv_endpoint: str = ""  # decode/colocated: where prefill workers send KVReady (and ask KVConnect)
     profile: list[tuple[int, int, int, float]] = []  # start-up steps: (seqs, tokens, context tokens, seconds)
     engine: dict[str, str | int | float | bool | None] = {}  # its engine settings (EngineConfig.summary), shown in stats
+    roles: list[Role] = []  # the roles it can take without a restart (SetRole); [] or [role]: only its own
 
 
 class Welcome(_Msg):
@@ -265,8 +267,26 @@ class Shutdown(_Msg):
     pass
 
 
-WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PrefillDone, WorkerError]
-CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Release, Shutdown]
+class SetRole(_Msg):
+    """Coordinator -> worker: take `role` from now on (the planner drained its work of the old
+    kind first). `change` numbers the planner's decisions; the worker echoes it in RoleSet."""
+
+    role: Role
+    change: int
+
+
+class RoleSet(_Msg):
+    """Worker -> coordinator: the answer to SetRole. `role` is the role it now has (its old one
+    and `error` set if it cannot take the new one)."""
+
+    worker_id: str
+    role: Role
+    change: int
+    error: str = ""
+
+
+WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PrefillDone, WorkerError, RoleSet]
+CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Release, Shutdown, SetRole]
 
 
 # ------------------------------------------------------------------ prefill -> decode (kv socket)
