@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from coordinator.placement import ShedReason, WorkerSnapshot
