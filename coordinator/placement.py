@@ -5,7 +5,7 @@ Lifecycle: for each request to place, the server takes a `WorkerSnapshot` of eve
 (`RequestView`: tokens, output budget, time waited, whether it was admitted before) and its
 targets less the headroom (None: SLO control is off), and calls `place_pair` (prefill + decode
 workers registered) or `place_colocated`. Each returns a `Decision`: PLACED on named workers
-with the predicted TTFT, WAIT for decode room, or SHED with a `ShedReason` and the numbers that
+with the predicted TTFT and TPOT, WAIT for decode room, or SHED with a `ShedReason` and the numbers that
 decided it. The server applies it: Admit (pair), Generate (colocated), park, or shed.
 
 KV-aware (prefix cache): each snapshot carries `cached_tokens`, how many of this request's
@@ -73,13 +73,14 @@ class Decision:
     predicted_ttft: float | None = None  # seconds; None without SLO control
     reason: ShedReason | None = None
     detail: str = ""  # SHED: the numbers, for the client's error and the log
+    predicted_tpot: float | None = None  # seconds, with predicted_ttft
 
 
 WAIT = Decision(Outcome.WAIT)
 
 
-def placed(worker: str, prefill: str | None = None, ttft: float | None = None) -> Decision:
-    return Decision(Outcome.PLACED, worker, prefill, ttft)
+def placed(worker: str, prefill: str | None = None, ttft: float | None = None, tpot: float | None = None) -> Decision:
+    return Decision(Outcome.PLACED, worker, prefill, ttft, predicted_tpot=tpot)
 
 
 def shed(reason: ShedReason, detail: str) -> Decision:
@@ -157,7 +158,7 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
         d = pick_decode(open_, req.num_tokens)
         ttft += tpot[d.worker_id]  # the decode worker may be mid-step when the KV lands
         if ttft <= targets.ttft_s or req.parked:
-            return placed(d.worker_id, p.worker_id, ttft)
+            return placed(d.worker_id, p.worker_id, ttft, tpot[d.worker_id])
         return shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
     if req.parked:
         return WAIT
@@ -179,7 +180,7 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
         if any(w.cached_tokens for w in workers):
             return placed(min(workers, key=lambda w: prefill_cost(w, req.num_tokens)).worker_id)
         return placed(most_room(workers).worker_id)
-    best: tuple[WorkerSnapshot, float] | None = None
+    best: tuple[WorkerSnapshot, float, float] | None = None
     miss = None
     for w in workers:
         step, prefill = predict_step(w, req.num_tokens), predict_prefill(w, req.num_tokens)
@@ -191,5 +192,5 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
         elif ttft > targets.ttft_s:
             miss = shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
         elif best is None or ttft < best[1]:
-            best = (w, ttft)
-    return placed(best[0].worker_id, ttft=best[1]) if best is not None else miss
+            best = (w, ttft, tpot)
+    return placed(best[0].worker_id, ttft=best[1], tpot=best[2]) if best is not None else miss

@@ -1,0 +1,139 @@
+"""Which way a request is served: prefill on a prefill worker then hand-off (REMOTE), or prefill
+on the decode worker itself, chunked into its decode steps as a colocated worker does (LOCAL).
+Plain functions over plain data, no sockets and no clock.
+
+Lifecycle: for each request to place, the server takes the snapshots it takes for placement
+(coordinator/placement.py: each decode snapshot names the prompt tokens that worker is expected
+to hold) and calls `choose_path`. Both ways are predicted with placement's own functions: REMOTE
+is `place_pair` (TTFT = waited + prefill backlog and prompt + relay + one decode step; TPOT = a
+decode step with one more sequence); LOCAL is `place_colocated` over the decode workers with KV
+room, with this prompt counted in each worker's prefill share, so the TPOT predicted is that of
+the worker's own streams stretched by the prompt it would take in. The returned `PathChoice`
+carries the decision to apply (PLACED: `prefill` set -> Admit, else -> Generate to the decode
+worker; WAIT; SHED), both ways' decisions and the reason (for the trace, stats and metrics).
+
+With targets (SLO control), the way with the most headroom wins: headroom = min over TTFT and
+TPOT of (target - predicted) / target (the targets given are already less the admission
+headroom), REMOTE only by a margin (`PathRule.remote_margin`). Without targets, Dynamo's conditional disaggregation: LOCAL when the prompt's uncached
+tokens are few (`PathRule.local_tokens`) or the prefill queue is long relative to the decode
+worker's own (more than `PathRule.queue_prompts` such prompts ahead of it), else REMOTE.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from coordinator.placement import (
+    WAIT, Decision, Outcome, RequestView, ShedReason, WorkerSnapshot, decode_blocks, place_colocated, place_pair, shed,
+)
+from coordinator.slo import SloTargets
+
+
+class Path(enum.Enum):
+    REMOTE = "remote"  # prefill worker, then hand-off to the decode worker
+    LOCAL = "local"  # the decode worker prefills it in its own steps
+
+
+@dataclass(frozen=True)
+class PathRule:
+    """Without SLO control. Dynamo's router sends a prefill remote when its uncached length is
+    over 1000 tokens (GPUs) and fewer than 2 requests wait for a prefill worker. On this CPU
+    engine a 128-token prompt costs a decode step a few tens of ms and colocated serving beat the
+    1 + 1 split at 128-token prompts (issue 23's table), so the default keeps up to 512 local."""
+
+    local_tokens: int = 512  # uncached prompt tokens at or under this: prefilled on the decode worker
+    queue_prompts: int = 2  # the prefill queue is long when it is this many such prompts behind the decode worker's
+    # With SLO control, REMOTE must beat LOCAL's headroom by this much: what a hand-off costs beyond
+    # the predictions (the KV transfer, a second worker's queue, on a shared node the same cores)
+    # is not in them, and the predictions themselves err by ~15% (README, "Latency targets").
+    remote_margin: float = 0.05
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    decision: Decision  # what the server applies
+    path: Path | None  # None: neither way placed it (decision is WAIT or SHED)
+    reason: str  # a short code, counted: headroom, only_remote, only_local, short_prompt, long_queue, long_prompt, ...
+    detail: str = ""  # the numbers that decided it, for the log and the trace
+    remote: Decision | None = None  # each way's own answer; None: that way has no workers
+    local: Decision | None = None
+
+    def attributes(self) -> dict:
+        """Flat, for a trace span and the stats: the way taken, why, both ways' predictions in ms."""
+        out = {"path": self.path.value if self.path else "none", "path_reason": self.reason}
+        for name, d in (("remote", self.remote), ("local", self.local)):
+            if d is not None and d.predicted_ttft is not None:
+                out[f"{name}_ttft_ms"] = round(d.predicted_ttft * 1000, 1)
+                out[f"{name}_tpot_ms"] = round(d.predicted_tpot * 1000, 1)
+        return out
+
+
+def headroom(d: Decision, targets: SloTargets) -> float | None:
+    """min((target - predicted) / target) over TTFT and TPOT of a placed, predicted decision."""
+    if d.outcome is not Outcome.PLACED or d.predicted_ttft is None:
+        return None
+    return min((targets.ttft_s - d.predicted_ttft) / targets.ttft_s, (targets.tpot_s - d.predicted_tpot) / targets.tpot_s)
+
+
+def uncached(req: RequestView, w: WorkerSnapshot) -> int:
+    return max(0, req.num_tokens - w.cached_tokens)
+
+
+def local_candidates(req: RequestView, decodes: list[WorkerSnapshot]) -> list[WorkerSnapshot]:
+    """Decode workers with KV room for req, each with req's uncached tokens added to its recent
+    prompt tokens: its streams' predicted steps stretch by the prompt it would take in."""
+    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)]
+    return [dataclasses.replace(d, recent_prompt_tokens=d.recent_prompt_tokens + uncached(req, d)) for d in fits]
+
+
+def choose_path(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],
+                targets: SloTargets | None, rule: PathRule = PathRule()) -> PathChoice:
+    """The way to serve req (see the module docstring). `decodes` are the workers that take
+    hand-offs and local prefills; `prefills` may be empty (then only LOCAL)."""
+    locals_ = local_candidates(req, decodes)
+    if targets is None:
+        return by_rule(req, prefills, decodes, locals_, rule)
+    unparked = dataclasses.replace(req, parked=False)
+    remote = place_pair(unparked, prefills, decodes, targets) if prefills and decodes else None
+    local = place_colocated(unparked, locals_, targets) if locals_ else None
+    room = {p: headroom(d, targets) for p, d in ((Path.REMOTE, remote), (Path.LOCAL, local)) if d is not None}
+    ok = {p: h for p, h in room.items() if h is not None}
+    if ok:
+        if len(ok) == 2:
+            path = Path.REMOTE if ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin else Path.LOCAL
+        else:
+            path = next(iter(ok))
+        reason = "headroom" if len(ok) == 2 else f"only_{path.value}"
+        detail = ", ".join(f"{p.value} headroom {h:.2f}" for p, h in ok.items())
+        return PathChoice(remote if path is Path.REMOTE else local, path, reason, detail, remote, local)
+    if req.parked:  # admitted before: never shed, takes the first room (place_pair's WAIT, or a local worker's queue)
+        late = place_pair(req, prefills, decodes, targets) if prefills and decodes else WAIT
+        if late.outcome is Outcome.PLACED:
+            return PathChoice(late, Path.REMOTE, "parked", "", remote, local)
+        if locals_:
+            return PathChoice(place_colocated(req, locals_, targets), Path.LOCAL, "parked", "", remote, local)
+        return PathChoice(WAIT, None, "parked", "no decode worker has KV room", remote, local)
+    miss = remote or local or shed(ShedReason.NO_KV_ROOM, "decode full: no KV room")  # (no pair, no decode room)
+    return PathChoice(miss, None, "neither", miss.detail, remote, local)
+
+
+def by_rule(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],
+            locals_: list[WorkerSnapshot], rule: PathRule) -> PathChoice:
+    """Without SLO control: Dynamo's conditional disaggregation on the workers placement picks."""
+    remote = place_pair(req, prefills, decodes, None) if prefills and decodes else None
+    local = place_colocated(req, locals_, None) if locals_ else None
+    if local is None:  # no decode worker has room: the pair waits for it as well
+        return PathChoice(WAIT, None, "no_kv_room", "", remote, local)
+    if remote is None:
+        return PathChoice(local, Path.LOCAL, "only_local", "no prefill worker", remote, local)
+    d = next(w for w in locals_ if w.worker_id == local.worker)
+    n = uncached(req, d)
+    if n <= rule.local_tokens:
+        return PathChoice(local, Path.LOCAL, "short_prompt", f"{n} uncached tokens <= {rule.local_tokens}", remote, local)
+    p = next(w for w in prefills if w.worker_id == remote.prefill)
+    ahead = p.queued_tokens - d.queued_tokens
+    if ahead > rule.queue_prompts * n:
+        return PathChoice(local, Path.LOCAL, "long_queue",
+                          f"prefill queue {p.queued_tokens} tokens, decode worker's {d.queued_tokens}; prompt {n}", remote, local)
+    return PathChoice(remote, Path.REMOTE, "long_prompt", f"{n} uncached tokens > {rule.local_tokens}", remote, local)

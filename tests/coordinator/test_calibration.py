@@ -1,0 +1,62 @@
+"""Prediction error and the admission headroom that follows from it, over plain numbers."""
+import math
+
+import pytest
+
+from coordinator.calibration import Calibration, CalibrationConfig, ErrorTracker
+from coordinator.slo import SloTargets
+
+BASE = SloTargets(ttft_s=2.0, tpot_s=0.25)
+
+
+def fed(errors_ttft, errors_tpot=(), cfg=CalibrationConfig(min_samples=10)):
+    """A calibration that saw requests predicted at 1 s / 0.1 s and observed (1 + e) times that."""
+    c = Calibration(cfg)
+    for e in errors_ttft:
+        c.record(1.0, 1.0 + e, None, None)
+    for e in errors_tpot:
+        c.record(None, 1.0, 0.1, 0.1 * (1 + e))
+    return c
+
+
+def test_static_headroom_until_enough_samples():
+    c = fed([0.5] * 9)
+    assert c.targets(BASE, 0.8, 0.9) == SloTargets(1.6, 0.225)
+
+
+def test_headroom_follows_the_under_prediction():
+    c = fed([0.0] * 80 + [0.25] * 20, [-0.1] * 100)  # TTFT: a fifth 25% late; TPOT: always early
+    t = c.targets(BASE, 0.8, 0.9)
+    assert t.ttft_s == pytest.approx(2.0 / 1.25)  # the p99 error is 0.25
+    assert t.tpot_s == pytest.approx(0.25)  # over-prediction gives no headroom beyond the target itself
+
+
+def test_admitting_at_the_limit_then_meets_the_target_for_the_quantile():
+    errors = [i / 100 for i in range(100)]  # uniform 0..0.99 late
+    c = fed(errors, cfg=CalibrationConfig(min_samples=10, quantile=99.0))
+    limit = c.targets(BASE, 0.8, 0.9).ttft_s
+    observed = [limit * (1 + e) for e in errors]  # every request predicted right at the limit
+    assert sum(o <= BASE.ttft_s for o in observed) >= 99
+
+
+def test_k_scales_and_the_floor_bounds_the_headroom():
+    assert fed([0.2] * 20, cfg=CalibrationConfig(min_samples=10, k=2.0)).targets(BASE, 0.8, 0.9).ttft_s == pytest.approx(2.0 / 1.4)
+    assert fed([5.0] * 20).targets(BASE, 0.8, 0.9).ttft_s == pytest.approx(1.0)  # floor 0.5
+
+
+def test_bad_numbers_are_not_errors():
+    t = ErrorTracker(8)
+    for predicted, observed in ((None, 1.0), (0.0, 1.0), (1.0, None), (math.inf, 1.0), (1.0, math.nan)):
+        t.add(predicted, observed)
+    assert t.percentiles() == {"count": 0}
+
+
+def test_the_window_forgets_old_errors():
+    c = fed([3.0] * 20 + [0.1] * 256)
+    assert c.targets(BASE, 0.8, 0.9).ttft_s == pytest.approx(2.0 / 1.1)
+
+
+def test_summary_exports_errors_and_headroom():
+    s = fed([0.1] * 20).summary(0.8, 0.9)
+    assert s["ttft"]["error"]["count"] == 20 and s["ttft"]["error"]["p99"] == pytest.approx(0.1)
+    assert s["ttft"]["headroom"] == pytest.approx(1 / 1.1, abs=1e-4) and s["tpot"] == {"error": {"count": 0}, "headroom": 0.9}

@@ -1,0 +1,116 @@
+"""The path per request over plain data: snapshots, a request and targets in, a PathChoice out.
+
+Workloads where each way should win: a short prompt, and a prompt whose prefix the decode worker
+holds, go LOCAL; a long prompt with an idle prefill worker and busy decode streams goes REMOTE;
+a long prefill queue sends it LOCAL. With and without SLO control; a parked request; no room.
+"""
+import itertools
+
+import pytest
+
+from coordinator.paths import Path, PathChoice, PathRule, choose_path, headroom
+from coordinator.placement import Decision, Outcome, RequestView, ShedReason, WorkerSnapshot, placed
+from coordinator.slo import SloTargets, StepModel
+
+
+def linear(a=0.01, per_seq=0.002, per_token=0.001, per_kctx=0.005) -> StepModel:
+    """A worker whose steps took exactly a + per_seq*seqs + per_token*tokens + per_kctx*context/1000."""
+    grid = itertools.product((1, 4, 16), (0, 128, 512), (100, 1000, 4000))
+    return StepModel([(s, s + t, c, a + per_seq * s + per_token * (s + t) + per_kctx * c / 1000) for s, t, c in grid])
+
+
+M = linear()
+TARGETS = SloTargets(ttft_s=2.0, tpot_s=0.1)
+
+
+def prefill(wid="p0", queued=0, cached=0):
+    return WorkerSnapshot(wid, M, queued_tokens=queued, cached_tokens=cached)
+
+
+def decode(wid="d0", requests=4, context=400, free=1000, queued=0, recent=0, cached=0):
+    return WorkerSnapshot(wid, M, free, 16, queued, requests, context, recent, cached)
+
+
+def req(tokens, max_tokens=32, parked=False):
+    return RequestView(tokens, max_tokens, waited_s=0.01, parked=parked)
+
+
+def test_headroom_is_the_tighter_of_ttft_and_tpot():
+    assert headroom(placed("d", ttft=0.5, tpot=0.09), TARGETS) == pytest.approx(0.1)
+    assert headroom(placed("d", ttft=1.8, tpot=0.01), TARGETS) == pytest.approx(0.1)
+    assert headroom(Decision(Outcome.WAIT), TARGETS) is None
+
+
+# ------------------------------------------------------------------ SLO control on
+
+def test_a_short_prompt_is_prefilled_on_the_decode_worker():
+    c = choose_path(req(64), [prefill()], [decode()], TARGETS)
+    assert (c.path, c.reason, c.decision.prefill, c.decision.worker) == (Path.LOCAL, "headroom", None, "d0")
+    # both ways were predicted and meet the targets; remote's lead is within the margin
+    assert c.remote.outcome is Outcome.PLACED and c.local.outcome is Outcome.PLACED
+    assert 0 <= headroom(c.remote, TARGETS) - headroom(c.local, TARGETS) <= PathRule().remote_margin
+    assert c.attributes()["path"] == "local" and c.attributes()["remote_ttft_ms"] > 0
+
+
+def test_a_long_prompt_goes_to_an_idle_prefill_worker_when_the_decode_worker_is_busy():
+    c = choose_path(req(1500), [prefill()], [decode(requests=4, context=1000)], TARGETS)
+    assert (c.path, c.reason, c.decision.prefill, c.decision.worker) == (Path.REMOTE, "headroom", "p0", "d0")
+    # local would stretch the streams by the 1.5 s prompt: its TPOT is predicted far higher
+    assert c.local.predicted_tpot > 2 * c.remote.predicted_tpot
+    busier = choose_path(req(1500), [prefill()], [decode(requests=16, context=4000)], TARGETS)
+    assert (busier.path, busier.reason, busier.local.reason) == (Path.REMOTE, "only_remote", ShedReason.TPOT)
+
+
+def test_a_prefix_cached_on_the_decode_worker_keeps_a_long_prompt_local():
+    c = choose_path(req(1500), [prefill()], [decode(requests=16, context=4000, cached=1488)], TARGETS)
+    assert c.path is Path.LOCAL
+    assert c.local.predicted_ttft < c.remote.predicted_ttft  # 12 tokens to compute against 1500
+
+
+def test_a_long_prefill_queue_sends_the_prompt_local():
+    c = choose_path(req(1500), [prefill(queued=4000)], [decode(requests=4, context=1000)], TARGETS)
+    assert (c.path, c.reason) == (Path.LOCAL, "only_local")  # remote: ~6 s to the first token
+    assert c.remote.outcome is Outcome.SHED and c.remote.reason is ShedReason.TTFT
+
+
+def test_without_prefill_workers_every_prompt_is_local():
+    c = choose_path(req(1500), [], [decode()], TARGETS)
+    assert (c.path, c.reason, c.remote) == (Path.LOCAL, "only_local", None)
+
+
+def test_a_request_neither_way_can_serve_in_time_is_shed_with_the_pairs_reason():
+    c = choose_path(req(1500), [prefill(queued=8000)], [decode(requests=16, context=4000, queued=8000)], TARGETS)
+    assert (c.path, c.reason, c.decision.outcome, c.decision.reason) == (None, "neither", Outcome.SHED, ShedReason.TTFT)
+
+
+def test_no_kv_room_sheds_under_slo_control_and_waits_without():
+    full = [decode(free=2)]
+    c = choose_path(req(1500), [], full, TARGETS)
+    assert (c.decision.outcome, c.decision.reason) == (Outcome.SHED, ShedReason.NO_KV_ROOM)
+    assert choose_path(req(1500), [prefill()], full, None).decision.outcome is Outcome.WAIT
+
+
+def test_a_parked_request_is_never_shed():
+    late = RequestView(1500, 32, waited_s=30.0, parked=True)
+    c = choose_path(late, [prefill(queued=8000)], [decode(requests=16, context=4000)], TARGETS)
+    assert c.decision.outcome is Outcome.PLACED and c.reason == "parked"
+
+
+# ------------------------------------------------------------------ SLO control off: Dynamo's rule
+
+@pytest.mark.parametrize("tokens, cached, p_queued, d_queued, path, reason", [
+    (128, 0, 0, 0, Path.LOCAL, "short_prompt"),
+    (1500, 0, 0, 0, Path.REMOTE, "long_prompt"),
+    (1500, 1280, 0, 0, Path.LOCAL, "short_prompt"),  # 220 uncached on the decode worker
+    (1500, 0, 4000, 0, Path.LOCAL, "long_queue"),  # 4000 tokens ahead > 2 prompts of 1500
+    (1500, 0, 4000, 2000, Path.REMOTE, "long_prompt"),  # 2000 ahead of the decode worker's own: not 2 prompts
+])
+def test_without_targets_the_rule_decides(tokens, cached, p_queued, d_queued, path, reason):
+    c = choose_path(req(tokens), [prefill(queued=p_queued)], [decode(queued=d_queued, cached=cached)], None)
+    assert (c.path, c.reason) == (path, reason)
+    assert c.decision.prefill == ("p0" if path is Path.REMOTE else None) and c.decision.predicted_ttft is None
+
+
+def test_choice_is_plain_data():
+    c = choose_path(req(64), [prefill()], [decode()], None)
+    assert isinstance(c, PathChoice) and c.attributes() == {"path": "local", "path_reason": "short_prompt"}
