@@ -41,9 +41,10 @@ from client.library import (
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body,
-    refuse_oversized, request_bounds, structured_bounds,
+    request_bounds, structured_bounds,
 )
 from gateway.openapi import Health, openapi
+from gateway.parse_lane import ParseLane
 from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
@@ -59,7 +60,6 @@ from wire.limits import TRACE_HEADERS, RequestLimits
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
-DECODE_INLINE_BYTES = 256 * 1024  # a larger request body is decoded off the event loop
 HEALTH_EVERY_S = 1.0  # how often /health's summary is refreshed from the coordinator's stats while ready
 HEALTH_NOT_READY_EVERY_S = 0.2  # and while not ready (a node coming up is seen ready within this)
 
@@ -117,6 +117,7 @@ class Gateway:
         self.max_model_len: int | None = None  # learnt from the coordinator's stats
         self.client: AsyncClient | None = None
         self.slots = Slots(cfg.max_inflight)
+        self.parse_lane = ParseLane(cfg.limits)  # large bodies are decoded in its child process
         self.readiness = Health("unavailable", reason="the coordinator has not answered yet")  # what /health answers
         self.openapi_doc = msgspec.json.encode(openapi("pdserve OpenAI-compatible API", package_version()))
 
@@ -146,6 +147,7 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.client.close()
+            self.parse_lane.close()
 
     # ------------------------------------------------------------------ checks and errors
 
@@ -164,16 +166,10 @@ class Gateway:
         return await self.decode(await read_body(request), kind)
 
     async def decode(self, body: bytes, kind):
-        """The body as `kind`; a large one is scanned for what is certainly over the bounds
-        (refuse_oversized), then decoded, on a thread, so the loop keeps streaming (msgspec takes
-        ~5 ms a megabyte and holds the GIL, which the loop gets back every 5 ms)."""
-        if len(body) <= DECODE_INLINE_BYTES:
-            return decode_body(body, kind)
-        return await asyncio.to_thread(self._scan_and_decode, body, kind)
-
-    def _scan_and_decode(self, body: bytes, kind):
-        refuse_oversized(body, self.cfg.limits)
-        return decode_body(body, kind)
+        """The body as `kind` (a request Struct, or parse_lane.TOKENIZE), each field within the
+        table of bounds; a large one is prepared in the parse lane's child process, so the loop
+        keeps streaming (gateway/parse_lane.py)."""
+        return await self.parse_lane.parse(body, kind if isinstance(kind, str) else kind.__name__)
 
     def check_limits(self, request, req) -> dict:
         """Every field of the body and its trace headers against the table of bounds

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import bad_request, read_body
-from gateway.schema import ChatMessageIn, bounded, chat_bounds, chat_message
+from gateway.schema import ChatMessageIn, chat_message
 from gateway.stream import ClientGone, unless_disconnected
 
 
@@ -114,21 +114,16 @@ class TokenizerRoutes:
 
     async def tokenize(self, request):
         body = await self._body(request)
-        kind = TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest
-        req = await self.gw.decode(body, kind)
+        req = await self.gw.decode(body, "tokenize")  # the chat or the completion shape, bounded (gateway/parse_lane.py)
         self._model(req.model)
-        limits = self.gw.cfg.limits
-        if kind is TokenizeChatRequest:
+        if isinstance(req, TokenizeChatRequest):
             if req.add_generation_prompt and req.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
-            bounded(chat_bounds, req.messages, limits)
-            bounded(limits.check_template_kwargs, req.chat_template_kwargs)
             messages = [{"role": m.role, "content": m.content} for m in map(chat_message, req.messages)]
             work = asyncio.to_thread(self._chat_ids, req, messages)
         else:
-            bounded(limits.check_prompt_bytes, [req.prompt])
             work = asyncio.to_thread(self._prompt_ids, req)
         try:
             ids = await unless_disconnected(request.receive, work)  # a client gone: its queued work is cancelled
@@ -163,7 +158,6 @@ class TokenizerRoutes:
     async def detokenize(self, request):
         req = await self.gw.decode(await self._body(request), DetokenizeRequest)
         self._model(req.model)
-        bounded(self.gw.cfg.limits.check_token_ids, len(req.tokens), "tokens")
         vocab = len(self.gw.tok)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -177,15 +171,6 @@ class TokenizerRoutes:
 
 class _Shape(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw(b"")
-
-
-def _has_messages(body: bytes) -> bool:
-    """Which of the two /tokenize shapes a body is: a JSON object with a "messages" key is a
-    chat. Read as undecoded JSON: a scan, not a decode of the whole body."""
-    try:
-        return len(msgspec.json.decode(body, type=_Shape).messages) > 0
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False  # the decode then reports the bad JSON or the wrong shape
 
 
 def _json(obj):

@@ -11,21 +11,24 @@ import httpx
 
 
 def read_probe(url: str, model: str, count, stop, conn) -> None:
-    """A greedy stream read over HTTP in its own process (so the test's own work never delays its
-    reads), each token's arrival time kept until `stop` is set; sends (times, error) on conn."""
+    """Greedy streams read over HTTP in their own process (so the test's own work never delays
+    their reads), one after another until `stop` is set, each token's arrival time kept; sends
+    (times, stream starts: the index of each stream's first token, error) on conn."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 3500, "temperature": 0, "ignore_eos": True, "stream": True}
-    times, error = [], None
+    times, starts, error = [], [], None
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    times.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
-                    count.value = len(times)
-                if stop.is_set():
-                    break
+        while not stop.is_set():
+            starts.append(len(times))
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
+                        count.value = len(times)
+                    if stop.is_set():
+                        break
     except Exception as e:
         error = repr(e)
-    conn.send((times, error))
+    conn.send((times, starts, error))
 
 
 class Probe:
@@ -35,6 +38,7 @@ class Probe:
         self.conn, child = mp.Pipe(duplex=False)
         self.proc = mp.Process(target=read_probe, args=(url, model, self.count, self.stop, child), daemon=True)
         self.times: list[float] = []
+        self.starts: list[int] = []
         self.error: str | None = None
 
     def start(self):
@@ -43,8 +47,11 @@ class Probe:
     def finish(self):
         self.stop.set()
         assert self.conn.poll(60), "the probe did not report"
-        self.times, self.error = self.conn.recv()
+        self.times, self.starts, self.error = self.conn.recv()
         self.proc.join(10)
 
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
+    def gaps(self) -> list[tuple[float, float]]:
+        """(when the gap began, its length) between consecutive tokens of one stream (the wait
+        for a next stream's first token is its TTFT, not a gap)."""
+        firsts = set(self.starts)
+        return [(self.times[i - 1], self.times[i] - self.times[i - 1]) for i in range(1, len(self.times)) if i not in firsts]

@@ -1,0 +1,174 @@
+"""Large request bodies are scanned, decoded and bounded in a child process, so a costly body never
+holds the gateway's event loop and never queues in front of a short request.
+
+Why a process: msgspec holds the GIL for a whole decode (a 6.6 MB chat of 200,000 empty messages:
+~20 ms to scan, ~90 ms to decode generically), and a thread holding the GIL stalls the loop that
+streams every other request. Measured through `pdserve launch` with the hostile corpus of
+tests/faults/test_hostile.py arriving in rounds: a short request's TTFT went from 18 ms idle to
+85-215 ms while the bodies were decoded on a thread of the gateway.
+
+Lifecycle: the gateway makes one `ParseLane` and closes it at shutdown; the first large body starts
+its child (`python -m gateway.parse_lane LIMITS_JSON`, which lowers its own CPU priority).
+`prepare(body, kind, limits)` is the one function that turns a body into its request Struct: the
+scan for what is certainly over the bounds (refuse_oversized), the decode, and the checks of every
+field of that kind against the table of bounds; small bodies run it inline on the loop, larger
+ones (`parse`) in the child, one at a time in arrival order on one thread of the gateway (its pipe
+reads and writes release the GIL). The child answers the Struct re-encoded as msgpack (decoding it
+costs a fraction of the JSON, and it is bounded by then) or the ApiError it raised. A request
+cancelled while it waits (its client gone) is never sent; a child that dies is restarted and the
+body it held is answered 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from gateway.errors import ApiError
+from gateway.schema import ChatCompletionRequest, CompletionRequest, bounded, chat_bounds, decode_body, refuse_oversized, request_bounds
+from gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from wire.limits import RequestLimits
+
+INLINE_BYTES = 256 * 1024  # a larger body is prepared in the child
+NICE = 10  # the child's CPU priority below the serving processes'
+KINDS = {k.__name__: k for k in (CompletionRequest, ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+                                 DetokenizeRequest)}
+TOKENIZE = "tokenize"  # /tokenize: a chat body if it has "messages", else a completion body
+
+
+class _Job(msgspec.Struct, array_like=True):
+    kind: str
+    body: bytes
+
+
+class _Reply(msgspec.Struct, array_like=True):
+    kind: str = ""  # the Struct's class name (TOKENIZE resolves to one of its two)
+    data: bytes = b""  # the Struct, msgpack
+    status: int = 0  # an ApiError: its status, message, code and param
+    message: str = ""
+    code: str | None = None
+    param: str | None = None
+
+
+class _Keys(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"")
+
+
+def _is_chat(body: bytes) -> bool:
+    try:
+        return len(msgspec.json.decode(body, type=_Keys).messages) > 0
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False  # decode_body then reports the bad JSON
+
+
+def prepare(body: bytes, kind: str, limits: RequestLimits):
+    """The body as the Struct `kind` names (TOKENIZE: the chat or the completion shape), every
+    field within the bounds; an ApiError (400 naming the field) otherwise."""
+    if kind == TOKENIZE:
+        kind = TokenizeChatRequest.__name__ if _is_chat(body) else TokenizeCompletionRequest.__name__
+    refuse_oversized(body, limits)
+    req = decode_body(body, KINDS[kind])
+    if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
+        request_bounds(req, limits)
+    elif isinstance(req, TokenizeChatRequest):
+        bounded(chat_bounds, req.messages, limits)
+        bounded(limits.check_template_kwargs, req.chat_template_kwargs)
+    elif isinstance(req, TokenizeCompletionRequest):
+        bounded(limits.check_prompt_bytes, [req.prompt])
+    else:
+        bounded(limits.check_token_ids, len(req.tokens), "tokens")
+    return req
+
+
+class ParseLane:
+    def __init__(self, limits: RequestLimits):
+        self.limits = limits
+        self.proc: subprocess.Popen | None = None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="parse-lane")  # one body at a time, in order
+        self.lock = threading.Lock()  # the child's pipes: the lane's thread, and close()
+        self.starts = 0  # the child is started on the first large body, again after it died
+
+    def start(self) -> None:
+        self.starts += 1
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.parse_lane", msgspec.json.encode(self.limits).decode()],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    async def parse(self, body: bytes, kind: str):
+        """prepare(body, kind) in the child; cancelling the caller while it waits drops the body."""
+        if len(body) <= INLINE_BYTES:
+            return prepare(body, kind, self.limits)
+        reply = await asyncio.get_running_loop().run_in_executor(self.thread, self._round_trip, _Job(kind, body))
+        if reply.status:
+            raise ApiError(reply.status, reply.message, reply.code, reply.param)
+        return msgspec.msgpack.decode(reply.data, type=KINDS[reply.kind])
+
+    def _round_trip(self, job: _Job) -> _Reply:
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self.start()
+                _write(self.proc.stdin, msgspec.msgpack.encode(job))
+                return msgspec.msgpack.decode(_read(self.proc.stdout), type=_Reply)
+            except (OSError, EOFError, msgspec.DecodeError):
+                self._stop()
+                return _Reply(status=503, message="the gateway's request parser restarted; retry", code="parser_restarted")
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                f.close()
+            self.proc = None
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            self._stop()
+
+
+def _write(f, data: bytes) -> None:
+    f.write(struct.pack("<I", len(data)))
+    f.write(data)
+    f.flush()
+
+
+def _read(f) -> bytes:
+    head = f.read(4)
+    if len(head) < 4:
+        raise EOFError("the parser closed its pipe")
+    (n,) = struct.unpack("<I", head)
+    data = f.read(n)
+    if len(data) < n:
+        raise EOFError("the parser closed its pipe")
+    return data
+
+
+def main() -> None:
+    """The child: read jobs on stdin, answer each on stdout, until stdin closes."""
+    os.nice(NICE)
+    limits = msgspec.json.decode(sys.argv[1], type=RequestLimits)
+    src, dst = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            job = msgspec.msgpack.decode(_read(src), type=_Job)
+        except EOFError:
+            return
+        try:
+            req = prepare(job.body, job.kind, limits)
+            reply = _Reply(type(req).__name__, msgspec.msgpack.encode(req))
+        except ApiError as e:
+            reply = _Reply(status=e.status, message=e.message, code=e.code, param=e.param)
+        except Exception as e:  # a bug here must answer this body, not take the lane down
+            reply = _Reply(status=500, message=f"internal error preparing the request: {type(e).__name__}", code="internal_error")
+        _write(dst, msgspec.msgpack.encode(reply))
+
+
+if __name__ == "__main__":
+    main()
