@@ -839,7 +839,7 @@ class Coordinator:
         return st
 
     def finish(self, iid: str, reason: FinishReason, tell: bool = True) -> None:
-        ended = time.monotonic()  # the request's end in its trace: before the replies are sent
+        ended = time.monotonic()
         split = None
         if reason != FinishReason.ABORT and iid in self.requests:
             split = self.phases.finished(iid, self.requests[iid].arrival, self.requests[iid].token_times)
@@ -856,7 +856,9 @@ class Coordinator:
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))
         if self.tracer is not None:
-            self.tracer.ended(st, reason.name.lower(), split, self.model_name, end=ended)
+            # its end in the trace: its last token (vLLM's e2e latency), or now for an abort
+            end = st.arrival + times[-1] if times and reason != FinishReason.ABORT else ended
+            self.tracer.ended(st, reason.name.lower(), split, self.model_name, end=end)
 
     def error(self, iid: str, code: str, message: str) -> None:
         st = self.close(iid)
