@@ -285,7 +285,7 @@ class Coordinator:
 
     def on_client(self, ident: bytes, msg) -> None:
         if isinstance(msg, (AbortRequest, StatusRequest)) and len(msg.request_id) > self.cfg.limits.max_name_length:
-            self.counts["bad_client_messages"] += 1  # no request has such an id; echoing it would cost its bytes again
+            self.counts["oversized_ids_dropped"] += 1  # no request has such an id; echoing it would cost its bytes again
             return
         if isinstance(msg, GenerateRequest):
             self.on_generate(ident, msg)

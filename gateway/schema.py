@@ -125,12 +125,22 @@ def refuse_oversized(body: bytes, limits: RequestLimits) -> None:
         raw = msgspec.json.decode(body, type=_RawSizes)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return  # the full decode reports it
-    if len(raw.stop) > 2 + limits.max_stop * (6 * limits.max_stop_length + 3):
+    if len(raw.stop) > 2 + limits.max_stop * (6 * limits.max_stop_length + 3) and _stop_over(raw.stop, limits):
         raise bad_request(f"stop is over the limits of {limits.max_stop} strings of {limits.max_stop_length} characters "
                           "(--max-stop, --max-stop-length)", "stop", "limit_exceeded")
     if len(raw.prompt) > 2 + 6 * limits.max_prompt_bytes and bytes(memoryview(raw.prompt)[:1]) == b'"':
         raise bad_request(f"the prompt is over {limits.max_prompt_bytes} bytes (--max-prompt-bytes)", "prompt", "limit_exceeded")
     bounded(limits.check_messages, len(raw.messages))
+
+
+def _stop_over(stop: msgspec.Raw, limits: RequestLimits) -> bool:
+    """A stop list certainly over the bounds by its strings' count or JSON lengths (whitespace
+    between them is not counted: a string's JSON is at most 6 bytes a character plus its quotes)."""
+    try:
+        items = msgspec.json.decode(stop, type=list[msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False  # a single string, or a bad one: the full decode reports it
+    return len(items) > limits.max_stop or any(len(i) > 6 * limits.max_stop_length + 2 for i in items)
 
 
 def bounded(check, *args) -> None:

@@ -189,3 +189,18 @@ def test_the_coordinator_checks_each_field(coordinator, at, over):
     coordinator.check_request(at)
     with pytest.raises(LimitExceededError):
         coordinator.check_request(over)
+
+
+def test_the_stop_scan_does_not_count_whitespace_between_strings():
+    """json.dumps separates items with ", ": the most and longest stop strings allowed, escaped
+    (CJK as \\uXXXX), must pass the scan before decoding; one more string must not."""
+    import json
+
+    from gateway.schema import refuse_oversized
+
+    limits = RequestLimits()
+    stops = [chr(0x4e00 + i) * limits.max_stop_length for i in range(limits.max_stop)]
+    refuse_oversized(json.dumps({"model": "m", "prompt": "hi", "stop": stops}, indent=4).encode(), limits)
+    with pytest.raises(Exception) as e:
+        refuse_oversized(json.dumps({"model": "m", "prompt": "hi", "stop": stops + ["x"]}).encode(), limits)
+    assert getattr(e.value, "code", None) == "limit_exceeded"
