@@ -115,6 +115,7 @@ class WorkerState:
         return WorkerSnapshot(
             self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
             sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
+            min((r.req.params.max_tokens for r in requests), default=0),
         )
 
 
