@@ -186,6 +186,39 @@ def _slo_options(f):
     return f
 
 
+def _topology_options(f):
+    """Each request's path and the planner that moves roles with the load (coordinator/paths.py, planner.py)."""
+    opts = [
+        click.option("--paths", default="auto", show_default=True, type=click.Choice(["auto", "remote", "local"]),
+                     help="auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
+                          "meets its targets with more headroom (without SLO control: local for short prompts or a long "
+                          "prefill queue); remote / local: always that way while it can be"),
+        click.option("--local-prefill-tokens", default=512, show_default=True, type=click.IntRange(0),
+                     help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally"),
+        click.option("--planner/--no-planner", default=True, show_default=True,
+                     help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short of capacity"),
+        click.option("--planner-window-s", default=2.0, show_default=True, type=click.FloatRange(0.1),
+                     help="the planner's measurement window (a phase must be short 3 windows in a row before a role moves)"),
+        click.option("--planner-dwell-s", default=20.0, show_default=True, type=click.FloatRange(0.0),
+                     help="a worker keeps a role at least this long (no flapping)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _planner(planner, planner_window_s, planner_dwell_s):
+    from coordinator.planner import PlannerConfig
+
+    return PlannerConfig(window_s=planner_window_s, min_dwell_s=planner_dwell_s) if planner else None
+
+
+def _topology_args(paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s) -> list[str]:
+    """The same options as flags, for the coordinator `pdserve launch` starts."""
+    return ["--paths", paths, "--local-prefill-tokens", str(local_prefill_tokens), "--planner" if planner else "--no-planner",
+            "--planner-window-s", str(planner_window_s), "--planner-dwell-s", str(planner_dwell_s)]
+
+
 def _tracing_options(f):
     f = click.option("--otlp-traces-protocol", default="grpc", show_default=True, envvar="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                      type=click.Choice(["grpc", "http/protobuf"]), help="OTLP transport of --otlp-traces-endpoint")(f)
@@ -262,6 +295,7 @@ def _class_targets(specs) -> dict:
 @click.option("--client-send-budget-kb", default=None, type=click.IntRange(64),
               help="KiB queued for one client that does not read, past which its requests are aborted (client_too_slow; default 32768)")
 @_slo_options
+@_topology_options
 @_limit_options
 @_security_options
 @_tracing_options
@@ -269,8 +303,8 @@ def _class_targets(specs) -> dict:
 @_SECRET_OPTION
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests,
-                client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
+                client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target, paths, local_prefill_tokens, planner,
+                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -279,7 +313,8 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
                             admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
-                            slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
+                            slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms, paths=paths, local_prefill_tokens=local_prefill_tokens,
+                            planner=_planner(planner, planner_window_s, planner_dwell_s),
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
                             served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file,
@@ -383,12 +418,14 @@ def stats(address, timeout, keys):
               help="a role whose main loop has not run for this long is killed and restarted (keep it above the longest "
                    "engine step: raise it for a big model on the CPU or a larger --max-num-batched-tokens)")
 @_slo_options
+@_topology_options
 @_limit_options
 @_security_options
 @_tracing_options
 @engine_flag_options
 def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure,
+           gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+           paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
            max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
@@ -409,6 +446,7 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
+    plan.coordinator_args += _topology_args(paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s)
     _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
     if otlp_traces_endpoint:
         plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
