@@ -245,7 +245,7 @@ class Launcher:
         p = self.plan
         kv_bind = ["--kv-bind", f"tcp://{p.kv_bind_host}:*"]
         if not p.fixed_roles:
-            return ["worker", "--role", role, *kv_bind, "--kv-backend", p.kv_backend]
+            return ["worker", *kv_bind, "--kv-backend", p.kv_backend, "--role", role]  # `ROLE --worker-id ID` in ps, as before
         if role == "prefill":
             return ["prefill", "--kv-backend", p.kv_backend]
         return ["decode", *kv_bind, *(["--colocated"] if role == "colocated" else [])]
