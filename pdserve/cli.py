@@ -352,13 +352,18 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
     serve(cfg)
 
 
+_KV_BACKEND = click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True,
+                           help="how to hand KV to decode workers (auto: from each decode pool's description)")
+_BATCH_WINDOW = click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
+_KV_BIND = click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True, help="where prefill workers deliver KV")
+
+
 @main.command()
 @_engine_options
-@click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
-@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True,
-              help="how to hand KV to decode workers (auto: from each decode pool's description)")
+@_BATCH_WINDOW
+@_KV_BACKEND
 def prefill(verbose, batch_window_ms, kv_backend, **kw):
-    """Run a prefill worker: prompt forward passes, first token, KV hand-off."""
+    """Run a dedicated prefill worker (private KV pool, never changes role): prompt forward passes, first token, KV hand-off."""
     from prefill.worker import serve
 
     _logging(verbose)
@@ -366,18 +371,37 @@ def prefill(verbose, batch_window_ms, kv_backend, **kw):
     serve(ecfg, wcfg)
 
 
-@main.command()
-@_engine_options
-@click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True, help="where prefill workers deliver KV")
-@click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
-def decode(verbose, kv_bind, colocated, **kw):
-    """Run a decode worker: continuous batching over a paged KV cache."""
+def _serve_worker(role: str, verbose, **kw) -> None:
+    """Run the worker that can take every role, starting in `role`."""
     from wire.protocol import Role
     from decode.worker import serve
 
     _logging(verbose)
-    ecfg, wcfg = _configs(kv_bind=kv_bind, **kw)
-    serve(ecfg, wcfg, Role.COLOCATED if colocated else Role.DECODE)
+    ecfg, wcfg = _configs(**kw)
+    serve(ecfg, wcfg, Role[role.upper()])
+
+
+@main.command()
+@_engine_options
+@click.option("--role", default="decode", show_default=True, type=click.Choice(["prefill", "decode", "colocated"]),
+              help="the role it starts in; the coordinator may change it (SetRole) without a restart")
+@_KV_BIND
+@_KV_BACKEND
+@_BATCH_WINDOW
+def worker(role, **kw):
+    """Run a worker that can take any role: prefill (KV hand-off to decode workers), decode, or colocated."""
+    _serve_worker(role, **kw)
+
+
+@main.command()
+@_engine_options
+@_KV_BIND
+@_KV_BACKEND
+@_BATCH_WINDOW
+@click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
+def decode(colocated, **kw):
+    """Run a decode worker (`pdserve worker --role decode`; --colocated: `--role colocated`)."""
+    _serve_worker("colocated" if colocated else "decode", **kw)
 
 
 @main.command()
@@ -399,6 +423,9 @@ def stats(address, timeout, keys):
 @click.option("--prefill", "n_prefill", default=1, show_default=True, help="prefill workers on this node")
 @click.option("--decode", "n_decode", default=1, show_default=True, help="decode workers on this node")
 @click.option("--colocated", is_flag=True, help="one colocated worker (chunked prefill + decode) instead")
+@click.option("--fixed-roles", is_flag=True,
+              help="dedicated prefill workers (`pdserve prefill`) and decode workers that keep their role; by default every worker "
+                   "is `pdserve worker`, which the coordinator may move to another role")
 @click.option("--config", "config_path", default=None, type=click.Path(exists=True), help="cluster TOML")
 @click.option("--node", default=None, help="this node's name in the cluster TOML")
 @click.option("--model", default=None)
@@ -423,8 +450,8 @@ def stats(address, timeout, keys):
 @_security_options
 @_tracing_options
 @engine_flag_options
-def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir,
+           engine_arg, gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
            paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
            max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
@@ -446,7 +473,8 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
-    plan.coordinator_args += _topology_args(paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s)
+    plan.coordinator_args += _topology_args(paths, local_prefill_tokens, planner and not (fixed_roles or plan.fixed_roles),
+                                            planner_window_s, planner_dwell_s)  # fixed roles: nothing to plan
     _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
     if otlp_traces_endpoint:
         plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
@@ -460,6 +488,7 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
     plan.hang_timeout_s = hang_timeout_s
+    plan.fixed_roles = fixed_roles or plan.fixed_roles
 
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
