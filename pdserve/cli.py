@@ -189,14 +189,17 @@ def _slo_options(f):
 def _topology_options(f):
     """Each request's path and the planner that moves roles with the load (coordinator/paths.py, planner.py)."""
     opts = [
-        click.option("--paths", default="auto", show_default=True, type=click.Choice(["auto", "remote", "local"]),
-                     help="auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
+        click.option("--paths", default="remote", show_default=True, type=click.Choice(["auto", "remote", "local"]),
+                     help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default "
+                          "until auto's local TTFT is predicted well on a shared node: see README, Paths and roles); "
+                          "auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
                           "meets its targets with more headroom (without SLO control: local for short prompts or a long "
                           "prefill queue); remote / local: always that way while it can be"),
         click.option("--local-prefill-tokens", default=512, show_default=True, type=click.IntRange(0),
                      help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally"),
-        click.option("--planner/--no-planner", default=True, show_default=True,
-                     help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short of capacity"),
+        click.option("--planner/--no-planner", default=False, show_default=True,
+                     help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short of capacity "
+                          "(off by default until it holds the targets under overload: README, Paths and roles)"),
         click.option("--planner-window-s", default=2.0, show_default=True, type=click.FloatRange(0.1),
                      help="the planner's measurement window (a phase must be short 3 windows in a row before a role moves)"),
         click.option("--planner-dwell-s", default=20.0, show_default=True, type=click.FloatRange(0.0),

@@ -46,6 +46,7 @@ class Recorded(Coordinator):
 
 def coordinator(workers, **cfg) -> Recorded:
     """workers: (id, role, roles it can take); every one with 64 blocks of 16 tokens."""
+    cfg = {"paths": "auto", **cfg}  # what these tests are about (the default is remote)
     c = Recorded(CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", **cfg))
     for wid, role, roles in workers:
         c.on_worker(wid.encode(), Hello(PROTOCOL_VERSION, wid, int(role), 1, "h", "b", "m", 2048, 64, 16,

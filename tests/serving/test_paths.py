@@ -45,7 +45,7 @@ def reference(model_dir, jobs, max_tokens):
 def test_short_prompts_go_local_and_long_ones_remote_with_the_same_tokens(model_dir, tmp_path):
     short, long_ = prompts([5, 17, 30]), prompts([90, 150, 200], first=20000)
     launcher = start_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"],
-                             coordinator_args=["--no-slo", "--local-prefill-tokens", str(LOCAL_TOKENS)])
+                             coordinator_args=["--no-slo", "--paths", "auto", "--local-prefill-tokens", str(LOCAL_TOKENS)])
     try:
         with Client(launcher.plan.client_addr, timeout=60) as c:
             # one at a time: with an empty prefill queue Dynamo's rule decides by the prompt alone
@@ -94,7 +94,7 @@ async def phase(address, jobs, max_tokens, until, what, stats):
 @pytest.mark.skip(reason="the planner does not move a role under this load on the tiny model: being tuned (see the session note)")
 def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_path):
     launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=2, engine_args=["--kv-cache-mb", "32"], coordinator_args=[
-        "--planner-window-s", "0.5", "--planner-dwell-s", "2", "--ttft-p99-ms", "150", "--tpot-p99-ms", "30"])
+        "--paths", "auto", "--planner", "--planner-window-s", "0.5", "--planner-dwell-s", "2", "--ttft-p99-ms", "150", "--tpot-p99-ms", "30"])
     try:
         with Client(launcher.plan.client_addr, timeout=60) as c:
             if not any(len(w.get("roles", [])) > 1 for w in c.stats()["workers"]):
