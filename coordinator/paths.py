@@ -80,10 +80,25 @@ def uncached(req: RequestView, w: WorkerSnapshot) -> int:
     return max(0, req.num_tokens - w.cached_tokens)
 
 
-def local_candidates(req: RequestView, decodes: list[WorkerSnapshot]) -> list[WorkerSnapshot]:
-    """Decode workers with KV room for req, each with req's uncached tokens added to its recent
+def local_stall_ok(req: RequestView, d: WorkerSnapshot, targets: SloTargets) -> bool:
+    """Whether d's running streams keep their TPOT target through the step that takes in req's
+    uncached prompt: that step is one long gap for each of them, which its TPOT (an average over
+    its output) carries as stall / (output tokens - 1); the shortest output placed on d is the
+    stream it hurts most. The averaged share in place_colocated misses this when a stream is
+    short and the prompt long (tests/slo/test_overload.py: p99 TPOT 51-60 ms at a 38-42 ms target)."""
+    if not d.requests or not d.shortest_output:
+        return True
+    stall = d.model.predict(d.requests + 1, d.requests + uncached(req, d), d.context_tokens + req.num_tokens)
+    step = d.model.predict(d.requests, d.requests, d.context_tokens)
+    return step + stall / max(1, d.shortest_output - 1) <= targets.tpot_s
+
+
+def local_candidates(req: RequestView, decodes: list[WorkerSnapshot], targets: SloTargets | None = None) -> list[WorkerSnapshot]:
+    """Decode workers with KV room for req (with targets: whose streams keep their TPOT through
+    the prompt's step, local_stall_ok), each with req's uncached tokens added to its recent
     prompt tokens: its streams' predicted steps stretch by the prompt it would take in."""
-    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)]
+    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)
+            and (targets is None or local_stall_ok(req, d, targets))]
     return [dataclasses.replace(d, recent_prompt_tokens=d.recent_prompt_tokens + uncached(req, d)) for d in fits]
 
 
@@ -96,7 +111,10 @@ def choose_path(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[
         return by_rule(req, prefills, decodes, locals_, rule)
     unparked = dataclasses.replace(req, parked=False)
     remote = place_pair(unparked, prefills, decodes, targets) if prefills and decodes else None
-    local = place_colocated(unparked, locals_, targets) if locals_ else None
+    gentle = local_candidates(req, decodes, targets)
+    local = place_colocated(unparked, gentle, targets) if gentle else None
+    if locals_ and not gentle:
+        local = shed(ShedReason.TPOT, "a local prefill would stall the decode workers' streams past their TPOT target")
     room = {p: headroom(d, targets) for p, d in ((Path.REMOTE, remote), (Path.LOCAL, local)) if d is not None}
     ok = {p: h for p, h in room.items() if h is not None}
     if ok:

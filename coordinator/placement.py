@@ -43,6 +43,7 @@ class WorkerSnapshot:
     context_tokens: int = 0  # their tokens (prompt + output so far): the decode step's context
     recent_prompt_tokens: int = 0  # colocated: prompt tokens placed in the last ADMIT_WINDOW_S
     cached_tokens: int = 0  # of the request being placed: leading tokens it is expected to hold (prefix cache)
+    shortest_output: int = 0  # the smallest max_tokens of the requests placed on it (0: none or unknown)
 
 
 @dataclass(frozen=True)

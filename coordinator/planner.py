@@ -19,7 +19,8 @@ each action held back is counted (`counts`) and the last changes are kept with t
 Hysteresis, as Dynamo's planner and DistServe's re-planning do it: one change at a time and none
 while one is under way; a phase must stay short `sustain` windows (one burst does not move a
 role); short and slack thresholds lie apart, so the move just made does not undo itself; a worker
-keeps a role at least `min_dwell_s`. Never: the last decode worker (nothing could be served), or
+keeps a role at least `min_dwell_s`. Only a worker that can take the role without a restart
+(`join`'s roles: its Hello.roles) is moved. Never: the last decode worker (nothing could be served), or
 the last prefill worker while prompts wait for it. Placement of the change: the worker comes from
 the node where the short phase has the most work per worker of that phase (queued prompt tokens
 per prefill worker, streams per decode worker), and among those the one with least in flight.
@@ -66,6 +67,11 @@ class WorkerRole:
     stage: Stage = Stage.ACTIVE
     target: Role | None = None  # DRAINING: the role it will take
     drain_started: float = 0.0
+    roles: frozenset | None = None  # the roles it can switch to (Hello.roles); None: any
+
+    def can_take(self, phase: Role) -> bool:
+        """Whether it can be switched into `phase` without a restart."""
+        return self.roles is None or phase in self.roles
 
     def takes(self, role: Role) -> bool:
         """Whether the coordinator may give it new work of this role."""
@@ -192,8 +198,9 @@ class Planner:
 
     # ------------------------------------------------------------------ roster and drains
 
-    def join(self, worker_id: str, node: str, role: Role, now: float) -> WorkerRole:
-        self.workers[worker_id] = WorkerRole(worker_id, node, role, now)
+    def join(self, worker_id: str, node: str, role: Role, now: float, roles=None) -> WorkerRole:
+        """roles: those it can switch to without a restart (None: any); it only moves into one of them."""
+        self.workers[worker_id] = WorkerRole(worker_id, node, role, now, roles=None if roles is None else frozenset(roles))
         return self.workers[worker_id]
 
     def leave(self, worker_id: str) -> None:
@@ -253,7 +260,11 @@ class Planner:
         if why_not is not None:
             self.counts[f"held:{why_not}"] += 1
             return None
-        ready = [w for w in given if window.now - w.since >= self.cfg.min_dwell_s]
+        movable = [w for w in given if w.can_take(phase)]
+        if not movable:
+            self.counts["held:fixed_roles"] += 1
+            return None
+        ready = [w for w in movable if window.now - w.since >= self.cfg.min_dwell_s]
         if not ready:
             self.counts["held:dwell"] += 1
             return None

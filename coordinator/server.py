@@ -5,9 +5,12 @@ Lifecycle of a request here: a client's GenerateRequest is checked against the r
 (wire/limits.py: every field, before anything else) and validated, then tokenized off the loop
 (coordinator/tokenizing.py: the request waits in `tokenizing`, in a lane chosen by its cost,
 sharing the work of identical inputs; an abort or a lost client ends it and cancels its queued
-work), then placed:
-on a (prefill, decode) pair -> Admit to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it in `pending`, retried as blocks free);
-or, with no pair but a colocated worker, Generate to it. TokenBatch items from the decode side
+work), then placed on the path that serves it best (coordinator/paths.py; counted `path:*` and
+`path_reason:*`, both ways' predictions in its trace): REMOTE on a (prefill, decode) pair -> Admit
+to the decode worker, whose Granted triggers Prefill to the prefill worker (AdmitRefused parks it
+in `pending`, retried as blocks free); LOCAL -> Generate to the decode worker, which prefills it in
+its own steps (its blocks reserved until its first token); or, with no decode worker but a
+colocated one, Generate to that. TokenBatch items from the decode side
 are detokenized incrementally (stop strings end the request and abort it on the worker) and
 streamed to the client as Delta, then Final. A client AbortRequest, a worker error or a lost
 worker ends it with Final(abort) or ErrorReply, and the workers are told to free its blocks.
@@ -23,7 +26,13 @@ before any worker sees it. A hand-off whose KVReady was lost on the way is not l
 its prefill worker reports PrefillDone (the writer is done with the grant), a request its decode
 worker has not started within `handoff_timeout_s` fails (kv_transfer_failed) and that grant is
 released without a writer (Release(prefill_sent=False)), whether the request still lives or not.
-Launchers report their roles' restart counts (NodeReport), shown under `nodes` in the stats. Bad frames on either port are
+Roles follow the load (SLO control on, some worker's Hello.roles naming more than one role):
+every `PlannerConfig.window_s` the planner (coordinator/planner.py) sees the window's outcomes per
+phase and loads; a change it starts drains the worker (placement gives it no new work of its
+role), then SetRole tells it its new role and its RoleSet switches `WorkerState.role` (an error
+there, or no answer, and it keeps its role for good). Admission targets are the targets less a
+headroom that follows the measured prediction error (coordinator/calibration.py: predictions are
+recorded against what each finished request saw). Launchers report their roles' restart counts (NodeReport), shown under `nodes` in the stats. Bad frames on either port are
 counted and dropped (clients get an ErrorReply "bad_message"). The coordinator never loads a
 model: only the tokenizer.
 """
@@ -43,7 +52,10 @@ import msgspec
 import zmq
 
 from coordinator import placement
-from coordinator.placement import Decision, Outcome, RequestView
+from coordinator.calibration import Calibration
+from coordinator.paths import Path, PathChoice, PathRule, choose_path
+from coordinator.placement import Decision, Outcome, RequestView, ShedReason
+from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState
 from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
@@ -62,7 +74,7 @@ from wire.loop_io import SocketIO
 from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
     ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, NodeReport, Prefill, PrefillDone, Reject,
-    Release, Role,
+    Release, Role, RoleSet, SetRole,
     StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 
@@ -73,6 +85,8 @@ MAX_NODE_ROLES = 64  # roles kept per report, each name and exit text cut to MAX
 MAX_NODE_TEXT = 64
 WORKER_MESSAGE_MARGIN = 64 * 1024  # bytes of a worker message besides its ids and params: names, endpoints, logprobs, CURVE
 GONE_WRITER_KEEP_S = 30.0  # a Prefill's writer record is kept this long after its request ended, for a late PrefillDone
+SET_ROLE_RESEND_S = 1.0  # a SetRole not answered by then is sent again (the worker's inbox may have dropped it)
+PATHS = ("auto", "remote", "local")
 
 
 @dataclass
@@ -114,6 +128,17 @@ class CoordinatorConfig:
     served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
+    paths: str = "remote"  # the default until auto's local TTFT is predicted well on a shared node; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
+    local_prefill_tokens: int = PathRule.local_tokens  # without SLO control: prompts with this many uncached tokens or fewer go LOCAL
+    # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
+    # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
+    planner: PlannerConfig | None = None
+
+    def __post_init__(self):
+        if self.paths not in PATHS:
+            raise ValueError(f"paths must be one of {', '.join(PATHS)}, got {self.paths!r}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
 
     def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
         base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
@@ -145,6 +170,14 @@ class Coordinator:
         self.next_writer_sweep = 0.0
         self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
+        self.calibration = Calibration()  # prediction errors -> admission headroom (coordinator/calibration.py)
+        self.path_rule = PathRule(local_tokens=cfg.local_prefill_tokens)
+        # roles follow the load only against targets: without them there is no attainment to plan by
+        self.planner = Planner(cfg.planner) if cfg.planner is not None and cfg.slo else None
+        self.tally = Tally()
+        self.next_window = 0.0
+        self.role_changes = itertools.count(1)
+        self.announced: dict[str, list] = {}  # worker id -> [change number, role, when last sent]: SetRole awaiting its RoleSet
         self.counts = collections.Counter()
         self.kv = collections.Counter()
         self._ids = itertools.count()
@@ -248,6 +281,7 @@ class Coordinator:
             self.retry_pending(now)
             self.admission_timeouts(now)
             self.handoff_timeouts(now)
+            self.plan_roles(now)
             if now - pruned > 1.0:
                 self.outbox.prune(self.client_load.__contains__)
                 pruned = now
@@ -430,36 +464,60 @@ class Coordinator:
     # ------------------------------------------------------------------ placement
 
     def alive(self, role: Role) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role]
+        """Workers of `role` that may be given new work of it: not one the planner drains or switches."""
+        return [w for w in self.workers.values()
+                if w.role == role and (self.planner is None or self.planner.takes(w.hello.worker_id, role))]
 
     def place(self, st: RequestState, parked: bool = False) -> None:
-        """Put st on a (prefill, decode) pair, else a colocated worker, as `placement` decides:
-        park it if no decode worker has room yet; shed it at once if its targets cannot be met
-        (never once parked)."""
+        """Choose st's path over the live workers (`choose`): REMOTE on a (prefill, decode) pair
+        (Admit), LOCAL on a decode worker (Generate: it prefills the prompt itself); without decode
+        workers, a colocated worker. Park it if no decode worker has room yet (or every worker is
+        changing role); shed it at once if its targets cannot be met (never once parked)."""
         st.attempts += 1
         now = time.monotonic()
         prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
         colocated = self.alive(Role.COLOCATED)
-        if not (prefills and decodes) and not colocated:
+        if not decodes and not colocated:
+            if any(w.role != Role.PREFILL for w in self.workers.values()):
+                self.park(st)  # its decode workers are all changing role: one takes work again soon
+                return
             self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
             return
-        if prefills and decodes and self.wait_for_twin(st, decodes[0].hello.block_size):
+        if prefills and decodes and self.cfg.paths != "local" and self.wait_for_twin(st, decodes[0].hello.block_size):
             self.park(st)
             return
         req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
         targets = self.admission_targets(st) if self.cfg.slo else None
-        if prefills and decodes:
-            decision = placement.place_pair(req, self.snapshots(prefills, now, st), self.snapshots(decodes, now, st), targets)
+        if decodes:
+            choice = self.choose(req, prefills, decodes, st, now, targets)
         else:
-            decision = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
+            d = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
+            choice = PathChoice(d, Path.LOCAL if d.outcome is Outcome.PLACED else None, "colocated")
+        decision = choice.decision
         if decision.outcome is Outcome.WAIT:
             self.park(st)
         elif decision.outcome is Outcome.SHED:
-            self.shed(st, decision.detail)
-        elif decision.prefill is not None:
-            self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
+            self.shed(st, decision)
         else:
-            self.generate_on(st, self.workers[decision.worker], decision, now)
+            st.path = choice.attributes()
+            self.counts[f"path:{choice.path.value}"] += 1
+            self.counts[f"path_reason:{choice.reason}"] += 1
+            log.debug("%s takes the %s path (%s): %s", st.iid, choice.path.value, choice.reason, choice.detail)
+            if decision.prefill is not None:
+                self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
+            else:
+                self.generate_on(st, self.workers[decision.worker], decision, now)
+
+    def choose(self, req: RequestView, prefills: list[WorkerState], decodes: list[WorkerState], st: RequestState, now: float,
+               targets: SloTargets | None) -> PathChoice:
+        """st's path (coordinator/paths.py: by headroom with targets, Dynamo's rule without);
+        `--paths remote` keeps every request on a pair while one exists, `--paths local` on its decode worker."""
+        p = self.snapshots(prefills, now, st) if self.cfg.paths != "local" else []
+        d = self.snapshots(decodes, now, st)
+        if self.cfg.paths == "remote" and p:
+            decision = placement.place_pair(req, p, d, targets)
+            return PathChoice(decision, Path.REMOTE if decision.outcome is Outcome.PLACED else None, "fixed", remote=decision)
+        return choose_path(req, p, d, targets, self.path_rule)
 
     def wait_for_twin(self, st: RequestState, block_size: int) -> bool:
         """n choices of one request (the same prompt from the same client at once, at least a
@@ -497,7 +555,7 @@ class Coordinator:
         need = placement.blocks_needed(st.num_tokens - held, d.hello.block_size)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
         st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
-        st.predicted_ttft = decision.predicted_ttft
+        st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot
         d.reserved_blocks += need
         p.queued_tokens += backlog
         self.note_placed_prefix(st, p, d)
@@ -511,9 +569,15 @@ class Coordinator:
                                   st.prefix_tokens((st.num_tokens - 1) // bs, bs) if held else []))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
-        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - self.cached_on(w, st)
+        """Generate on w (a colocated worker, or a decode worker: the LOCAL path). The blocks w
+        lacks for st are reserved until its first token: until the worker schedules the prompt its
+        heartbeats do not show them taken, and the next placement must not count them free."""
+        held = self.cached_on(w, st)
+        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - held
+        st.reserved = placement.blocks_needed(st.num_tokens - held, w.hello.block_size)
+        w.reserved_blocks += st.reserved
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
-            st.predicted_ttft = decision.predicted_ttft
+            st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot
         w.queued_tokens += st.backlog  # until its first token (on_token)
         self.note_placed_prefix(st, w)
         w.note_placed(st.num_tokens, now)
@@ -523,12 +587,14 @@ class Coordinator:
     def admission_targets(self, st: RequestState) -> SloTargets:
         """st's targets less the headroom: what a prediction must meet for st to be admitted."""
         target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        return SloTargets(target.ttft_s * self.cfg.ttft_headroom, target.tpot_s * self.cfg.tpot_headroom)
+        return self.calibration.targets(target, self.cfg.ttft_headroom, self.cfg.tpot_headroom)
 
-    def shed(self, st: RequestState, why: str) -> None:
-        log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, why)
+    def shed(self, st: RequestState, decision: Decision) -> None:
+        log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, decision.detail)
         self.slo.record_shed(st.priority)
-        self.error(st.iid, "slo_unattainable", why)
+        if decision.reason is not None and self.planner is not None:
+            self.tally.shed(decision.reason)
+        self.error(st.iid, "slo_unattainable", decision.detail)
 
     def park(self, st: RequestState) -> None:
         if st.phase != Phase.PENDING:
@@ -567,6 +633,78 @@ class Coordinator:
             st.attempts -= 1  # waiting for room is not a new attempt
             self.place(st, parked=True)
 
+    # ------------------------------------------------------------------ roles
+
+    def can_switch(self) -> bool:
+        """Whether any worker can change role without a restart: the planner acts only then."""
+        return any(w.can_switch for w in self.workers.values())
+
+    def plan_roles(self, now: float) -> None:
+        """The planner's clock (coordinator/planner.py): every window its measurements go in and a
+        role change may start (the worker drains: placement gives it no new work); every tick the
+        drains advance, and a drained worker is told its new role (SetRole, again every
+        SET_ROLE_RESEND_S until its RoleSet; none by max_drain_s: it keeps its role)."""
+        if self.planner is None:
+            return
+        if now >= self.next_window:
+            self.next_window = now + self.planner.cfg.window_s
+            window = self.tally.close(now, *self.phase_loads(now), self.worker_loads())
+            if self.can_switch():
+                change = self.planner.observe(window)
+                if change is not None:
+                    log.info("role change: worker %s (node %s) %s -> %s, draining: %s", change.worker_id, change.node,
+                             change.old.name.lower(), change.new.name.lower(), change.reason)
+        draining = {wid for wid, r in self.planner.workers.items() if r.stage is Stage.DRAINING and wid in self.workers}
+        if draining:
+            for r in self.planner.progress({wid: len(self.workers[wid].requests) for wid in draining}, now):
+                self.announced[r.worker_id] = [next(self.role_changes), r.role, 0.0, now]
+        for wid, a in list(self.announced.items()):
+            w = self.workers.get(wid)
+            if w is None:
+                del self.announced[wid]
+            elif now - a[3] > self.planner.cfg.max_drain_s:
+                self.keep_role(w, w.role, f"no answer to SetRole within {self.planner.cfg.max_drain_s:g} s", now)
+            elif now - a[2] >= SET_ROLE_RESEND_S:
+                a[2] = now
+                self.send_worker(w, SetRole(a[1], a[0]))
+
+    def on_role_set(self, w: WorkerState, msg: RoleSet) -> None:
+        """A worker's answer to SetRole: it serves the new role from now on (placement follows),
+        or it could not switch and keeps the role it names."""
+        wid, now = w.hello.worker_id, time.monotonic()
+        a = self.announced.get(wid)
+        if self.planner is None or a is None or msg.change != a[0]:
+            self.counts["stale_role_sets"] += 1
+            return
+        if msg.error or msg.role != a[1]:
+            self.keep_role(w, Role(msg.role), msg.error or f"it answered role {Role(msg.role).name.lower()}", now)
+            return
+        del self.announced[wid]
+        self.planner.confirm(wid, Role(msg.role), now)
+        self.planner.counts["confirmed"] += 1
+        log.info("worker %s now serves as %s (was %s)", wid, Role(msg.role).name.lower(), w.role.name.lower())
+        w.role = Role(msg.role)
+
+    def keep_role(self, w: WorkerState, role: Role, why: str, now: float) -> None:
+        """w did not take the role announced: it serves `role` and the planner never moves it again."""
+        wid = w.hello.worker_id
+        self.announced.pop(wid, None)
+        log.warning("worker %s keeps role %s: %s", wid, role.name.lower(), why)
+        self.planner.counts["refused"] += 1
+        self.planner.join(wid, w.hello.host, role, now, roles={role})
+        w.role = role
+
+    def phase_loads(self, now: float) -> tuple[float, float]:
+        """(prefill, decode) load of the planner's window, against priority class 0's targets."""
+        snaps = {Role.PREFILL: [], Role.DECODE: []}
+        for w in self.workers.values():
+            snaps[Role.PREFILL if w.role == Role.PREFILL else Role.DECODE].append(
+                w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now))
+        return phase_loads(snaps[Role.PREFILL], snaps[Role.DECODE], self.cfg.targets(0))
+
+    def worker_loads(self) -> list[WorkerLoad]:
+        return [WorkerLoad(wid, w.queued_tokens, len(w.requests)) for wid, w in self.workers.items()]
+
     # ------------------------------------------------------------------ workers
 
     def send_worker(self, w: WorkerState, msg) -> None:
@@ -590,7 +728,8 @@ class Coordinator:
             w.beats += 1
             w.note_prefix(msg.prefix_added, msg.prefix_evicted)
             w.model.add(msg.steps)
-            w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].phase == Phase.ADMITTING)
+            w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].reserved
+                                    and self.requests[i].phase in (Phase.ADMITTING, Phase.COLOCATED))
         elif isinstance(msg, Granted):
             self.on_granted(w, msg)
         elif isinstance(msg, AdmitRefused):
@@ -619,6 +758,8 @@ class Coordinator:
         elif isinstance(msg, WorkerError):
             if self.request_on(w, msg.request_id) is not None:
                 self.error(msg.request_id, msg.code, msg.message)
+        elif isinstance(msg, RoleSet):
+            self.on_role_set(w, msg)
 
     def request_on(self, w: WorkerState, iid: str) -> RequestState | None:
         """The live request iid if it is placed on w; a message from any other worker about it (a
@@ -648,8 +789,11 @@ class Coordinator:
             self.drop_worker(h.worker_id, "worker re-registered")
             old = None
         if old is None:
-            self.workers[h.worker_id] = WorkerState(h, ident, time.monotonic(), model=StepModel(h.profile))
+            now = time.monotonic()
+            self.workers[h.worker_id] = WorkerState(h, ident, now, model=StepModel(h.profile))
             self.by_ident[ident] = h.worker_id
+            if self.planner is not None:  # Hello.roles [] : only its own
+                self.planner.join(h.worker_id, h.host, Role(h.role), now, roles={Role(h.role), *h.roles})
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
         else:
             old.last_seen = time.monotonic()
@@ -749,6 +893,9 @@ class Coordinator:
             del self.by_ident[w.identity]
         log.warning("dropping worker %s: %s", wid, why)
         self.counts["workers_lost"] += 1
+        self.announced.pop(wid, None)
+        if self.planner is not None:
+            self.planner.leave(wid)
         for iid in list(w.requests):
             st = self.requests.get(iid)
             if st is not None:
@@ -795,7 +942,8 @@ class Coordinator:
         if st.phase != Phase.COLOCATED:
             st.phase = Phase.DECODING
         elif st.backlog:
-            self.release_backlog(st)  # its prompt is done
+            self.release_backlog(st)  # its prompt is done: its blocks are in the worker's next heartbeat
+            self.unreserve(st)
         text = ""
         new = []
         if item.token_id >= 0:
@@ -852,6 +1000,9 @@ class Coordinator:
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
+            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot)
+            if self.planner is not None:
+                self.tally.served(ttft, tpot, self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms))
         self.send_client(st.client, Final(
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))
@@ -876,7 +1027,7 @@ class Coordinator:
         for w in self.workers.values():
             b = w.beat
             workers.append({
-                "id": w.hello.worker_id, "role": w.role.name.lower(), "pid": w.hello.pid, "host": w.hello.host,
+                "id": w.hello.worker_id, "role": w.role.name.lower(), "roles": sorted(r.name.lower() for r in {w.role, *w.hello.roles}), "pid": w.hello.pid, "host": w.hello.host,
                 "queue": b.waiting if b else 0, "running": b.running if b else 0, "queued_tokens": b.queued_tokens if b else 0,
                 "free_blocks": b.free_blocks if b else w.hello.num_blocks, "total_blocks": w.hello.num_blocks,
                 "block_size": w.hello.block_size, "max_model_len": w.hello.max_model_len, "kv_bytes_sent": b.kv_bytes_sent if b else 0,
@@ -895,6 +1046,9 @@ class Coordinator:
             "active_requests": len(self.requests),
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
+            "calibration": self.calibration.summary(self.cfg.ttft_headroom, self.cfg.tpot_headroom),
+            "planner": {"enabled": self.planner is not None, "active": self.planner is not None and self.can_switch(),
+                        **(self.planner.summary() if self.planner is not None else {})},
         }
 
 

@@ -2,11 +2,13 @@
 
 Lifecycle: a `WorkerState` is made when a worker's Hello is accepted, updated by its heartbeats
 and by the coordinator's own placements (queued tokens, reserved blocks, requests placed), and
-dropped when the worker leaves or falls silent. A `RequestState` is made when a client's request
-is tokenized and moves through `Phase` in order: NEW -> (PENDING: waiting for decode room) ->
-ADMITTING (Admit sent) -> PREFILLING (Prefill sent) -> DECODING (tokens arrive); a request on a
-colocated worker goes NEW -> COLOCATED. A retry after a lost worker sends it back to NEW. From
-ADMITTING on some worker may hold blocks for it, so ending it then tells its workers to abort.
+dropped when the worker leaves or falls silent; its `role` follows a switch the worker confirms
+(RoleSet). A `RequestState` is made when a client's request is tokenized and moves through
+`Phase` in order: NEW -> (PENDING: waiting for decode room) -> ADMITTING (Admit sent) ->
+PREFILLING (Prefill sent) -> DECODING (tokens arrive); a request on a colocated worker, or on a
+decode worker's LOCAL path (it prefills the prompt itself), goes NEW -> COLOCATED. A retry after
+a lost worker sends it back to NEW. From ADMITTING on some worker may hold blocks for it, so
+ending it then tells its workers to abort.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class Phase(enum.IntEnum):
     PENDING = 1  # waiting for a decode worker with room (no SLO control, or a retry)
     ADMITTING = 2  # Admit sent to the decode worker; from here on a worker may hold its blocks
     PREFILLING = 3  # granted; Prefill sent to the prefill worker
-    COLOCATED = 4  # Generate sent to a colocated worker (prompt and stream on one worker)
+    COLOCATED = 4  # Generate sent to a colocated or decode worker (prompt and stream on one worker: the LOCAL path)
     DECODING = 5  # tokens are arriving from the decode worker
 
     @property
@@ -52,6 +54,11 @@ class WorkerState:
     admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
     admitted_tokens: int = 0  # their sum
     prefix_view: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # block keys it is thought to hold
+    role: Role | None = None  # its role now: Hello.role until it confirms a switch (RoleSet)
+
+    def __post_init__(self):
+        if self.role is None:
+            self.role = Role(self.hello.role)
 
     def note_prefix(self, added: list[bytes], evicted: list[bytes] = ()) -> None:
         """Update the approximate view of its prefix cache: keys its heartbeat reported registered
@@ -76,8 +83,9 @@ class WorkerState:
         return n * self.hello.block_size
 
     @property
-    def role(self) -> Role:
-        return Role(self.hello.role)
+    def can_switch(self) -> bool:
+        """Whether it can take another role without a restart (Hello.roles names more than one)."""
+        return len(set(self.hello.roles)) > 1
 
     @property
     def prefix_cache(self) -> bool:
@@ -107,6 +115,7 @@ class WorkerState:
         return WorkerSnapshot(
             self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
             sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
+            min((r.req.params.max_tokens for r in requests), default=0),
         )
 
 
@@ -130,6 +139,8 @@ class RequestState:
     grant: int = 0  # the decode worker's number for its grant (Granted), named by the Prefill and a Release
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
+    predicted_tpot: float | None = None
+    path: dict = field(default_factory=dict)  # the path chosen at its last placement and both ways' predictions (PathChoice.attributes)
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
 

@@ -3,7 +3,8 @@ one process that sees every request from arrival to its last token, and already 
 into phases for the histograms (wire/phase_metrics.py).
 
 Each request that ends becomes one span `llm_request` (vLLM's name and `gen_ai.*` attributes,
-plus the workers it ran on) with a child span per phase, back to back: `queue`, `prefill`,
+plus the workers it ran on and its path: `pdserve.path`, `pdserve.path_reason` and each way's
+predicted TTFT and TPOT, `pdserve.remote_ttft_ms` ... `pdserve.local_tpot_ms`) with a child span per phase, back to back: `queue`, `prefill`,
 `kv_transfer`, `first_token`, `decode` on a (prefill, decode) pair, each carrying the id of the
 worker it happened on (`pdserve.worker_id`); on a colocated worker `prefill` (its queue wait
 included: the worker reports no split) and `decode`. A request that failed or was aborted gets
@@ -131,6 +132,7 @@ class RequestTracer:
             "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.usage.prompt_tokens": len(st.prompt), "gen_ai.usage.completion_tokens": len(st.tokens),
             "pdserve.finish_reason": outcome, "pdserve.attempts": st.attempts, "pdserve.priority": st.priority,
+            **{f"pdserve.{k}": v for k, v in st.path.items()},
         }, error, st.req.trace_headers)
 
     def shutdown(self) -> None:

@@ -1,21 +1,34 @@
-"""The decode worker (`pdserve decode`), and in colocated mode the whole engine in one worker.
+"""The worker that can take every role (`pdserve worker --role ROLE`; `pdserve decode` starts it
+as a decode or colocated worker): decode, colocated (the whole engine in one worker), and prefill
+with KV hand-offs to other decode workers; it changes role without a restart (SetRole).
 
 Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memory (on a GPU:
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
-logged at start), binds the kv socket and makes the link that says Hello; the worker itself is
-built from those parts (tests pass an in-process transport and link). Then `run` loops:
+logged at start), binds the kv socket, makes a KV sender (its own hand-offs, with the prefill
+worker's security options) and the link that says Hello (its role, and every role as those it
+can take); the worker itself is built from those parts (tests pass an in-process transport and
+link). Then `run` loops:
   drain the inbox (first keying its prefix cache with the secret of the coordinator's Welcome):
   Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of the Admit's prefix
   tokens first, each confirmed against its tokens (Granted.cached_blocks: the prefill side sends only the rest),
   new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
-  Generate (colocated) -> queue for chunked prefill here; Abort / Release -> free;
+  Generate (colocated, or the coordinator's local path) -> queue for chunked prefill here;
+  Prefill -> queue the prompt held after its prefill (worker/handoff.py: checked as the prefill
+  worker checks it), handed off to its decode worker after the step that computes it and then
+  released; Abort / Release -> free (a Prefill's destination told);
+  SetRole -> take the role (RoleSet answers with the role it now has; the Hello its link says
+  on a reconnect names it). Every kind of message is taken whatever the role (the coordinator
+  stops sending work of the old kind before a change); the role decides how the worker shares
+  the node's cores and what its heartbeat reports. In the prefill role with prompts to hand
+  off it runs as the prefill worker does: a batching window, then `take_prefill_turn` before
+  the step, its queued prompt tokens as its load. Otherwise:
   step the engine (continuous batching: joiners enter at the next step, finished sequences
   leave at once, a short pool preempts the newest sequence, which is recomputed here), unless a
   prefill worker of this node is busy: then it holds its step until that worker yields it a turn
   between two prefill steps, or until its stall cap (runtime.cores: the TPOT target the
   coordinator's Welcome names sets both);
   send the step's tokens as one TokenBatch; expire grants whose KV never came.
-Every block is freed on every path: finish, abort, release, failed hand-off, grant timeout.
+Every block is freed on every path: finish, abort, release, failed hand-off (either way), grant timeout.
 Fenced writes: each grant has a number (Granted -> Prefill -> KVReady/KVFailed), and a hand-off
 fills only the grant it names. A grant given up before its writer answered (Release, expiry, a
 newer admission) whose writer may write into this pool directly (Admit names it: a prefill
@@ -44,7 +57,7 @@ import zmq
 from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from kvtransfer.errors import InvalidHandoff, KVTransferError
 from kvtransfer.pool import KVPool, host_identity, process_alive
-from kvtransfer.transfer import KVReceiver
+from kvtransfer.transfer import KVReceiver, KVSender
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores, stall_cap
@@ -57,10 +70,11 @@ from runtime.weights import load_checkpoint
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
-    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Reject, Release, Role, Shutdown, TokenBatch,
-    TokenOut, WorkerError,
+    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, Reject, Release, Role, RoleSet, SetRole,
+    Shutdown, TokenBatch, TokenOut, WorkerError,
 )
 from worker import process
+from worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.decode")
 
@@ -95,10 +109,20 @@ def token_out(o: StepOutput) -> TokenOut:
     return TokenOut(o.request_id, -1 if o.token_id is None else o.token_id, o.logprob, o.top_logprobs, o.finish_reason)
 
 
+ALL_ROLES = [Role.PREFILL, Role.DECODE, Role.COLOCATED]
+
+
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver, link, grant_timeout_s: float = 30.0,
-                 closing: list | None = None, cores: CoreShare | StaticCores | None = None):
+                 closing: list | None = None, cores: CoreShare | StaticCores | None = None, sender=None,
+                 role: Role = Role.DECODE, batch_window_ms: float = 2.0):
         self.worker_id = worker_id
+        self.role = Role(role)  # how it shares the node's cores and what it reports; it takes every kind of work whatever its role
+        # the roles SetRole may give it: every one with a KV sender (Prefill hand-offs), else only its own
+        self.roles = list(ALL_ROLES) if sender is not None else []
+        self.sender = sender  # KVSender, or kvtransfer.local.LocalKV: Prefill hand-offs from this worker's pool
+        self.handoffs = Handoffs(engine, engine.runner.kv_cache, sender, link) if sender is not None else None
+        self.batch_window = batch_window_ms / 1000  # the prefill role's batching window (as the prefill worker's)
         self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
         self.engine = engine
         self.receiver = receiver  # KVReceiver, or kvtransfer.local.LocalKV
@@ -144,19 +168,24 @@ class DecodeWorker:
         auth = security.start_authenticator(ctx, wcfg.keys, secret)
         receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS, secret),
                               ipc=pool.accept() if isinstance(pool, CudaKVPool) else None, shm_path=pool.path)
-        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint))
+        sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, secret), backend=wcfg.kv_backend)  # as the prefill worker's
+        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint, ALL_ROLES))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
-                   cores)
+                   cores, sender, role, wcfg.batch_window_ms)
 
     # ------------------------------------------------------------------ loop
 
     def heartbeat(self) -> Heartbeat:
+        """Its load as its role reports it: in the prefill role, as a prefill worker, the prompt
+        tokens not yet computed (compiling, queued or running); else those queued."""
         sched = self.engine.scheduler
+        queued = self.engine.queued_tokens() if self.role == Role.PREFILL else sum(s.num_uncomputed for s in list(sched.waiting))
+        sent = {"kv_bytes_sent": self.sender.bytes_sent, "kv_seconds_sent": self.sender.seconds} if self.sender is not None else {}
         return Heartbeat(
-            self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting),
-            sum(s.num_uncomputed for s in list(sched.waiting)), kv_bytes_received=self.receiver.bytes_received,
+            self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting), queued, **sent,
+            kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
             steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, fenced_blocks=self.fenced_blocks,
             **prefix_report(self.engine),
@@ -185,6 +214,28 @@ class DecodeWorker:
         process.adopt_prefix_secret(self.link, self.engine.blocks)  # before them: they came after the Welcome it names
         for msg in msgs:
             self.handle(msg)
+        if self.role == Role.PREFILL and self.handoffs is not None and self.handoffs.jobs:
+            self.prefill_turn()
+        else:
+            self.decode_turn()
+        self.expire_grants()
+
+    def prefill_turn(self) -> None:
+        """The prefill role with prompts to hand off, as a prefill worker: the batching window,
+        then a step on the cores a node's decode workers yield it (runtime.cores)."""
+        self.deferring = False
+        self.handoffs.wait_for_batch(self.batch_window, self.handle)
+        if not self.engine.has_work():  # aborted meanwhile
+            return
+        if self.engine.runnable():
+            self.cores.take_prefill_turn()
+        else:  # only grammars compiling (on their own thread): the decode workers keep the cores
+            self.cores.idle()
+        self.step()
+
+    def decode_turn(self) -> None:
+        """The decode and colocated roles (and the prefill role with only other work): a step,
+        unless a busy prefill worker of this node holds the cores."""
         welcome = getattr(self.link, "welcome", None)
         cap = stall_cap(welcome.tpot_ms if welcome is not None else 0.0)
         # deferring: the prefill worker of this node takes every core meanwhile (runtime.cores)
@@ -192,14 +243,23 @@ class DecodeWorker:
         if not self.deferring and self.engine.has_work():
             if self.engine.runnable():
                 self.cores.busy()
-            self.emit(self.engine.step())
-            self.last_step_end = time.monotonic()
-        self.expire_grants()
+            self.step()
+
+    def step(self) -> None:
+        """An engine step: its Prefill jobs handed off (worker/handoff.py), every other output sent."""
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        if self.handoffs is not None:
+            outs = self.handoffs.take(outs, time.perf_counter() - t0)
+        self.emit(outs)
+        self.last_step_end = time.monotonic()
 
     def close(self) -> None:
         self.cores.close()
         self.link.stop()
         self.receiver.close()
+        if self.sender is not None:
+            self.sender.close()
         for end in self.closing:
             end()
 
@@ -220,6 +280,10 @@ class DecodeWorker:
             self.on_admit(msg)
         elif isinstance(msg, Generate):
             self.on_generate(msg)
+        elif isinstance(msg, Prefill):
+            self.on_prefill(msg)
+        elif isinstance(msg, SetRole):
+            self.on_set_role(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.request_id)
         elif isinstance(msg, Release):
@@ -232,6 +296,8 @@ class DecodeWorker:
     def abort_all(self) -> None:
         """The coordinator that placed our requests is gone: end them all, free every block."""
         log.warning("coordinator restarted: aborting %d requests", len(self.engine.seqs) + len(self.grants))
+        if self.handoffs is not None:
+            self.handoffs.abort_all()  # their destinations told (KVFailed)
         for rid in list(self.engine.seqs):
             self.engine.abort(rid)
         for grant in self.grants.values():
@@ -330,7 +396,31 @@ class DecodeWorker:
         except PdserveError as e:
             self.link.send(WorkerError(msg.request_id, e.code, str(e)))
 
+    def on_prefill(self, msg: Prefill) -> None:
+        if self.handoffs is None:
+            self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", "not supported: this worker has no KV sender"))
+            return
+        self.handoffs.accept(msg)
+
+    def on_set_role(self, msg: SetRole) -> None:
+        """Take msg.role (the coordinator drained work of the old kind first; what is left is
+        served all the same) and say so: RoleSet with the role it now has, or its old one and an
+        error if it cannot take that one. The Hello the link says on a reconnect names it."""
+        role = Role(msg.role)
+        if role != self.role and role not in self.roles:
+            self.link.send(RoleSet(self.worker_id, self.role, msg.change, f"not supported: this worker cannot take the "
+                                                                          f"{role.name.lower()} role"))
+            return
+        if role != self.role:
+            log.info("%s: role %s -> %s (change %d)", self.worker_id, self.role.name.lower(), role.name.lower(), msg.change)
+            self.role = role
+            self.cores.idle()  # a prefill role's flag left set would hold the node's decode workers back
+            process.announce_role(self.link, role)
+        self.link.send(RoleSet(self.worker_id, self.role, msg.change))
+
     def on_abort(self, rid: str) -> None:
+        if self.handoffs is not None:
+            self.handoffs.abort(rid)  # a prompt it was to hand off: the decode side told, no tokens to report
         if rid in self.grants:
             self.grants[rid].cancelled = True  # the prefill side may still be writing into it
         elif self.engine.abort(rid):

@@ -5,7 +5,8 @@ Lifecycle: one `GatewayMetrics` per gateway, with its own registry. As each requ
 gateway observes it: `observe(result)` feeds the TTFT, TPOT, inter-token and end-to-end
 histograms and the token and finish-reason counters; `error(code)` and `aborted()` count the
 other endings. The cluster's state (queues, running batches, KV cache usage, KV bytes and
-seconds transferred) lives in the coordinator: `render(stats)` takes the stats snapshot the
+seconds transferred, the paths requests took, the latency model's prediction error and admission
+headroom, the planner's role changes) lives in the coordinator: `render(stats)` takes the stats snapshot the
 gateway just fetched, and a collector turns it into gauges and counters during that scrape.
 """
 from __future__ import annotations
@@ -133,6 +134,51 @@ class ClusterCollector(Collector):
         yield pending
         yield active
         yield from self._slo(s.get("slo", {}))
+        yield from self._paths(s.get("requests", {}))
+        yield from self._calibration(s.get("calibration", {}))
+        yield from self._planner(s.get("planner", {}))
+
+    def _paths(self, counts: dict):
+        """Requests placed per path (remote: prefill worker + hand-off; local: prefilled on its
+        decode worker) and per reason the path was chosen (coordinator/paths.py)."""
+        fams = {"path": CounterMetricFamily("pdserve:request_path", "Requests placed, by the path they took", labels=["model_name", "path"]),
+                "path_reason": CounterMetricFamily("pdserve:request_path_reason", "Requests placed, by why their path was chosen",
+                                                   labels=["model_name", "reason"])}
+        for key, n in counts.items():
+            kind, _, value = key.partition(":")
+            if kind in fams and value:
+                fams[kind].add_metric([self.model, value], n)
+        yield from fams.values()
+
+    def _calibration(self, cal: dict):
+        """Per phase: the latency model's relative prediction error quantiles (positive: it
+        predicted too low) and the share of the target admission holds predictions to."""
+        err = GaugeMetricFamily("pdserve:prediction_error", "(observed - predicted) / predicted over recent requests, per phase",
+                                labels=["model_name", "phase", "quantile"])
+        headroom = GaugeMetricFamily("pdserve:admission_headroom", "Share of the target a prediction must meet to be admitted, per phase",
+                                     labels=["model_name", "phase"])
+        for phase, c in cal.items():
+            for q in ("p50", "p90", "p99"):
+                if q in c.get("error", {}):
+                    err.add_metric([self.model, phase, q], c["error"][q])
+            headroom.add_metric([self.model, phase], c.get("headroom", 1.0))
+        yield err
+        yield headroom
+
+    def _planner(self, planner: dict):
+        """Role changes the planner started (from, to), and its other events (switched, confirmed,
+        refused, drains called off, changes held back and why)."""
+        changes = CounterMetricFamily("pdserve:role_changes", "Role changes started by the planner", labels=["model_name", "from", "to"])
+        events = CounterMetricFamily("pdserve:planner_events", "Planner events: drains switched, confirmed, refused, called off, held",
+                                     labels=["model_name", "event"])
+        for key, n in planner.get("counts", {}).items():
+            old, to, new = key.partition("_to_")
+            if to:
+                changes.add_metric([self.model, old, new], n)
+            else:
+                events.add_metric([self.model, key], n)
+        yield changes
+        yield events
 
     def _slo(self, slo: dict):
         """The coordinator's sliding-window p50/p90/p99 TTFT and TPOT per priority class, its

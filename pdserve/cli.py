@@ -186,6 +186,42 @@ def _slo_options(f):
     return f
 
 
+def _topology_options(f):
+    """Each request's path and the planner that moves roles with the load (coordinator/paths.py, planner.py)."""
+    opts = [
+        click.option("--paths", default="remote", show_default=True, type=click.Choice(["auto", "remote", "local"]),
+                     help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default "
+                          "until auto's local TTFT is predicted well on a shared node: see README, Paths and roles); "
+                          "auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
+                          "meets its targets with more headroom (without SLO control: local for short prompts or a long "
+                          "prefill queue); remote / local: always that way while it can be"),
+        click.option("--local-prefill-tokens", default=512, show_default=True, type=click.IntRange(0),
+                     help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally"),
+        click.option("--planner/--no-planner", default=False, show_default=True,
+                     help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short of capacity "
+                          "(off by default until it holds the targets under overload: README, Paths and roles)"),
+        click.option("--planner-window-s", default=2.0, show_default=True, type=click.FloatRange(0.1),
+                     help="the planner's measurement window (a phase must be short 3 windows in a row before a role moves)"),
+        click.option("--planner-dwell-s", default=20.0, show_default=True, type=click.FloatRange(0.0),
+                     help="a worker keeps a role at least this long (no flapping)"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _planner(planner, planner_window_s, planner_dwell_s):
+    from coordinator.planner import PlannerConfig
+
+    return PlannerConfig(window_s=planner_window_s, min_dwell_s=planner_dwell_s) if planner else None
+
+
+def _topology_args(paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s) -> list[str]:
+    """The same options as flags, for the coordinator `pdserve launch` starts."""
+    return ["--paths", paths, "--local-prefill-tokens", str(local_prefill_tokens), "--planner" if planner else "--no-planner",
+            "--planner-window-s", str(planner_window_s), "--planner-dwell-s", str(planner_dwell_s)]
+
+
 def _tracing_options(f):
     f = click.option("--otlp-traces-protocol", default="grpc", show_default=True, envvar="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                      type=click.Choice(["grpc", "http/protobuf"]), help="OTLP transport of --otlp-traces-endpoint")(f)
@@ -262,6 +298,7 @@ def _class_targets(specs) -> dict:
 @click.option("--client-send-budget-kb", default=None, type=click.IntRange(64),
               help="KiB queued for one client that does not read, past which its requests are aborted (client_too_slow; default 32768)")
 @_slo_options
+@_topology_options
 @_limit_options
 @_security_options
 @_tracing_options
@@ -269,8 +306,8 @@ def _class_targets(specs) -> dict:
 @_SECRET_OPTION
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests,
-                client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target,
-                keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
+                client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target, paths, local_prefill_tokens, planner,
+                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -279,7 +316,8 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
     serve(CoordinatorConfig(client_addr, worker_addr, model, worker_timeout_s=worker_timeout, pending_timeout_s=pending_timeout,
                             admit_timeout_s=admit_timeout,
                             max_active_requests=max_active_requests, max_client_requests=max_client_requests,
-                            slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms,
+                            slo=slo, ttft_ms=ttft_p99_ms, tpot_ms=tpot_p99_ms, paths=paths, local_prefill_tokens=local_prefill_tokens,
+                            planner=_planner(planner, planner_window_s, planner_dwell_s),
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
                             served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file,
@@ -317,13 +355,18 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
     serve(cfg)
 
 
+_KV_BACKEND = click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True,
+                           help="how to hand KV to decode workers (auto: from each decode pool's description)")
+_BATCH_WINDOW = click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
+_KV_BIND = click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True, help="where prefill workers deliver KV")
+
+
 @main.command()
 @_engine_options
-@click.option("--batch-window-ms", default=2.0, show_default=True, help="wait this long to pack more prompts into a forward")
-@click.option("--kv-backend", default="auto", type=click.Choice(["auto", "shm", "tcp", "cuda_ipc", "nccl"]), show_default=True,
-              help="how to hand KV to decode workers (auto: from each decode pool's description)")
+@_BATCH_WINDOW
+@_KV_BACKEND
 def prefill(verbose, batch_window_ms, kv_backend, **kw):
-    """Run a prefill worker: prompt forward passes, first token, KV hand-off."""
+    """Run a dedicated prefill worker (private KV pool, never changes role): prompt forward passes, first token, KV hand-off."""
     from prefill.worker import serve
 
     _logging(verbose)
@@ -331,18 +374,37 @@ def prefill(verbose, batch_window_ms, kv_backend, **kw):
     serve(ecfg, wcfg)
 
 
-@main.command()
-@_engine_options
-@click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True, help="where prefill workers deliver KV")
-@click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
-def decode(verbose, kv_bind, colocated, **kw):
-    """Run a decode worker: continuous batching over a paged KV cache."""
+def _serve_worker(role: str, verbose, **kw) -> None:
+    """Run the worker that can take every role, starting in `role`."""
     from wire.protocol import Role
     from decode.worker import serve
 
     _logging(verbose)
-    ecfg, wcfg = _configs(kv_bind=kv_bind, **kw)
-    serve(ecfg, wcfg, Role.COLOCATED if colocated else Role.DECODE)
+    ecfg, wcfg = _configs(**kw)
+    serve(ecfg, wcfg, Role[role.upper()])
+
+
+@main.command()
+@_engine_options
+@click.option("--role", default="decode", show_default=True, type=click.Choice(["prefill", "decode", "colocated"]),
+              help="the role it starts in; the coordinator may change it (SetRole) without a restart")
+@_KV_BIND
+@_KV_BACKEND
+@_BATCH_WINDOW
+def worker(role, **kw):
+    """Run a worker that can take any role: prefill (KV hand-off to decode workers), decode, or colocated."""
+    _serve_worker(role, **kw)
+
+
+@main.command()
+@_engine_options
+@_KV_BIND
+@_KV_BACKEND
+@_BATCH_WINDOW
+@click.option("--colocated", is_flag=True, help="also prefill (the colocated baseline)")
+def decode(colocated, **kw):
+    """Run a decode worker (`pdserve worker --role decode`; --colocated: `--role colocated`)."""
+    _serve_worker("colocated" if colocated else "decode", **kw)
 
 
 @main.command()
@@ -364,6 +426,9 @@ def stats(address, timeout, keys):
 @click.option("--prefill", "n_prefill", default=1, show_default=True, help="prefill workers on this node")
 @click.option("--decode", "n_decode", default=1, show_default=True, help="decode workers on this node")
 @click.option("--colocated", is_flag=True, help="one colocated worker (chunked prefill + decode) instead")
+@click.option("--fixed-roles", is_flag=True,
+              help="dedicated prefill workers (`pdserve prefill`) and decode workers that keep their role; by default every worker "
+                   "is `pdserve worker`, which the coordinator may move to another role")
 @click.option("--config", "config_path", default=None, type=click.Path(exists=True), help="cluster TOML")
 @click.option("--node", default=None, help="this node's name in the cluster TOML")
 @click.option("--model", default=None)
@@ -383,12 +448,14 @@ def stats(address, timeout, keys):
               help="a role whose main loop has not run for this long is killed and restarted (keep it above the longest "
                    "engine step: raise it for a big model on the CPU or a larger --max-num-batched-tokens)")
 @_slo_options
+@_topology_options
 @_limit_options
 @_security_options
 @_tracing_options
 @engine_flag_options
-def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir, engine_arg,
-           gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target, keys, insecure,
+def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir,
+           engine_arg, gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
+           paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
            max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
@@ -409,6 +476,8 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
+    plan.coordinator_args += _topology_args(paths, local_prefill_tokens, planner and not (fixed_roles or plan.fixed_roles),
+                                            planner_window_s, planner_dwell_s)  # fixed roles: nothing to plan
     _check_tracing(otlp_traces_endpoint, otlp_traces_protocol)
     if otlp_traces_endpoint:
         plan.coordinator_args += ["--otlp-traces-endpoint", otlp_traces_endpoint, "--otlp-traces-protocol", otlp_traces_protocol]
@@ -422,6 +491,7 @@ def launch(n_prefill, n_decode, colocated, config_path, node, model, kv_backend,
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
     plan.hang_timeout_s = hang_timeout_s
+    plan.fixed_roles = fixed_roles or plan.fixed_roles
 
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))

@@ -3,7 +3,9 @@ are registered, print where to connect, and stop them all cleanly.
 
 Lifecycle: build a `NodePlan` (from flags, or from a cluster TOML and a node name) -> start
 the coordinator first if this node runs it, then the workers, each a child process of this
-one (`python -m pdserve ROLE ...`, killed by the kernel if the launcher dies: PDEATHSIG) ->
+one (`python -m pdserve worker --role ROLE ...`: a worker the coordinator can move to another
+role; with `fixed_roles`, `pdserve prefill` / `pdserve decode`; killed by the kernel if the
+launcher dies: PDEATHSIG) ->
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
 gateway, until it answers /health) -> print the endpoints -> supervise. Before anything starts,
 the configuration is checked: the model path, and every child's flags parsed by its own
@@ -91,6 +93,9 @@ class NodePlan:
     served_model_name: str | None = None  # the gateway's model name
     worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
     hang_timeout_s: float = HANG_TIMEOUT_S  # a child whose loop has not run for this long is killed and restarted
+    # False: every worker is `pdserve worker --role ROLE` (decode/worker.py), which the coordinator may move to another
+    # role; True: dedicated prefill workers (`pdserve prefill`, private pool) and `pdserve decode` workers
+    fixed_roles: bool = False
 
     @property
     def security_args(self) -> list[str]:
@@ -108,7 +113,7 @@ class NodePlan:
 
 def plan_from_toml(path: str, node: str) -> NodePlan:
     """Cluster file: [cluster] (coordinator_host, client_port, worker_port, model, dtype,
-    kv_backend, kv_cache_mb) and [nodes.NAME] (host, coordinator, prefill, decode, colocated)."""
+    kv_backend, kv_cache_mb, fixed_roles) and [nodes.NAME] (host, coordinator, prefill, decode, colocated)."""
     with open(path, "rb") as f:
         doc = tomllib.load(f)
     cluster = doc.get("cluster", {})
@@ -128,7 +133,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", worker_secret=False,  # workers of other nodes: keys
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
         engine_args=engine_args, threads=n.get("threads"), name=node,
-        keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)),
+        keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)), fixed_roles=bool(cluster.get("fixed_roles", False)),
     )
 
 
@@ -234,6 +239,17 @@ class Launcher:
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
         return args + ["--threads", str(threads)] + p.security_args + self._secret_args()
 
+    def _role_command(self, role: str) -> list[str]:
+        """How a worker starting in `role` is started: `pdserve worker --role ROLE` (it can change
+        role), or with fixed roles `pdserve prefill` / `pdserve decode [--colocated]`."""
+        p = self.plan
+        kv_bind = ["--kv-bind", f"tcp://{p.kv_bind_host}:*"]
+        if not p.fixed_roles:
+            return ["worker", *kv_bind, "--kv-backend", p.kv_backend, "--role", role]  # `ROLE --worker-id ID` in ps, as before
+        if role == "prefill":
+            return ["prefill", "--kv-backend", p.kv_backend]
+        return ["decode", *kv_bind, *(["--colocated"] if role == "colocated" else [])]
+
     def _secret_args(self) -> list[str]:
         return ["--worker-secret-file", self.secret_file] if self.secret_file else []
 
@@ -259,7 +275,6 @@ class Launcher:
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
         common = self._worker_args()
-        kv_bind = f"tcp://{p.kv_bind_host}:*"
         # Without --threads the node's workers share its cores by who is busy (runtime.cores).
         if p.threads is None and p.num_workers:
             from runtime.cores import create_share  # here: the launcher itself does not need torch
@@ -270,14 +285,10 @@ class Launcher:
         def share() -> list[str]:
             return ["--core-share", f"{self.core_share}:{next(slots)}"] if self.core_share else []
 
-        for i in range(p.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"{p.name}-prefill-{i}", "--kv-backend", p.kv_backend, *common,
-                                         *share(), *p.prefill_args])
-        for i in range(p.decode):
-            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"{p.name}-decode-{i}", "--kv-bind", kv_bind, *common, *share()])
-        for i in range(p.colocated):
-            self._spawn(f"colocated-{i}", ["decode", "--colocated", "--worker-id", f"{p.name}-colocated-{i}", "--kv-bind", kv_bind,
-                                           *common, *share()])
+        for role in ("prefill", "decode", "colocated"):
+            for i in range(getattr(p, role)):
+                self._spawn(f"{role}-{i}", [*self._role_command(role), "--worker-id", f"{p.name}-{role}-{i}", *common, *share(),
+                                            *(p.prefill_args if role == "prefill" else [])])
         self.validate()
         for child in self.children:
             self._start_child(child)

@@ -6,28 +6,26 @@ itself is built from those parts (tests pass an in-process transport and link). 
 loops:
   drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
   (decode worker, granted block ids); Abort -> drop it if not yet handed off, telling the
-  decode side;
+  decode side; SetRole -> RoleSet: it stays a prefill worker (its engine decodes nothing, its
+  pool is private), so any other role is answered with error "not supported: ..." (its Hello
+  names no roles to change to: `pdserve worker` is the worker that can);
   batching window: once a prompt waits, wait up to `batch_window_ms` (or until the token
   budget is full) so several prompts pack into one forward;
   step: the engine packs waiting prompts up to the token budget and chunks long ones; a prompt
   whose last chunk ran comes back with its first token and its blocks still held;
-  hand off: its blocks go to the decode worker (all but the first Prefill.dest_cached_blocks,
-  which the decode worker's prefix cache holds already) by the backend the sender picked from that
-  worker's pool description (shm: written into its pool; tcp: frames; GPU: cuda_ipc or nccl),
-  KVReady follows; release: the engine frees its blocks here at once.
+  hand off and release (worker/handoff.py, shared with the worker that can take every role):
+  its blocks go to the decode worker, KVReady follows, the engine frees them here at once.
 A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
 (WorkerError); a finished one tells the coordinator PrefillDone naming the grant, so that a grant
 whose KVReady was lost on the way is freed all the same (coordinator: handoff_timeouts).
-Peers are checked: a Prefill whose grant does not fit its tokens (dest_block_ids, one per block
-of prompt + output, dest_cached_blocks below that) or whose token ids the engine refuses fails
-at once with WorkerError, before any compute; the sender refuses block ids outside the
-destination pool.
+Peers are checked (worker/handoff.py): a Prefill whose grant does not fit its tokens or whose
+token ids the engine refuses fails at once with WorkerError, before any compute; the sender
+refuses block ids outside the destination pool.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -36,22 +34,16 @@ from kvtransfer.transfer import KVSender
 from runtime import structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
-from runtime.errors import PdserveError
+from runtime.engine import LLMEngine, build_model, drain_steps, prefix_report
 from runtime.kv_cache import allocate_kv_cache
 from runtime.weights import load_checkpoint
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
-from wire.protocol import Abort, Heartbeat, KVReady, Prefill, PrefillDone, Reject, Role, Shutdown, WorkerError
+from wire.protocol import Abort, Heartbeat, Prefill, Reject, Role, RoleSet, SetRole, Shutdown
 from worker import process
+from worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.prefill")
-
-
-@dataclass
-class Job:
-    msg: Prefill
-    t_start: float
 
 
 class PrefillWorker:
@@ -65,7 +57,8 @@ class PrefillWorker:
         self.link = link  # WorkerLink, or anything with send, drain, start, stop, bad_messages, dropped
         self.batch_window = batch_window_ms / 1000
         self.ctx = ctx  # owned: destroyed by close()
-        self.jobs: dict[str, Job] = {}
+        self.handoffs = Handoffs(engine, pool, sender, link)
+        self.jobs = self.handoffs.jobs  # request id -> Job: prompts queued and not yet handed off
         self.running = True
 
     @classmethod
@@ -129,84 +122,29 @@ class PrefillWorker:
 
     def handle(self, msg) -> None:
         if isinstance(msg, Prefill):
-            self.on_prefill(msg)
+            self.handoffs.accept(msg)
         elif isinstance(msg, Abort):
-            self.on_abort(msg.request_id)
+            self.handoffs.abort(msg.request_id)
+        elif isinstance(msg, SetRole):
+            self.on_set_role(msg)
         elif isinstance(msg, CoordinatorRestarted):
-            for rid in list(self.jobs):
-                self.on_abort(rid)
+            self.handoffs.abort_all()
         elif isinstance(msg, (Shutdown, Reject)):
             self.running = False
 
-    def on_prefill(self, msg: Prefill) -> None:
-        need = self.engine.blocks.blocks_for(len(msg.prompt_token_ids) + len(msg.output_token_ids))
-        if len(msg.dest_block_ids) != need or not 0 <= msg.dest_cached_blocks < need:
-            self.fail(msg, "kv_transfer_failed", f"invalid hand-off: granted {len(msg.dest_block_ids)} blocks "
-                                                 f"({msg.dest_cached_blocks} cached) for {need} needed")
-            return
-        try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority)
-        except PdserveError as e:
-            self.fail(msg, e.code, str(e))
-            return
-        self.jobs[msg.request_id] = Job(msg, time.perf_counter())
-
-    def on_abort(self, rid: str) -> None:
-        job = self.jobs.pop(rid, None)
-        if job is not None:
-            self.engine.abort(rid)
-            self.sender.fail(job.msg.dest_kv_endpoint, rid, "aborted", job.msg.grant)
+    def on_set_role(self, msg: SetRole) -> None:
+        """This worker's engine and pool are built for prefill only (Hello.roles is empty): it stays a prefill worker."""
+        error = "" if msg.role == Role.PREFILL else f"not supported: a dedicated prefill worker cannot take the {msg.role.name.lower()} role"
+        self.link.send(RoleSet(self.worker_id, Role.PREFILL, msg.change, error))
 
     def wait_for_batch(self) -> None:
         """Hold the first prompt up to the batching window so later ones share its forward."""
-        budget = self.engine.config.max_num_batched_tokens
-        deadline = min(j.t_start for j in self.jobs.values()) + self.batch_window
-        while time.perf_counter() < deadline and self.engine.queued_tokens() < budget:
-            for msg in self.link.drain(max(0.0, deadline - time.perf_counter())):
-                self.handle(msg)
-            if not self.jobs:
-                return
+        self.handoffs.wait_for_batch(self.batch_window, self.handle)
 
     def step(self) -> None:
         t0 = time.perf_counter()
         outs = self.engine.step()
-        compute = time.perf_counter() - t0
-        for out in outs:
-            liveness.touch()  # each hand-off may wait up to the sender's timeout (10 s) for a dead decode worker
-            job = self.jobs.pop(out.request_id, None)
-            if job is None:
-                continue
-            if out.error is not None:  # its grammar did not compile (in budget)
-                self.fail(job.msg, out.error.code, str(out.error))
-                continue
-            if out.token_id is None:  # could never fit this worker's pool
-                self.fail(job.msg, "prompt_too_long", "prompt does not fit the prefill worker's KV pool")
-                continue
-            self.hand_off(job.msg, out, compute)
-            self.engine.release(out.request_id)
-
-    def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
-        """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
-        seq = self.engine.seqs[msg.request_id]
-        skip = msg.dest_cached_blocks  # the decode worker holds these already
-        ready = KVReady(
-            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids[skip:],
-            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
-        )
-        t0 = time.perf_counter()
-        try:
-            if len(msg.dest_block_ids) != len(seq.block_table) or not 0 <= skip < len(seq.block_table):
-                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks ({skip} cached) for {len(seq.block_table)} needed")
-            nbytes = self.sender.send(self.pool, seq.block_table[skip:], ready, msg.dest_kv_endpoint)
-        except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
-            self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
-            self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
-            return
-        self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute, msg.grant))
-
-    def fail(self, msg: Prefill, code: str, message: str) -> None:
-        self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message, msg.grant)
-        self.link.send(WorkerError(msg.request_id, code, message))
+        self.handoffs.take(outs, time.perf_counter() - t0)  # every output is a job's (or one that is gone: dropped)
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig) -> None:

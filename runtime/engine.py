@@ -17,6 +17,9 @@ Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the ba
 its prompt is computed and its first token sampled; that step's output carries the token, and
 the sequence's blocks stay allocated (`seqs[request_id].block_table`) until `release(request_id)`,
 so the worker can hand them off first. Stop conditions are left to the engine that decodes.
+The same per sequence (`add_request(..., hold=True)`): a worker that decodes its other sequences
+prefills this one in its steps and holds it, blocks and all, until its hand-off and `release`
+(or `abort`), which frees them.
 """
 from __future__ import annotations
 
@@ -141,6 +144,7 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         # request id -> (sequence, its grammar's compile job, how it joins the scheduler once compiled)
         self.compiling: dict[str, tuple[Sequence, object, object]] = {}
+        self.holding: set[str] = set()  # request ids held after their prefill (add_request(hold=True)) until release
         self._ids = itertools.count()
         # (sequences, tokens computed, context tokens, seconds) of recent steps: the coordinator's
         # latency model is fitted from these (read by the worker's I/O thread; deque ops are atomic)
@@ -168,14 +172,18 @@ class LLMEngine:
             raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> Sequence:
-        """Queue a request; output_token_ids (already generated elsewhere) are recomputed, not resampled."""
+                    output_token_ids: list[int] | None = None, priority: int = 0, hold: bool = False) -> Sequence:
+        """Queue a request; output_token_ids (already generated elsewhere) are recomputed, not resampled.
+        hold: stop it after its prefill as prefill mode does (its first token sampled, its blocks
+        kept until `release`)."""
         self.validate(list(prompt_token_ids) + list(output_token_ids or ()), params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         seq = Sequence(rid, prompt_token_ids, params, output_token_ids, priority)
         self.seqs[rid] = seq
+        if hold:
+            self.holding.add(rid)
         if self.tokenizer is not None:
             self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         self._enter(seq, self.scheduler.add)
@@ -202,7 +210,7 @@ class LLMEngine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Prefill mode: free a handed-off sequence's blocks and forget it."""
+        """Prefill mode or a held sequence: free a handed-off sequence's blocks and forget it."""
         self._finish(self.seqs[request_id], FinishReason.STOP)
 
     def has_work(self) -> bool:
@@ -312,7 +320,7 @@ class LLMEngine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
         out = StepOutput(seq.request_id, token, logprob=logprob, top_logprobs=top)
-        if self.prefill_only:
+        if self.prefill_only or seq.request_id in self.holding:
             self.scheduler.hold(seq)  # its blocks wait for release()
             return out
         detok = self.detoks.get(seq.request_id)
@@ -343,6 +351,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.detoks.pop(seq.request_id, None)
+        self.holding.discard(seq.request_id)
         if seq.params.structured is not None:
             compiling = self.compiling.pop(seq.request_id, None)
             if compiling is not None:

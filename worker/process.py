@@ -1,8 +1,10 @@
 """What the prefill and the decode worker share: their Hello, their link, their process.
 
 Lifecycle: a worker's `build` loads its engine and KV pool, then asks `hello(...)` for what the
-coordinator learns about it (role, model limits, pool size, start-up profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
-`run`, with its heartbeat); each pass of its loop keys its prefix cache with the secret the
+coordinator learns about it (role, the roles it can change to, model limits, pool size, start-up
+profile, its kv endpoint) and `connect(...)` for a `WorkerLink` that will say that Hello (started by the worker's
+`run`, with its heartbeat); a worker that changes role (SetRole) has `announce_role` make the
+Hello said on a reconnect name its new one; each pass of its loop keys its prefix cache with the secret the
 coordinator's Welcome names (`adopt_prefix_secret`). `build_or_exit(build)` ends the process with EX_CONFIG when the
 build fails with a typed error (a model it cannot load, a KV pool /dev/shm cannot hold): its
 launcher then stops the node if that was the worker's first start (a restart that fails so is
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 
+import msgspec
 import torch
 import zmq
 
@@ -38,15 +41,24 @@ def worker_id(role: Role, wcfg: WorkerConfig) -> str:
 
 
 def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: torch.Tensor, profile: list,
-          kv_endpoint: str = "") -> Hello:
+          kv_endpoint: str = "", roles: list[Role] | None = None) -> Hello:
     """The worker's Hello. pool: its KV pool, (layers, 2, num_blocks, block_size, KVH, D); how to
-    reach it is asked on kv_endpoint (KVConnect), never told to the coordinator."""
+    reach it is asked on kv_endpoint (KVConnect), never told to the coordinator. roles: those it
+    can take without a restart (SetRole); none: only its own."""
     host, boot = host_identity()
     return Hello(
         PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
         pool.shape[2], pool.shape[3], kv_endpoint, profile,
-        engine=engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes),
+        engine=engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), roles=list(roles or []),
     )
+
+
+def announce_role(link, role: Role) -> None:
+    """Make the Hello that link says on a (re)connect (a restarted coordinator) name `role`, the
+    worker's role now (the link's I/O thread reads it: one attribute, replaced whole)."""
+    h = getattr(link, "hello", None)
+    if h is not None:
+        link.hello = msgspec.structs.replace(h, role=role)
 
 
 def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:

@@ -41,8 +41,9 @@ class Recorded(Coordinator):
 
 @pytest.fixture
 def coord():
+    # paths="remote": these are hand-offs (a 3-token prompt would take the LOCAL path by Dynamo's rule)
     c = Recorded(CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", slo=False,
-                                   handoff_timeout_s=5.0))
+                                   handoff_timeout_s=5.0, paths="remote"))
     for ident, wid, role in ((b"P", "p", Role.PREFILL), (b"D", "d", Role.DECODE)):
         c.on_worker(ident, Hello(PROTOCOL_VERSION, wid, int(role), 1, "h", "b", "m", 256, 64, 16, kv_endpoint="tcp://127.0.0.1:1"))
     yield c

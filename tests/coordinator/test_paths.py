@@ -4,6 +4,7 @@ Workloads where each way should win: a short prompt, and a prompt whose prefix t
 holds, go LOCAL; a long prompt with an idle prefill worker and busy decode streams goes REMOTE;
 a long prefill queue sends it LOCAL. With and without SLO control; a parked request; no room.
 """
+import dataclasses
 import itertools
 
 import pytest
@@ -114,3 +115,15 @@ def test_without_targets_the_rule_decides(tokens, cached, p_queued, d_queued, pa
 def test_choice_is_plain_data():
     c = choose_path(req(64), [prefill()], [decode()], None)
     assert isinstance(c, PathChoice) and c.attributes() == {"path": "local", "path_reason": "short_prompt"}
+
+
+def test_a_local_prefill_that_would_stall_short_streams_past_their_tpot_goes_remote():
+    """The step that takes in a 1500-token prompt (~1.5 s) is one gap for every running stream:
+    streams of 16 tokens would carry ~100 ms of it per token, past the 100 ms target; streams of
+    512 tokens only ~3 ms. With the shortest output unknown (0) nothing is assumed."""
+    short = WorkerSnapshot("d0", M, 1000, 16, 0, 4, 1000, 0, 0, shortest_output=16)
+    c = choose_path(req(1500), [prefill()], [short], TARGETS)
+    assert (c.path, c.local.outcome, c.local.reason) == (Path.REMOTE, Outcome.SHED, ShedReason.TPOT)
+    long_ = dataclasses.replace(short, shortest_output=512)
+    assert choose_path(req(1500), [prefill(queued=4000)], [long_], TARGETS).path is Path.LOCAL
+    assert choose_path(req(64), [prefill()], [short], TARGETS).path is Path.LOCAL  # a short prompt's step is short

@@ -104,6 +104,18 @@ def test_dwell_time_prevents_flapping():
     assert [x.worker_id for x in feed(p2, [(OK, DECODE_SHORT)] * 3, start=114.0)] in (["p0"], [c2.worker_id])  # dwell over
 
 
+def test_only_a_worker_that_can_take_the_role_moves():
+    p = Planner(CFG)
+    p.join("p0", "a", Role.PREFILL, 0.0, roles=[Role.PREFILL])
+    p.join("d0", "a", Role.DECODE, 0.0, roles=[])  # Hello.roles empty: only its own
+    p.join("d1", "a", Role.DECODE, 0.0, roles=[Role.DECODE])
+    assert feed(p, [(PREFILL_SHORT, OK)] * 4) == []
+    assert p.counts["held:fixed_roles"] == 2
+    p.join("d1", "a", Role.DECODE, 0.0, roles=[Role.DECODE, Role.PREFILL])  # (re-registered able to switch)
+    [c] = feed(p, [(PREFILL_SHORT, OK)] * 3, start=110.0)
+    assert (c.worker_id, c.new) == ("d1", Role.PREFILL)
+
+
 def test_nothing_moves_while_a_change_is_under_way():
     p = planner(*P1_D2, ("d2", "a", Role.DECODE))
     [c] = feed(p, [(PREFILL_SHORT, OK)] * 3)

@@ -123,7 +123,8 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
     clients, workers, http = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
     proc = pdserve("launch", "--model", str(model_dir), "--clients", clients, "--workers", workers, "--threads", "1",
                    "--http-port", str(http), "--log-dir", str(tmp_path), "--kv-cache-mb", "16",
-                   *(["--colocated"] if colocated else ["--served-model-name", name]),
+                   # --paths remote: the pair's span tree is a hand-off's (these short prompts would be prefilled locally)
+                   *(["--colocated"] if colocated else ["--served-model-name", name, "--paths", "remote"]),
                    "--otlp-traces-endpoint", endpoint, "--otlp-traces-protocol", protocol)
     try:
         stats = wait_ready(proc, clients, 1 if colocated else 2)
@@ -162,9 +163,11 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
         assert all(k.trace_id == root.trace_id for k in kids)
         if colocated:
             assert "pdserve.prefill_worker" not in a and a["pdserve.decode_worker"] == ids["colocated"]
+            assert (a["pdserve.path"], a["pdserve.path_reason"]) == ("local", "colocated")
             assert [(k.name, attributes(k)["pdserve.worker_id"]) for k in kids] == [("prefill", ids["colocated"]), ("decode", ids["colocated"])]
         else:
             assert (a["pdserve.prefill_worker"], a["pdserve.decode_worker"]) == (ids["prefill"], ids["decode"])
+            assert (a["pdserve.path"], a["pdserve.path_reason"]) == ("remote", "fixed") and a["pdserve.remote_ttft_ms"] > 0
             assert [k.name for k in kids] == PAIR_PHASES
             assert [attributes(k)["pdserve.worker_id"] for k in kids] == [ids["prefill"]] * 3 + [ids["decode"]] * 2
             assert attributes(kids[2])["pdserve.kv.bytes"] > 0 and attributes(kids[2])["pdserve.kv.destination"] == ids["decode"]

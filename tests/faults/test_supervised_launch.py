@@ -94,9 +94,10 @@ class Node:
         return security.read_secret(args[args.index("--worker-secret-file") + 1]) if "--worker-secret-file" in args else None
 
     def child(self, role: str) -> int | None:
-        """The pid of the launcher's live child running `pdserve ROLE` (None between a death and its restart)."""
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
-        pids = [int(line.split()[0]) for line in out.splitlines() if f"pdserve {role} " in line]
+        """The pid of the launcher's live child running `pdserve ROLE` or `pdserve worker ... --role ROLE` (None between a
+        death and its restart). -ww: ps cuts command lines at $COLUMNS (80 under pytest) without it."""
+        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
+        pids = [int(line.split()[0]) for line in out.splitlines() if f"pdserve {role} " in line or f"--role {role} " in line]
         assert len(pids) <= 1, out
         return pids[0] if pids else None
 

@@ -18,7 +18,9 @@ TTFT_PHASES = ("queue_time", "prefill_time", "kv_transfer_time", "first_token_ti
 def service(tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
     save_tiny_served_model(d)
-    launcher = start_gateway_cluster(d, tmp_path_factory.mktemp("logs"), engine_args=["--kv-cache-mb", "16"])
+    # --paths remote: the split is a hand-off's (by default these short prompts take the LOCAL path)
+    launcher = start_gateway_cluster(d, tmp_path_factory.mktemp("logs"), engine_args=["--kv-cache-mb", "16"],
+                                     coordinator_args=["--paths", "remote"])
     yield launcher
     launcher.stop()
 
@@ -44,6 +46,8 @@ def test_phase_histograms_add_up_to_the_ttft(service):
     assert decode_total == pytest.approx(sum(r.token_times[-1] - r.token_times[0] for r in results), rel=1e-6)
     assert value(samples, "pdserve:request_kv_transfer_bytes_sum") == kv_bytes > 0
     assert value(samples, "pdserve:request_kv_transfer_bytes_count") == N
+    assert value(samples, "pdserve:request_path_total", path="remote") == N
+    assert value(samples, "pdserve:request_path_reason_total", reason="fixed") == N
     assert types["pdserve:num_preemptions"] == "counter"
     assert {dict(labels)["worker"] for (n, labels) in samples if n == "pdserve:num_preemptions_total"} == {"t-prefill-0", "t-decode-0"}
 

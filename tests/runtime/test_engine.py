@@ -73,6 +73,27 @@ def test_abort_frees_blocks(tiny):
     assert eng.blocks.free_blocks == eng.blocks.num_blocks
 
 
+def test_a_held_sequence_stops_after_its_prefill_beside_decoding_ones(tiny, reference):
+    """add_request(hold=True): its first token comes out, its blocks stay until release (or abort)
+    while the other sequences decode on; both ways free every block."""
+    eng = engine(tiny, max_num_batched_tokens=16)  # the held prompt's prefill is chunked into decode steps
+    running = eng.add_request(prompts()[0], GREEDY)
+    eng.step()
+    held = eng.add_request(prompts()[1], GREEDY, hold=True)
+    firsts = []
+    while eng.has_work():
+        firsts += [o for o in eng.step() if o.request_id == held.request_id]
+    assert [o.token_id for o in firsts] == reference[1][:1] and firsts[0].finish_reason is None
+    assert running.output_token_ids == reference[0] and eng.seqs[held.request_id] is held
+    assert len(held.block_table) == 5 and held.num_computed_tokens == 40  # its KV kept for the hand-off
+    eng.release(held.request_id)
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks and not eng.seqs and not eng.holding
+    aborted = eng.add_request(prompts()[3], GREEDY, hold=True)
+    while eng.has_work():
+        eng.step()
+    assert eng.abort(aborted.request_id) and eng.blocks.free_blocks == eng.blocks.num_blocks and not eng.holding
+
+
 def test_stop_conditions(tiny, reference):
     eng = engine(tiny)
     p = prompts()[0]

@@ -54,8 +54,10 @@ async def run_all(address, jobs):
 def test_concurrent_requests_equal_single_process_runtime(model_dir, expected, tmp_path, mode):
     kwargs = dict(colocated=1, prefill=0, decode=0) if mode == "colocated" else dict(prefill=2, decode=2, kv_backend=mode)
     # --no-slo: placement by load, so both workers of each role are used (with SLO control a
-    # tiny model's predictions are noise and may favour one worker throughout)
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"], coordinator_args=["--no-slo"], **kwargs)
+    # tiny model's predictions are noise and may favour one worker throughout); --paths remote:
+    # every request handed off (these prompts of <= 200 tokens would be prefilled locally)
+    launcher = start_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"], coordinator_args=["--no-slo", "--paths", "remote"],
+                             **kwargs)
     try:
         results = asyncio.run(run_all(launcher.plan.client_addr, workload()))
         for i, (r, want) in enumerate(zip(results, expected)):

@@ -35,9 +35,10 @@ async def rounds(address):
 
 def test_two_prefill_workers_four_prefixes_hit_90_percent(model_dir, tmp_path):
     # --no-slo: placement by load and expected hit (with SLO control a tiny model's predicted step
-    # times are noise, each worker's own fit, and may favour one worker throughout)
+    # times are noise, each worker's own fit, and may favour one worker throughout); --paths remote:
+    # this is placement on prefill workers (these 73-token prompts would be prefilled locally)
     launcher = start_cluster(model_dir, tmp_path, prefill=2, decode=1, engine_args=["--num-blocks", "256", "--block-size", str(BLOCK)],
-                             coordinator_args=["--no-slo"])
+                             coordinator_args=["--no-slo", "--paths", "remote"])
     try:
         asyncio.run(rounds(launcher.plan.client_addr))
         with Client(launcher.plan.client_addr) as c:

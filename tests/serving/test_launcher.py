@@ -110,3 +110,19 @@ threads = 1
         for p in (b, a):
             p.wait(timeout=30)
     assert a.returncode == 0 and b.returncode == 0
+
+
+def test_workers_start_as_workers_that_can_change_role_unless_fixed():
+    """By default every worker is `pdserve worker --role ROLE`; --fixed-roles keeps the dedicated
+    prefill worker and `pdserve decode`. Each command line parses with its role's own command."""
+    from pdserve.cli import _usage_error
+    from pdserve.launch import Launcher, NodePlan
+
+    for fixed in (False, True):
+        launcher = Launcher(NodePlan(kv_backend="tcp", fixed_roles=fixed))
+        for role in ("prefill", "decode", "colocated"):
+            args = launcher._role_command(role)
+            want = [{"prefill": "prefill"}.get(role, "decode")] if fixed else ["worker", *args[1:-2], "--role", role]
+            assert args[:len(want)] == want and ("--colocated" in args) == (fixed and role == "colocated")
+            assert _usage_error(args[0], args[1:]) is None, args
+        assert ("--kv-backend" in launcher._role_command("decode")) == (not fixed)  # a decode worker may become a prefill one

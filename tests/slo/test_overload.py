@@ -128,7 +128,9 @@ def test_overload_admitted_meet_targets_excess_shed_fast(model_dir, tmp_path):
     served = [o for o in on if o[0] == "ok"]
     shed = [o for o in on if o[0] == "shed"]
     summary += (f"; on: {len(served)} served, {len(shed)} shed, p99 TTFT {p99([o[1] for o in served]) * 1000:.0f} ms "
-                f"TPOT {p99([o[2] for o in served]) * 1000:.1f} ms, slowest rejection {max((o[1] for o in shed), default=0) * 1000:.0f} ms")
+                f"TPOT {p99([o[2] for o in served]) * 1000:.1f} ms, slowest rejection {max((o[1] for o in shed), default=0) * 1000:.0f} ms, "
+                f"paths local {stats['requests'].get('path:local', 0)} remote {stats['requests'].get('path:remote', 0)}, "
+                f"headroom {stats['calibration']['ttft']['headroom']}/{stats['calibration']['tpot']['headroom']}")
     print(summary)
     assert shed and served, summary
     assert all(o[2] == "slo_unattainable" for o in shed), summary

@@ -139,7 +139,7 @@ def test_an_admission_never_answered_is_placed_again_then_refused_as_overloaded(
         assert coord.counts["admission_timeouts"] == 2 and coord.counts["error:overloaded"] == 1
         assert not coord.requests and not coord.admitting and coord.workers["d0"].reserved_blocks == 0
 
-    asyncio.run(with_coordinator(body, admit_timeout_s=0.2, max_attempts=2))
+    asyncio.run(with_coordinator(body, admit_timeout_s=0.2, max_attempts=2, paths="remote"))  # an admission: this short prompt would take the LOCAL path
 
 
 def test_a_late_grant_for_an_older_admission_is_ignored():
@@ -157,7 +157,7 @@ def test_a_late_grant_for_an_older_admission_is_ignored():
         assert coord.requests[job.request_id].phase == Phase.PREFILLING and not coord.admitting
         gen.cancel()
 
-    asyncio.run(with_coordinator(body, admit_timeout_s=0.3, max_attempts=3))
+    asyncio.run(with_coordinator(body, admit_timeout_s=0.3, max_attempts=3, paths="remote"))  # an admission: this short prompt would take the LOCAL path
 
 
 @pytest.mark.parametrize("step_s, shed", [(0.002, False), (3.0, True)])

@@ -1,0 +1,209 @@
+"""The coordinator's wiring of issue 23's logic, in one process with its socket sends recorded
+(the decisions are what is checked; tests/serving/test_paths.py runs it with real workers):
+
+- each request takes a path: LOCAL (Generate to the decode worker, its blocks reserved there
+  until its first token) or REMOTE (Admit on a pair), counted in the stats by path and reason;
+- the planner drains a worker that can switch (placement gives it no new work), tells it its
+  new role once drained (SetRole), and its RoleSet moves its role; one that cannot switch, or
+  refuses, keeps its role;
+- finished requests feed the calibration (stats) and /metrics renders paths, role changes and
+  the prediction error.
+"""
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.placement import placed
+from coordinator.planner import PlannerConfig, Stage
+from coordinator.server import Coordinator, CoordinatorConfig
+from gateway.metrics import GatewayMetrics
+from runtime.params import SamplingParams
+from runtime.tokenizer import load_tokenizer
+from tests.helpers import free_port
+from wire.protocol import (
+    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Heartbeat, Hello, Role, RoleSet, SetRole, TokenBatch,
+    TokenOut,
+)
+
+BOTH = [Role.PREFILL, Role.DECODE]
+
+
+class Recorded(Coordinator):
+    def __init__(self, cfg):
+        super().__init__(cfg, tokenizer=load_tokenizer(None))
+        self.to_workers, self.to_clients = [], []
+
+    def send_worker(self, w, msg):
+        self.to_workers.append((w.hello.worker_id, msg))
+
+    def send_client(self, ident, msg):
+        self.to_clients.append(msg)
+
+    def taken(self, kind):
+        return [(wid, m) for wid, m in self.to_workers if isinstance(m, kind)]
+
+
+def coordinator(workers, **cfg) -> Recorded:
+    """workers: (id, role, roles it can take); every one with 64 blocks of 16 tokens."""
+    cfg = {"paths": "auto", **cfg}  # what these tests are about (the default is remote)
+    c = Recorded(CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", **cfg))
+    for wid, role, roles in workers:
+        c.on_worker(wid.encode(), Hello(PROTOCOL_VERSION, wid, int(role), 1, "h", "b", "m", 2048, 64, 16,
+                                        kv_endpoint="tcp://127.0.0.1:1", roles=roles))
+    return c
+
+
+@pytest.fixture
+def closing():
+    made = []
+    yield made.append
+    for c in made:
+        c.release_sockets()
+
+
+def start(c: Recorded, rid: str, n: int, max_tokens: int = 4) -> str:
+    first = 100 + 1000 * len(c.requests)  # no prompt shares a prefix with another
+    prompt = list(range(first, first + n))
+    c.start_request(b"client", GenerateRequest(rid, SamplingParams(max_tokens=max_tokens), token_ids=prompt), prompt)
+    return c.by_client[(b"client", rid)]
+
+
+def finish(c: Recorded, wid: str, iid: str, tokens: int = 2) -> None:
+    for i in range(tokens):
+        c.on_worker(wid.encode(), TokenBatch([TokenOut(iid, 7, finish_reason=FinishReason.LENGTH if i == tokens - 1 else None)]))
+
+
+def test_without_slo_short_prompts_go_local_and_long_ones_remote(closing):
+    c = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], slo=False, local_prefill_tokens=32)
+    closing(c)
+    short = start(c, "short", 20)
+    assert [(wid, m.request_id) for wid, m in c.taken(Generate)] == [("d", short)] and not c.taken(Admit)
+    d = c.workers["d"]
+    assert d.reserved_blocks == 2 and d.free_blocks == 62  # a LOCAL prompt's blocks are reserved until its first token
+    c.on_worker(b"d", Heartbeat("d", 64, 1, 0, 20))
+    assert d.free_blocks == 62  # the heartbeat does not show them taken yet: still reserved
+    long_ = start(c, "long", 40)
+    assert [(wid, m.request_id) for wid, m in c.taken(Admit)] == [("d", long_)]
+    c.on_worker(b"d", TokenBatch([TokenOut(short, 7)]))
+    assert c.requests[short].reserved == 0 and c.workers["d"].reserved_blocks == 3  # only the Admit's 3 blocks left
+    counts = c.stats()["requests"]
+    assert (counts["path:local"], counts["path:remote"]) == (1, 1)
+    assert (counts["path_reason:short_prompt"], counts["path_reason:long_prompt"]) == (1, 1)
+    assert c.requests[short].path["path"] == "local" and c.requests[long_].path["path"] == "remote"
+
+
+def test_paths_remote_and_local_pin_the_way(closing):
+    remote = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], slo=False, paths="remote")
+    local = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], slo=False, paths="local", local_prefill_tokens=0)
+    closing(remote)
+    closing(local)
+    start(remote, "a", 5)
+    start(local, "b", 600)
+    assert len(remote.taken(Admit)) == 1 and not remote.taken(Generate)
+    assert len(local.taken(Generate)) == 1 and not local.taken(Admit)
+    with pytest.raises(ValueError):
+        CoordinatorConfig(paths="sideways")
+
+
+def test_with_slo_a_request_is_placed_with_both_predictions_and_feeds_the_calibration(closing):
+    c = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])])
+    closing(c)
+    iid = start(c, "r", 20)
+    st = c.requests[iid]
+    assert st.predicted_ttft is not None and st.predicted_tpot is not None
+    assert {"remote_ttft_ms", "remote_tpot_ms", "local_ttft_ms", "local_tpot_ms"} <= set(st.path)
+    assert st.path["path_reason"] == "headroom"
+    finish(c, st.decode, iid)
+    cal = c.stats()["calibration"]
+    assert cal["ttft"]["error"]["count"] == 1 and cal["tpot"]["error"]["count"] == 1
+    assert cal["ttft"]["headroom"] == c.cfg.ttft_headroom  # the static headroom until enough samples
+
+
+def planning(workers, **cfg) -> Recorded:
+    """A coordinator whose planner moves a role after one short window, at once."""
+    return coordinator(workers, planner=PlannerConfig(window_s=1.0, sustain=1, min_outcomes=1, min_dwell_s=0.0, max_drain_s=5.0), **cfg)
+
+
+def prefill_short(c: Recorded, now: float) -> None:
+    """One window in which every request missed its TTFT target and met its TPOT target."""
+    c.tally.served(100.0, 0.01, c.cfg.targets(0))
+    c.next_window = 0.0
+    c.plan_roles(now)
+
+
+def test_a_drained_worker_is_told_its_new_role_and_placement_follows(closing):
+    c = planning([("p", Role.PREFILL, BOTH), ("d0", Role.DECODE, BOTH), ("d1", Role.DECODE, BOTH)])
+    closing(c)
+    busy = {}  # decode worker -> a request on it (LOCAL): each has work in flight
+    for wid in ("d0", "d1"):
+        st = c.requests[start(c, f"busy-{wid}", 20)]
+        if st.decode != wid:  # (both may be placed on one: put this one on wid)
+            c.unplace(st)
+            c.generate_on(st, c.workers[wid], placed(wid), time.monotonic())
+        busy[wid] = st.iid
+    now = time.monotonic()
+    prefill_short(c, now)
+    [change] = c.stats()["planner"]["changes"]
+    moving = change["worker"]
+    assert (change["from"], change["to"]) == ("decode", "prefill") and "prefill short" in change["reason"]
+    assert c.planner.workers[moving].stage is Stage.DRAINING
+    assert moving not in [w.hello.worker_id for w in c.alive(Role.DECODE)]  # no new work while it drains
+    for i in range(3):
+        assert c.requests[start(c, f"n{i}", 20)].decode != moving
+    for iid in [i for i in c.workers[moving].requests if i != busy[moving]]:
+        finish(c, moving, iid)
+    c.plan_roles(now + 0.1)
+    assert not c.taken(SetRole)  # a request still runs on it
+    finish(c, moving, busy[moving])
+    c.plan_roles(now + 0.2)
+    [(wid, set_role)] = c.taken(SetRole)
+    assert (wid, set_role.role) == (moving, Role.PREFILL)
+    c.plan_roles(now + 0.3)
+    assert len(c.taken(SetRole)) == 1  # sent again only after SET_ROLE_RESEND_S
+    c.plan_roles(now + 1.5)
+    assert len(c.taken(SetRole)) == 2 and c.taken(SetRole)[1][1] == set_role
+    c.on_worker(moving.encode(), RoleSet(moving, Role.PREFILL, set_role.change))
+    assert c.workers[moving].role is Role.PREFILL and c.planner.workers[moving].stage is Stage.ACTIVE
+    assert moving in [w.hello.worker_id for w in c.alive(Role.PREFILL)]
+    stats = c.stats()
+    assert {w["id"]: w["role"] for w in stats["workers"]}[moving] == "prefill"
+    assert stats["planner"]["counts"]["decode_to_prefill"] == 1 and stats["planner"]["counts"]["confirmed"] == 1
+    assert stats["planner"]["active"] and stats["planner"]["workers"][moving]["role"] == "prefill"
+
+
+def test_a_worker_that_refuses_or_cannot_switch_keeps_its_role(closing):
+    c = planning([("p", Role.PREFILL, BOTH), ("d0", Role.DECODE, BOTH), ("d1", Role.DECODE, [])])
+    closing(c)
+    now = time.monotonic()
+    prefill_short(c, now)
+    [change] = c.stats()["planner"]["changes"]
+    assert change["worker"] == "d0"  # d1's Hello.roles is empty: only its own
+    c.plan_roles(now + 0.1)
+    [(_, set_role)] = c.taken(SetRole)
+    c.on_worker(b"d0", RoleSet("d0", Role.DECODE, set_role.change, error="not supported: test"))
+    assert c.workers["d0"].role is Role.DECODE and c.planner.takes("d0", Role.DECODE)
+    assert c.planner.counts["refused"] == 1
+    prefill_short(c, now + 2)  # never asked again: neither decode worker can move now
+    assert c.planner.counts["held:fixed_roles"] >= 1 and len(c.taken(SetRole)) == 1
+
+
+def test_without_slo_or_with_no_planner_roles_stay(closing):
+    for cfg in (dict(slo=False), dict(planner=None)):
+        c = coordinator([("p", Role.PREFILL, BOTH), ("d", Role.DECODE, BOTH)], **cfg)
+        closing(c)
+        assert c.planner is None and c.stats()["planner"] == {"enabled": False, "active": False}
+
+
+def test_metrics_render_paths_role_changes_and_prediction_error(closing):
+    c = planning([("p", Role.PREFILL, BOTH), ("d0", Role.DECODE, BOTH), ("d1", Role.DECODE, BOTH)])
+    closing(c)
+    iid = start(c, "r", 20)
+    finish(c, c.requests[iid].decode, iid)
+    prefill_short(c, time.monotonic())
+    text = GatewayMetrics("m").render(c.stats()).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("pdserve:request_path_total", (("model_name", "m"), ("path", "local")))] == 1
+    assert samples[("pdserve:role_changes_total", (("from", "decode"), ("model_name", "m"), ("to", "prefill")))] == 1
+    assert ("pdserve:prediction_error", (("model_name", "m"), ("phase", "ttft"), ("quantile", "p99"))) in samples
+    assert samples[("pdserve:admission_headroom", (("model_name", "m"), ("phase", "tpot")))] == c.cfg.tpot_headroom

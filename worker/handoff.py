@@ -1,0 +1,127 @@
+"""Prefill hand-offs: what a worker does with a `Prefill` message, shared by the prefill worker
+and the worker that can take every role (decode/worker.py).
+
+Lifecycle: `Handoffs.accept(msg)` checks the peer's Prefill (its grant fits its tokens:
+dest_block_ids, one per block of prompt + output, dest_cached_blocks below that; the engine
+refuses bad token ids or params) and queues its prompt in the worker's engine held
+(`add_request(..., hold=True)`: the prompt is computed, its first token sampled, and its blocks
+kept), remembered as a `Job`; a Prefill refused fails at once, before any compute. After each
+step the worker gives the step's outputs to `take`: a job's output is handed off (its blocks,
+all but the first dest_cached_blocks the decode worker's prefix cache holds, go to the decode
+worker by the backend the sender picked from that worker's pool description; KVReady follows)
+and then released, which frees its blocks here; the other outputs are returned to the worker.
+`abort(rid)` drops a job not yet handed off and tells the decode side. Every path frees the
+job's blocks: a hand-off that fails tells the decode side (KVFailed, it frees the grant) and the
+coordinator (WorkerError), a finished one tells the coordinator PrefillDone naming the grant.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from runtime.engine import LLMEngine, StepOutput
+from runtime.errors import PdserveError
+from wire import liveness
+from wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
+
+
+@dataclass
+class Job:
+    msg: Prefill
+    t_start: float
+
+
+class Handoffs:
+    def __init__(self, engine: LLMEngine, pool: torch.Tensor, sender, link):
+        self.engine = engine
+        self.pool = pool  # the engine's KV pool, (layers, 2, num_blocks, block_size, KVH, D): what hand-offs read
+        self.sender = sender  # KVSender, or kvtransfer.local.LocalKV
+        self.link = link
+        self.jobs: dict[str, Job] = {}
+
+    def accept(self, msg: Prefill) -> None:
+        """Queue msg's prompt (held after its prefill), or fail it at once if its grant or tokens are wrong."""
+        need = self.engine.blocks.blocks_for(len(msg.prompt_token_ids) + len(msg.output_token_ids))
+        if len(msg.dest_block_ids) != need or not 0 <= msg.dest_cached_blocks < need:
+            self.fail(msg, "kv_transfer_failed", f"invalid hand-off: granted {len(msg.dest_block_ids)} blocks "
+                                                 f"({msg.dest_cached_blocks} cached) for {need} needed")
+            return
+        try:
+            self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority, hold=True)
+        except PdserveError as e:
+            self.fail(msg, e.code, str(e))
+            return
+        self.jobs[msg.request_id] = Job(msg, time.perf_counter())
+
+    def abort(self, rid: str) -> bool:
+        """Drop rid's job if it has one (its blocks freed, the decode side told); whether it had."""
+        job = self.jobs.pop(rid, None)
+        if job is None:
+            return False
+        self.engine.abort(rid)
+        self.sender.fail(job.msg.dest_kv_endpoint, rid, "aborted", job.msg.grant)
+        return True
+
+    def abort_all(self) -> None:
+        for rid in list(self.jobs):
+            self.abort(rid)
+
+    def oldest(self) -> float:
+        """When the longest-waiting job arrived (perf_counter); jobs must not be empty."""
+        return min(j.t_start for j in self.jobs.values())
+
+    def take(self, outs: list[StepOutput], compute: float) -> list[StepOutput]:
+        """Hand off (or fail) the jobs among a step's outputs, each released after; the others back."""
+        rest = []
+        for out in outs:
+            job = self.jobs.pop(out.request_id, None)
+            if job is None:
+                rest.append(out)
+                continue
+            liveness.touch()  # each hand-off may wait up to the sender's timeout (10 s) for a dead decode worker
+            if out.error is not None:  # its grammar did not compile (in budget): the engine freed it
+                self.fail(job.msg, out.error.code, str(out.error))
+            elif out.token_id is None:  # could never fit this worker's pool: the engine freed it
+                self.fail(job.msg, "prompt_too_long", "prompt does not fit this worker's KV pool")
+            else:
+                self.hand_off(job.msg, out, compute)
+                self.engine.release(out.request_id)
+        return rest
+
+    def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
+        """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
+        seq = self.engine.seqs[msg.request_id]
+        skip = msg.dest_cached_blocks  # the decode worker holds these already
+        ready = KVReady(
+            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids[skip:],
+            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
+        )
+        t0 = time.perf_counter()
+        try:
+            if len(msg.dest_block_ids) != len(seq.block_table) or not 0 <= skip < len(seq.block_table):
+                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks ({skip} cached) for {len(seq.block_table)} needed")
+            nbytes = self.sender.send(self.pool, seq.block_table[skip:], ready, msg.dest_kv_endpoint)
+        except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
+            self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
+            self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
+            return
+        self.link.send(PrefillDone(msg.request_id, seq.num_computed_tokens, nbytes, time.perf_counter() - t0, compute, msg.grant))
+
+    def fail(self, msg: Prefill, code: str, message: str) -> None:
+        self.sender.fail(msg.dest_kv_endpoint, msg.request_id, message, msg.grant)
+        self.link.send(WorkerError(msg.request_id, code, message))
+
+    def wait_for_batch(self, window: float, handle) -> None:
+        """Hold the first prompt up to `window` seconds so later ones share its forward: messages
+        that come meanwhile go to handle(msg); ends early once the step's token budget is full or
+        no job is left."""
+        budget = self.engine.config.max_num_batched_tokens
+        deadline = self.oldest() + window
+        while time.perf_counter() < deadline and self.engine.queued_tokens() < budget:
+            for msg in self.link.drain(max(0.0, deadline - time.perf_counter())):
+                handle(msg)
+            if not self.jobs:
+                return
