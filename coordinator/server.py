@@ -54,7 +54,7 @@ import zmq
 from coordinator import placement
 from coordinator.calibration import Calibration
 from coordinator.paths import Path, PathChoice, PathRule, choose_path
-from coordinator.placement import Decision, Outcome, RequestView, ShedReason
+from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
 from coordinator.slo import SloRecorder, SloTargets, StepModel
 from coordinator.state import Phase, RequestState, WorkerState

@@ -40,7 +40,7 @@ from client.library import (
 )
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs, decode_body,
+    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs,
     request_bounds, structured_bounds,
 )
 from gateway.openapi import Health, openapi

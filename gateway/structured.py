@@ -23,7 +23,6 @@ import json
 import sys
 
 from gateway.errors import ApiError, bad_request
-from runtime.errors import InvalidRequestError
 from runtime.params import StructuredOutput
 
 

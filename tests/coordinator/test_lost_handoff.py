@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from coordinator.server import Coordinator, CoordinatorConfig
+from tests.coordinator.recorded import Recorded
+from coordinator.server import CoordinatorConfig
 from runtime.params import SamplingParams, StructuredOutput
-from runtime.tokenizer import load_tokenizer
 from tests.decode.test_worker import admit_from, all_free, sleeper, workers
 from tests.helpers import free_port
 from wire.protocol import (
@@ -24,19 +24,6 @@ from wire.protocol import (
 )
 
 
-class Recorded(Coordinator):
-    def __init__(self, cfg):
-        super().__init__(cfg, tokenizer=load_tokenizer(None))
-        self.to_workers, self.to_clients = [], []
-
-    def send_worker(self, w, msg):
-        self.to_workers.append((w.hello.worker_id, msg))
-
-    def send_client(self, ident, msg):
-        self.to_clients.append(msg)
-
-    def taken(self, kind):
-        return [(wid, m) for wid, m in self.to_workers if isinstance(m, kind)]
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.placement import placed
 from coordinator.planner import PlannerConfig, Stage
-from coordinator.server import Coordinator, CoordinatorConfig
+from tests.coordinator.recorded import Recorded
+from coordinator.server import CoordinatorConfig
 from gateway.metrics import GatewayMetrics
 from runtime.params import SamplingParams
-from runtime.tokenizer import load_tokenizer
 from tests.helpers import free_port
 from wire.protocol import (
     PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Heartbeat, Hello, Role, RoleSet, SetRole, TokenBatch,
@@ -29,19 +29,6 @@ from wire.protocol import (
 BOTH = [Role.PREFILL, Role.DECODE]
 
 
-class Recorded(Coordinator):
-    def __init__(self, cfg):
-        super().__init__(cfg, tokenizer=load_tokenizer(None))
-        self.to_workers, self.to_clients = [], []
-
-    def send_worker(self, w, msg):
-        self.to_workers.append((w.hello.worker_id, msg))
-
-    def send_client(self, ident, msg):
-        self.to_clients.append(msg)
-
-    def taken(self, kind):
-        return [(wid, m) for wid, m in self.to_workers if isinstance(m, kind)]
 
 
 def coordinator(workers, **cfg) -> Recorded:

@@ -3,11 +3,44 @@ arrival time is kept (CLOCK_MONOTONIC, one clock for every process) until the te
 the test's own work never delays the probe's reads.
 
 Lifecycle: `Probe(url, model)` -> `start()` -> poll `count` -> `finish()` -> `gaps()`.
+`launched(tmp_path_factory, *flags)` starts the node they run against (`pdserve launch`, a tiny
+random model with the default model's tokenizer, 4096 positions) and stops it.
 """
+import contextlib
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import httpx
+
+from tests.gateway.helpers import poll
+from tests.helpers import free_port, save_tiny_served_model
+
+
+@contextlib.contextmanager
+def launched(tmp_path_factory, *flags):
+    """`pdserve launch` with the gateway on free loopback ports; yields {url, clients, model, pid, logs}."""
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d, max_position_embeddings=4096)
+    clients, workers, port = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+    logs = tmp_path_factory.mktemp("logs")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--model", str(d), "--clients", clients, "--workers", workers,
+                             "--threads", "1", "--http-port", str(port), "--log-dir", str(logs), *flags], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            assert proc.poll() is None, "pdserve launch exited early"
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        poll(ready, timeout=180, every=0.3)
+        yield {"url": url, "clients": clients, "model": d.name, "pid": proc.pid, "logs": logs}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def read_probe(url: str, model: str, count, stop, conn) -> None:

@@ -14,8 +14,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
@@ -25,9 +23,9 @@ import zmq
 from client.library import Client
 from runtime.params import SamplingParams, StructuredOutput
 from wire.protocol import CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
-from tests.faults.probe import Probe
+from tests.faults.probe import Probe, launched
 from tests.gateway.helpers import poll
-from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
+from tests.helpers import wait_all_blocks_free
 
 GAP_FACTOR, GAP_SLACK_S = 5.0, 0.25
 TTFT_FACTOR, TTFT_NOISE_S = 2.0, 0.05
@@ -38,27 +36,8 @@ ROUNDS = 8  # the corpus one at a time, then all at once, then 200 health probes
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, max_position_embeddings=4096)
-    clients, workers, port = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
-    logs = tmp_path_factory.mktemp("logs")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--model", str(d), "--clients", clients, "--workers", workers,
-                             "--threads", "1", "--http-port", str(port), "--log-dir", str(logs),
-                             "--engine-arg=--kv-cache-mb=8"], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready():
-            assert proc.poll() is None, "pdserve launch exited early"
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        poll(ready, timeout=180, every=0.3)
-        yield {"url": url, "clients": clients, "model": d.name, "pid": proc.pid, "logs": logs}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with launched(tmp_path_factory, "--engine-arg=--kv-cache-mb=8") as n:
+        yield n
 
 
 def children(pid: int) -> dict[str, int]:
@@ -161,7 +140,6 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
     url, model, clients = node["url"], node["model"], node["clients"]
     roles = children(node["pid"])
     assert set(roles) == {"coordinator", "gateway"}, roles
-    chat = f"{url}/v1/chat/completions"
     huge_schema = {"type": "object", "description": "d" * 1_200_000, "properties": {"a": {"type": "string"}}}
     # Payloads are built before the probe starts: encoding them here would hold this process's GIL.
     corpus = {

@@ -15,8 +15,6 @@ requests arrived together (the phases are printed). The pools end whole.
 import concurrent.futures
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
@@ -27,9 +25,9 @@ import zmq
 from client.library import Client
 from runtime.params import SamplingParams
 from wire.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
-from tests.faults.probe import Probe
+from tests.faults.probe import Probe, launched
 from tests.gateway.helpers import poll
-from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
+from tests.helpers import wait_all_blocks_free
 
 GAP_FACTOR, GAP_SLACK_S = 5.0, 0.5
 REFUSE_S = 1.0
@@ -37,27 +35,8 @@ REFUSE_S = 1.0
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, max_position_embeddings=4096)
-    clients, workers, port = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
-    logs = tmp_path_factory.mktemp("logs")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--model", str(d), "--clients", clients, "--workers", workers,
-                             "--threads", "1", "--http-port", str(port), "--log-dir", str(logs), "--no-slo",
-                             "--engine-arg=--kv-cache-mb=16"], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready():
-            assert proc.poll() is None, "pdserve launch exited early"
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        poll(ready, timeout=180, every=0.3)
-        yield {"url": url, "clients": clients, "model": d.name}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with launched(tmp_path_factory, "--no-slo", "--engine-arg=--kv-cache-mb=16") as n:
+        yield n
 
 
 def timed(fn):
