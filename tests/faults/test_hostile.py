@@ -1,7 +1,10 @@
 """No single request can slow, leak or take over the node (issue 22): through `pdserve launch` with
 its defaults (disaggregated, SLO control on, no API key; a tiny random model on a small 8 MiB KV
 pool), a corpus of hostile requests arrives at the HTTP gateway and straight at the coordinator
-while a greedy probe stream runs and a short request arrives once a second.
+while a greedy probe stream runs and a short request arrives once a second. The hostile client runs
+in its own process at a lower CPU priority: on a deployment its CPU is not the server's, and here
+its own JSON and HTTP work would otherwise take the server's two cores (with it in the test's
+process a short request's TTFT reached 60-140 ms during the rounds; niced, 12-33 ms against 17-19 idle).
 
 Asserted: each hostile request is refused (a typed error) or served within its bound; the probe's
 worst gap stays within max(5 x its median gap, median + 250 ms); every short request's TTFT stays
@@ -31,7 +34,8 @@ GAP_FACTOR, GAP_SLACK_S = 5.0, 0.25
 TTFT_FACTOR, TTFT_NOISE_S = 2.0, 0.05
 RSS_GROWTH = 64 * 2**20
 REFUSE_S = 1.0  # a refusal of a request over a bound
-ROUNDS = 8  # the corpus one at a time, then all at once, then 200 health probes: ~1 s a round
+ROUNDS = 8  # the corpus one at a time, then all at once, then the health probes: ~1 s a round
+HEALTH_PROBES = 50  # at once, each round (tests/gateway/test_cheap_health_and_slow_reader.py floods 300)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +140,10 @@ def refused(r, code: str = "limit_exceeded") -> bool:
     return r.status_code == 400 and r.json()["error"]["code"] == code
 
 
-def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
-    url, model, clients = node["url"], node["model"], node["clients"]
-    roles = children(node["pid"])
-    assert set(roles) == {"coordinator", "gateway"}, roles
+def hostile_corpus(url: str, model: str, clients: str) -> dict:
+    """name -> (send it: the reply, is the reply what the bounds promise)."""
     huge_schema = {"type": "object", "description": "d" * 1_200_000, "properties": {"a": {"type": "string"}}}
-    # Payloads are built before the probe starts: encoding them here would hold this process's GIL.
-    corpus = {
+    return {
         # the two reproduced attacks
         "chat: 200,000 empty messages, n=4": (http(url, "/v1/chat/completions", {
             "model": model, "n": 4, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 200_000}), refused),
@@ -176,6 +177,40 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
         "chat: user string of 1 MiB": (http(url, "/v1/chat/completions", {
             "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "user": "u" * 2**20}), refused),
     }
+
+
+def send_corpus(url: str, model: str, clients: str, conn) -> None:
+    """The hostile client, in its own process at a lower CPU priority (on a real deployment the
+    attacker's CPU is not the server's; on this 2-core machine its JSON encoding and HTTP client
+    would otherwise compete with the server it attacks): ROUNDS rounds of the corpus one at a
+    time, then all at once, then HEALTH_PROBES /health probes at once. Sends, per request name,
+    whether every reply was as promised and the slowest time (one at a time, together), the
+    health statuses seen, and when each round began (CLOCK_MONOTONIC)."""
+    os.nice(10)
+    corpus = hostile_corpus(url, model, clients)
+    alone, together, health, rounds = {}, {}, set(), []
+
+    def keep(into, name, reply, took):
+        ok, slowest, text = into.get(name, (True, 0.0, ""))
+        good = corpus[name][1](reply)
+        into[name] = (ok and good, max(slowest, took), text if good else f"{getattr(reply, 'text', reply)!s:.300}")
+
+    with concurrent.futures.ThreadPoolExecutor(len(corpus)) as pool, httpx.Client(timeout=10) as probes:
+        for _ in range(ROUNDS):
+            rounds.append(time.monotonic())
+            for name, (fn, _) in corpus.items():
+                keep(alone, name, *timed(fn))
+            futures = {name: pool.submit(timed, fn) for name, (fn, _) in corpus.items()}
+            for name, f in futures.items():
+                keep(together, name, *f.result(timeout=120))
+            health |= set(pool.map(lambda _: probes.get(f"{url}/health").status_code, range(HEALTH_PROBES)))
+    conn.send((alone, together, sorted(health), rounds, time.monotonic()))
+
+
+def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
+    url, model, clients = node["url"], node["model"], node["clients"]
+    roles = children(node["pid"])
+    assert set(roles) == {"coordinator", "gateway"}, roles
     probe, shorts = Probe(url, model), Shorts(url, model)
     rss0 = {role: rss(pid) for role, pid in roles.items()}
     probe.start()
@@ -183,28 +218,17 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
     shorts.start()
     idle_until = time.monotonic() + 5.5  # ~5 short requests before the corpus: their TTFT is the idle value
     poll(lambda: time.monotonic() >= idle_until, timeout=10)
+    mp = multiprocessing.get_context("spawn")
+    conn, child = mp.Pipe(duplex=False)
+    sender = mp.Process(target=send_corpus, args=(url, model, clients, child), daemon=True)
     t_hostile = time.monotonic()
-    rounds = []
-    results, together = {}, {}
-    with concurrent.futures.ThreadPoolExecutor(len(corpus)) as pool, httpx.Client(timeout=10) as probes:
-        for _ in range(ROUNDS):
-            rounds.append(round(time.monotonic() - t_hostile, 2))
-            for name, (fn, ok) in corpus.items():  # one at a time: each one's own time (the slowest round kept)
-                reply, took = timed(fn)
-                if name not in results or took > results[name][1]:
-                    results[name] = (reply, took)
-            futures = {name: pool.submit(timed, fn) for name, (fn, _) in corpus.items()}  # then all at once
-            for name, f in futures.items():
-                reply, took = f.result(timeout=120)
-                if name not in together or took > together[name][1]:
-                    together[name] = (reply, took)
-            # 200 health probes at once: answered from a cached summary
-            health = list(pool.map(lambda _: probes.get(f"{url}/health").status_code, range(200)))
-            assert health == [200] * 200
-    print("rounds began at (s):", rounds)
-    print("together, slowest round (ms):", {name: round(took * 1000) for name, (_, took) in together.items()})
-    together = {name: reply for name, (reply, _) in together.items()}
-    t_done = time.monotonic()
+    sender.start()
+    assert conn.poll(300), "the hostile client did not finish"
+    results, together, health, rounds, t_done = conn.recv()
+    sender.join(10)
+    print("rounds began at (s):", [round(t - t_hostile, 2) for t in rounds])
+    print("slowest (ms), one at a time:", {name: round(took * 1000) for name, (_, took, _) in results.items()})
+    print("slowest (ms), all at once:", {name: round(took * 1000) for name, (_, took, _) in together.items()})
     n = probe.count.value
     poll(lambda: probe.count.value >= n + 30 or not probe.proc.is_alive(), timeout=60)
     sent = shorts.finish()
@@ -212,13 +236,12 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
     assert probe.error is None, probe.error
     rss1 = {role: rss(pid) for role, pid in roles.items()}
 
-    for name, (reply, took) in results.items():
-        print(f"{name}: {took * 1000:.0f} ms -> {getattr(reply, 'status_code', None) or reply}"[:200])
-    for name, (reply, took) in results.items():
-        ok = corpus[name][1]
-        assert ok(reply), f"{name}: {getattr(reply, 'text', reply)!s:.300}"
-        assert ok(together[name]), f"{name} (together): {getattr(together[name], 'text', together[name])!s:.300}"
+    for name, (ok, took, text) in results.items():
+        assert ok, f"{name}: {text}"
         assert took < REFUSE_S, f"{name} took {took:.2f} s"
+    for name, (ok, _, text) in together.items():
+        assert ok, f"{name} (all at once): {text}"
+    assert health == [200], health
 
     timed_gaps = probe.gaps()
     gaps = [g for _, g in timed_gaps]
@@ -231,7 +254,7 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
 
     assert all(e is None and t is not None for _, t, e in sent), sent
     idle = statistics.median(t for t0, t, _ in sent if t0 < t_hostile)
-    during = [(t0 - t_hostile, t) for t0, t, _ in sent if t0 >= t_hostile]
+    during = [(t0 - t_hostile, t) for t0, t, _ in sent if t_hostile <= t0 <= t_done]
     limit = TTFT_FACTOR * idle + TTFT_NOISE_S
     print(f"short requests: idle TTFT {idle * 1000:.1f} ms, during: {[(round(a, 1), round(t * 1000)) for a, t in during]}")
     assert during, "no short request was sent while the corpus ran"
