@@ -227,10 +227,7 @@ class DecodeWorker:
         self.handoffs.wait_for_batch(self.batch_window, self.handle)
         if not self.engine.has_work():  # aborted meanwhile
             return
-        if self.engine.runnable():
-            self.cores.take_prefill_turn()
-        else:  # only grammars compiling (on their own thread): the decode workers keep the cores
-            self.cores.idle()
+        self.handoffs.claim_cores(self.cores)
         self.step()
 
     def decode_turn(self) -> None:
@@ -264,12 +261,14 @@ class DecodeWorker:
             end()
 
     def emit(self, outs: list[StepOutput]) -> None:
+        tokens = []
         for o in outs:
-            if o.error is not None:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
+            if o.error is None:
+                tokens.append(token_out(o))
+            else:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
                 self.link.send(WorkerError(o.request_id, o.error.code, str(o.error)))
-        outs = [o for o in outs if o.error is None]
-        if outs:
-            self.link.send(TokenBatch([token_out(o) for o in outs]))
+        if tokens:
+            self.link.send(TokenBatch(tokens))
 
     # ------------------------------------------------------------------ messages
 

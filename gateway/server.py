@@ -41,7 +41,7 @@ from client.library import (
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs,
-    request_bounds, structured_bounds,
+    bounded, structured_bounds,
 )
 from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
@@ -172,11 +172,11 @@ class Gateway:
         return await self.parse_lane.parse(body, kind if isinstance(kind, str) else kind.__name__)
 
     def check_limits(self, request, req) -> dict:
-        """Every field of the body and its trace headers against the table of bounds
-        (wire/limits.py), before any fan-out; the coordinator checks each job again. Returns the
-        trace headers (the coordinator's span joins them)."""
+        """The trace headers against the table of bounds (every field of the body was checked
+        when it was decoded: parse_lane.prepare), before any fan-out; the coordinator checks each
+        job again. Returns them (the coordinator's span joins them)."""
         trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
-        request_bounds(req, self.cfg.limits, trace)
+        bounded(self.cfg.limits.check_trace_headers, trace)
         return trace
 
     def api_error(self, e: Exception) -> ApiError:

@@ -107,10 +107,7 @@ class PrefillWorker:
             self.handle(msg)
         if self.jobs:
             self.wait_for_batch()
-            if self.engine.runnable():
-                self.cores.take_prefill_turn()
-            else:  # only grammars compiling (on their own thread): the decode worker keeps the cores
-                self.cores.idle()
+            self.handoffs.claim_cores(self.cores)
             self.step()
 
     def close(self) -> None:

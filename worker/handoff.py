@@ -75,6 +75,8 @@ class Handoffs:
 
     def take(self, outs: list[StepOutput], compute: float) -> list[StepOutput]:
         """Hand off (or fail) the jobs among a step's outputs, each released after; the others back."""
+        if not self.jobs:  # a decode worker's every step: nothing to hand off
+            return outs
         rest = []
         for out in outs:
             job = self.jobs.pop(out.request_id, None)
@@ -90,6 +92,15 @@ class Handoffs:
                 self.hand_off(job.msg, out, compute)
                 self.engine.release(out.request_id)
         return rest
+
+    def claim_cores(self, cores) -> None:
+        """Before a step with prompts to hand off: the node's prefill turn (runtime.cores) if the
+        step computes; with only grammars compiling (on their own thread) the decode workers keep
+        the cores."""
+        if self.engine.runnable():
+            cores.take_prefill_turn()
+        else:
+            cores.idle()
 
     def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
         """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
