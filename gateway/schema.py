@@ -197,7 +197,8 @@ def chat_bounds(messages: list["ChatMessageIn"], limits: RequestLimits, tools: l
     limits.check_messages(len(messages), max((len(m.content) for m in messages if isinstance(m.content, list)), default=0))
     limits.check_tool_calls(max((len(m.tool_calls or ()) for m in messages), default=0))
     for m in messages:
-        for name in (m.name, m.tool_call_id, *(t for c in m.tool_calls or () for t in (c.id, c.function.name))):
+        limits.check_name("name", m.name)
+        for name in (m.tool_call_id, *(t for c in m.tool_calls or () for t in (c.id, c.function.name))):
             limits.check_name("messages", name)
     tool_json = [msgspec.json.encode(t) for t in tools or ()]
     limits.check_tools([t.function.name for t in tools or ()], [len(j) for j in tool_json])
