@@ -191,8 +191,8 @@ def call_id(kind: str = "openai") -> str:
 
 def whole_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole answer's content text."""
-    if plan.mode == "named":
-        return None, [ToolCall(id=call_id(), function=FunctionCall(name=plan.name, arguments=text))]
+    if plan.mode == "named":  # nothing at all (a reasoning model cut short in its reasoning) is no call
+        return None, [ToolCall(id=call_id(), function=FunctionCall(name=plan.name, arguments=text))] if text else []
     if plan.mode == "required":
         calls = _required_calls(text)
         if calls is None:
@@ -274,7 +274,7 @@ class CallStream:
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """What is left at the end of the choice."""
         if self.plan.mode == "named":
-            return "", self._named_head()  # an empty answer still names its call
+            return "", []
         if self.plan.mode == "required":
             return ("", []) if self.calls else (self._show(len(self.text)), [])  # no whole call: cut short, the text is content
         if self.plan.mode != "auto" or self.section is None:
