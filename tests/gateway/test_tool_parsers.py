@@ -139,3 +139,25 @@ def test_reasoning_split_whole_and_streamed(name, text, reasoning, content, size
         r, c = r + dr, c + dc
     dr, dc = s.flush()
     assert (r + dr or None, c + dc or None) == (reasoning, content)
+
+
+def test_forced_grammars_follow_vllm():
+    """named: the function's parameters; required: a list of {name, parameters} objects, at most
+    one without parallel_tool_calls, each tool's $defs shared at the top (a conflict is a 400)."""
+    from gateway.errors import ApiError
+    from gateway.tools import forced_spec
+
+    ref = {"$defs": {"P": {"type": "integer"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}
+    tools = [Tool(function=FunctionDef(name="f", parameters=ref)), Tool(function=FunctionDef(name="g"))]
+    assert json.loads(forced_spec(ToolPlan("named", tools, name="f")).spec) == ref
+    schema = json.loads(forced_spec(ToolPlan("required", tools, parallel=False)).spec)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1 and schema["$defs"] == ref["$defs"]
+    f, g = schema["items"]["anyOf"]
+    assert f["properties"]["name"] == {"type": "string", "enum": ["f"]} and "$defs" not in f["properties"]["parameters"]
+    assert g["properties"]["parameters"] == {"type": "object", "properties": {}} and g["required"] == ["name", "parameters"]
+    assert "maxItems" not in json.loads(forced_spec(ToolPlan("required", tools)).spec)
+    clash = {"$defs": {"P": {"type": "string"}}, "type": "object"}
+    with pytest.raises(ApiError) as e:
+        forced_spec(ToolPlan("required", tools + [Tool(function=FunctionDef(name="h", parameters=clash))]))
+    assert e.value.status == 400 and "conflicting $defs 'P'" in e.value.message
+    assert forced_spec(ToolPlan("auto", tools)) is None and forced_spec(ToolPlan("none", tools)) is None
