@@ -86,7 +86,7 @@ def test_named_tool_call_blocking_and_streamed(service, client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = create(client, model, tool_choice=choice)
     msg, finish = r.choices[0].message, r.choices[0].finish_reason
-    assert finish == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    assert finish == "tool_calls" and msg.role == "assistant" and msg.content is None and len(msg.tool_calls) == 1
     call = msg.tool_calls[0]
     assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
     valid("get_weather", call.function.arguments)
