@@ -161,3 +161,27 @@ def test_forced_grammars_follow_vllm():
         forced_spec(ToolPlan("required", tools + [Tool(function=FunctionDef(name="h", parameters=clash))]))
     assert e.value.status == 400 and "conflicting $defs 'P'" in e.value.message
     assert forced_spec(ToolPlan("auto", tools)) is None and forced_spec(ToolPlan("none", tools)) is None
+
+
+def test_chat_formatter_splits_reasoning_then_finds_calls_streamed_and_whole():
+    """The formatter (gateway/format.py) joins both: reasoning deltas first, then the calls found in
+    the content after </think>, the last chunk ending "tool_calls"; the whole answer says the same."""
+    from client.library import Result, StreamDelta
+    from gateway.format import ChatFormatter
+    from gateway.reasoning import REASONING_PARSERS
+
+    text = 'Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    plan = ToolPlan("auto", [], parser=PARSERS["hermes"])
+    fmt = ChatFormatter("id", 0, "m", None, plan, REASONING_PARSERS["deepseek_r1"])
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    chunks = [c for i, p in enumerate(pieces)
+              for c in fmt.chunks(0, StreamDelta(p, [], finish_reason="stop" if i == len(pieces) - 1 else None))]
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert reasoning == "Need the weather." and "".join(d.content or "" for d in deltas).strip() == ""
+    assert calls[0].function.name == "get_weather" and json.loads("".join(t.function.arguments for t in calls)) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    message, reason = fmt.message(Result("r", text=text, finish_reason="stop"))
+    assert reason == "tool_calls" and message.reasoning_content == "Need the weather." and message.content == "\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
