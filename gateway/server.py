@@ -16,7 +16,8 @@ lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready),
 probes cost the coordinator one stats build a second. /openapi.json describes every route
 (gateway/openapi.py). Every field of a request is checked against the table of bounds
 (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
-choices hold fair shares of the in-flight slots (gateway/slots.py).
+choices hold fair shares of the in-flight slots (gateway/slots.py). A chat's tools and the
+server's reasoning parser shape its jobs and its answer (gateway/tools.py, gateway/reasoning.py).
 """
 from __future__ import annotations
 
