@@ -1,0 +1,132 @@
+"""A tensor-parallel worker's other ranks: started by rank 0, they run its steps until it stops.
+
+Lifecycle: rank 0 (the worker process that speaks to the coordinator) calls `start(model, econf,
+n, num_blocks)`: it opens the rank group's store, starts ranks 1..n-1 as `python -m
+worker.tp_ranks SPEC` (SPEC: a msgspec JSON RankSpec on the command line, no pickle), joins the
+group and builds its own part of the model; it returns a `Ranks` whose `model` the engine runs
+(each forward broadcasts the step's plan first). Each other rank loads the checkpoint, keeps
+its shard, allocates its KV pool (the same block count as rank 0's: one block id means the
+same tokens on every rank, its KV heads on each) and follows rank 0's plans. Liveness both
+ways: a rank whose parent (rank 0) is gone exits at once (a watch thread; a collective with a
+dead peer fails at once too), and rank 0's watch calls `on_death` (the worker's: stop cleanly,
+so its launcher restarts it) within `WATCH_S` of any other rank's exit. `Ranks.close()` sends
+stop, waits for the ranks, kills what does not leave.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import torch
+
+from runtime.config import EngineConfig
+from runtime.kv_cache import allocate_kv_cache
+from runtime.tp import RankGroup, check_split
+from runtime.tp_model import TPModel, build_tp_model
+from runtime.weights import load_checkpoint
+
+log = logging.getLogger("pdserve.tp")
+
+WATCH_S = 0.2  # how often each side checks that the other ranks live
+CLOSE_S = 5.0  # ranks still running this long after stop are killed
+
+
+class RankSpec(msgspec.Struct):
+    rank: int
+    size: int
+    port: int
+    parent: int  # rank 0's pid: this rank exits when it is gone
+    model: str | None
+    engine: EngineConfig
+    num_blocks: int
+    threads: int | None = None
+
+
+class Ranks:
+    """Rank 0's handle on its model and the other rank processes."""
+
+    def __init__(self, model: TPModel, procs: list[subprocess.Popen]):
+        self.model, self.procs = model, procs
+        self.closing = False
+
+    def watch(self, on_death) -> None:
+        """Call on_death(message) once, from a thread, when another rank exits while not closing."""
+        def loop():
+            while not self.closing:
+                dead = [p for p in self.procs if p.poll() is not None]
+                if dead:
+                    on_death(f"tensor-parallel rank (pid {dead[0].pid}) exited with {dead[0].returncode}")
+                    return
+                time.sleep(WATCH_S)
+
+        threading.Thread(target=loop, name="tp-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self.closing = True
+        if all(p.poll() is None for p in self.procs):
+            try:
+                self.model.stop_followers()
+            except RuntimeError:
+                pass  # a rank is gone: the others fail their wait and leave
+        deadline = time.monotonic() + CLOSE_S
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start(model: str | None, econf: EngineConfig, n: int, num_blocks: int, threads: int | None = None) -> Ranks:
+    """Rank 0: start ranks 1..n-1, join their group, build this rank's model."""
+    cfg, tensors = load_checkpoint(model, progress=False, keep_quantized=econf.keep_quantized)
+    check_split(cfg, n)  # refused before any process starts
+    group = RankGroup(0, n)
+    procs = []
+    for r in range(1, n):
+        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), econf, num_blocks, threads)
+        procs.append(subprocess.Popen([sys.executable, "-m", "worker.tp_ranks", msgspec.json.encode(spec).decode()],
+                                      cwd=_repo_root(), stdin=subprocess.DEVNULL))
+    try:
+        group.connect()
+        built = build_tp_model(cfg, tensors, econf, group)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return Ranks(built, procs)
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _watch_parent(parent: int) -> None:
+    def loop():
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(1)  # rank 0 is gone: nothing here is worth a clean exit (no pool file, no socket of ours)
+
+    threading.Thread(target=loop, name="tp-parent", daemon=True).start()
+
+
+def follow(spec: RankSpec) -> None:
+    """Ranks 1..n-1: build this rank's part and KV pool, run rank 0's steps until it stops."""
+    _watch_parent(spec.parent)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=spec.engine.keep_quantized)
+    group = RankGroup(spec.rank, spec.size, spec.port).connect()
+    model = build_tp_model(cfg, tensors, spec.engine, group)
+    del tensors
+    kv = allocate_kv_cache(model.cfg, spec.num_blocks, spec.engine.block_size, spec.engine.torch_dtype, spec.engine.device)
+    model.follow(kv)
+
+
+if __name__ == "__main__":
+    follow(msgspec.json.decode(sys.argv[1], type=RankSpec))
