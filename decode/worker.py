@@ -61,19 +61,17 @@ from kvtransfer.transfer import KVReceiver, KVSender
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores, stall_cap
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
+from runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
 from runtime.errors import PdserveError
-from runtime.kv_cache import kv_cache_shape
 from runtime.params import MAX_LOGPROBS
 from runtime.sequence import FinishReason
-from runtime.weights import load_checkpoint
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
     Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, Reject, Release, Role, RoleSet, SetRole,
     Shutdown, TokenBatch, TokenOut, WorkerError,
 )
-from worker import process
+from worker import process, tp_ranks
 from worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.decode")
@@ -144,15 +142,15 @@ class DecodeWorker:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(role, wcfg)
-        cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
-        model = build_model(cfg, tensors, engine_cfg)
-        num_blocks = engine_cfg.blocks_for_budget(cfg)
-        shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)
-        if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
-            pool = gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
-        else:
-            pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=wcfg.shared_pool, name=f"{os.getpid()}")
+
+        def make_pool(shape, shared: bool):
+            if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
+                return gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
+            return KVPool.create(shape, engine_cfg.torch_dtype, shared=shared or wcfg.shared_pool, name=f"{os.getpid()}")
+
+        model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
+        num_blocks = pool.tensor.shape[2]
         engine = LLMEngine(model, None, engine_cfg, kv_cache=pool.tensor)
         if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs:
             cuda_graphs.enable(engine)
@@ -172,6 +170,7 @@ class DecodeWorker:
         link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint, ALL_ROLES))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
+        closing += [ranks.close] if ranks is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
                    cores, sender, role, wcfg.batch_window_ms)
 

@@ -69,6 +69,8 @@ class TPModel:
         self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype)
         self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling)
         self.scale = full.head_dim**-0.5
+        kvh = self.cfg.num_kv_heads
+        self.kv_heads = slice(group.rank * kvh, (group.rank + 1) * kvh)  # this rank's KV heads in a whole worker's pool
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (blocks count as blocks; the norms, which every rank holds whole, too)."""
@@ -99,9 +101,14 @@ class TPModel:
     def stop_followers(self) -> None:
         self.group.send_plan(StepPlan(stop=True))
 
+    def my_heads(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads, (layers, 2, num_blocks, block_size, KVH / N, D): kv_cache is either
+        this rank's own pool or the worker's whole pool (every rank maps it; a view of its heads)."""
+        return kv_cache[..., self.kv_heads, :] if kv_cache.shape[-2] == self.full.num_kv_heads and self.group.size > 1 else kv_cache
+
     @torch.inference_mode()
     def run(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        # kv_cache: (layers, 2, num_blocks, block_size, KVH / N, D): this rank's KV heads
+        kv_cache = self.my_heads(kv_cache)
         h = self._embed(batch.input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             h = h + self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,8 +25,10 @@ import time
 import msgspec
 import torch
 
-from runtime.config import EngineConfig
-from runtime.kv_cache import allocate_kv_cache
+from kvtransfer.pool import KVPool
+from runtime.config import EngineConfig, ModelConfig, WorkerConfig
+from runtime.engine import build_model
+from runtime.kv_cache import allocate_kv_cache, kv_cache_shape
 from runtime.tp import RankGroup, check_split
 from runtime.tp_model import TPModel, build_tp_model
 from runtime.weights import load_checkpoint
@@ -45,6 +48,7 @@ class RankSpec(msgspec.Struct):
     engine: EngineConfig
     num_blocks: int
     threads: int | None = None
+    pool_path: str = ""  # the worker's whole KV pool in /dev/shm ("": a pool of this rank's own)
 
 
 class Ranks:
@@ -82,14 +86,18 @@ class Ranks:
                 p.wait()
 
 
-def start(model: str | None, econf: EngineConfig, n: int, num_blocks: int, threads: int | None = None) -> Ranks:
-    """Rank 0: start ranks 1..n-1, join their group, build this rank's model."""
-    cfg, tensors = load_checkpoint(model, progress=False, keep_quantized=econf.keep_quantized)
+def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int, model: str | None = None,
+          threads: int | None = None, pool_path: str = "") -> Ranks:
+    """Rank 0: start ranks 1..n-1 (n: econf.tensor_parallel_size), join their group, build this
+    rank's model from the whole checkpoint's tensors. pool_path: the worker's whole KV pool in
+    /dev/shm, which every rank maps (each reads and writes its KV heads); "": each rank
+    allocates a pool of its own KV heads."""
+    n = econf.tensor_parallel_size
     check_split(cfg, n)  # refused before any process starts
     group = RankGroup(0, n)
     procs = []
     for r in range(1, n):
-        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), econf, num_blocks, threads)
+        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), econf, num_blocks, threads, pool_path)
         procs.append(subprocess.Popen([sys.executable, "-m", "worker.tp_ranks", msgspec.json.encode(spec).decode()],
                                       cwd=_repo_root(), stdin=subprocess.DEVNULL))
     try:
@@ -100,6 +108,34 @@ def start(model: str | None, econf: EngineConfig, n: int, num_blocks: int, threa
             p.kill()
         raise
     return Ranks(built, procs)
+
+
+def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
+    """A worker's (model, KV pool, Ranks or None): TP 1 builds runtime.model as before; TP n
+    starts the other ranks over the whole pool, made shared (make_pool(shape, shared))."""
+    cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
+    shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
+    if econf.tensor_parallel_size == 1:
+        model = build_model(cfg, tensors, econf)
+        return model, make_pool(shape, False), None
+    check_split(cfg, econf.tensor_parallel_size)
+    pool = make_pool(shape, True)
+    threads = max(1, (wcfg.threads or torch.get_num_threads()) // econf.tensor_parallel_size)
+    torch.set_num_threads(threads)
+    try:
+        ranks = start(cfg, tensors, econf, shape[2], wcfg.model, threads, pool.path)
+    except BaseException:
+        pool.close()
+        raise
+    log.info("tensor parallel: %d ranks, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
+    ranks.watch(_stop_worker)
+    return ranks.model, pool, ranks
+
+
+def _stop_worker(why: str) -> None:
+    """A rank died: stop this worker as SIGTERM does (its loop ends, its pool is unlinked); its launcher restarts it."""
+    log.error("%s: stopping the worker", why)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _repo_root() -> str:
@@ -120,11 +156,15 @@ def follow(spec: RankSpec) -> None:
     _watch_parent(spec.parent)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=spec.engine.keep_quantized)
+    e = spec.engine
+    cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=e.keep_quantized)
     group = RankGroup(spec.rank, spec.size, spec.port).connect()
-    model = build_tp_model(cfg, tensors, spec.engine, group)
+    model = build_tp_model(cfg, tensors, e, group)
     del tensors
-    kv = allocate_kv_cache(model.cfg, spec.num_blocks, spec.engine.block_size, spec.engine.torch_dtype, spec.engine.device)
+    if spec.pool_path:
+        kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size), e.torch_dtype).tensor
+    else:
+        kv = allocate_kv_cache(model.cfg, spec.num_blocks, e.block_size, e.torch_dtype, e.device)
     model.follow(kv)
 
 

@@ -32,8 +32,9 @@ LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
 
 def tp_engine(model, n: int, **config):
     """(engine over rank 0's TPModel, the Ranks): ranks 1..n-1 are processes of their own."""
-    econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, **config})
-    ranks = tp_ranks.start(str(model), econf, n, econf.num_blocks, threads=1)
+    econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, "tensor_parallel_size": n, **config})
+    cfg, tensors = load_checkpoint(str(model), progress=False, keep_quantized=econf.keep_quantized)
+    ranks = tp_ranks.start(cfg, tensors, econf, econf.num_blocks, str(model), threads=1)
     pool = allocate_kv_cache(ranks.model.cfg, econf.num_blocks, econf.block_size, econf.torch_dtype)
     return LLMEngine(ranks.model, None, econf, kv_cache=pool), ranks
 
