@@ -778,6 +778,8 @@ class Coordinator:
 
     def on_hello(self, ident: bytes, h: Hello) -> None:
         problem = f"protocol version {h.version} != {PROTOCOL_VERSION}" if h.version != PROTOCOL_VERSION else hello_problem(h)
+        if problem is None:
+            problem = handoff_mismatch(h, [w.hello for w in self.workers.values()])
         if problem is None and h.worker_id not in self.workers and len(self.workers) >= self.cfg.max_workers:
             problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
         if problem is not None:
@@ -1083,6 +1085,20 @@ def hello_problem(h: Hello) -> str | None:
         return "invalid hello: block_size and max_model_len must be >= 1 and num_blocks >= 0"
     if any(not all(math.isfinite(v) and v >= 0 for v in step) for step in h.profile):
         return "invalid hello: profile steps must be finite and >= 0"
+    return None
+
+
+def handoff_mismatch(h: Hello, registered: list[Hello]) -> str | None:
+    """Why h's KV blocks could not be handed to or from a registered worker (None if they can):
+    a hand-off moves whole blocks between pools of one model, block size and KV dtype, whatever
+    the tensor parallel size of either side; refused at registration, not mid-request."""
+    for o in registered:
+        if o.worker_id == h.worker_id:
+            continue
+        for what, mine, theirs in (("model", h.model, o.model), ("block size", h.block_size, o.block_size),
+                                   ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype"))):
+            if mine != theirs:
+                return f"not supported: KV hand-offs between workers of another {what} ({mine!r} here, {theirs!r} on {o.worker_id})"
     return None
 
 

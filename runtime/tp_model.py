@@ -5,7 +5,8 @@ group)` once (runtime.tp.shard gives its weights); each projection is a kernels.
 PackedLinear over the rank's shard (float or GGUF blocks). Rank 0's engine calls `forward(batch,
 kv_cache)` as it calls runtime.model.LlamaModel's: it first broadcasts the step's plan, then
 every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes). Per
-layer: column-parallel q/k/v (this rank's heads and KV heads, its KV pool holds its KV heads),
+layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
+it reads and writes only those of its worker's whole pool, `my_heads`),
 attention over them, row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
 down and one all-reduce. The embedding and the LM head are split by vocabulary: partial
 embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.

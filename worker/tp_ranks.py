@@ -1,16 +1,17 @@
 """A tensor-parallel worker's other ranks: started by rank 0, they run its steps until it stops.
 
-Lifecycle: rank 0 (the worker process that speaks to the coordinator) calls `start(model, econf,
-n, num_blocks)`: it opens the rank group's store, starts ranks 1..n-1 as `python -m
-worker.tp_ranks SPEC` (SPEC: a msgspec JSON RankSpec on the command line, no pickle), joins the
-group and builds its own part of the model; it returns a `Ranks` whose `model` the engine runs
-(each forward broadcasts the step's plan first). Each other rank loads the checkpoint, keeps
-its shard, allocates its KV pool (the same block count as rank 0's: one block id means the
-same tokens on every rank, its KV heads on each) and follows rank 0's plans. Liveness both
+Lifecycle: a worker's build calls `load_model(econf, wcfg, make_pool)`. With TP 1 it builds
+runtime.model as before. With TP n it makes the worker's KV pool shared (/dev/shm) and `start`s
+ranks 1..n-1 as `python -m worker.tp_ranks SPEC` (SPEC: a msgspec JSON RankSpec on the command
+line, no pickle); rank 0 then joins their group (runtime.tp.RankGroup) and builds its own part
+of the model (runtime.tp_model), whose every forward first broadcasts the step's plan. Each
+other rank loads the checkpoint, keeps its shard, maps the worker's pool (the same blocks; each
+rank reads and writes its own KV heads, so one block id means the same tokens on every rank and
+a hand-off moves whole blocks whatever the TP sizes) and follows rank 0's plans. Liveness both
 ways: a rank whose parent (rank 0) is gone exits at once (a watch thread; a collective with a
-dead peer fails at once too), and rank 0's watch calls `on_death` (the worker's: stop cleanly,
-so its launcher restarts it) within `WATCH_S` of any other rank's exit. `Ranks.close()` sends
-stop, waits for the ranks, kills what does not leave.
+dead peer fails at once too), and rank 0's watch stops the worker as SIGTERM does (its launcher
+restarts it) within `WATCH_S` of any other rank's exit. `Ranks.close()`, among what the worker
+closes, sends stop, waits for the ranks, kills what does not leave.
 """
 from __future__ import annotations
 

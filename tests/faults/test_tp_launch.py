@@ -1,0 +1,104 @@
+"""Tensor parallelism through `pdserve launch` on the default model (SmolLM2-135M: 9 heads, 3 KV
+heads, TP 3 splits it): a colocated worker with TP 3 gives the TP 1 engine's greedy tokens; one
+of its ranks killed with -9 mid-stream takes the worker down (its other rank leaves too), the
+launcher restarts it, and every stream completes identically or ends with a typed error; the
+hand-off between prefill and decode workers of different TP sizes, over shm and tcp, gives
+the TP 1 tokens. Every test ends with every pool whole. TP 1 against HF transformers is
+established elsewhere (tests/runtime/test_hf_equivalence.py)."""
+import asyncio
+import glob
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from client.library import AsyncClient, Client, RequestError
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.model_path import resolve_model_path
+from runtime.sampling import SamplingParams
+from tests.faults.test_supervised_launch import Node, poll
+from tests.faults.test_worker_death import prompts, run_and_kill
+from tests.helpers import wait_all_blocks_free
+
+MAX_TOKENS = 32
+POOL = "--engine-arg=--kv-cache-mb=24"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """The TP 1 engine's greedy tokens for prompts(8), served as the workers serve them."""
+    eng = LLMEngine.load(str(model), EngineConfig(num_blocks=256), progress=False, tokenizer=False)
+    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+
+
+async def _all(address: str, n: int) -> list[list[int]]:
+    async with AsyncClient(address, timeout=120) as c:
+        results = await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts(n)))
+    return [r.token_ids for r in results]
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes worker pid started."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "worker.tp_ranks" in line]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper has left all the same
+        return f.read().split(") ")[1].startswith("Z")
+
+
+def test_colocated_tp3_equals_tp1_and_survives_a_killed_rank(model, expected, tmp_path):
+    node = Node(model, tmp_path, "--colocated", "--tensor-parallel-size", "3", POOL)
+    try:
+        worker = node.wait_workers(1)["workers"][0]
+        assert worker["engine"]["tensor_parallel_size"] == 3
+        assert asyncio.run(_all(node.clients, 4)) == expected[:4]
+        ranks = ranks_of(worker["pid"])
+        assert len(ranks) == 2
+
+        outs = asyncio.run(run_and_kill(node.clients, lambda: os.kill(ranks[0], signal.SIGKILL), 40, max_tokens=MAX_TOKENS, timeout=120))
+        killed_at = time.monotonic()
+        for i, (r, after) in enumerate(outs):  # none hangs: each completed as TP 1 did or failed typed, soon
+            if isinstance(r, RequestError):  # its worker lost; re-placed, it found none (this node's only one restarting)
+                assert r.code in ("worker_lost", "no_workers") and after < 20, (i, r, after)
+            else:
+                assert r == expected[i], f"stream {i} completed with other tokens"
+        poll("the other rank's exit", lambda: gone(ranks[1]), 10)
+        with Client(node.clients, timeout=30) as c:
+            back = poll("the worker's return", lambda: [w for w in c.stats()["workers"] if w["pid"] != worker["pid"]], 120)
+            assert len(ranks_of(back[0]["pid"])) == 2
+            assert asyncio.run(_all(node.clients, 2)) == expected[:2]
+            wait_all_blocks_free(c, timeout=10)
+        assert time.monotonic() - killed_at < 150
+        assert not glob.glob(f"/dev/shm/pdserve-kv-{worker['pid']}")  # the stopped worker's pool is gone
+        assert "colocated-0 (pid" in node.stderr() and "restarting" in node.stderr()
+    finally:
+        assert node.stop() == 0
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(3, 1, "tcp"), (1, 3, "shm"), (3, 3, "shm")])
+def test_handoff_across_tp_sizes(model, expected, tmp_path, prefill_tp, decode_tp, backend):
+    node = Node(model, tmp_path, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--kv-backend", backend,
+                "--fixed-roles", POOL)
+    try:
+        stats = node.wait_workers(2)
+        assert {w["role"]: w["engine"]["tensor_parallel_size"] for w in stats["workers"]} == {"prefill": prefill_tp, "decode": decode_tp}
+        assert asyncio.run(_all(node.clients, 4)) == expected[:4]
+        with Client(node.clients, timeout=30) as c:
+            stats = wait_all_blocks_free(c, timeout=10)
+            assert [w["kv_bytes_sent"] > 0 for w in stats["workers"] if w["role"] == "prefill"] == [True]
+    finally:
+        assert node.stop() == 0
