@@ -4,12 +4,14 @@ of its ranks killed with -9 mid-stream takes the worker down (its other rank lea
 launcher restarts it, and every stream completes identically or ends with a typed error; the
 hand-off between prefill and decode workers of different TP sizes, over shm and tcp, gives
 the TP 1 tokens. Every test ends with every pool whole. TP 1 against HF transformers is
-established elsewhere (tests/runtime/test_hf_equivalence.py)."""
+established elsewhere (tests/runtime/test_hf_equivalence.py). A model that does not split, and
+pipeline parallelism, are refused at start."""
 import asyncio
 import glob
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -17,11 +19,14 @@ import pytest
 from client.library import AsyncClient, Client, RequestError
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.errors import EX_CONFIG
 from runtime.model_path import resolve_model_path
 from runtime.sampling import SamplingParams
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import prompts, run_and_kill
 from tests.helpers import wait_all_blocks_free
+
+pytestmark = pytest.mark.slow  # loads the default model
 
 MAX_TOKENS = 32
 POOL = "--engine-arg=--kv-cache-mb=24"
@@ -102,3 +107,14 @@ def test_handoff_across_tp_sizes(model, expected, tmp_path, prefill_tp, decode_t
             assert [w["kv_bytes_sent"] > 0 for w in stats["workers"] if w["role"] == "prefill"] == [True]
     finally:
         assert node.stop() == 0
+
+
+def test_unsplittable_or_unsupported_parallelism_refused_at_start():
+    """The default model's 9 heads do not split 2 ways: the worker exits with EX_CONFIG and says
+    why before it starts any rank; pipeline parallelism is a usage error of `pdserve launch`."""
+    run = dict(capture_output=True, text=True, timeout=120)
+    worker = subprocess.run([sys.executable, "-m", "pdserve", "worker", "-tp", "2", "--coordinator", "tcp://127.0.0.1:1",
+                             "--num-blocks", "16"], **run)
+    assert worker.returncode == EX_CONFIG and "tensor parallel size 2 does not divide the model's 9 attention heads" in worker.stderr
+    launch = subprocess.run([sys.executable, "-m", "pdserve", "launch", "--pipeline-parallel-size", "2", "--no-gateway"], **run)
+    assert launch.returncode == 2 and "pipeline parallelism is not supported" in launch.stderr

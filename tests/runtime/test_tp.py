@@ -11,7 +11,7 @@ import torch
 from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine import LLMEngine, build_model
-from runtime.errors import UnsupportedModelError
+from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.kv_cache import allocate_kv_cache
 from runtime.sampling import SamplingParams
 from runtime.weights import load_checkpoint
@@ -96,3 +96,11 @@ def test_plan_round_trip(tiny):
     for field in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
         assert torch.equal(getattr(back, field), getattr(batch, field)), field
     assert back.max_query_len == batch.max_query_len
+
+
+def test_parallel_flags_refused_in_config():
+    with pytest.raises(NotSupportedError, match="pipeline parallelism is not supported"):
+        EngineConfig(pipeline_parallel_size=2)
+    with pytest.raises(NotSupportedError, match="NCCL.*not supported"):
+        EngineConfig(device="cuda", tensor_parallel_size=3)
+    assert EngineConfig(tensor_parallel_size=3).summary(128, 4, 1024)["tensor_parallel_size"] == 3
