@@ -58,12 +58,17 @@ def vocab_range(vocab: int, rank: int, n: int) -> tuple[int, int]:
     return min(vocab, rank * per), min(vocab, (rank + 1) * per)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a slice: a view (even a contiguous one) would keep the whole matrix alive."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def column_part(w, rank: int, n: int):
     """Rank's whole output rows of w (out, in): a float slice, or the rows of GGUF blocks."""
     rows = w.shape[0] // n
     if isinstance(w, QuantTensor):
-        return QuantTensor(w.raw[rank * rows:(rank + 1) * rows].contiguous(), w.qtype, (rows, w.shape[1]))
-    return w[rank * rows:(rank + 1) * rows].contiguous()
+        return QuantTensor(_own(w.raw[rank * rows:(rank + 1) * rows]), w.qtype, (rows, w.shape[1]))
+    return _own(w[rank * rows:(rank + 1) * rows])
 
 
 def row_part(w, rank: int, n: int, name: str = "weight"):
@@ -72,21 +77,21 @@ def row_part(w, rank: int, n: int, name: str = "weight"):
     if w.shape[1] % n:
         raise UnsupportedModelError(f"{name}: input width {w.shape[1]} does not split {n} ways")
     if not isinstance(w, QuantTensor):
-        return w[:, rank * cols:(rank + 1) * cols].contiguous()
+        return _own(w[:, rank * cols:(rank + 1) * cols])
     if cols % BLOCK:
         raise UnsupportedModelError(
             f"{name}: {w.qtype} blocks hold {BLOCK} weights; a {n}-way split of width {w.shape[1]} gives {cols} per rank, "
             f"not whole blocks (serve it with --quantization none, or another tensor parallel size)")
     width = cols // BLOCK * QTYPES[w.qtype][1]
-    return QuantTensor(w.raw[:, rank * width:(rank + 1) * width].contiguous(), w.qtype, (w.shape[0], cols))
+    return QuantTensor(_own(w.raw[:, rank * width:(rank + 1) * width]), w.qtype, (w.shape[0], cols))
 
 
 def vocab_part(w, rank: int, n: int):
     """Rank's rows of an embedding or LM head (vocab, hidden)."""
     start, end = vocab_range(w.shape[0], rank, n)
     if isinstance(w, QuantTensor):
-        return QuantTensor(w.raw[start:end].contiguous(), w.qtype, (end - start, w.shape[1]))
-    return w[start:end].contiguous()
+        return QuantTensor(_own(w.raw[start:end]), w.qtype, (end - start, w.shape[1]))
+    return _own(w[start:end])
 
 
 def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:

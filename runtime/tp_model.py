@@ -55,7 +55,7 @@ class TPModel:
         """tensors: this rank's shard (runtime.tp.shard) of the HF-named checkpoint tensors."""
         self.full, self.group, self.dtype = full, group, econf.torch_dtype
         self.cfg = rank_config(full, group.size)  # heads, KV heads, MLP width: this rank's
-        self.device = econf.device
+        self.device, self.backend = econf.device, econf.attention_backend
         kind = econf.linear_kind if econf.fast_path else "torch"
 
         def linear(w, bias):
@@ -129,7 +129,7 @@ class TPModel:
         kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale)
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend)
         return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ closes, sends stop, waits for the ranks, kills what does not leave.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -128,9 +129,20 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     except BaseException:
         pool.close()
         raise
+    del tensors
+    release_heap()
     log.info("tensor parallel: %d ranks, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
     ranks.watch(_stop_worker)
     return ranks.model, pool, ranks
+
+
+def release_heap() -> None:
+    """Give the whole checkpoint's freed memory back to the OS (glibc keeps freed heap pages
+    otherwise), so a rank's resident memory holds its shard only."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _stop_worker(why: str) -> None:
@@ -162,6 +174,7 @@ def follow(spec: RankSpec) -> None:
     group = RankGroup(spec.rank, spec.size, spec.port).connect()
     model = build_tp_model(cfg, tensors, e, group)
     del tensors
+    release_heap()
     if spec.pool_path:
         kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size), e.torch_dtype).tensor
     else:

@@ -24,7 +24,6 @@ QUANT_LOGPROB_TOL = 1e-3  # GGUF blocks: the C kernels round activations per blo
 PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(3, 40)), [4] * 17]
 
 LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
-    "gqa-2": (2, dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen2-bias-3": (3, dict(arch="qwen2", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)),
     "mha-tied-odd-vocab-2": (2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, vocab_size=515)),
 }
