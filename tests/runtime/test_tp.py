@@ -15,7 +15,7 @@ from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.kv_cache import allocate_kv_cache
 from runtime.sampling import SamplingParams
 from runtime.weights import load_checkpoint
-from runtime.tp import StepPlan, batch_of, check_split, plan_of, row_part
+from runtime.tp import StepPlan, batch_of, check_split, column_part, plan_of, row_part, vocab_part
 from tests.helpers import save_tiny_model, tiny_engine, write_gguf
 from worker import tp_ranks
 
@@ -43,14 +43,18 @@ def compare(ref: LLMEngine, model, n: int, tol: float = LOGPROB_TOL, **config) -
     engine, ranks = tp_engine(model, n, **config)
     try:
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
-        for want, got in zip(ref.generate(PROMPTS, params), engine.generate(PROMPTS, params)):
+        wanted = ref.generate(PROMPTS, params)
+        for want, got in zip(wanted, engine.generate(PROMPTS, params)):
             assert got.token_ids == want.token_ids
             assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < tol
+        hits = engine.blocks.hits
+        assert engine.generate(PROMPTS[1:2], params)[0].token_ids == wanted[1].token_ids  # its prefix cached on every rank
+        assert engine.blocks.hits > hits
         assert engine.blocks.free_blocks == engine.blocks.num_blocks  # cached prefix blocks count as free
-        return ranks.model.weight_bytes(), ref.model.weight_bytes()
     finally:
         ranks.close()
-        assert [p.returncode for p in ranks.procs] == [0] * (n - 1)
+    assert [p.returncode for p in ranks.procs] == [0] * (n - 1)  # they left on rank 0's stop
+    return ranks.model.weight_bytes(), ref.model.weight_bytes()
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -85,6 +89,10 @@ def test_split_refused():
     with pytest.raises(UnsupportedModelError, match="not whole blocks"):
         row_part(blocks, 0, 2, "down_proj")
     assert row_part(blocks, 1, 3).shape == (4, 32)
+    w = torch.randn(8, 6)
+    for part in (column_part(w, 1, 2), row_part(w, 1, 2), vocab_part(w, 1, 3)):  # each owns its bytes, not a view of w
+        assert part.untyped_storage().nbytes() == part.numel() * 4
+    assert torch.equal(column_part(w, 1, 2), w[4:]) and torch.equal(row_part(w, 1, 2), w[:, 3:]) and torch.equal(vocab_part(w, 2, 3), w[6:])
 
 
 def test_plan_round_trip(tiny):
