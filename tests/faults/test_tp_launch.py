@@ -1,7 +1,8 @@
 """Tensor parallelism through `pdserve launch` on the default model (SmolLM2-135M: 9 heads, 3 KV
-heads, TP 3 splits it): a colocated worker with TP 3 gives the TP 1 engine's greedy tokens; one
-of its ranks killed with -9 mid-stream takes the worker down (its other rank leaves too), the
-launcher restarts it, and every stream completes identically or ends with a typed error; the
+heads, TP 3 splits it): colocated workers with TP 3 give the TP 1 engine's greedy tokens; a rank
+of one killed with -9 mid-stream takes that worker down (its other rank leaves too), the
+coordinator re-places its requests on the other, the launcher restarts it, and every stream
+completes identically or ends with a typed error; the
 hand-off between prefill and decode workers of different TP sizes, over shm and tcp, gives
 the TP 1 tokens. Every test ends with every pool whole. TP 1 against HF transformers is
 established elsewhere (tests/runtime/test_hf_equivalence.py). A model that does not split, and
@@ -16,15 +17,15 @@ import time
 
 import pytest
 
-from client.library import AsyncClient, Client, RequestError
+from client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import EX_CONFIG
 from runtime.model_path import resolve_model_path
 from runtime.sampling import SamplingParams
 from tests.faults.test_supervised_launch import Node, poll
-from tests.faults.test_worker_death import prompts, run_and_kill
-from tests.helpers import wait_all_blocks_free
+from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
+from tests.helpers import free_port, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -66,30 +67,39 @@ def gone(pid: int) -> bool:
 
 
 def test_colocated_tp3_equals_tp1_and_survives_a_killed_rank(model, expected, tmp_path):
-    node = Node(model, tmp_path, "--colocated", "--tensor-parallel-size", "3", POOL)
+    """Two colocated TP 3 workers (a cluster file: `--colocated` starts one); a rank of the busier
+    one killed mid-stream: its requests are re-placed on the other."""
+    clients, workers = free_port(), free_port()
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(f'[cluster]\nmodel = "{model}"\nclient_port = {clients}\nworker_port = {workers}\nkv_cache_mb = 24\n'
+                    f'[nodes.local]\ncoordinator = true\ncolocated = 2\n')
+    node = Node(model, tmp_path, "--config", str(toml), "--node", "local", "--tensor-parallel-size", "3")
+    node.clients = f"tcp://127.0.0.1:{clients}"
     try:
-        worker = node.wait_workers(1)["workers"][0]
-        assert worker["engine"]["tensor_parallel_size"] == 3
+        stats = node.wait_workers(2)
+        assert [w["engine"]["tensor_parallel_size"] for w in stats["workers"]] == [3, 3]
         assert asyncio.run(_all(node.clients, 4)) == expected[:4]
-        ranks = ranks_of(worker["pid"])
-        assert len(ranks) == 2
+        victim = {}
 
-        outs = asyncio.run(run_and_kill(node.clients, lambda: os.kill(ranks[0], signal.SIGKILL), 40, max_tokens=MAX_TOKENS, timeout=120))
+        def kill_a_rank():
+            with Client(node.clients, timeout=5) as c:
+                victim.update(max(c.stats()["workers"], key=lambda w: w["inflight"]))
+            victim["ranks"] = ranks_of(victim["pid"])
+            os.kill(victim["ranks"][0], signal.SIGKILL)
+
+        outs = asyncio.run(run_and_kill(node.clients, kill_a_rank, 40, max_tokens=MAX_TOKENS, timeout=120))
         killed_at = time.monotonic()
-        for i, (r, after) in enumerate(outs):  # none hangs: each completed as TP 1 did or failed typed, soon
-            if isinstance(r, RequestError):  # its worker lost; re-placed, it found none (this node's only one restarting)
-                assert r.code in ("worker_lost", "no_workers") and after < 20, (i, r, after)
-            else:
-                assert r == expected[i], f"stream {i} completed with other tokens"
-        poll("the other rank's exit", lambda: gone(ranks[1]), 10)
+        completed = check_outcomes(outs, expected, bound_s=20)
+        assert victim["inflight"] >= 1 and len(victim["ranks"]) == 2 and completed >= 8 - victim["inflight"]
+        poll("the other rank's exit", lambda: gone(victim["ranks"][1]), 10)
         with Client(node.clients, timeout=30) as c:
-            back = poll("the worker's return", lambda: [w for w in c.stats()["workers"] if w["pid"] != worker["pid"]], 120)
+            back = poll("the worker's return", lambda: [w for w in c.stats()["workers"] if w["id"] == victim["id"] and w["pid"] != victim["pid"]], 120)
             assert len(ranks_of(back[0]["pid"])) == 2
             assert asyncio.run(_all(node.clients, 2)) == expected[:2]
             wait_all_blocks_free(c, timeout=10)
         assert time.monotonic() - killed_at < 150
-        assert not glob.glob(f"/dev/shm/pdserve-kv-{worker['pid']}")  # the stopped worker's pool is gone
-        assert "colocated-0 (pid" in node.stderr() and "restarting" in node.stderr()
+        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")  # the stopped worker's pool is gone
+        assert f"(pid {victim['pid']}) exited" in node.stderr()
     finally:
         assert node.stop() == 0
 
