@@ -2,7 +2,8 @@
 as a decode or colocated worker): decode, colocated (the whole engine in one worker), and prefill
 with KV hand-offs to other decode workers; it changes role without a restart (SetRole).
 
-Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memory (on a GPU:
+Lifecycle: `DecodeWorker.build` loads the model (with `--tensor-parallel-size N`, worker.tp_ranks:
+N rank processes sharing the pool), puts the KV pool in shared memory (on a GPU:
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket, makes a KV sender (its own hand-offs, with the prefill
 worker's security options) and the link that says Hello (its role, and every role as those it

@@ -1,7 +1,7 @@
 """The prefill worker (`pdserve prefill`): prompt forward passes, first token, KV hand-off.
 
 Lifecycle: `PrefillWorker.build` loads the model into an engine in prefill mode with a private
-KV pool, times a few prompts, and makes the KV sender and the link that says Hello; the worker
+KV pool (with `--tensor-parallel-size N`, worker.tp_ranks: N rank processes sharing it in /dev/shm), times a few prompts, and makes the KV sender and the link that says Hello; the worker
 itself is built from those parts (tests pass an in-process transport and link). Then `run`
 loops:
   drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
