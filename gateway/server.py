@@ -45,6 +45,7 @@ from gateway.schema import (
 )
 from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
+from gateway.scoring import echo_options
 from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
@@ -205,7 +206,7 @@ class Gateway:
         jobs = completion_jobs(req, len(self.tok), self.max_model_len)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, echo_options(req), jobs)
         return await self.run(request, req, jobs, fmt, trace)
 
     async def chat_completions(self, request) -> Response:

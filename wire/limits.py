@@ -106,7 +106,8 @@ class RequestLimits:
     max_prompts: int = 1024  # prompts in one completions request
     max_n: int = 128  # choices per prompt (OpenAI's limit)
     max_fanout: int = 1024  # prompts x n of one request: each choice is one coordinator request
-    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5)
+    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
+    # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
     max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
@@ -216,6 +217,7 @@ class RequestLimits:
         self.check_sampling(p.stop, p.stop_token_ids)
         self.check_max_tokens("max_tokens", p.max_tokens if isinstance(p.max_tokens, int) else None)
         self.check_logprobs("logprobs", p.logprobs if isinstance(p.logprobs, int) else None)
+        self.check_logprobs("prompt_logprobs", p.prompt_logprobs if isinstance(p.prompt_logprobs, int) else None)
         if p.structured is not None:
             self.check_structured(p.structured)
 
