@@ -45,6 +45,7 @@ from gateway.schema import (
 )
 from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
+from gateway.responses import ResponsesRoutes
 from gateway.scoring import echo_options
 from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -131,6 +132,7 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *TokenizerRoutes(self).routes(),
+            *ResponsesRoutes(self).routes(),
         ]
         handlers = {ApiError: self.on_api_error, HTTPException: self.on_http_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
@@ -226,7 +228,8 @@ class Gateway:
             await self.stats()
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
-    async def run(self, request, req, jobs, fmt, trace: dict) -> Response:
+    async def run(self, request, req, jobs, fmt, trace: dict, events=None) -> Response:
+        """events: what streams the fan-out's deltas (default: Gateway.events' chat and completion chunks)."""
         for job in jobs if trace else ():  # the coordinator's span joins the client's trace
             job.inputs = {**job.inputs, "trace_headers": trace}
         try:
@@ -241,7 +244,7 @@ class Gateway:
             await unless_disconnected(request.receive, fanout.first())
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             streaming = True  # from here the EventStream closes the fanout
-            return EventStream(self.events(fanout, fmt, jobs, include_usage), fanout.close)
+            return EventStream((events or self.events)(fanout, fmt, jobs, include_usage), fanout.close)
         except ClientGone:
             return Response(status_code=400)  # never sent: nobody is listening
         except Exception as e:

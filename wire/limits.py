@@ -109,6 +109,9 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
     # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
+    max_metadata_keys: int = 16  # keys of a response's metadata (/v1/responses; OpenAI's limit)
+    max_metadata_value: int = 512  # characters of one metadata value (OpenAI's; a key: max_metadata_key, 64)
+    max_metadata_key: int = 64
     max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
 
@@ -170,6 +173,16 @@ class RequestLimits:
             raise FieldLimitExceeded("messages", f"messages has {count} messages; the limit is {self.max_messages}")
         if parts > self.max_content_parts:
             raise FieldLimitExceeded("messages", f"a message has {parts} content parts; the limit is {self.max_content_parts}")
+
+    def check_metadata(self, metadata: dict | None) -> None:
+        """A response's metadata: a few short string keys and values (they are echoed and stored)."""
+        if not metadata:
+            return
+        if len(metadata) > self.max_metadata_keys:
+            raise FieldLimitExceeded("metadata", f"metadata has {len(metadata)} keys; the limit is {self.max_metadata_keys}")
+        if any(len(k) > self.max_metadata_key or len(v) > self.max_metadata_value for k, v in metadata.items()):
+            raise FieldLimitExceeded("metadata", f"a metadata key is over {self.max_metadata_key} characters or a value over "
+                                                 f"{self.max_metadata_value}")
 
     def check_prompt_bytes(self, texts, messages: int = 0, param: str = "prompt") -> int:
         """texts: the prompt, or each message's role and content; each of `messages` counts
