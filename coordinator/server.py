@@ -133,6 +133,7 @@ class CoordinatorConfig:
     # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
     planner: PlannerConfig | None = None
+    chat_template: str | None = None  # --chat-template: used instead of the model's own (runtime/tokenizer.py, load_chat_template)
 
     def __post_init__(self):
         if self.paths not in PATHS:
@@ -149,6 +150,8 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        if cfg.chat_template is not None:
+            self.tok.chat_template = cfg.chat_template
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
@@ -392,6 +395,7 @@ class Coordinator:
             limits.check_token_ids(len(req.token_ids), "token_ids")
         if req.messages is not None:
             limits.check_messages(len(req.messages))
+            limits.check_tool_calls(max((len(m.tool_calls or ()) for m in req.messages), default=0))
         cost = limits.check_prompt_bytes(prompt_texts(req) if req.token_ids is None else [], len(req.messages or ()),
                                          "messages" if req.messages is not None else "prompt")
         p.validate()

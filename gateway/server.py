@@ -51,7 +51,9 @@ from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout,
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
+from gateway.reasoning import REASONING_PARSERS
 from gateway.structured import check_jobs
+from gateway.tools import ToolConfig, tool_plan
 from gateway.tokenize import TokenizerRoutes, package_version
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
@@ -86,6 +88,8 @@ class GatewayConfig:
     max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     stream_buffer_bytes: int = STREAM_BUFFER_BYTES  # events one HTTP request may leave unread before its streams are aborted
+    tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
+    chat_template: str | None = None  # --chat-template's text, instead of the model's own (the coordinator renders with it too)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -110,6 +114,8 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        if cfg.chat_template is not None:
+            self.tok.chat_template = cfg.chat_template  # /tokenize counts what the coordinator renders
         self.name = cfg.served_model_name or served_name(cfg.model)
         self.root = str(cfg.model) if cfg.model else str(resolve_model_path(None))
         self.names = {self.name, self.root}
@@ -216,10 +222,11 @@ class Gateway:
         req = await self.decode_request(request, ChatCompletionRequest)
         self.check_model(req.model)
         trace = self.check_limits(request, req)
-        jobs = chat_jobs(req, await self.context_len())
+        plan, reasoning = tool_plan(req, self.cfg.tools), REASONING_PARSERS.get(self.cfg.tools.reasoning_parser)
+        jobs = chat_jobs(req, await self.context_len(), plan, reasoning is not None)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, plan, reasoning)
         return await self.run(request, req, jobs, fmt, trace)
 
     async def context_len(self) -> int:
@@ -258,7 +265,8 @@ class Gateway:
             yield sse(chunk)
         try:
             while (event := await fanout.next_event()) is not None:
-                yield sse(fmt.chunk(*event))
+                for chunk in fmt.chunks(*event):
+                    yield sse(chunk)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage(jobs, [fanout.results[j.index] for j in jobs])))
         except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)

@@ -22,6 +22,8 @@ import asyncio
 import json
 import sys
 
+import msgspec
+
 from gateway.errors import ApiError, bad_request
 from runtime.params import StructuredOutput
 
@@ -78,6 +80,14 @@ def _from_vllm(so: dict, param: str) -> StructuredOutput | None:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise _bad(f"{param}: choice must be a non-empty list of non-empty strings", param)
     return StructuredOutput("choice", choices=tuple(value))
+
+
+def whitespace(spec: StructuredOutput, options: dict | None) -> StructuredOutput:
+    """Any whitespace in JSON, as vLLM's default, unless structured_outputs says
+    {"disable_any_whitespace": true} (vLLM's option: compact JSON); also for response_format and forced tool calls."""
+    if options and options.get("disable_any_whitespace") is True and spec.kind in ("json", "json_object"):
+        return msgspec.structs.replace(spec, any_whitespace=False)
+    return spec
 
 
 def structured_output(req) -> StructuredOutput | None:

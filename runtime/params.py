@@ -26,11 +26,13 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
 class StructuredOutput(msgspec.Struct, omit_defaults=True, frozen=True):
     """A constraint on the output (runtime/structured.py): kind "json" (spec: a JSON schema as
     text, strict), "json_object" (any JSON object), "regex" (spec: the pattern) or "choice"
-    (choices: the allowed outputs)."""
+    (choices: the allowed outputs). JSON grammars let the model choose its whitespace, as vLLM's
+    do, unless any_whitespace is False (vLLM's disable_any_whitespace: compact JSON)."""
 
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):

@@ -56,9 +56,9 @@ def _grammar(spec: StructuredOutput):
     import xgrammar as xgr
 
     if spec.kind == "json":
-        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
+        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, any_whitespace=spec.any_whitespace)
     if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=spec.any_whitespace)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "choice":
@@ -154,9 +154,9 @@ class Constrainer:
         spec, compiler = key[0], self.compiler
         try:
             if spec.kind == "json":
-                return compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
+                return compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=spec.any_whitespace)
             if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=spec.any_whitespace)
             return compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {_message(e)}") from None

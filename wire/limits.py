@@ -109,6 +109,10 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
     # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
+    max_tools: int = 128  # tools of one chat (OpenAI's limit)
+    max_tool_name_length: int = 64  # characters of a tool's name (OpenAI: ^[a-zA-Z0-9_-]{1,64}$; vLLM does not check the form)
+    max_tool_bytes: int = 64 * 1024  # JSON bytes of one tool (name, description, parameters schema): forcing a call compiles it
+    max_tool_calls: int = 128  # calls of one assistant message in a chat's history
     max_metadata_keys: int = 16  # keys of a response's metadata (/v1/responses; OpenAI's limit)
     max_metadata_value: int = 512  # characters of one metadata value (OpenAI's; a key: max_metadata_key, 64)
     max_metadata_key: int = 64
@@ -173,6 +177,22 @@ class RequestLimits:
             raise FieldLimitExceeded("messages", f"messages has {count} messages; the limit is {self.max_messages}")
         if parts > self.max_content_parts:
             raise FieldLimitExceeded("messages", f"a message has {parts} content parts; the limit is {self.max_content_parts}")
+
+    def check_tool_calls(self, calls: int) -> None:
+        """The most tool calls one message of a chat's history carries."""
+        if calls > self.max_tool_calls:
+            raise FieldLimitExceeded("messages", f"a message has {calls} tool calls; the limit is {self.max_tool_calls}")
+
+    def check_tools(self, names: list[str], sizes: list[int]) -> None:
+        """A chat's tools: how many, each name's length, each one's JSON bytes (their text counts in
+        max_prompt_bytes too: the template renders them)."""
+        if len(names) > self.max_tools:
+            raise FieldLimitExceeded("tools", f"tools has {len(names)} tools; the limit is {self.max_tools}")
+        for name, size in zip(names, sizes):
+            if len(name) > self.max_tool_name_length:
+                raise FieldLimitExceeded("tools", f"a tool's name has {len(name)} characters; the limit is {self.max_tool_name_length}")
+            if size > self.max_tool_bytes:
+                raise FieldLimitExceeded("tools", f"tool {name[:64]!r} has {size} bytes of JSON; the limit is {self.max_tool_bytes}")
 
     def check_metadata(self, metadata: dict | None) -> None:
         """A response's metadata: a few short string keys and values (they are echoed and stored)."""

@@ -48,9 +48,20 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fal
 
 # ------------------------------------------------------------------ client <-> coordinator
 
+class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
+    """A call an assistant turn made, as the chat template is shown it (arguments: JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
     role: str
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 class GenerateRequest(_Msg):
@@ -64,6 +75,7 @@ class GenerateRequest(_Msg):
     ttft_ms: float = 0.0  # this request's own p99 targets; 0 = its priority class's
     tpot_ms: float = 0.0
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate: the coordinator's span joins that trace
+    tools: str | None = None  # a chat's tools (OpenAI's list, as JSON text): the chat template gets them as tools=
 
 
 class AbortRequest(_Msg):
