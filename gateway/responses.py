@@ -32,10 +32,13 @@ import msgspec
 from starlette.responses import Response
 from starlette.routing import Route
 
+from client.library import Result, StreamDelta
 from gateway.errors import ApiError, bad_request
+from gateway.format import ChatFormatter
+from gateway.reasoning import REASONING_PARSERS
 from gateway.schema import ChatCompletionRequest, ChatMessageIn, ContentPart, Job, bounded, chat_jobs, request_bounds, structured_bounds
 from gateway.structured import check_jobs
-from client.library import Result
+from gateway.tools import FunctionCall, FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall, tool_plan
 from wire.limits import RequestLimits
 
 RESPONSES_KEPT = 1000  # responses a gateway keeps for previous_response_id and GET (the least recently used go first)
@@ -48,11 +51,26 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """An input item: a message ({role, content}, `type` "message" or left out); other item types are refused."""
+    """An input item: a message ({role, content}, `type` "message" or left out), a function call
+    the model made earlier, or its output; a reasoning item is dropped (never shown to the model again)."""
 
     type: str = "message"
     role: str | None = None
     content: str | list[ContentPart] | None = None
+    call_id: str | None = None  # function_call and function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call: JSON text
+    output: str | None = None  # function_call_output
+
+
+class FunctionTool(msgspec.Struct, kw_only=True):
+    """A tool as the Responses API gives it (flat, not under "function"); only type "function" runs here."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -70,18 +88,20 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "name": ...}
     parallel_tool_calls: bool = True
     background: bool = False
     include: list[str] | None = None
     reasoning: dict | None = None
     top_logprobs: int | None = None
     truncation: str | None = None
+    structured_outputs: dict | None = None  # vLLM's extra (gateway/structured.py), e.g. {"disable_any_whitespace": true}
 
 
 def responses_bounds(req: ResponsesRequest, limits: RequestLimits) -> None:
-    """Every field a caller controls against the table of bounds, before anything else is done."""
+    """Every field a caller controls against the table of bounds, before anything else is done
+    (the chat it becomes is bounded again, with the conversation it continues: chat_request)."""
     bounded(_responses_bounds, req, limits)
 
 
@@ -90,9 +110,13 @@ def _responses_bounds(req: ResponsesRequest, limits: RequestLimits) -> None:
         limits.check_name(param, getattr(req, param))
     limits.check_metadata(req.metadata)
     limits.check_max_tokens("max_output_tokens", req.max_output_tokens)
-    limits.check_count("tools", len(req.tools or ()), "max_tools")
+    tools = req.tools or []
+    limits.check_tools([t.name or "" for t in tools], [len(msgspec.json.encode(t)) for t in tools])
     items = req.input if isinstance(req.input, list) else []
     limits.check_messages(len(items) + 1, max((len(i.content) for i in items if isinstance(i.content, list)), default=0))
+    for item in items:
+        limits.check_name("input", item.call_id)
+        limits.check_name("input", item.name)
     limits.check_prompt_bytes(_texts(req), len(items) + 1, "input")
 
 
@@ -102,7 +126,7 @@ def _texts(req: ResponsesRequest):
         yield req.input
         return
     for item in req.input:
-        yield item.role or ""
+        yield from (t for t in (item.role, item.arguments, item.output) if t)
         if isinstance(item.content, str):
             yield item.content
         elif item.content:
@@ -115,39 +139,52 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise bad_request("background mode is not supported: send the request without background (stream it, or wait for it)",
                           "background")
     for tool in req.tools or ():
-        kind = tool.get("type")
-        if kind != "function":
-            raise bad_request(f"tools of type {kind!r} are not supported (no built-in tools run here)", "tools")
-        raise bad_request("function tools are not supported on /v1/responses yet", "tools")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice needs tools, which are not supported on /v1/responses yet", "tool_choice")
+        if tool.type != "function":
+            raise bad_request(f"tools of type {tool.type[:64]!r} are not supported: only function tools (no built-in tools run here)",
+                              "tools")
+    if isinstance(req.tool_choice, dict) and req.tool_choice.get("type") != "function":
+        raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}", "tool_choice")
     if req.include:
         raise bad_request(f"include is not supported (asked: {', '.join(map(str, req.include))[:200]})", "include")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise bad_request("reasoning options are not supported for this model", "reasoning")
+        raise bad_request("reasoning options are not supported (a model's reasoning is split out by --reasoning-parser)", "reasoning")
     if req.top_logprobs:
         raise bad_request("top_logprobs is not supported on /v1/responses", "top_logprobs")
     if req.truncation not in (None, "disabled"):
-        raise bad_request(f"truncation {req.truncation!r} is not supported: a conversation longer than the context is refused",
+        raise bad_request(f"truncation {req.truncation[:64]!r} is not supported: a conversation longer than the context is refused",
                           "truncation")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be >= 1, got {req.max_output_tokens}", "max_output_tokens")
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessageIn]:
+    """The input as chat messages: a function_call joins the assistant turn before it (parallel calls
+    are one turn), its output is a tool turn."""
     if isinstance(req.input, str):
         return [ChatMessageIn(role="user", content=req.input)]
-    out = []
+    out: list[ChatMessageIn] = []
     for item in req.input:
-        if item.type != "message" or item.role not in ("user", "assistant", "system", "developer"):
-            raise bad_request(f"input items of type {item.type!r} (role {item.role!r}) are not supported: only messages of role "
-                              "user, assistant, system or developer", "input")
-        parts = item.content if isinstance(item.content, list) else None
-        if parts is not None and any(p.type not in TEXT_PARTS or p.text is None for p in parts):
-            raise bad_request("only text content (input_text, output_text) is supported", "input")
-        content = "".join(p.text for p in parts) if parts is not None else item.content or ""
-        out.append(ChatMessageIn(role=item.role, content=content))
+        if item.type == "function_call":
+            call = ToolCall(id=item.call_id or "", function=FunctionCall(name=item.name or "", arguments=item.arguments or "{}"))
+            if not (out and out[-1].role == "assistant" and out[-1].tool_calls is not None):
+                out.append(ChatMessageIn(role="assistant", content=None, tool_calls=[]))
+            out[-1].tool_calls.append(call)
+        elif item.type == "function_call_output":
+            out.append(ChatMessageIn(role="tool", content=item.output or "", tool_call_id=item.call_id))
+        elif item.type == "message" and item.role in ("user", "assistant", "system", "developer"):
+            out.append(ChatMessageIn(role=item.role, content=_text_of(item.content)))
+        elif item.type != "reasoning":
+            raise bad_request(f"input items of type {item.type[:64]!r} (role {str(item.role)[:64]!r}) are not supported: messages "
+                              "(user, assistant, system, developer), function_call and function_call_output", "input")
     return out
+
+
+def _text_of(content) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    if any(p.type not in TEXT_PARTS or p.text is None for p in content):
+        raise bad_request("only text content (input_text, output_text) is supported", "input")
+    return "".join(p.text for p in content)
 
 
 def response_format(text: dict | None) -> dict | None:
@@ -162,34 +199,68 @@ def response_format(text: dict | None) -> dict | None:
 
 def chat_request(req: ResponsesRequest, history: list[ChatMessageIn]) -> ChatCompletionRequest:
     system = [ChatMessageIn(role="system", content=req.instructions)] if req.instructions else []
+    tools = [Tool(function=FunctionDef(name=t.name or "", description=t.description, parameters=t.parameters, strict=t.strict))
+             for t in req.tools or ()] or None
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        choice = NamedToolChoice(function=NamedFunction(name=str(choice.get("name") or "")))
     return ChatCompletionRequest(model=req.model, messages=system + history + input_messages(req), max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, stream=req.stream, user=req.user,
-                                 response_format=response_format(req.text))
+                                 response_format=response_format(req.text), tools=tools, tool_choice=choice,
+                                 parallel_tool_calls=req.parallel_tool_calls, structured_outputs=req.structured_outputs)
 
 
 # ------------------------------------------------------------------ responses and events
 
 
-class OutputText(msgspec.Struct):
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     text: str
-    type: str = "output_text"
     annotations: list = []
     logprobs: list = []
 
 
-class OutputMessage(msgspec.Struct):
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
     status: str = "completed"
-    type: str = "message"
     role: str = "assistant"
 
+    def add(self, text: str) -> None:
+        self.content[0].text += text
 
-class InputTokensDetails(msgspec.Struct):
+
+class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: str = "completed"
+
+    def add(self, text: str) -> None:
+        self.arguments += text
+
+
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
+    id: str
+    content: list[ReasoningText]
+    summary: list = []
+
+    def add(self, text: str) -> None:
+        self.content[0].text += text
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+
+
+class InputTokensDetails(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
 
 
-class OutputTokensDetails(msgspec.Struct):
+class OutputTokensDetails(msgspec.Struct, frozen=True):
     reasoning_tokens: int = 0
 
 
@@ -212,7 +283,7 @@ class ResponseObject(msgspec.Struct):
     created_at: int
     model: str
     status: str  # in_progress | completed | incomplete
-    output: list[OutputMessage]
+    output: list[OutputItem]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -223,12 +294,12 @@ class ResponseObject(msgspec.Struct):
     metadata: dict[str, str] = {}
     user: str | None = None
     store: bool = True
+    tools: list[FunctionTool] = []
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
     error: None = None
     object: str = "response"
-    parallel_tool_calls: bool = True
-    tool_choice: str = "auto"
-    tools: list = []
-    text: dict = {"format": {"type": "text"}}
+    text: dict = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: str = "disabled"
     background: bool = False
 
@@ -242,10 +313,12 @@ class ResponseEvent(msgspec.Struct, omit_defaults=True):
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | None = None
-    part: OutputText | None = None
+    item: OutputItem | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
+    arguments: str | None = None
+    name: str | None = None
     logprobs: list | None = None
     code: str | None = None  # an error event's
     message: str | None = None
@@ -272,7 +345,7 @@ class ResponseStore:
         self.held = 0  # bytes
 
     def put(self, response: ResponseObject, conversation: list[ChatMessageIn]) -> None:
-        size = len(msgspec.json.encode(response)) + sum(len(m.content or "") + 32 for m in conversation)
+        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(conversation))
         self.items[response.id] = Stored(response, conversation, time.monotonic(), size)
         self.held += size
         while self.items and (len(self.items) > self.count or self.held > self.nbytes):
@@ -296,54 +369,128 @@ def not_found(rid: str, param: str | None = None) -> ApiError:
 
 
 class Turn:
-    """One response being made: its id, its request, the conversation it continues; builds the
-    Response object and the stream's events, and stores the finished response."""
+    """One response being made: its id, its request, the conversation it continues. Its output items
+    come from the chat formatter's split of the text (gateway/format.py: reasoning, content, tool
+    calls); a stream opens an item when its kind of text starts and closes it when another starts
+    or the response ends, with OpenAI's events. The finished response is stored (with `store`)."""
 
-    def __init__(self, req: ResponsesRequest, history: list[ChatMessageIn], model: str, store: ResponseStore):
-        self.req, self.history, self.model, self.store = req, history, model, store
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    def __init__(self, req: ResponsesRequest, history: list[ChatMessageIn], model: str, store: ResponseStore, chat: ChatFormatter):
+        self.req, self.history, self.model, self.store, self.chat = req, history, model, store, chat
+        self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.seq = itertools.count()
+        self.items: list = []  # the output so far
+        self.open = None  # the item text is going to (a stream's)
 
-    def response(self, status: str, text: str | None = None, result: Result | None = None) -> ResponseObject:
+    def response(self, status: str, result: Result | None = None) -> ResponseObject:
         r = self.req
-        output = [] if text is None else [OutputMessage(self.item_id, [OutputText(text)], "incomplete" if status == "incomplete" else "completed")]
-        usage = None if result is None else ResponseUsage(result.prompt_tokens, result.completion_tokens, result.prompt_tokens + result.completion_tokens)
+        usage = None if result is None else ResponseUsage(result.prompt_tokens, result.completion_tokens,
+                                                          result.prompt_tokens + result.completion_tokens)
         details = IncompleteDetails("max_output_tokens") if status == "incomplete" else None
-        return ResponseObject(self.id, self.created, self.model, status, output, usage, details, r.instructions, r.max_output_tokens,
-                              r.temperature, r.top_p, r.previous_response_id, r.metadata or {}, r.user, r.store,
-                              text=r.text or {"format": {"type": "text"}})
+        return ResponseObject(self.id, self.created, self.model, status, list(self.items), usage, details, r.instructions,
+                              r.max_output_tokens, r.temperature, r.top_p, r.previous_response_id, r.metadata or {}, r.user, r.store,
+                              r.tools or [], r.tool_choice or "auto", r.parallel_tool_calls, text=r.text or {"format": {"type": "text"}})
 
     def finish(self, result: Result) -> ResponseObject:
-        done = self.response("incomplete" if result.finish_reason == "length" else "completed", result.text, result)
+        done = self.response("incomplete" if result.finish_reason == "length" else "completed", result)
         if self.req.store:
-            self.store.put(done, self.history + input_messages(self.req) + [ChatMessageIn(role="assistant", content=result.text)])
+            self.store.put(done, self.history + input_messages(self.req) + [self.assistant_turn()])
         return done
 
+    def assistant_turn(self) -> ChatMessageIn:
+        """The output as the assistant turn a next response continues (its reasoning is not shown again)."""
+        text = "".join(i.content[0].text for i in self.items if isinstance(i, OutputMessage))
+        calls = [ToolCall(id=i.call_id, function=FunctionCall(name=i.name, arguments=i.arguments)) for i in self.items
+                 if isinstance(i, FunctionCallItem)]
+        return ChatMessageIn(role="assistant", content=text or (None if calls else ""), tool_calls=calls or None)
+
     def whole(self, jobs: list[Job], results: list[Result]) -> ResponseObject:
+        message, _ = self.chat.message(results[0])
+        if message.reasoning_content:
+            self.items.append(ReasoningItem(f"rs_{uuid.uuid4().hex}", [ReasoningText(message.reasoning_content)]))
+        if message.content or not message.tool_calls:
+            status = "incomplete" if results[0].finish_reason == "length" else "completed"
+            self.items.append(OutputMessage(f"msg_{uuid.uuid4().hex}", [OutputText(message.content or "")], status))
+        self.items += [FunctionCallItem(f"fc_{uuid.uuid4().hex}", c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()]
         return self.finish(results[0])
+
+    # ---- streaming
 
     def event(self, type_: str, **fields) -> bytes:
         ev = ResponseEvent(type_, next(self.seq), **fields)
         return b"event: " + type_.encode() + b"\ndata: " + msgspec.json.encode(ev) + b"\n\n"
 
     def opening(self) -> list[bytes]:
-        at = dict(output_index=0, content_index=0, item_id=self.item_id)
         return [self.event("response.created", response=self.response("in_progress")),
-                self.event("response.in_progress", response=self.response("in_progress")),
-                self.event("response.output_item.added", output_index=0, item=OutputMessage(self.item_id, [], "in_progress")),
-                self.event("response.content_part.added", part=OutputText(""), **at)]
+                self.event("response.in_progress", response=self.response("in_progress"))]
 
-    def delta(self, text: str) -> bytes:
-        return self.event("response.output_text.delta", delta=text, logprobs=[], output_index=0, content_index=0, item_id=self.item_id)
+    def feed(self, d: StreamDelta) -> list[bytes]:
+        """The events one coordinator delta makes (the last one, with finish_reason, flushes what the split held back)."""
+        out = []
+        for chunk in self.chat.chunks(0, d):
+            delta = chunk.choices[0].delta
+            if delta.reasoning_content:
+                out += self.text(ReasoningItem, delta.reasoning_content)
+            if delta.content:
+                out += self.text(OutputMessage, delta.content)
+            for call in delta.tool_calls or ():
+                out += self.call(call)
+        return out
+
+    def text(self, kind, text: str) -> list[bytes]:
+        out = []
+        if not isinstance(self.open, kind):
+            new = ReasoningItem(f"rs_{uuid.uuid4().hex}", [ReasoningText("")]) if kind is ReasoningItem else \
+                OutputMessage(f"msg_{uuid.uuid4().hex}", [OutputText("")], "in_progress")
+            out += self.start(new)
+        self.open.add(text)
+        at = self.at()
+        name = "response.reasoning_text.delta" if kind is ReasoningItem else "response.output_text.delta"
+        return out + [self.event(name, delta=text, **at, **({} if kind is ReasoningItem else {"logprobs": []}))]
+
+    def call(self, c) -> list[bytes]:
+        out = []
+        if c.id is not None:  # a new call: its id and name come first, its arguments after
+            out += self.start(FunctionCallItem(f"fc_{uuid.uuid4().hex}", c.id, c.function.name, "", "in_progress"))
+        args = c.function.arguments if c.function is not None else None
+        if args and isinstance(self.open, FunctionCallItem):
+            self.open.add(args)
+            out.append(self.event("response.function_call_arguments.delta", delta=args, item_id=self.open.id, output_index=len(self.items) - 1))
+        return out
+
+    def at(self) -> dict:
+        return dict(output_index=len(self.items) - 1, content_index=0, item_id=self.open.id)
+
+    def start(self, item) -> list[bytes]:
+        out = self.close()
+        self.items.append(item)
+        self.open = item
+        out.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=item))
+        if isinstance(item, OutputMessage):
+            out.append(self.event("response.content_part.added", part=OutputText(""), **self.at()))
+        return out
+
+    def close(self, status: str = "completed") -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i = len(self.items) - 1
+        item.status = status if isinstance(item, OutputMessage) else "completed"
+        if isinstance(item, OutputMessage):
+            text = item.content[0].text
+            out = [self.event("response.output_text.done", text=text, logprobs=[], output_index=i, content_index=0, item_id=item.id),
+                   self.event("response.content_part.done", part=OutputText(text), output_index=i, content_index=0, item_id=item.id)]
+        elif isinstance(item, FunctionCallItem):
+            out = [self.event("response.function_call_arguments.done", arguments=item.arguments, name=item.name, item_id=item.id, output_index=i)]
+        else:
+            out = [self.event("response.reasoning_text.done", text=item.content[0].text, output_index=i, content_index=0, item_id=item.id)]
+        return out + [self.event("response.output_item.done", output_index=i, item=item)]
 
     def closing(self, result: Result) -> list[bytes]:
+        out = [] if self.items else self.start(OutputMessage(f"msg_{uuid.uuid4().hex}", [OutputText("")], "in_progress"))
+        out += self.close("incomplete" if result.finish_reason == "length" else "completed")  # nothing said: an empty message, as whole
         done = self.finish(result)
-        at = dict(output_index=0, content_index=0, item_id=self.item_id)
-        return [self.event("response.output_text.done", text=result.text, logprobs=[], **at),
-                self.event("response.content_part.done", part=OutputText(result.text), **at),
-                self.event("response.output_item.done", output_index=0, item=done.output[0]),
-                self.event("response.completed", response=done)]
+        return out + [self.event("response.completed", response=done)]
 
     def error(self, e: ApiError) -> bytes:
         return self.event("error", code=e.code, message=e.message, param=e.param)
@@ -376,10 +523,11 @@ class ResponsesRoutes:
             history = prev.conversation
         chat = chat_request(req, history)
         request_bounds(chat, gw.cfg.limits)  # the whole conversation, with what it continues
-        jobs = chat_jobs(chat, await gw.context_len())
+        plan, reasoning = tool_plan(chat, gw.cfg.tools), REASONING_PARSERS.get(gw.cfg.tools.reasoning_parser)
+        jobs = chat_jobs(chat, await gw.context_len(), plan, reasoning is not None)
         structured_bounds(jobs, gw.cfg.limits)
         await check_jobs(jobs)
-        turn = Turn(req, history, gw.name, self.store)
+        turn = Turn(req, history, gw.name, self.store, ChatFormatter("", 0, gw.name, gw.text, plan, reasoning))
         return await gw.run(request, chat, jobs, turn, trace, events=self.events)
 
     async def events(self, fanout, turn: Turn, jobs: list[Job], include_usage: bool):
@@ -387,8 +535,8 @@ class ResponsesRoutes:
             yield ev
         try:
             while (event := await fanout.next_event()) is not None:
-                if event[1].text:
-                    yield turn.delta(event[1].text)
+                for ev in turn.feed(event[1]):
+                    yield ev
             for ev in turn.closing(fanout.results[jobs[0].index]):
                 yield ev
         except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)
