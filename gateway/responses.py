@@ -475,7 +475,8 @@ class Turn:
         if item is None:
             return []
         i = len(self.items) - 1
-        item.status = status if isinstance(item, OutputMessage) else "completed"
+        if not isinstance(item, ReasoningItem):
+            item.status = status if isinstance(item, OutputMessage) else "completed"
         if isinstance(item, OutputMessage):
             text = item.content[0].text
             out = [self.event("response.output_text.done", text=text, logprobs=[], output_index=i, content_index=0, item_id=item.id),
