@@ -274,9 +274,9 @@ def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None
     return _fan_out(inputs, sampling, req.n, req.priority)
 
 
-def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPlan | None = None, reasoning: bool = False) -> list[Job]:
-    """plan: how its tools shape the answer (gateway/tools.py: tool_plan); reasoning: the server
-    splits reasoning out (--reasoning-parser)."""
+def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPlan | None = None, reasoning=None) -> list[Job]:
+    """plan: how its tools shape the answer (gateway/tools.py: tool_plan); reasoning: the server's
+    --reasoning-parser (gateway/reasoning.py), whose end marker a structured output waits for."""
     _common_checks(req)
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
@@ -285,9 +285,8 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPla
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = sampling_kwargs(req, limit if limit is not None else default_max_tokens, logprobs, forced_spec(plan) if plan else None)
-    if reasoning and sampling.get("structured") is not None:
-        raise bad_request("structured outputs (response_format, structured_outputs, or a required or named tool_choice) are not "
-                          "supported with --reasoning-parser: the grammar would hold the reasoning too", "response_format")
+    if reasoning is not None and sampling.get("structured") is not None:  # the grammar holds once the reasoning ends, as in vLLM
+        sampling["structured"] = msgspec.structs.replace(sampling["structured"], after=reasoning.end)
     inputs = {"messages": [chat_message(m) for m in req.messages]}
     if req.tools:
         inputs["tools"] = template_tools(req.tools)

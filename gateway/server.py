@@ -223,7 +223,7 @@ class Gateway:
         self.check_model(req.model)
         trace = self.check_limits(request, req)
         plan, reasoning = tool_plan(req, self.cfg.tools), REASONING_PARSERS.get(self.cfg.tools.reasoning_parser)
-        jobs = chat_jobs(req, await self.context_len(), plan, reasoning is not None)
+        jobs = chat_jobs(req, await self.context_len(), plan, reasoning)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, plan, reasoning)

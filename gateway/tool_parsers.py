@@ -11,8 +11,9 @@ the calls a model wrote in its own format in the generated text.
 
 Lifecycle: stateless; `PARSERS[name].extract(text)` returns (content, [ParsedCall]) and gives
 ([], the whole text as content) when the text holds no well-formed call, as vLLM does.
-Streaming goes through gateway/tools.py's `AutoStream`, which asks each parser where a call
-section may begin (`section_start`) and, for hermes, where one call ends (`closed_calls`).
+Streaming goes through gateway/tools.py's `CallStream`, which asks each parser where a call
+section may begin (`section_start`) and, for hermes, where each call object lies (`call_spans`),
+so that a call's arguments stream as they come.
 """
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ class Parser:
         stripped = text.lstrip()
         return len(text) - len(stripped) if stripped.startswith(self.markers) else None
 
-    def closed_calls(self, section: str) -> int:
-        """How many calls of the section are certainly complete before the output ends (0: only at the end)."""
-        return 0
+    def call_spans(self, text: str, section: int) -> list[tuple[int, int | None]]:
+        """Where each call object of the section lies, (start, end or None while it grows), for
+        formats whose calls are delimited one by one; [] (the default): calls are known only at the end."""
+        return []
 
 
 class Hermes(Parser):
@@ -85,8 +87,16 @@ class Hermes(Parser):
             return text, []
         return text[:start] or None, calls
 
-    def closed_calls(self, section):
-        return section.count("</tool_call>")
+    def call_spans(self, text, section):
+        spans, at = [], section
+        while (i := text.find("<tool_call>", at)) >= 0:
+            start = i + len("<tool_call>")
+            end = text.find("</tool_call>", start)
+            spans.append((start, end if end >= 0 else None))
+            if end < 0:
+                break
+            at = end + len("</tool_call>")
+        return spans
 
 
 class Llama3Json(Parser):

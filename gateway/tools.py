@@ -11,8 +11,9 @@ and match the schema; `auto` runs free and the server's `--tool-call-parser`
 themselves travel to the coordinator, whose chat template renders them (`tools=`). Each choice
 of the answer then gets a `CallStream` (gateway/format.py), fed the choice's content text
 delta by delta: it returns the content to show and the tool-call deltas, as OpenAI streams them
-(a call's index, id, type and name first, its argument text after: `named` streams the
-arguments as they come, the others once a call is complete), and `finish()` at the end. A whole
+(a call's index, id, type and name first, its argument text after, as it comes for `named`,
+`required` and hermes calls that name their function first; for the other parsers at the end),
+and `finish()` at the end. A whole
 answer is `whole_calls(plan, text)`: the parser's plain extract (the slow twin the stream is
 tested against).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 import uuid
 from dataclasses import dataclass, field
@@ -191,8 +193,8 @@ def call_id(kind: str = "openai") -> str:
 
 def whole_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole answer's content text."""
-    if plan.mode == "named":
-        return None, [ToolCall(id=call_id(), function=FunctionCall(name=plan.name, arguments=text))]
+    if plan.mode == "named":  # nothing at all (a reasoning model cut short in its reasoning) is no call
+        return None, [ToolCall(id=call_id(), function=FunctionCall(name=plan.name, arguments=text))] if text else []
     if plan.mode == "required":
         calls = _required_calls(text)
         if calls is None:
@@ -216,57 +218,91 @@ def _required_calls(text: str) -> list[ParsedCall] | None:
 
 
 @dataclass
-class _ArrayItems:
-    """Complete top-level items of a JSON array as its text grows (string- and escape-aware)."""
+class _Depth:
+    """Brackets outside strings as JSON text grows: (index, depth after it) for each, each character scanned once."""
 
     at: int = 0
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
-    start: int = -1
 
-    def scan(self, text: str) -> list[str]:
+    def scan(self, text: str) -> list[tuple[int, int]]:
         out = []
         for i in range(self.at, len(text)):
             ch = text[i]
             if self.in_string:
                 self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
-                continue
-            if ch == '"':
+            elif ch == '"':
                 self.in_string = True
             elif ch in "[{":
                 self.depth += 1
-                if self.depth == 2:
-                    self.start = i
+                out.append((i, self.depth))
             elif ch in "]}":
                 self.depth -= 1
-                if self.depth == 1 and self.start >= 0:
-                    out.append(text[self.start:i + 1])
-                    self.start = -1
+                out.append((i, self.depth))
         self.at = len(text)
+        return out
+
+
+# a call object's head when it names the function first: its arguments' object begins at the match's end
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.DOTALL)
+
+
+@dataclass
+class _OpenCall:
+    """One call object as its text grows (from `start` in the stream's text): its name once it is
+    whole, then its arguments' text as it comes. A call that does not name itself first waits
+    until it is complete."""
+
+    start: int
+    value: int | None = None  # where its arguments' object begins
+    depth: _Depth | None = None
+    sent: int = 0  # how far its arguments' text has been handed out
+    ended: bool = False
+
+    def advance(self, text: str, stream: "CallStream") -> list[DeltaToolCall]:
+        out = []
+        if self.value is None:
+            m = _HEAD.match(text, self.start)
+            if m is None:
+                return out
+            self.value = self.sent = m.end()
+            self.depth = _Depth(at=m.end())
+            out.append(stream.head(json.loads(f'"{m.group(1)}"')))
+        if not self.ended:
+            end = next((i + 1 for i, d in self.depth.scan(text) if d == 0), None)
+            self.ended = end is not None
+            upto = end if end is not None else len(text)
+            if upto > self.sent:
+                out.append(DeltaToolCall(stream.calls - 1, function=DeltaFunction(arguments=text[self.sent:upto])))
+                self.sent = upto
         return out
 
 
 @dataclass
 class CallStream:
-    """One choice's content deltas -> (content to show, tool-call deltas)."""
+    """One choice's content deltas -> (content to show, tool-call deltas). A call's arguments are
+    handed out as they come when the call names its function first (hermes, required, named);
+    otherwise when the call is complete, or (llama3_json, mistral, pythonic) when the output ends."""
 
     plan: ToolPlan
     text: str = ""  # the content text so far
     shown: int = 0  # characters of text already handed out as content
     section: int | None = None  # auto: where the tool-call section begins
     plain: bool = False  # auto: sure there is no call section
-    calls: int = 0  # calls handed out
-    items: _ArrayItems = field(default_factory=_ArrayItems)
+    calls: int = 0  # calls whose head was handed out
+    done: int = 0  # auto: call objects (the parser's spans) wholly handed out
+    open: _OpenCall | None = None  # the call being streamed
+    depth: _Depth = field(default_factory=_Depth)  # required: the list's brackets
 
     def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
         mode = self.plan.mode
         if mode == "named":
-            head = self._named_head() if delta else []
+            head = [self.head(self.plan.name, call_id())] if delta and not self.calls else []
             return "", head + ([DeltaToolCall(0, function=DeltaFunction(arguments=delta))] if delta else [])
         if mode == "required":
-            return "", self._deltas(_required_calls("[" + ",".join(self.items.scan(self.text)) + "]") or [])
+            return "", self._required()
         if mode == "auto":
             return self._auto()
         return self._show(len(self.text)), []
@@ -274,33 +310,55 @@ class CallStream:
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """What is left at the end of the choice."""
         if self.plan.mode == "named":
-            return "", self._named_head()  # an empty answer still names its call
+            return "", []
         if self.plan.mode == "required":
-            return ("", []) if self.calls else (self._show(len(self.text)), [])  # no whole call: cut short, the text is content
+            return ("", []) if self.calls else (self._show(len(self.text)), [])  # no call at all: cut short, the text is content
         if self.plan.mode != "auto" or self.section is None:
             return self._show(len(self.text)), []
         content, calls = self.plan.parser.extract(self.text)
         if not calls and not self.calls:  # no well-formed call after all: the section was content
             return self._show(len(self.text)), []
-        return "", self._deltas(calls[self.calls:])
+        return "", self._whole(calls[self.calls:])
 
-    def _named_head(self) -> list[DeltaToolCall]:
-        if self.calls:
-            return []
-        self.calls = 1
-        return [DeltaToolCall(0, call_id(), "function", DeltaFunction(name=self.plan.name, arguments=""))]
+    def head(self, name: str, cid: str | None = None) -> DeltaToolCall:
+        """A new call's first delta: its index, id, type and name."""
+        self.calls += 1
+        return DeltaToolCall(self.calls - 1, cid or call_id(self.plan.ids), "function", DeltaFunction(name=name, arguments=""))
 
-    def _deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+    def _whole(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
         out = []
         for c in calls:
-            out += [DeltaToolCall(self.calls, call_id(self.plan.ids), "function", DeltaFunction(name=c.name, arguments="")),
-                    DeltaToolCall(self.calls, function=DeltaFunction(arguments=c.arguments))]
-            self.calls += 1
+            out += [self.head(c.name), DeltaToolCall(self.calls - 1, function=DeltaFunction(arguments=c.arguments))]
         return out
 
     def _show(self, upto: int) -> str:
         out = self.text[self.shown:upto] if upto > self.shown else ""
         self.shown = max(self.shown, upto)
+        return out
+
+    def _next(self, start: int, end: int | None, whole) -> list[DeltaToolCall]:
+        """The call object from `start` (complete at `end`, or None: still growing); whole():
+        its ParsedCall once complete, for a call that did not name itself first."""
+        if self.open is None or self.open.start != start:
+            self.open = _OpenCall(start)
+        out = self.open.advance(self.text if end is None else self.text[:end], self)
+        if end is not None:
+            if self.open.value is None:
+                out += self._whole(whole())
+            self.done, self.open = self.done + 1, None
+        return out
+
+    def _required(self) -> list[DeltaToolCall]:
+        """The list's items, one call each: [{"name": ..., "parameters": {...}}, ...]."""
+        out = []
+        for i, d in self.depth.scan(self.text):
+            if d == 2 and self.text[i] == "{":  # an item opens
+                self.open = _OpenCall(i)
+            elif d == 1 and self.open is not None and self.text[i] == "}":
+                item = self.open.start
+                out += self._next(item, i + 1, lambda: _required_calls(f"[{self.text[item:i + 1]}]") or [])
+        if self.open is not None and self.depth.depth >= 2:
+            out += self._next(self.open.start, None, None)
         return out
 
     def _auto(self) -> tuple[str, list[DeltaToolCall]]:
@@ -311,12 +369,14 @@ class CallStream:
             self.section = parser.section_start(self.text)
             if self.section is None:
                 return self._show(len(self.text) - self._undecided(parser)), []
-        content = self._show(self.section)
-        closed = parser.closed_calls(self.text[self.section:])
-        if closed > self.calls:
-            end = self.section + _nth_end(self.text[self.section:], "</tool_call>", closed)
-            return content, self._deltas(parser.extract(self.text[self.section:end])[1][self.calls:closed])
-        return content, []
+        content, out = self._show(self.section), []
+        spans = parser.call_spans(self.text, self.section)
+        for k in range(self.done, len(spans)):
+            start, end = spans[k]
+            out += self._next(start, end, lambda: parser.extract(self.text[self.section:end])[1][k:k + 1])
+            if end is None:
+                break
+        return content, out
 
     def _undecided(self, parser: Parser) -> int:
         """Characters at the end that may still open the call section (held back)."""
@@ -327,10 +387,3 @@ class CallStream:
             return len(self.text)
         self.plain = True
         return 0
-
-
-def _nth_end(text: str, tag: str, n: int) -> int:
-    at = -len(tag)
-    for _ in range(n):
-        at = text.index(tag, at + len(tag))
-    return at + len(tag)

@@ -33,6 +33,7 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, frozen=True):
     spec: str = ""
     choices: tuple[str, ...] = ()
     any_whitespace: bool = True
+    after: str = ""  # the grammar holds only from the end of this text in the output (a reasoning block's "</think>")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):

@@ -22,6 +22,9 @@ Lifecycle:
   request recomputed elsewhere, rebuilds the state from the tokens); the row's logits outside
   the grammar's next tokens become -inf. A constrained row with no pinned grammar (a caller
   that skipped the engine) runs free, logged.
+- A spec with `after` (a reasoning model's "</think>", set by the gateway's --reasoning-parser)
+  leaves the row free until its output's text holds that marker; the grammar then holds from
+  the token that completed it (found by decoding a few tokens at a time, each token once).
 """
 from __future__ import annotations
 
@@ -97,6 +100,8 @@ class _Row:
     matcher: object | None = None  # None: not built yet, or a token left the grammar (the row runs free)
     accepted: int = 0  # output tokens fed to the matcher
     broken: bool = False  # a generated token did not fit the grammar: free from then on
+    start: int | None = 0  # where in the output the grammar begins; None: its spec's `after` marker is not there yet
+    scanned: int = 0  # output tokens already searched for that marker
 
 
 class Constrainer:
@@ -184,7 +189,7 @@ class Constrainer:
             mask = xgr.allocate_token_bitmask(len(rows), vocab)
             masked = []
             for i in which:
-                matcher = self._matcher(rows[i].output_token_ids)
+                matcher = self._matcher(rows[i].output_token_ids, rows[i].params.structured.after)
                 if matcher is None or matcher.is_terminated():
                     continue
                 matcher.fill_next_token_bitmask(mask, i)
@@ -197,8 +202,9 @@ class Constrainer:
         xgr.apply_token_bitmask_inplace(out, mask, indices=masked)
         return out
 
-    def _matcher(self, out: list):
-        """The row's matcher caught up with its tokens; None: no pinned grammar, or it left it."""
+    def _matcher(self, out: list, after: str = ""):
+        """The row's matcher caught up with its tokens; None: no pinned grammar, it left it, or
+        the grammar does not hold yet (`after` not in the output)."""
         import xgrammar as xgr
 
         row = self.rows.get(id(out))
@@ -211,6 +217,12 @@ class Constrainer:
             return None
         if row.matcher is None or row.accepted > len(out):  # new, or preempted and recomputed with fewer tokens
             row.matcher, row.accepted = xgr.GrammarMatcher(row.compiled), 0
+            row.start, row.scanned = (None, 0) if after else (0, 0)
+        if row.start is None:
+            row.start = self._marker_end(out, after, row)
+            if row.start is None:
+                return None
+            row.accepted = row.start
         while row.accepted < len(out):
             if not row.matcher.accept_token(out[row.accepted]):
                 log.warning("a generated token does not fit its grammar; the request runs unconstrained from here")
@@ -218,6 +230,18 @@ class Constrainer:
                 return None
             row.accepted += 1
         return row.matcher
+
+
+    def _marker_end(self, out: list, marker: str, row: _Row) -> int | None:
+        """The output index just past the token that completed `marker` in the text, or None;
+        each token is looked at once (a window of as many tokens as the marker has characters)."""
+        window = len(marker)
+        for i in range(row.scanned, len(out)):
+            text = self.tokenizer.decode(out[max(0, i - window):i + 1], skip_special_tokens=False)
+            if marker in text and marker not in self.tokenizer.decode(out[max(0, i - window):i], skip_special_tokens=False):
+                return i + 1
+        row.scanned = len(out)
+        return None
 
 
 _CONSTRAINER = Constrainer()

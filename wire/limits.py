@@ -100,6 +100,7 @@ class RequestLimits:
     max_trace_header: int = 512  # characters of traceparent or tracestate (W3C: tracestate is at most 512); no other keys
     max_structured_bytes: int = 64 * 1024  # UTF-8 bytes of a structured-output spec: JSON schema text, regex, or all choices
     max_regex_length: int = 4096  # characters of a structured-output regex
+    max_structured_after: int = 32  # characters of a spec's `after` marker (a reasoning end tag; a sampler decodes that many tokens a step)
     max_choices: int = 256  # options of a `choice` constraint
     max_choice_length: int = 1024  # characters of one option
     max_token_ids: int = 2**17  # ids of one prompt given as token ids (and of /detokenize's tokens); the context bounds them too
@@ -256,6 +257,8 @@ class RequestLimits:
 
     def check_structured(self, s: StructuredOutput, param: str = "structured") -> None:
         """Before it is compiled: the spec's bytes, a regex's length, the choices' number and length."""
+        if len(s.after) > self.max_structured_after:
+            raise FieldLimitExceeded(param, f"the spec's after marker has {len(s.after)} characters; the limit is {self.max_structured_after}")
         if s.kind == "regex" and len(s.spec) > self.max_regex_length:
             raise FieldLimitExceeded(param, f"the regex has {len(s.spec)} characters; the limit is {self.max_regex_length}")
         if len(s.choices) > self.max_choices:

@@ -17,6 +17,8 @@ CASES = {  # parser -> [(output, content, [(name, arguments)])]
         ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1, "}"]}}</tool_call>',
          None, [("a", {}), ("b", {"x": [1, "}"]})]),
         ('<tool_call>{"name": "a", "arguments": {"q": 1}}', None, [("a", {"q": 1})]),  # unclosed at the end: still a call (vLLM)
+        ('<tool_call>{"arguments": {"q": "x"}, "name": "late"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>', None,
+         [("late", {"q": "x"}), ("b", {})]),  # a call naming itself last is sent whole once complete
         ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     ],
@@ -90,8 +92,13 @@ def test_content_streams_before_the_call_section_and_holds_back_only_a_possible_
     s = CallStream(ToolPlan("auto", [], parser=PARSERS["hermes"]))
     assert s.feed("Hello <tool") == ("Hello ", [])  # "<tool" may open <tool_call>: held back
     assert s.feed("s are fun") == ("<tools are fun", [])
-    c, d = s.feed('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
-    assert c == "" and [x.function.name for x in d if x.id] == ["f"]  # a closed hermes call is sent at once, not at the end
+    c, d = s.feed('<tool_call>{"name": "f", "arguments": {"a": ')
+    assert c == "" and d[0].function.name == "f" and d[0].id and d[1].function.arguments == '{"a": '  # name first, then arguments
+    _, d = s.feed('[1, "}"]')
+    assert [x.function.arguments for x in d] == ['[1, "}"]']  # as they come, not at the end
+    _, d = s.feed('}}\n</tool_call> trailing')
+    assert [x.function.arguments for x in d] == ["}"]  # the call object's own brace is not an argument
+    assert s.finish() == ("", [])
     s = CallStream(ToolPlan("auto", [], parser=PARSERS["pythonic"]))
     assert s.feed("  ") == ("", []) and s.feed("Hi") == ("  Hi", [])  # pythonic calls only open the output
 
@@ -102,9 +109,10 @@ def test_forced_calls_stream():
     first = named.feed('{"a"')
     assert first[0] == "" and first[1][0].function.name == "g" and first[1][0].id and first[1][1].function.arguments == '{"a"'
     assert named.feed(": 1}")[1][0].function.arguments == ": 1}"  # argument fragments as they come
-    text = '[{"name": "f", "parameters": {"s": "]}\\""}}, {"name": "g", "parameters": {}}]'
-    content, calls, _ = stream(ToolPlan("required", tools), text, 2)
-    assert content == "" and calls == [("f", {"s": ']}"'}), ("g", {})]
+    text = '[{"name": "f", "parameters": {"s": "]}\\""}}, {"parameters": {"k": 2}, "name": "g"}]'  # g: arguments first
+    for size in (1, 2, 7, 1000):
+        content, calls, _ = stream(ToolPlan("required", tools), text, size)
+        assert content == "" and calls == [("f", {"s": ']}"'}), ("g", {"k": 2})]
     whole_content, whole = whole_calls(ToolPlan("required", tools), text)
     assert whole_content is None and [c.function.name for c in whole] == ["f", "g"]
 

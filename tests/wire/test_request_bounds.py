@@ -65,6 +65,54 @@ def test_each_body_bound_at_its_limit_and_one_past(at, over, param):
     refused(over(), param)
 
 
+def tool(name="f", description=None):
+    fn = {"name": name, "parameters": {"type": "object"}}
+    return {"type": "function", "function": fn if description is None else {**fn, "description": description}}
+
+
+def call(name="f", id_="c"):
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def _tool_sized(n: int) -> dict:
+    """A tool whose JSON (as the bound counts it: the decoded Struct re-encoded) has exactly n bytes."""
+    import msgspec
+
+    from gateway.tools import Tool
+
+    base = len(msgspec.json.encode(msgspec.convert(tool(description=""), Tool)))
+    return tool(description="d" * (n - base))
+
+
+@pytest.mark.parametrize("at, over, param", [
+    (lambda: chat(tools=[tool()] * L.max_tools), lambda: chat(tools=[tool()] * (L.max_tools + 1)), "tools"),
+    (lambda: chat(tools=[tool("t" * L.max_tool_name_length)]), lambda: chat(tools=[tool("t" * (L.max_tool_name_length + 1))]), "tools"),
+    (lambda: chat(tools=[_tool_sized(L.max_tool_bytes)]), lambda: chat(tools=[_tool_sized(L.max_tool_bytes + 1)]), "tools"),
+    (lambda: chat([{"role": "assistant", "tool_calls": [call()] * L.max_tool_calls}]),
+     lambda: chat([{"role": "assistant", "tool_calls": [call()] * (L.max_tool_calls + 1)}]), "messages"),
+    (lambda: chat([{"role": "assistant", "tool_calls": [call(id_="i" * L.max_name_length)]}]),
+     lambda: chat([{"role": "assistant", "tool_calls": [call(id_="i" * (L.max_name_length + 1))]}]), "messages"),
+    (lambda: chat([{"role": "tool", "content": "r", "tool_call_id": "i" * L.max_name_length}]),
+     lambda: chat([{"role": "tool", "content": "r", "tool_call_id": "i" * (L.max_name_length + 1)}]), "messages"),
+    (lambda: chat(tools=[tool()], tool_choice={"type": "function", "function": {"name": "n" * L.max_name_length}}),
+     lambda: chat(tools=[tool()], tool_choice={"type": "function", "function": {"name": "n" * (L.max_name_length + 1)}}), "tool_choice"),
+])
+def test_each_tool_bound_at_its_limit_and_one_past(at, over, param):
+    request_bounds(at(), L)
+    refused(over(), param)
+
+
+def test_tools_and_tool_calls_count_in_the_prompt_bytes():
+    limits = RequestLimits(max_prompt_bytes=4000)
+    request_bounds(chat(tools=[_tool_sized(3000)]), limits)
+    refused(chat(tools=[_tool_sized(3000)] * 2), "messages", limits=limits)
+    args = json.dumps({"x": "y" * 3000})
+    refused(chat([{"role": "assistant", "tool_calls": [{**call(), "function": {"name": "f", "arguments": args}}] * 2}]), "messages",
+            limits=limits)
+
+
+
+
 def test_message_overhead_counts_in_the_prompt_bytes():
     """Each message counts message_overhead bytes besides its text: 200,000 empty messages are
     not 0 bytes. At exactly max_prompt_bytes accepted, one byte more refused."""
@@ -204,3 +252,16 @@ def test_the_stop_scan_does_not_count_whitespace_between_strings():
     with pytest.raises(Exception) as e:
         refuse_oversized(json.dumps({"model": "m", "prompt": "hi", "stop": stops + ["x"]}).encode(), limits)
     assert getattr(e.value, "code", None) == "limit_exceeded"
+
+
+def test_the_coordinator_bounds_tool_calls_and_a_grammar_marker(coordinator):
+    from wire.protocol import ToolCall
+
+    many = [ChatMessage("assistant", "", [ToolCall("c", "f", "{}")] * (L.max_tool_calls + 1))]
+    with pytest.raises(FieldLimitExceeded):
+        coordinator.check_request(gen(messages=many))
+    coordinator.check_request(gen(messages=[ChatMessage("assistant", "", [ToolCall("c", "f", "{}")] * L.max_tool_calls)]))
+    marker = SamplingParams(structured=StructuredOutput("regex", "a", after="x" * (L.max_structured_after + 1)))
+    with pytest.raises(FieldLimitExceeded):
+        coordinator.check_request(gen(params=marker))
+    coordinator.check_request(gen(params=SamplingParams(structured=StructuredOutput("regex", "a", after="</think>"))))
