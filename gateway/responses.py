@@ -36,10 +36,12 @@ from client.library import Result, StreamDelta
 from gateway.errors import ApiError, bad_request
 from gateway.format import ChatFormatter
 from gateway.reasoning import REASONING_PARSERS
-from gateway.schema import ChatCompletionRequest, ChatMessageIn, ContentPart, Job, bounded, chat_jobs, request_bounds, structured_bounds
+from gateway.schema import (
+    STRUCTURED_WRAPPER_BYTES, ChatCompletionRequest, ChatMessageIn, ContentPart, Job, bounded, chat_jobs, request_bounds, structured_bounds,
+)
 from gateway.structured import check_jobs
 from gateway.tools import FunctionCall, FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall, tool_plan
-from wire.limits import RequestLimits
+from wire.limits import FieldLimitExceeded, RequestLimits
 
 RESPONSES_KEPT = 1000  # responses a gateway keeps for previous_response_id and GET (the least recently used go first)
 RESPONSES_TTL_S = 3600.0  # and for at most this long after they finished
@@ -109,6 +111,8 @@ def _responses_bounds(req: ResponsesRequest, limits: RequestLimits) -> None:
     for param in ("model", "user", "previous_response_id"):
         limits.check_name(param, getattr(req, param))
     limits.check_metadata(req.metadata)
+    if req.text is not None and len(msgspec.json.encode(req.text)) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
+        raise FieldLimitExceeded("text", f"text (its format's schema) is over {limits.max_structured_bytes} bytes")
     limits.check_max_tokens("max_output_tokens", req.max_output_tokens)
     tools = req.tools or []
     limits.check_tools([t.name or "" for t in tools], [len(msgspec.json.encode(t)) for t in tools])
@@ -364,6 +368,13 @@ class ResponseStore:
         self.held -= self.items.pop(rid).nbytes
 
 
+def _choice(choice: str | dict | None) -> str | dict:
+    """tool_choice as the response echoes it (a named one: its type and name only)."""
+    if isinstance(choice, dict):
+        return {"type": "function", "name": str(choice.get("name"))}
+    return choice or "auto"
+
+
 def not_found(rid: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"Response with id '{rid[:64]}' not found.", "previous_response_not_found" if param else "response_not_found", param)
 
@@ -389,7 +400,7 @@ class Turn:
         details = IncompleteDetails("max_output_tokens") if status == "incomplete" else None
         return ResponseObject(self.id, self.created, self.model, status, list(self.items), usage, details, r.instructions,
                               r.max_output_tokens, r.temperature, r.top_p, r.previous_response_id, r.metadata or {}, r.user, r.store,
-                              r.tools or [], r.tool_choice or "auto", r.parallel_tool_calls, text=r.text or {"format": {"type": "text"}})
+                              r.tools or [], _choice(r.tool_choice), r.parallel_tool_calls, text=r.text or {"format": {"type": "text"}})
 
     def finish(self, result: Result) -> ResponseObject:
         done = self.response("incomplete" if result.finish_reason == "length" else "completed", result)
@@ -525,7 +536,7 @@ class ResponsesRoutes:
         chat = chat_request(req, history)
         request_bounds(chat, gw.cfg.limits)  # the whole conversation, with what it continues
         plan, reasoning = tool_plan(chat, gw.cfg.tools), REASONING_PARSERS.get(gw.cfg.tools.reasoning_parser)
-        jobs = chat_jobs(chat, await gw.context_len(), plan, reasoning is not None)
+        jobs = chat_jobs(chat, await gw.context_len(), plan, reasoning)
         structured_bounds(jobs, gw.cfg.limits)
         await check_jobs(jobs)
         turn = Turn(req, history, gw.name, self.store, ChatFormatter("", 0, gw.name, gw.text, plan, reasoning))

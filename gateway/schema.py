@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
-from gateway.scoring import PromptTokenLogprob, echo_options, prompt_k
+from gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
 from gateway.structured import structured_output, whitespace
 from gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
 from wire.protocol import ChatMessage, ToolCall as WireToolCall
@@ -270,7 +270,7 @@ def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None
     echo = echo_options(req)
     inputs = completion_inputs(req.prompt, vocab_size, max_len)
     max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
-    sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_k(req, echo))
+    sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
     return _fan_out(inputs, sampling, req.n, req.priority)
 
 

@@ -4,11 +4,11 @@ echo=true, max_tokens=1 (or 0), logprobs=1, temperature=0 and reads token_logpro
 top_logprobs over the prompt).
 
 Lifecycle: `echo_options(req)` reads a request once into an `Echo` (what to echo, whether the
-one token sampled for max_tokens=0 is dropped, how many top alternatives each prompt token gets)
-and `scoring_kwargs` adds the workers' side of it to the sampling parameters: the prompt's
-logprobs are computed in the prefill pass (runtime/scoring.py) and come back once, before the
-first token, with the prompt's token ids (client StreamDelta / Result). The completion
-formatter (gateway/format.py) then prepends the prompt: its text (`echo_text`) and, with
+one token sampled for max_tokens=0 is dropped, how many top alternatives each prompt token gets
+in vLLM's field) and `prompt_logprobs_asked` says what the workers compute: the prompt's
+logprobs come from the prefill pass (runtime/scoring.py) and come back once, before the first
+token, with the prompt's token ids (client StreamDelta / Result). The completion formatter
+(gateway/format.py) then prepends the prompt to each choice: its text (`echo_text`) and, with
 logprobs, its tokens (`prompt_logprobs_part`: the first token's logprob is null, as OpenAI and
 vLLM give it); `prompt_logprobs_field` builds vLLM's per-token list for `prompt_logprobs`.
 """
@@ -42,7 +42,7 @@ def echo_options(req) -> Echo:
     return Echo(req.echo, req.echo and req.max_tokens == 0, req.prompt_logprobs)
 
 
-def prompt_k(req, echo: Echo) -> int | None:
+def prompt_logprobs_asked(req, echo: Echo) -> int | None:
     """prompt_logprobs for the workers: echo with logprobs asks the same k for the prompt as for the output."""
     ks = [k for k in (echo.prompt_k, req.logprobs if echo.echo else None) if k is not None]
     return max(ks) if ks else None
