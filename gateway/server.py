@@ -14,7 +14,9 @@ freed. /metrics wants the API key when one is set and asks the coordinator for i
 every call; /health never wants it and answers from a readiness summary that a task of the
 lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
 probes cost the coordinator one stats build a second. /openapi.json describes every route
-(gateway/openapi.py). Every field of a request is checked against the table of bounds
+(gateway/openapi.py). /v1/responses runs through the same chat path (gateway/responses.py lends
+its routes and its event stream to `run`); echo and prompt logprobs on /v1/completions are
+gateway/scoring.py's. Every field of a request is checked against the table of bounds
 (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
 choices hold fair shares of the in-flight slots (gateway/slots.py).
 """
