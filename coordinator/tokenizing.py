@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from runtime.errors import InvalidRequestError
-from runtime.tokenizer import render_chat
-from wire.protocol import ChatMessage, GenerateRequest
+from runtime.tokenizer import render_chat, template_message
+from wire.protocol import GenerateRequest
 
 SMALL_COST = 64 * 1024  # bytes (message overhead included) up to which requests share one thread; costlier ones queue on the other
 
@@ -40,26 +40,6 @@ def tokenize(tok, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         return render_chat(tok, [template_message(m) for m in req.messages], _tools(req.tools))
     return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-
-
-def template_message(m: ChatMessage) -> dict:
-    """A message as HF chat templates read it; a call's arguments as an object, as vLLM hands them."""
-    d = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-                           for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        d["name"] = m.name
-    return d
-
-
-def _arguments(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # not JSON: the template shows the text
 
 
 def _tools(text: str | None) -> list | None:

@@ -194,8 +194,8 @@ class ChatFormatter(_Formatter):
             return AssistantMessage(r.text), r.finish_reason
         reasoning, content = self.reasoning.split(r.text) if self.reasoning else (None, r.text)
         calls = []
-        if self.plan is not None:
-            content, calls = whole_calls(self.plan, content or "")
+        if self.plan is not None and content is not None:  # None: all of it was reasoning
+            content, calls = whole_calls(self.plan, content)
         reason = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
         return AssistantMessage(content, tool_calls=calls or None, reasoning_content=reasoning), reason
 

@@ -80,7 +80,7 @@ def prepare(body: bytes, kind: str, limits: RequestLimits):
     elif isinstance(req, ResponsesRequest):
         responses_bounds(req, limits)
     elif isinstance(req, TokenizeChatRequest):
-        bounded(chat_bounds, req.messages, limits)
+        bounded(chat_bounds, req.messages, limits, req.tools)
         bounded(limits.check_template_kwargs, req.chat_template_kwargs)
     elif isinstance(req, TokenizeCompletionRequest):
         bounded(limits.check_prompt_bytes, [req.prompt])

@@ -435,7 +435,7 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
+class AssistantMessage(msgspec.Struct):
     content: str | None  # null when the answer is tool calls only
     role: str = "assistant"
     tool_calls: list[ToolCall] | None = None

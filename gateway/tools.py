@@ -164,7 +164,8 @@ def forced_spec(plan: ToolPlan) -> StructuredOutput | None:
     items = []
     for t in plan.tools:
         params = dict(_parameters(t))
-        for k, v in (params.pop("$defs", None) or {}).items():
+        own = params.pop("$defs") if isinstance(params.get("$defs"), dict) else {}  # shared at the top, as vLLM does
+        for k, v in own.items():
             if defs.setdefault(k, v) != v:
                 raise bad_request(f"Tool definition '{t.function.name}' has conflicting $defs '{k}'", "tools")
         items.append({"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},

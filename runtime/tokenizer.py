@@ -92,6 +92,27 @@ def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> l
     return list(ids)
 
 
+def template_message(m) -> dict:
+    """A chat message (wire.protocol.ChatMessage) as HF chat templates read it: its tool calls
+    with their arguments as objects, as vLLM hands them to templates."""
+    d = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                           for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows the text
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template as vLLM reads it: a file's path, or (holding any of `{}` or a newline) the template itself."""
     if any(c in value for c in "{}\n"):

@@ -53,6 +53,7 @@ def test_structured_outputs_wait_for_the_reasoning(service):
     msg = r.choices[0].message
     free = client.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=0, tools=tools, tool_choice="none")
     assert msg.reasoning_content == free.choices[0].message.reasoning_content  # no grammar held the reasoning
+    assert free.choices[0].message.content is None and free.choices[0].message.tool_calls is None
     assert msg.tool_calls is None and msg.content is None and r.choices[0].finish_reason == "length"
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=0, response_format={"type": "json_object"})
     free = client.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=0)  # the same prompt (no tools)

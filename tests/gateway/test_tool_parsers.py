@@ -139,3 +139,49 @@ def test_reasoning_split_whole_and_streamed(name, text, reasoning, content, size
         r, c = r + dr, c + dc
     dr, dc = s.flush()
     assert (r + dr or None, c + dc or None) == (reasoning, content)
+
+
+def test_forced_grammars_follow_vllm():
+    """named: the function's parameters; required: a list of {name, parameters} objects, at most
+    one without parallel_tool_calls, each tool's $defs shared at the top (a conflict is a 400)."""
+    from gateway.errors import ApiError
+    from gateway.tools import forced_spec
+
+    ref = {"$defs": {"P": {"type": "integer"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}
+    tools = [Tool(function=FunctionDef(name="f", parameters=ref)), Tool(function=FunctionDef(name="g"))]
+    assert json.loads(forced_spec(ToolPlan("named", tools, name="f")).spec) == ref
+    schema = json.loads(forced_spec(ToolPlan("required", tools, parallel=False)).spec)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1 and schema["$defs"] == ref["$defs"]
+    f, g = schema["items"]["anyOf"]
+    assert f["properties"]["name"] == {"type": "string", "enum": ["f"]} and "$defs" not in f["properties"]["parameters"]
+    assert g["properties"]["parameters"] == {"type": "object", "properties": {}} and g["required"] == ["name", "parameters"]
+    assert "maxItems" not in json.loads(forced_spec(ToolPlan("required", tools)).spec)
+    clash = {"$defs": {"P": {"type": "string"}}, "type": "object"}
+    with pytest.raises(ApiError) as e:
+        forced_spec(ToolPlan("required", tools + [Tool(function=FunctionDef(name="h", parameters=clash))]))
+    assert e.value.status == 400 and "conflicting $defs 'P'" in e.value.message
+    assert forced_spec(ToolPlan("auto", tools)) is None and forced_spec(ToolPlan("none", tools)) is None
+
+
+def test_chat_formatter_splits_reasoning_then_finds_calls_streamed_and_whole():
+    """The formatter (gateway/format.py) joins both: reasoning deltas first, then the calls found in
+    the content after </think>, the last chunk ending "tool_calls"; the whole answer says the same."""
+    from client.library import Result, StreamDelta
+    from gateway.format import ChatFormatter
+    from gateway.reasoning import REASONING_PARSERS
+
+    text = 'Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    plan = ToolPlan("auto", [], parser=PARSERS["hermes"])
+    fmt = ChatFormatter("id", 0, "m", None, plan, REASONING_PARSERS["deepseek_r1"])
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    chunks = [c for i, p in enumerate(pieces)
+              for c in fmt.chunks(0, StreamDelta(p, [], finish_reason="stop" if i == len(pieces) - 1 else None))]
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert reasoning == "Need the weather." and "".join(d.content or "" for d in deltas).strip() == ""
+    assert calls[0].function.name == "get_weather" and json.loads("".join(t.function.arguments for t in calls)) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    message, reason = fmt.message(Result("r", text=text, finish_reason="stop"))
+    assert reason == "tool_calls" and message.reasoning_content == "Need the weather." and message.content == "\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]

@@ -86,7 +86,7 @@ def test_named_tool_call_blocking_and_streamed(service, client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = create(client, model, tool_choice=choice)
     msg, finish = r.choices[0].message, r.choices[0].finish_reason
-    assert finish == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    assert finish == "tool_calls" and msg.role == "assistant" and msg.content is None and len(msg.tool_calls) == 1
     call = msg.tool_calls[0]
     assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
     valid("get_weather", call.function.arguments)
@@ -137,6 +137,8 @@ def test_two_turn_loop_through_the_template(service, client):
     # the second prompt is the template's rendering of the call, its result and the tools: the same token count
     expected = rendered_tokens(service, [dict(m) for m in json.loads(json.dumps(history))], TOOLS)
     assert final.usage.prompt_tokens == expected > first.usage.prompt_tokens
+    counted = httpx.post(f"{service[0].plan.http_url}/tokenize", json={"model": model, "messages": history, "tools": TOOLS}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["count"] == expected, counted.text  # /tokenize renders the same
 
 
 def test_auto_is_served_only_with_its_flags(service, client):
