@@ -18,7 +18,8 @@ probes cost the coordinator one stats build a second. /openapi.json describes ev
 its routes and its event stream to `run`); echo and prompt logprobs on /v1/completions are
 gateway/scoring.py's. Every field of a request is checked against the table of bounds
 (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
-choices hold fair shares of the in-flight slots (gateway/slots.py).
+choices hold fair shares of the in-flight slots (gateway/slots.py). A chat's tools and the
+server's reasoning parser shape its jobs and its answer (gateway/tools.py, gateway/reasoning.py).
 """
 from __future__ import annotations
 

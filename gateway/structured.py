@@ -5,7 +5,8 @@
 
 Lifecycle: `structured_output(req)` runs while a request body becomes jobs (gateway/schema.py's
 sampling_kwargs): it picks the one constraint the body asks for, or None, and raises a 400
-naming the field for a malformed one. Before the jobs leave, `check_jobs(jobs)` checks each
+naming the field for a malformed one; `whitespace(spec, structured_outputs)` then keeps vLLM's
+default (JSON with any whitespace) unless the body asks for `disable_any_whitespace`. Before the jobs leave, `check_jobs(jobs)` checks each
 distinct spec with xgrammar (runtime.structured.check; the first call imports xgrammar, off the
 event loop and outside the budget) on the gateway's compile lane (runtime/grammar_lane.py):
 CHECK_THREADS threads, so hostile specs hold at most that many and never the executor the

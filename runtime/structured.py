@@ -44,6 +44,10 @@ log = logging.getLogger("pdserve.structured")
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object grammar"}
 
+# characters of whitespace a JSON grammar allows between two tokens of the JSON (any kind, as vLLM's
+# default): enough for a newline and the indentation of 7 levels; unbounded, the default model
+# wrote newlines until max_tokens on one schema of five (vLLM does not bound them)
+MAX_WHITESPACE = 16
 CACHE_ENTRIES = 128  # compiled grammars kept for reuse (an LRU), at most this many
 CACHE_BYTES = 64 * 2**20  # ... and this many bytes (a 200-property schema compiles to ~12 MB)
 
@@ -59,14 +63,18 @@ def _grammar(spec: StructuredOutput):
     import xgrammar as xgr
 
     if spec.kind == "json":
-        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, any_whitespace=spec.any_whitespace)
+        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, **_whitespace(spec))
     if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=spec.any_whitespace)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_whitespace(spec))
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "choice":
         return xgr.Grammar.from_regex("|".join(re.escape(c) for c in spec.choices))
     raise InvalidRequestError(f"unknown structured output kind {spec.kind!r}")
+
+
+def _whitespace(spec: StructuredOutput) -> dict:
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE} if spec.any_whitespace else {"any_whitespace": False}
 
 
 def check(spec: StructuredOutput) -> None:
@@ -159,9 +167,9 @@ class Constrainer:
         spec, compiler = key[0], self.compiler
         try:
             if spec.kind == "json":
-                return compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=spec.any_whitespace)
+                return compiler.compile_json_schema(spec.spec, strict_mode=True, **_whitespace(spec))
             if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=spec.any_whitespace)
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_whitespace(spec))
             return compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {_message(e)}") from None

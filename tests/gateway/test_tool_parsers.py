@@ -185,3 +185,19 @@ def test_chat_formatter_splits_reasoning_then_finds_calls_streamed_and_whole():
     message, reason = fmt.message(Result("r", text=text, finish_reason="stop"))
     assert reason == "tool_calls" and message.reasoning_content == "Need the weather." and message.content == "\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_flags_are_checked_before_anything_starts():
+    """vLLM's flags: --enable-auto-tool-choice needs --tool-call-parser; an unknown parser or an
+    unreadable --chat-template is a usage error (pdserve gateway and pdserve launch)."""
+    from click.testing import CliRunner
+
+    from pdserve.cli import main
+
+    for role in ("gateway", "launch"):
+        r = CliRunner().invoke(main, [role, "--enable-auto-tool-choice"])
+        assert r.exit_code == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in r.output, r.output
+        r = CliRunner().invoke(main, [role, "--tool-call-parser", "nope"])
+        assert r.exit_code == 2 and "hermes" in r.output
+        r = CliRunner().invoke(main, [role, "--chat-template", "/no/such/template.jinja"])
+        assert r.exit_code == 2 and "cannot read" in r.output, r.output

@@ -19,7 +19,7 @@ from runtime.grammar_lane import LRU, CompileLane, CompilerBusy, GrammarTooCompl
 from runtime.params import SamplingParams, StructuredOutput
 from runtime.sampling import SamplingRow, sample
 from runtime.sequence import FinishReason
-from runtime.structured import constrainer
+from runtime.structured import MAX_WHITESPACE, constrainer
 from tests.helpers import save_tiny_served_model
 
 
@@ -224,7 +224,8 @@ def test_a_grammar_after_a_marker_holds_only_once_the_output_has_it(engine):
 
 
 def test_any_whitespace_by_default_and_compact_on_request(engine):
-    """JSON grammars let the model choose its whitespace (vLLM's default); any_whitespace=False
+    """JSON grammars let the model choose its whitespace (vLLM's default), at most MAX_WHITESPACE
+    characters between two tokens of the JSON; any_whitespace=False
     (vLLM's disable_any_whitespace) holds it to xgrammar's compact form (", " and ": ", nothing else)."""
     import xgrammar as xgr
 
@@ -237,6 +238,9 @@ def test_any_whitespace_by_default_and_compact_on_request(engine):
 
     for kind, spec in (("json", schema), ("json_object", "")):
         assert accepts(StructuredOutput(kind, spec), '{\n  "a": 1\n}') and accepts(StructuredOutput(kind, spec), '{"a":1}')
+        gap = "\n" + " " * (MAX_WHITESPACE - 1)
+        assert accepts(StructuredOutput(kind, spec), '{' + gap + '"a": 1}')
+        assert not accepts(StructuredOutput(kind, spec), '{' + gap + ' "a": 1}')  # a run past the bound: small models loop on newlines
         assert not accepts(StructuredOutput(kind, spec, any_whitespace=False), '{\n  "a": 1\n}')
         assert not accepts(StructuredOutput(kind, spec, any_whitespace=False), '{"a":1}')
         assert accepts(StructuredOutput(kind, spec, any_whitespace=False), '{"a": 1}')
