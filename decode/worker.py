@@ -39,8 +39,8 @@ writer (SIGSTOP, a long pause) that wakes up can never land in blocks another re
 A writer whose answer was lost is done all the same once it reported PrefillDone: the
 coordinator then sends Release(prefill_sent=False), which frees the grant or its fence at once.
 Peers are checked: a KVReady whose blocks are not its grant's, whose num_computed is not the
-granted token count (prompt + output - 1), or whose token ids, params or top logprobs are out of
-range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
+granted token count (prompt + output - 1), or whose token ids, params, top logprobs or prompt
+scores (one per prompt token after the first, when asked) are out of range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
 grant before anything reaches a copy or the engine; a Generate is validated by the engine.
 On exit the shared pool file is unlinked.
 """
@@ -69,8 +69,8 @@ from runtime.sequence import FinishReason
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
-    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, Reject, Release, Role, RoleSet, SetRole,
-    Shutdown, TokenBatch, TokenOut, WorkerError,
+    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, PromptLogprobs, Reject, Release, Role,
+    RoleSet, SetRole, Shutdown, TokenBatch, TokenOut, WorkerError,
 )
 from worker import process, tp_ranks
 from worker.handoff import Handoffs
@@ -102,6 +102,18 @@ class Fence:
 
     block_ids: list[int]
     writer: int
+
+
+def scores_problem(msg: KVReady, vocab: int) -> str | None:
+    """Why msg's prompt scores are not what its params asked for (None if they are): one per
+    prompt token after the first, each with at most prompt_logprobs top ids inside the vocabulary."""
+    k, scores = msg.params.prompt_logprobs, msg.prompt_logprobs
+    if (k is None) != (scores is None):
+        return "prompt logprobs that its params did not ask for, or none that they did"
+    if scores is not None and (len(scores) != len(msg.prompt_token_ids) - 1
+                               or any(len(top) > k or any(not 0 <= t < vocab for t, _ in top) for _, _, top in scores)):
+        return f"{len(scores)} prompt scores for {len(msg.prompt_token_ids)} prompt tokens, or one with an id outside [0, {vocab}) or over {k} top ids"
+    return None
 
 
 def token_out(o: StepOutput) -> TokenOut:
@@ -263,6 +275,8 @@ class DecodeWorker:
     def emit(self, outs: list[StepOutput]) -> None:
         tokens = []
         for o in outs:
+            if o.prompt_logprobs is not None:  # before the batch with its first token, in its own message (wire/protocol.py)
+                self.link.send(PromptLogprobs(o.request_id, o.prompt_logprobs))
             if o.error is None:
                 tokens.append(token_out(o))
             else:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
@@ -353,7 +367,7 @@ class DecodeWorker:
             return
         out = self.engine.add_prefilled(
             msg.request_id, msg.prompt_token_ids, msg.output_token_ids, msg.params, grant.block_ids,
-            msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority,
+            msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority, msg.prompt_logprobs,
         )
         self.emit([out])
 
@@ -383,6 +397,9 @@ class DecodeWorker:
             return f"an output token id outside [0, {vocab}) or too many top logprobs"
         if msg.logprob is not None and math.isnan(msg.logprob):
             return "a NaN logprob"
+        problem = scores_problem(msg, vocab)
+        if problem is not None:
+            return problem
         try:
             self.engine.validate(msg.prompt_token_ids + msg.output_token_ids[:-1], msg.params)
         except PdserveError as e:

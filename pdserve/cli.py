@@ -246,6 +246,55 @@ def _check_tracing(endpoint, protocol) -> None:
             raise click.UsageError(str(e)) from None
 
 
+def _chat_template_option(f):
+    return click.option("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) used instead of the model's own, e.g. one "
+                             "that shows tools")(f)
+
+
+def _chat_template(value):
+    from runtime.errors import PdserveError
+    from runtime.tokenizer import load_chat_template
+
+    try:
+        return None if value is None else load_chat_template(value)
+    except PdserveError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _tool_options(f):
+    """Tool calling and reasoning output on the gateway (gateway/tools.py), vLLM's flags."""
+    from gateway.reasoning import REASONING_PARSERS
+    from gateway.tool_parsers import PARSERS
+
+    opts = [
+        click.option("--enable-auto-tool-choice", is_flag=True, help='serve tool_choice "auto" (needs --tool-call-parser)'),
+        click.option("--tool-call-parser", default=None, type=click.Choice(sorted(PARSERS)),
+                     help="how the model writes tool calls, for tool_choice auto"),
+        click.option("--reasoning-parser", default=None, type=click.Choice(sorted(REASONING_PARSERS)),
+                     help="split the model's <think> block into reasoning_content"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser):
+    from gateway.tools import ToolConfig
+    from runtime.errors import PdserveError
+
+    try:
+        return ToolConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    except PdserveError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _tool_args(enable_auto_tool_choice, tool_call_parser, reasoning_parser) -> list[str]:
+    """The same options as flags, for the gateway `pdserve launch` starts."""
+    return ((["--enable-auto-tool-choice"] if enable_auto_tool_choice else []) + (["--tool-call-parser", tool_call_parser] if tool_call_parser else [])
+            + (["--reasoning-parser", reasoning_parser] if reasoning_parser else []))
+
+
 def _limit_options(f):
     """What one request may carry (wire/limits.py); the coordinator and the gateway both check them."""
     opts = [
@@ -310,10 +359,12 @@ def _class_targets(specs) -> dict:
 @_tracing_options
 @click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
 @_SECRET_OPTION
+@_chat_template_option
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests,
                 client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target, paths, local_prefill_tokens, planner,
-                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
+                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file,
+                chat_template, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -327,6 +378,7 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
                             served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file,
+                            chat_template=_chat_template(chat_template),
                             **({"client_send_budget": client_send_budget_kb * 1024} if client_send_budget_kb else {})))
 
 
@@ -345,8 +397,11 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
 @click.option("--stream-buffer-kb", default=None, type=click.IntRange(16),
               help="KiB of events one HTTP request may leave unread, past which its streams are aborted (client_too_slow; default 4096)")
 @_limit_options
+@_tool_options
+@_chat_template_option
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb, verbose, **limits):
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb,
+            enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, verbose, **limits):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
@@ -355,6 +410,8 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
     try:
         cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys,
                             max_inflight=max_inflight, limits=_limits(**limits),
+                            tools=_tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser),
+                            chat_template=_chat_template(chat_template),
                             **({"stream_buffer_bytes": stream_buffer_kb * 1024} if stream_buffer_kb else {}))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
@@ -460,12 +517,15 @@ def stats(address, timeout, keys):
 @_limit_options
 @_security_options
 @_tracing_options
+@_tool_options
+@_chat_template_option
 @engine_flag_options
 def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, prefill_tp, decode_tp, log_dir,
            engine_arg, gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
            paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
-           max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
+           max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range,
+           enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -497,6 +557,12 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model
     _limits(**limits)  # a bad value is a usage error before anything starts
     plan.coordinator_args += _limit_args(**limits)
     plan.gateway_args += _limit_args(**limits) + ["--max-inflight", str(max_inflight)]
+    _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser)  # a bad combination is a usage error now
+    plan.gateway_args += _tool_args(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    if chat_template is not None:
+        _chat_template(chat_template)  # a file that cannot be read is a usage error before anything starts
+        plan.coordinator_args += ["--chat-template", chat_template]
+        plan.gateway_args += ["--chat-template", chat_template]
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
