@@ -121,6 +121,8 @@ class Result:
     decode_worker: str | None = None
     client_ttft: float | None = None  # seconds, as seen by this client
     latency: float = 0.0  # seconds end to end, as seen by this client
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs asked: the prompt's ids
+    prompt_logprobs: list | None = None  # and a (logprob, rank, [(id, logprob)] top) per id after the first
 
     @property
     def usage(self) -> dict:
@@ -130,6 +132,8 @@ class Result:
     def add(self, d: Delta, t0: float) -> None:
         if self.client_ttft is None and d.token_ids:
             self.client_ttft = time.monotonic() - t0
+        if d.prompt_logprobs is not None:
+            self.prompt_token_ids, self.prompt_logprobs = d.prompt_token_ids, d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         if d.logprobs:
@@ -153,6 +157,8 @@ class StreamDelta:
     finish_reason: str | None = None  # set on the last delta
     result: Result | None = None  # the whole result, on the last delta
     top_logprobs: list | None = None  # per token: [(token_id, logprob), ...] when logprobs were asked for
+    prompt_token_ids: list[int] | None = None  # once, before the first token, when prompt_logprobs were asked for
+    prompt_logprobs: list | None = None  # per prompt token after the first: (logprob, rank, [(token_id, logprob), ...])
 
 
 def encode_request(req: GenerateRequest) -> bytes:
@@ -172,7 +178,8 @@ def to_delta(msg, result: Result, t0: float) -> StreamDelta | None:
     Final becomes a StreamDelta (the last one carries the result); an ErrorReply raises."""
     if isinstance(msg, Delta):
         result.add(msg, t0)
-        return StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
+        return StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs, prompt_token_ids=msg.prompt_token_ids,
+                           prompt_logprobs=msg.prompt_logprobs)
     if isinstance(msg, Final):
         result.end(msg, t0)
         return StreamDelta("", [], None, result.finish_reason, result)

@@ -75,7 +75,7 @@ from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
     ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, NodeReport, Prefill, PrefillDone, Reject,
     Release, Role, RoleSet, SetRole,
-    StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+    StatsReply, StatsRequest, StatusRequest, PromptLogprobs, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 
 log = logging.getLogger("pdserve.coordinator")
@@ -747,6 +747,8 @@ class Coordinator:
                     if self.handed_off:
                         self.handed_off.pop(item.request_id, None)  # its decode worker took the hand-off
                     self.on_token(item)
+        elif isinstance(msg, PromptLogprobs):
+            self.on_prompt_logprobs(w, msg)
         elif isinstance(msg, PrefillDone):
             self.writer_done(w, msg)
             st = self.requests.get(msg.request_id)
@@ -782,6 +784,8 @@ class Coordinator:
 
     def on_hello(self, ident: bytes, h: Hello) -> None:
         problem = f"protocol version {h.version} != {PROTOCOL_VERSION}" if h.version != PROTOCOL_VERSION else hello_problem(h)
+        if problem is None:
+            problem = handoff_mismatch(h, [w.hello for w in self.workers.values()])
         if problem is None and h.worker_id not in self.workers and len(self.workers) >= self.cfg.max_workers:
             problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
         if problem is not None:
@@ -968,6 +972,17 @@ class Coordinator:
         if reason is not None:
             self.finish(st.iid, reason, tell=False)
 
+    def on_prompt_logprobs(self, w: WorkerState, msg: PromptLogprobs) -> None:
+        """The prompt's scores go to the client once, with its token ids, before its first token."""
+        st = self.request_on(w, msg.request_id)
+        if st is None or st.scored:
+            return
+        if st.req.params.prompt_logprobs is None or len(msg.scores) != len(st.prompt) - 1:
+            self.counts["invalid_worker_messages"] += 1
+            return
+        st.scored = True
+        self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
+
     def tell_workers(self, st: RequestState, msg) -> None:
         for wid in {st.prefill, st.decode}:
             if wid in self.workers:
@@ -1059,10 +1074,12 @@ class Coordinator:
 def check_worker_message_size(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
     """LimitExceededError if a Prefill, Generate or KVReady of this request could exceed a worker
     socket's MAX_CONTROL_MESSAGE: each carries its params and at most the model's context in token
-    ids plus as many block ids, 9 bytes each at most in msgpack; the rest fits the margin."""
+    ids plus as many block ids, 9 bytes each at most in msgpack, and the prompt's scores when asked; the rest fits the margin."""
     tokens = min(prompt_tokens + params.max_tokens, max_model_len)
     params_bytes = len(encode(params))
     limit = MAX_CONTROL_MESSAGE - WORKER_MESSAGE_MARGIN
+    if params.prompt_logprobs is not None:  # KVReady and PromptLogprobs carry a score per prompt token: 24 bytes + 15 per top id
+        params_bytes += prompt_tokens * (24 + 15 * params.prompt_logprobs)
     if params_bytes + 18 * (tokens + 1) > limit:
         raise LimitExceededError(f"the request's messages to workers would be over {limit} bytes, what a worker link takes "
                                  f"(its sampling parameters alone are {params_bytes} bytes)")
@@ -1087,6 +1104,20 @@ def hello_problem(h: Hello) -> str | None:
         return "invalid hello: block_size and max_model_len must be >= 1 and num_blocks >= 0"
     if any(not all(math.isfinite(v) and v >= 0 for v in step) for step in h.profile):
         return "invalid hello: profile steps must be finite and >= 0"
+    return None
+
+
+def handoff_mismatch(h: Hello, registered: list[Hello]) -> str | None:
+    """Why h's KV blocks could not be handed to or from a registered worker (None if they can):
+    a hand-off moves whole blocks between pools of one model, block size and KV dtype, whatever
+    the tensor parallel size of either side; refused at registration, not mid-request."""
+    for o in registered:
+        if o.worker_id == h.worker_id:
+            continue
+        for what, mine, theirs in (("model", h.model, o.model), ("block size", h.block_size, o.block_size),
+                                   ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype"))):
+            if mine != theirs:
+                return f"not supported: KV hand-offs between workers of another {what} ({mine!r} here, {theirs!r} on {o.worker_id})"
     return None
 
 

@@ -143,6 +143,7 @@ class RequestState:
     path: dict = field(default_factory=dict)  # the path chosen at its last placement and both ways' predictions (PathChoice.attributes)
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
+    scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)
 
     @property
     def priority(self) -> int:

@@ -8,6 +8,8 @@ which decodes each token id alone (as vLLM does) and remembers the answer.
 """
 from __future__ import annotations
 
+import msgspec
+
 from client.library import Result, StreamDelta
 from gateway.reasoning import ThinkParser
 from gateway.tools import CallStream, ToolPlan, whole_calls
@@ -15,6 +17,7 @@ from gateway.schema import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
     CompletionLogprobs, CompletionResponse, DeltaMessage, Job, TokenLogprob, TopLogprob, Usage,
 )
+from gateway.scoring import Echo, echo_text, prompt_logprobs_part, prompt_logprobs_field
 
 
 class TokenText:
@@ -49,36 +52,77 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    def __init__(self, rid: str, created: int, model: str, text: TokenText):
+    """echo (gateway/scoring.py): each choice's first chunk (or its whole text) starts with the
+    prompt, and, with logprobs, its logprobs with the prompt's; max_tokens 0 drops the one
+    token sampled (finish_reason "length", no completion tokens)."""
+
+    def __init__(self, rid: str, created: int, model: str, text: TokenText, echo: Echo = Echo(), jobs: list[Job] = ()):
         super().__init__(rid, created, model, text)
         self.offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        self.echo = echo
+        self.inputs = {j.index: j.inputs for j in jobs}  # what each choice echoes
+        self.k = next((j.sampling.get("logprobs") for j in jobs), None)  # completions logprobs: top alternatives per token
+        self.opened: set[int] = set()  # choices whose first chunk went out
 
-    def logprobs(self, index: int, token_ids: list[int], logprobs: list[float] | None, top: list | None) -> CompletionLogprobs | None:
-        if logprobs is None:
-            return None
-        tokens = [self.text(t) for t in token_ids]
+    def _offsets(self, index: int, tokens: list[str]) -> list[int]:
         offsets = []
         at = self.offsets.get(index, 0)
         for s in tokens:
             offsets.append(at)
             at += len(s)
         self.offsets[index] = at
+        return offsets
+
+    def logprobs(self, index: int, token_ids: list[int], logprobs: list[float] | None, top: list | None) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        tokens = [self.text(t) for t in token_ids]
         tops = [{self.text(t): lp for t, lp in alts} for alts in (top or [[] for _ in token_ids])]
-        return CompletionLogprobs(tokens, list(logprobs), tops, offsets)
+        return CompletionLogprobs(tokens, list(logprobs), tops, self._offsets(index, tokens))
+
+    def prompt_part(self, index: int, ids: list[int] | None, scores: list | None) -> tuple[str, CompletionLogprobs | None, list | None]:
+        """What choice `index` starts with: the echoed prompt and its logprobs, and vLLM's prompt_logprobs field."""
+        e = self.echo
+        field = prompt_logprobs_field(ids, scores, e.prompt_k, self.text) if e.prompt_k is not None and scores is not None else None
+        if not e.echo:
+            return "", None, field
+        lp = None
+        if self.k is not None and scores is not None:
+            tokens, lps, tops = prompt_logprobs_part(ids, scores, self.k, self.text)
+            lp = CompletionLogprobs(tokens, lps, tops, self._offsets(index, tokens))
+        return echo_text(self.inputs[index], self.text.tok), lp, field
+
+    def choice(self, index: int, head: tuple, text: str, token_ids, logprobs, top, finish_reason) -> CompletionChoice:
+        """A choice (or a chunk's) after its prompt part `head`; the output is dropped for max_tokens 0."""
+        echoed, head_lp, field = head
+        if self.echo.drop_output:
+            text, token_ids, finish_reason = "", [], finish_reason and "length"
+        lp = self.logprobs(index, token_ids, logprobs, top) if token_ids else None
+        if head_lp is not None and lp is not None:
+            lp = CompletionLogprobs(*(a + b for a, b in zip(msgspec.structs.astuple(head_lp), msgspec.structs.astuple(lp))))
+        return CompletionChoice(index, echoed + text, lp or head_lp, finish_reason, field)
 
     def chunk(self, index: int, d: StreamDelta) -> CompletionResponse:
-        lp = self.logprobs(index, d.token_ids, d.logprobs, d.top_logprobs) if d.token_ids else None
-        return CompletionResponse(self.id, self.created, self.model, [CompletionChoice(index, d.text, lp, d.finish_reason)])
+        head = ("", None, None)
+        if index not in self.opened:
+            self.opened.add(index)
+            head = self.prompt_part(index, d.prompt_token_ids, d.prompt_logprobs)
+        choice = self.choice(index, head, d.text, d.token_ids, d.logprobs, d.top_logprobs, d.finish_reason)
+        return CompletionResponse(self.id, self.created, self.model, [choice])
 
     def usage_chunk(self, u: Usage) -> CompletionResponse:
-        return CompletionResponse(self.id, self.created, self.model, [], u)
+        return CompletionResponse(self.id, self.created, self.model, [], self.usage(u))
+
+    def usage(self, u: Usage) -> Usage:
+        return Usage(u.prompt_tokens, 0, u.prompt_tokens) if self.echo.drop_output else u
 
     def whole(self, jobs: list[Job], results: list[Result]) -> CompletionResponse:
         choices = []
         for j, r in zip(jobs, results):
-            lp = self.logprobs(j.index, r.token_ids, r.logprobs, r.top_logprobs) if _asked(j) else None
-            choices.append(CompletionChoice(j.index, r.text, lp, r.finish_reason))
-        return CompletionResponse(self.id, self.created, self.model, sorted(choices, key=lambda c: c.index), usage(jobs, results))
+            head = self.prompt_part(j.index, r.prompt_token_ids, r.prompt_logprobs)
+            lp = (r.logprobs, r.top_logprobs) if _asked(j) else (None, None)
+            choices.append(self.choice(j.index, head, r.text, r.token_ids, *lp, r.finish_reason))
+        return CompletionResponse(self.id, self.created, self.model, sorted(choices, key=lambda c: c.index), self.usage(usage(jobs, results)))
 
 
 class ChatFormatter(_Formatter):

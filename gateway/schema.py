@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
+from gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
 from gateway.structured import structured_output, whitespace
 from gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
 from wire.protocol import ChatMessage, ToolCall as WireToolCall
@@ -73,8 +74,9 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: str | list
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # prepend the prompt (and, with logprobs, its tokens' logprobs: gateway/scoring.py); max_tokens 0 allowed
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob and its top-k alternatives
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -186,6 +188,7 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
         prompts = 1
     else:
         limits.check_logprobs("logprobs", req.logprobs)
+        limits.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         prompts = prompt_bounds(req.prompt, limits)
     if prompts * req.n > limits.max_fanout:
         raise FieldLimitExceeded("n", f"{prompts} prompts x n={req.n} make {prompts * req.n} choices; the limit is {limits.max_fanout}")
@@ -263,12 +266,12 @@ class Job:
 
 def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
     _common_checks(req)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    echo = echo_options(req)
     inputs = completion_inputs(req.prompt, vocab_size, max_len)
-    sampling = sampling_kwargs(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
+    sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
     return _fan_out(inputs, sampling, req.n, req.priority)
 
 
@@ -335,9 +338,13 @@ def chat_message(m: ChatMessageIn) -> ChatMessage:
 _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
 
 
-def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None, forced: StructuredOutput | None = None) -> dict:
-    """forced: the grammar a required or named tool_choice holds the answer to (gateway/tools.py)."""
+def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None, forced: StructuredOutput | None = None,
+                    prompt_logprobs: int | None = None) -> dict:
+    """forced: the grammar a required or named tool_choice holds the answer to (gateway/tools.py);
+    prompt_logprobs: the prompt's scores asked of the prefill pass (gateway/scoring.py)."""
     kw = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs)
+    if prompt_logprobs is not None:
+        kw["prompt_logprobs"] = prompt_logprobs
     kw.update({name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None})
     if req.stop is not None:
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -384,9 +391,11 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """Over the output, or (echo) the prompt and the output: the prompt's first token's entries are null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -395,6 +404,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None  # vLLM's: with prompt_logprobs asked
 
 
 class CompletionResponse(msgspec.Struct):

@@ -46,7 +46,11 @@ def _engine_options(f):
         click.option("--int8-activations", is_flag=True, help="the same as --quant-activations int8"),
         click.option("--no-prefix-cache", "no_prefix_cache", is_flag=True,
                      help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)"),
-        click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
+        click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(1),
+                     help="rank processes the model is split over (CPU: gloo on loopback)"),
+        click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size", default=1, show_default=True, type=click.IntRange(1),
+                     help="only 1: pipeline parallelism is not supported"),
+        click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice; with TP n, each rank a 1/n share)"),
         click.option("--core-share", default=None, help="PATH:SLOT from the launcher: share the node's cores with its other busy workers"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
         click.option("--coordinator", "coordinator_addr", default=COORDINATOR_WORKERS, show_default=True, help="coordinator worker port"),
@@ -61,7 +65,8 @@ def _engine_options(f):
 
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
-             quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
+             quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False,
+             tensor_parallel_size=1, pipeline_parallel_size=1, **extra):
     from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
     from runtime.errors import PdserveError
 
@@ -70,7 +75,8 @@ def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                            quantization=quantization, prefix_cache=not no_prefix_cache,
+                            quantization=quantization, prefix_cache=not no_prefix_cache, tensor_parallel_size=tensor_parallel_size,
+                            pipeline_parallel_size=pipeline_parallel_size,
                             quant_activations="int8" if int8_activations else quant_activations or EngineConfig.quant_activations)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)
@@ -493,6 +499,8 @@ def stats(address, timeout, keys):
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
+@click.option("--prefill-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the prefill workers")
+@click.option("--decode-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the decode (or colocated) workers")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
 @click.option("--gateway/--no-gateway", default=True, show_default=True, help="the OpenAI HTTP gateway, beside the coordinator")
@@ -512,7 +520,7 @@ def stats(address, timeout, keys):
 @_tool_options
 @_chat_template_option
 @engine_flag_options
-def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir,
+def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, prefill_tp, decode_tp, log_dir,
            engine_arg, gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
            paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
@@ -533,6 +541,8 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
     plan.engine_args += worker_args(engine_flags) + [a for arg in engine_arg for a in arg.split("=", 1)]
+    plan.prefill_args += ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp else []
+    plan.decode_args += ["--tensor-parallel-size", str(decode_tp)] if decode_tp else []
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]

@@ -107,12 +107,16 @@ class RequestLimits:
     max_prompts: int = 1024  # prompts in one completions request
     max_n: int = 128  # choices per prompt (OpenAI's limit)
     max_fanout: int = 1024  # prompts x n of one request: each choice is one coordinator request
-    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5)
+    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
+    # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
     max_tools: int = 128  # tools of one chat (OpenAI's limit)
     max_tool_name_length: int = 64  # characters of a tool's name (OpenAI: ^[a-zA-Z0-9_-]{1,64}$; vLLM does not check the form)
     max_tool_bytes: int = 64 * 1024  # JSON bytes of one tool (name, description, parameters schema): forcing a call compiles it
     max_tool_calls: int = 128  # calls of one assistant message in a chat's history
+    max_metadata_keys: int = 16  # keys of a response's metadata (/v1/responses; OpenAI's limit)
+    max_metadata_value: int = 512  # characters of one metadata value (OpenAI's; a key: max_metadata_key, 64)
+    max_metadata_key: int = 64
     max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
 
@@ -189,6 +193,16 @@ class RequestLimits:
             if size > self.max_tool_bytes:
                 raise FieldLimitExceeded("tools", f"tool {name[:64]!r} has {size} bytes of JSON; the limit is {self.max_tool_bytes}")
 
+    def check_metadata(self, metadata: dict | None) -> None:
+        """A response's metadata: a few short string keys and values (they are echoed and stored)."""
+        if not metadata:
+            return
+        if len(metadata) > self.max_metadata_keys:
+            raise FieldLimitExceeded("metadata", f"metadata has {len(metadata)} keys; the limit is {self.max_metadata_keys}")
+        if any(len(k) > self.max_metadata_key or len(v) > self.max_metadata_value for k, v in metadata.items()):
+            raise FieldLimitExceeded("metadata", f"a metadata key is over {self.max_metadata_key} characters or a value over "
+                                                 f"{self.max_metadata_value}")
+
     def check_prompt_bytes(self, texts, messages: int = 0, param: str = "prompt") -> int:
         """texts: the prompt, or each message's role and content; each of `messages` counts
         message_overhead more. Returns the total: the cost a tokenizing lane is chosen by."""
@@ -235,6 +249,7 @@ class RequestLimits:
         self.check_sampling(p.stop, p.stop_token_ids)
         self.check_max_tokens("max_tokens", p.max_tokens if isinstance(p.max_tokens, int) else None)
         self.check_logprobs("logprobs", p.logprobs if isinstance(p.logprobs, int) else None)
+        self.check_logprobs("prompt_logprobs", p.prompt_logprobs if isinstance(p.prompt_logprobs, int) else None)
         if p.structured is not None:
             self.check_structured(p.structured)
 
