@@ -203,7 +203,6 @@ def chat_bounds(messages: list["ChatMessageIn"], limits: RequestLimits, tools: l
         limits.check_name("name", m.name)
         for name in (m.tool_call_id, *(t for c in m.tool_calls or () for t in (c.id, c.function.name))):
             limits.check_name("messages", name)
-    limits.check_count("tools", len(tools or ()), "max_tools")  # before any tool is encoded
     tool_json = [msgspec.json.encode(t) for t in tools or ()]
     limits.check_tools([t.function.name for t in tools or ()], [len(j) for j in tool_json])
     texts = _chat_texts(messages)

@@ -185,8 +185,10 @@ class RequestLimits:
             raise FieldLimitExceeded("messages", f"a message has {calls} tool calls; the limit is {self.max_tool_calls}")
 
     def check_tools(self, names: list[str], sizes: list[int]) -> None:
-        """A chat's tools (their count: check_count, max_tools): each name's length, each one's JSON
-        bytes (their text counts in max_prompt_bytes too: the template renders them)."""
+        """A chat's tools: how many, each name's length, each one's JSON bytes (their text counts in
+        max_prompt_bytes too: the template renders them)."""
+        if len(names) > self.max_tools:
+            raise FieldLimitExceeded("tools", f"tools has {len(names)} tools; the limit is {self.max_tools}")
         for name, size in zip(names, sizes):
             if len(name) > self.max_tool_name_length:
                 raise FieldLimitExceeded("tools", f"a tool's name has {len(name)} characters; the limit is {self.max_tool_name_length}")
