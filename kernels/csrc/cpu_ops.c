@@ -2,9 +2,11 @@
  *
  * Each function does what a handful of small torch ops would, in one pass over memory and
  * without a Python round trip per op; each has a torch twin in kernels/cpu_native.py that the
- * tests compare it with. Built once per machine with `cc -O3 -march=native -fopenmp` and linked
+ * tests compare it with. Linked
  * against the OpenMP runtime torch has already loaded, so both share one thread pool and the
- * thread count torch.set_num_threads set.
+ * thread count torch.set_num_threads set. Compiled once per instruction-set level (baseline, avx2,
+ * avx512: kernels/native_build.py), never for the build machine alone; "#ifdef __AVX2__" parts are
+ * what the avx2 and avx512 variants add.
  *
  * Rounding: elementwise arithmetic keeps torch's order of operations (the file is compiled with
  * -ffp-contract=off, so a*b + c*d is two rounded products and a rounded sum, as in eager torch);
@@ -15,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pd_ops.h"
 
 /* exp(x) to about 2 ulp (Cephes' expf: range reduction by ln 2, degree-6 polynomial). The
  * scalar form serves loop tails and non-AVX2 builds; exp8 is the same arithmetic 8 lanes wide. */

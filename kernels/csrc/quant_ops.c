@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pd_ops.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif

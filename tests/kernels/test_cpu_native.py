@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native as cn
+from kernels import cpu_native as cn, native_build
 from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear, row_bucket
 from kernels.reference import paged_attention_ref
 
 ops = cn.native()
-pytestmark = pytest.mark.skipif(ops is None and cn._compiler() is None, reason="no C compiler: the fused CPU kernels are not built")
+pytestmark = pytest.mark.skipif(ops is None and native_build.compiler() is None, reason="no C compiler: the fused CPU kernels are not built")
 
 
 def test_the_kernels_build_where_a_compiler_is():
