@@ -30,6 +30,11 @@ class BuildNative(build_ext):
             return os.path.join(*package, native_build.library_name(name[len("pd_ops_"):]))
         return super().get_ext_filename(fullname)
 
+    def finalize_options(self):
+        if self.parallel is None:
+            self.parallel = True  # the variants compile side by side (one compiler process each)
+        super().finalize_options()
+
     def copy_extensions_to_source(self):  # (an editable install: kernels/_native of the checkout)
         native_build.INSTALLED.mkdir(exist_ok=True)
         super().copy_extensions_to_source()
