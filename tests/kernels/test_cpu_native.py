@@ -1,6 +1,7 @@
 """The fused C kernels (kernels/csrc/cpu_ops.c) against their torch twins and the reference
 attention: every shape class the model produces (head dims 64, 128 and an odd one, GQA groups
-1-4, block sizes 8/16/32, lengths that end mid-page, rows in any order, strided rows).
+1-6, block sizes 8/16/32, lengths that end mid-page, rows in any order, strided rows), on every
+instruction-set variant the machine runs (the `ops` fixture: tests/kernels/variants.py).
 
 Tolerances: rope and the KV write keep torch's order of operations and must match bit for bit;
 the reductions (RMSNorm's sum of squares, attention's dot products and softmax) sum in another
@@ -37,7 +38,9 @@ def close(a, b, rel=2e-6):
     assert err <= rel * scale * 8, f"max error {err:.3e} at scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 40, 32), (6, 3, 64, 16)])
+# head dim 64: groups of 1-4 heads (the AVX-512 form) at block sizes 16 and 8, and of 6 (the generic one)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 40, 32), (6, 3, 64, 16),
+                                                                 (4, 1, 64, 8), (5, 5, 64, 16), (6, 1, 64, 16)])
 def test_decode_attention_matches_reference(heads, kv_heads, head_dim, block_size, ops):
     g = torch.Generator().manual_seed(heads * head_dim)
     num_blocks = 64
