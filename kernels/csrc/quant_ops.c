@@ -27,6 +27,11 @@
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
  *                  call (measured 15-35% faster than oneDNN's packed float32 at 8-64 rows).
+ * Instruction sets (kernels/native_build.py compiles this file once per level): the avx2 variant
+ * is what is described above; the avx512 one replaces the int16 GEMM's micro-tile (vpdpwssd, 32
+ * activation rows x 6 weight rows) and the tiled kernel's (12 weight rows x 32 rows of x, the whole
+ * of K in registers); the baseline one (no AVX2) runs a weight row at a time in plain C, the
+ * integer modes included (q_scalar_activations), and has no pd_f_matmul (it returns 2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -393,93 +398,89 @@ static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp,
     }
 }
 
+/* The micro-tile's vectors: QL lanes of int32 / float, and the pair products added in (avx512:
+ * vpdpwssd; avx2: madd_epi16 + add_epi32; the same exact int32 sums). QV_PIN keeps a value in a
+ * register: GCC reloaded the x vectors for every weight row (10-14% slower) and reassociated the
+ * sums, spilling every product. */
 #ifdef __AVX512VNNI__
-/* One micro-tile: the first 16 * V (constant, 1 or 2) rows of an activation tile (packed) times
- * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the 16V x NR results
- * go to res[NR][MT]. V = 1 for a last tile of at most 16 rows. */
-static inline __attribute__((always_inline)) void q_gemm_tile(
-    const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
-    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V) {
-    __m512 f[Q_GEMM_NR][2];
-    for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) f[j][v] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
-        __m512i a[Q_GEMM_NR][2];
-        for (int j = 0; j < Q_GEMM_NR; j++)
-            for (int v = 0; v < V; v++) a[j][v] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-        for (int p = 0; p < 16; p++) {
-            __m512i xv[2];
-            for (int v = 0; v < V; v++) xv[v] = _mm512_load_si512((const void *)(xb + p * Q_GEMM_MT + 16 * v));
-            for (int j = 0; j < Q_GEMM_NR; j++) {
-                int32_t pair;
-                memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
-                const __m512i w = _mm512_set1_epi32(pair);
-                for (int v = 0; v < V; v++) a[j][v] = _mm512_dpwssd_epi32(a[j][v], xv[v], w);
-            }
-        }
-        for (int v = 0; v < V; v++) {
-            const __m512 dx = _mm512_load_ps(dxp + b * Q_GEMM_MT + 16 * v);
-            for (int j = 0; j < Q_GEMM_NR; j++)
-                f[j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j][v]), _mm512_mul_ps(_mm512_set1_ps(wd[j * nb + b]), dx), f[j][v]);
-            if (qt != QT_Q8_0) {
-                const __m512 s = _mm512_load_ps(sump + b * Q_GEMM_MT + 16 * v);
-                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(wm[j * nb + b]), s, f[j][v]);
-            }
-        }
-    }
-    for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) _mm512_storeu_ps(res[j] + 16 * v, f[j][v]);
-}
+#define QL 16
+typedef __m512 qv_f;
+typedef __m512i qv_i;
+#define qv_zero_f _mm512_setzero_ps
+#define qv_zero_i _mm512_setzero_si512
+#define qv_load_i(p) _mm512_load_si512((const void *)(p))
+#define qv_set1_i _mm512_set1_epi32
+#define qv_dot_pairs(acc, w, x) _mm512_dpwssd_epi32(acc, x, w)
+#define qv_load_f _mm512_load_ps
+#define qv_store_f _mm512_storeu_ps
+#define qv_set1_f _mm512_set1_ps
+#define qv_fmadd _mm512_fmadd_ps
+#define qv_mul _mm512_mul_ps
+#define qv_cvt _mm512_cvtepi32_ps
+#define QV_PIN(v) __asm__("" : "+v"(v))
 #else
-/* One micro-tile: the first 8 * V (constant, 1 or 2) rows of an activation tile (packed) times
- * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the 8V x NR results
- * go to res[NR][16]. V = 1 for a last tile of at most 8 rows. */
+#define QL 8
+typedef __m256 qv_f;
+typedef __m256i qv_i;
+#define qv_zero_f _mm256_setzero_ps
+#define qv_zero_i _mm256_setzero_si256
+#define qv_load_i(p) _mm256_load_si256((const __m256i *)(p))
+#define qv_set1_i _mm256_set1_epi32
+#define qv_dot_pairs(acc, w, x) _mm256_add_epi32(_mm256_madd_epi16(w, x), acc)
+#define qv_load_f _mm256_load_ps
+#define qv_store_f _mm256_storeu_ps
+#define qv_set1_f _mm256_set1_ps
+#define qv_fmadd _mm256_fmadd_ps
+#define qv_mul _mm256_mul_ps
+#define qv_cvt _mm256_cvtepi32_ps
+#define QV_PIN(v) __asm__("" : "+x"(v))
+#endif
+
+/* One micro-tile: the first QL * V (constant, 1 or 2) rows of an activation tile (packed) times
+ * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the QL*V x NR
+ * results go to res[NR][MT]. V = 1 for a last tile of at most QL rows. */
 static inline __attribute__((always_inline)) void q_gemm_tile(
     const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
     int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V) {
-    __m256 f[Q_GEMM_NR][2];
+    qv_f f[Q_GEMM_NR][2];
     for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) f[j][v] = _mm256_setzero_ps();
+        for (int v = 0; v < V; v++) f[j][v] = qv_zero_f();
     for (int b = 0; b < nb; b++) {
         const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
-        __m256i a[Q_GEMM_NR][2];
+        qv_i a[Q_GEMM_NR][2];
         for (int j = 0; j < Q_GEMM_NR; j++)
-            for (int v = 0; v < V; v++) a[j][v] = _mm256_setzero_si256();
+            for (int v = 0; v < V; v++) a[j][v] = qv_zero_i();
 #pragma GCC unroll 16
         for (int p = 0; p < 16; p++) {
-            __m256i xv[2];
+            qv_i xv[2];
             for (int v = 0; v < V; v++) {
-                xv[v] = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT + 8 * v));
-                __asm__("" : "+x"(xv[v]));  /* in registers: GCC reloaded them for every weight row (10-14% slower) */
+                xv[v] = qv_load_i(xb + p * Q_GEMM_MT + QL * v);
+                QV_PIN(xv[v]);
             }
 #pragma GCC unroll 8
             for (int j = 0; j < Q_GEMM_NR; j++) {
                 int32_t pair;
                 memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
-                const __m256i w = _mm256_set1_epi32(pair);
+                const qv_i w = qv_set1_i(pair);
                 for (int v = 0; v < V; v++) {
-                    a[j][v] = _mm256_add_epi32(_mm256_madd_epi16(w, xv[v]), a[j][v]);
-                    __asm__("" : "+x"(a[j][v]));  /* keeps GCC from reassociating the sums (it spilled every product) */
+                    a[j][v] = qv_dot_pairs(a[j][v], w, xv[v]);
+                    QV_PIN(a[j][v]);
                 }
             }
         }
         for (int v = 0; v < V; v++) {
-            const __m256 dx = _mm256_load_ps(dxp + b * Q_GEMM_MT + 8 * v);
+            const qv_f dx = qv_load_f(dxp + b * Q_GEMM_MT + QL * v);
             for (int j = 0; j < Q_GEMM_NR; j++)
-                f[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][v]), _mm256_mul_ps(_mm256_set1_ps(wd[j * nb + b]), dx), f[j][v]);
+                f[j][v] = qv_fmadd(qv_cvt(a[j][v]), qv_mul(qv_set1_f(wd[j * nb + b]), dx), f[j][v]);
             if (qt != QT_Q8_0) {
-                const __m256 s = _mm256_load_ps(sump + b * Q_GEMM_MT + 8 * v);
-                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = _mm256_fmadd_ps(_mm256_set1_ps(wm[j * nb + b]), s, f[j][v]);
+                const qv_f s = qv_load_f(sump + b * Q_GEMM_MT + QL * v);
+                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = qv_fmadd(qv_set1_f(wm[j * nb + b]), s, f[j][v]);
             }
         }
     }
     for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) _mm256_storeu_ps(res[j] + 8 * v, f[j][v]);
+        for (int v = 0; v < V; v++) qv_store_f(res[j] + QL * v, f[j][v]);
 }
-
-#endif
 
 static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
                       float *out, int64_t os) {
