@@ -25,11 +25,13 @@ INSTALLED = Path(__file__).parent / "_native"  # where the install step puts the
 SOURCES = ("cpu_ops.c", "quant_ops.c", "step_ops.c", "isa_probe.c")
 HEADERS = ("pd_ops.h",)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")
-# best first; each x86-64 level's flags (GCC >= 11, clang >= 12 know the -march levels). The
-# avx512 level needs VNNI too (vpdpwssd in the int16 GEMM); pd_cpu_features checks the same set.
+# best first; each x86-64 level spelled as its feature flags rather than -march=x86-64-v3 / -v4,
+# which compilers before GCC 11 / clang 12 do not know. avx512 needs VNNI too (vpdpwssd in the
+# int16 GEMM); csrc/isa_probe.c checks the same sets.
+_V3 = ("-msse4.2", "-mpopcnt", "-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mmovbe")
 X86_FLAGS = {
-    "avx512": ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
-    "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+    "avx512": ("-march=x86-64", "-mtune=generic", *_V3, "-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512vnni"),
+    "avx2": ("-march=x86-64", "-mtune=generic", *_V3),
     "baseline": ("-march=x86-64", "-mtune=generic"),
 }
 ISAS = tuple(X86_FLAGS)
