@@ -599,10 +599,12 @@ static inline __attribute__((always_inline)) void q_direct_i8(
  * 8 loads per 12 FMAs (V = 2; a last block of at most 8 rows of x runs V = 1).
  * res[r][j] = W row r . x row m0 + j. */
 static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6], const float *xt, int64_t xts, int k0, int k1,
-                                                          float res[6][16], const int V) {
+                                                          float res[6][16], const int V, int64_t ahead) {
     __m256 c[6][2];
     for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int k = k0; k < k1; k++) {
+        if (ahead && k % 16 == 0)  /* the rows `ahead` floats on (the next tile's) into L2, a line at a time */
+            for (int r = 0; r < 6; r++) _mm_prefetch((const char *)(w[r] + ahead + k), _MM_HINT_T1);
         const __m256 b0 = _mm256_load_ps(xt + k * xts), b1 = V == 2 ? _mm256_load_ps(xt + k * xts + 8) : b0;
         for (int r = 0; r < 6; r++) {
             const __m256 a = _mm256_broadcast_ss(w[r] + k);
@@ -617,8 +619,10 @@ static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6
 }
 
 /* One tile of the tiled path, AVX2: nt (<= Q_TILE) weight rows (K apart) times every row of x
- * (xt, transposed, Mp apart): blocks of 16 rows of x, K chunks of Q_KC, 6-row register blocks. */
-static __attribute__((unused)) void tile_avx2(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os) {
+ * (xt, transposed, Mp apart): blocks of 16 rows of x, K chunks of Q_KC, 6-row register blocks;
+ * during the first block of x the rows `ahead` floats on (0: none) are prefetched into L2. */
+static __attribute__((unused)) void tile_avx2(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os,
+                                              int64_t ahead) {
     for (int m0 = 0; m0 < M; m0 += 16) {
         const int mr = M - m0 < 16 ? M - m0 : 16;
         float res[Q_TILE / 6][6][16];
@@ -629,8 +633,8 @@ static __attribute__((unused)) void tile_avx2(const float *tile, int nt, int K, 
                 const int nr = nt - j < 6 ? nt - j : 6;
                 const float *wr[6];
                 for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
-                if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2);
-                else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1);
+                if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2, m0 ? 0 : ahead);
+                else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1, m0 ? 0 : ahead);
             }
         }
         for (int j = 0; j < nt; j += 6) {
@@ -672,7 +676,8 @@ static inline __attribute__((always_inline)) void dot_12xV(const float *const w[
     }
 }
 
-static void tile_avx512(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os) {
+static void tile_avx512(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os, int64_t ahead) {
+    (void)ahead;  /* (dot_12xV prefetches its next 12 rows itself) */
     for (int m0 = 0; m0 < M; m0 += 32) {
         const int mr = M - m0 < 32 ? M - m0 : 32;
         for (int j = 0; j < nt; j += F_R) {
@@ -719,7 +724,7 @@ static int tiled_matmul(const float *x, int64_t xs, int M, int N, int K, float *
             for (int i = 0; i < nt; i++)
                 for (int b = 0; b < nb; b++)
                     q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, (float *)tile + (int64_t)i * K + b * 32);
-        tile_gemm(tile, nt, K, xt, Mp, M, out + n0, os);
+        tile_gemm(tile, nt, K, xt, Mp, M, out + n0, os, wf ? (int64_t)T_ROWS * K : 0);  /* float rows in place: prefetch the next tile's */
     }
     free(xt);
     return failed;
