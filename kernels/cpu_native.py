@@ -127,8 +127,12 @@ def _choose() -> "NativeOps | None":
         native_build.isa_flags(forced)  # ValueError for an unknown name
         if forced not in usable:
             raise ValueError(f"PDSERVE_ISA={forced}: this CPU and OS run only {', '.join(usable) or 'no native kernels'}")
-        return load(forced)
-    return load(usable[0]) if usable else None
+        chosen = forced
+    else:
+        chosen = usable[0] if usable else None
+    if chosen is not None:
+        log.info("fused CPU kernels: the %s variant (this machine runs %s)", chosen, ", ".join(usable))
+    return None if chosen is None else load(chosen)
 
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
