@@ -1,12 +1,19 @@
-"""The fused float32 CPU kernels of kernels/csrc/cpu_ops.c, and their torch twins.
+"""The fused float32 CPU kernels of kernels/csrc (cpu_ops.c, quant_ops.c, step_ops.c), and their torch twins.
 
-Lifecycle: `native()` builds the C file once per machine (cc -O3 -march=native -fopenmp, about
-a second) into a cache directory (`$PDSERVE_CACHE` or ~/.cache/pdserve; the file name carries
-a hash of the source, the compiler and the CPU, so a stale build is never loaded), loads it with
-ctypes and returns the same `NativeOps` for the life of the process; it returns None, after one
-warning, where no C compiler is found or the build fails, and callers then run the twins. The
-library is linked against the OpenMP runtime torch already loaded, so both share one thread pool
-and the thread count set by torch.set_num_threads.
+Lifecycle: `native()` loads the C library once per process and returns the same `NativeOps` for
+the life of the process. The sources are compiled once per instruction-set level
+(kernels/native_build.py: `baseline` x86-64, `avx2` = x86-64-v3, `avx512` = x86-64-v4 + VNNI),
+each into its own library with the same symbols; the baseline one's pd_cpu_features says what
+the CPU *and* the OS support (cpuid and the XSAVE state the OS enables), and native() loads the
+best variant they allow, or the one `PDSERVE_ISA` names (a lower one: tests run every variant on
+one machine; a variant the CPU cannot run is refused with ValueError). The libraries are those
+the install step built (setup.py, into kernels/_native); where none is installed, or the
+installed ones were built from other sources (an editable checkout edited since), each variant
+needed is built on first use into a cache directory (`$PDSERVE_CACHE` or ~/.cache/pdserve), and
+where no C compiler is found native() returns None after one warning and callers run the twins.
+`load(isa)` gives one variant's NativeOps (cached), `usable_isas()` the variants this machine
+runs, best first: a back-end selector times them as separate back-ends. Every library is linked
+against the OpenMP runtime, so the thread count torch.set_num_threads set applies.
 
 Each op takes torch tensors, checks what the C side relies on (float32, CPU, strides), and calls
 C with raw pointers; ctypes drops the GIL for the call. `*_twin` functions compute the same in
@@ -15,90 +22,134 @@ plain torch and are what tests compare the kernels with.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native_build
+
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / n for n in ("cpu_ops.c", "quant_ops.c", "step_ops.c")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
-_lock = threading.Lock()
-_loaded: list = []  # [NativeOps | None] once tried
+_lock = threading.RLock()
+_loaded: dict = {}  # isa -> NativeOps | None once tried; "" -> the one native() returns
+CPU_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}  # pd_ops.h PD_CPU_* bits
+ISA_NEEDS = {"baseline": 0, "avx2": 1, "avx512": 2}  # the PD_CPU_* bit each variant needs
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve") / "kernels"
 
 
-def _cpu_signature() -> str:
+class NotBuilt(RuntimeError):
+    """A variant could not be had: no compiler, or its build failed."""
+
+
+def _library_path(isa: str) -> Path:
+    """The installed library of this variant if it was built from these sources, else a cached build."""
+    installed = native_build.INSTALLED / native_build.library_name(isa)
+    if installed.exists() and _built_from_these_sources(installed):
+        return installed
+    cc = native_build.compiler()
+    if cc is None:
+        raise NotBuilt("no C compiler found and no installed kernels (pip install builds them)")
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor()
+        return native_build.cached_build(cc, isa, cache_dir())
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NotBuilt(f"building the {isa} kernels failed ({e} {(getattr(e, 'stderr', '') or '')[-2000:]})") from e
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _built_from_these_sources(lib: Path) -> bool:
+    if not all((native_build.CSRC / s).exists() for s in native_build.SOURCES):
+        return True  # the sources were not shipped: the installed build is all there is
+    fn = ctypes.CDLL(str(lib)).pd_source_hash
+    fn.restype = ctypes.c_char_p
+    fresh = fn().decode() == native_build.source_hash()
+    if not fresh:
+        log.info("%s was built from other sources than kernels/csrc now holds: building them instead", lib)
+    return fresh
 
 
-def build(compiler: str) -> Path:
-    """Compile the C sources into one library unless an identical build is cached; returns the .so path."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join(
-        [*(f.read_bytes() for f in _SOURCES), " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode(), sys.platform.encode()]
-    )).hexdigest()[:16]
-    target = cache_dir() / f"cpu_ops-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build to a private name, then rename: concurrent workers never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _library(isa: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_library_path(isa)))
+    if lib.pd_build_isa() != native_build.ISA_LEVEL[isa]:
+        raise NotBuilt(f"the {isa} library was compiled for level {lib.pd_build_isa()}")
+    return lib
+
+
+def cpu_features() -> set[str]:
+    """What the CPU and the OS let this process run (CPU_FEATURES names), from the baseline library."""
+    bits = load("baseline").lib.pd_cpu_features()
+    return {name for name, bit in CPU_FEATURES.items() if bits & bit}
+
+
+def usable_isas() -> list[str]:
+    """The variants this machine runs, best first (baseline always last); [] without the kernels."""
+    if load("baseline") is None:
+        return []
+    bits = load("baseline").lib.pd_cpu_features()
+    return [isa for isa in native_build.platform_isas() if bits & ISA_NEEDS[isa] == ISA_NEEDS[isa] and load(isa) is not None]
+
+
+def load(isa: str) -> "NativeOps | None":
+    """One variant's kernels (cached per process); None, warned once, where they cannot be built.
+    Callers must check the CPU runs it (usable_isas) before calling into it."""
+    native_build.isa_flags(isa)  # ValueError for an unknown name
+    with _lock:
+        if isa not in _loaded:
+            try:
+                _loaded[isa] = NativeOps(_library(isa), isa)
+            except (OSError, NotBuilt) as e:
+                log.warning("the fused CPU kernels (%s) are off, the torch twins run instead: %s", isa, e)
+                _loaded[isa] = None
+        return _loaded[isa]
 
 
 def native() -> "NativeOps | None":
-    """The loaded kernels, built on first use; None (warned once) where they cannot be built."""
+    """The best variant this machine runs, or the one PDSERVE_ISA names; None (warned once) where
+    the kernels cannot be built or PDSERVE_NATIVE_KERNELS=0."""
     with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
+        if "" not in _loaded:
+            _loaded[""] = _choose()
+        return _loaded[""]
 
 
-def _load() -> "NativeOps | None":
+def _choose() -> "NativeOps | None":
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
         return None
-    compiler = _compiler()
-    if compiler is None:
-        log.warning("no C compiler found: the fused CPU kernels are off, the torch twins run instead")
-        return None
-    try:
-        return NativeOps(ctypes.CDLL(str(build(compiler))))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or ""
-        log.warning("building the fused CPU kernels failed (%s %s): the torch twins run instead", e, detail[-2000:])
-        return None
+    usable = usable_isas()
+    forced = os.environ.get("PDSERVE_ISA")
+    if forced:
+        native_build.isa_flags(forced)  # ValueError for an unknown name
+        if forced not in usable:
+            raise ValueError(f"PDSERVE_ISA={forced}: this CPU and OS run only {', '.join(usable) or 'no native kernels'}")
+        chosen = forced
+    else:
+        chosen = usable[0] if usable else None
+    if chosen is not None:
+        log.info("fused CPU kernels: the %s variant (this machine runs %s)", chosen, ", ".join(usable))
+    return None if chosen is None else load(chosen)
 
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# name -> (result, arguments) of every function of csrc/pd_ops.h, in its order
+_SIGNATURES = {
+    "pd_cpu_features": (_I, []),
+    "pd_build_isa": (_I, []),
+    "pd_source_hash": (ctypes.c_char_p, []),
+    "pd_paged_decode_attention": (_I, [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F]),
+    "pd_rms_norm": (None, [_P, _I64, _P, _P, _P, _I, _I, _F]),
+    "pd_silu_mul": (None, [_P, _P, _I, _I]),
+    "pd_rope_write_kv": (None, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "pd_q_dequant": (None, [_P, _I64, _I, _I, _P, _I, _P]),
+    "pd_q_matmul": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]),
+    "pd_f_matmul": (_I, [_P, _I64, _P, _I, _I, _I, _P, _I64]),
+    "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]),
+}
 
 
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
@@ -147,24 +198,12 @@ def _bound_linear(name: str, n: int, k: int, call):
 class NativeOps:
     """Typed entry points over the loaded library."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, isa: str):
         self.lib = lib
-        lib.pd_paged_decode_attention.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
-        lib.pd_paged_decode_attention.restype = _I
-        lib.pd_rms_norm.argtypes = [_P, _I64, _P, _P, _P, _I, _I, _F]
-        lib.pd_rms_norm.restype = None
-        lib.pd_silu_mul.argtypes = [_P, _P, _I, _I]
-        lib.pd_silu_mul.restype = None
-        lib.pd_rope_write_kv.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-        lib.pd_rope_write_kv.restype = None
-        lib.pd_q_dequant.argtypes = [_P, _I64, _I, _I, _P, _I, _P]
-        lib.pd_q_dequant.restype = None
-        lib.pd_q_matmul.argtypes = [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]
-        lib.pd_q_matmul.restype = _I
-        lib.pd_f_matmul.argtypes = [_P, _I64, _P, _I, _I, _I, _P, _I64]
-        lib.pd_f_matmul.restype = _I
-        lib.pd_decode_layers.argtypes = [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]
-        lib.pd_decode_layers.restype = _I
+        self.isa = isa  # the variant loaded (native_build.ISAS)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
 
     def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True) -> None:
         """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages.

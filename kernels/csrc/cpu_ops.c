@@ -2,9 +2,11 @@
  *
  * Each function does what a handful of small torch ops would, in one pass over memory and
  * without a Python round trip per op; each has a torch twin in kernels/cpu_native.py that the
- * tests compare it with. Built once per machine with `cc -O3 -march=native -fopenmp` and linked
+ * tests compare it with. Linked
  * against the OpenMP runtime torch has already loaded, so both share one thread pool and the
- * thread count torch.set_num_threads set.
+ * thread count torch.set_num_threads set. Compiled once per instruction-set level (baseline, avx2,
+ * avx512: kernels/native_build.py), never for the build machine alone; "#ifdef __AVX2__" parts are
+ * what the avx2 and avx512 variants add.
  *
  * Rounding: elementwise arithmetic keeps torch's order of operations (the file is compiled with
  * -ffp-contract=off, so a*b + c*d is two rounded products and a rounded sum, as in eager torch);
@@ -15,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pd_ops.h"
 
 /* exp(x) to about 2 ulp (Cephes' expf: range reduction by ln 2, degree-6 polynomial). The
  * scalar form serves loop tails and non-AVX2 builds; exp8 is the same arithmetic 8 lanes wide. */
@@ -132,6 +136,86 @@ static inline __attribute__((always_inline)) void decode_item(
         for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
 }
 
+#ifdef __AVX512F__
+/* decode_item for head dim 64 and a query group of G (constant, 1..4) heads, AVX-512: a key or
+ * value row is four vectors; the group's queries and its G x 64 output accumulators stay in
+ * registers (the generic form kept the accumulators in memory, a load and a store per value
+ * row), and the G dot products of a key are summed across lanes together (hsum4: one add tree
+ * for four heads instead of one per head). Same arithmetic as decode_item up to summation order. */
+static inline __m128 hsum4(const __m512 p[4]) {
+    __m256 h[4];
+    for (int g = 0; g < 4; g++) h[g] = _mm256_add_ps(_mm512_castps512_ps256(p[g]), _mm512_extractf32x8_ps(p[g], 1));
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  /* lane g: head g's sum */
+}
+
+static inline __attribute__((always_inline)) void decode_item64(
+    const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table, int len, int kh,
+    int KVH, const int BS, const int G) {
+    const int64_t row = (int64_t)KVH * 64;
+    __m512 q[4][4], a[4][4];
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
+    const float *kp = k_cache;
+    for (int t = 0; t < len; t++) {
+        kp = t % BS == 0 ? k_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * 64 : kp + row;
+        __m512 p[4];
+        for (int g = 0; g < 4; g++) {
+            if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
+            p[g] = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(kp));
+            for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], _mm512_loadu_ps(kp + 16 * i), p[g]);
+        }
+        float dots[4];
+        _mm_storeu_ps(dots, hsum4(p));
+        for (int g = 0; g < G; g++) {
+            s[(int64_t)g * len + t] = dots[g];
+            mx[g] = dots[g] > mx[g] ? dots[g] : mx[g];
+        }
+    }
+    float inv_sum[4];
+    for (int g = 0; g < G; g++) inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
+    const float *vp = v_cache;
+    for (int t = 0; t < len; t++) {
+        vp = t % BS == 0 ? v_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * 64 : vp + row;
+        const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32), v3 = _mm512_loadu_ps(vp + 48);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(s[(int64_t)g * len + t]);
+            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
+}
+
+/* decode_item64 for the group sizes it takes (1 when it does not: the caller runs decode_item). */
+static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
+                             int len, int kh, int G, int KVH, int BS) {
+    switch (G * (BS == 16 ? 1 : -1)) {
+        case 1: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 1); return 0;
+        case 2: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 2); return 0;
+        case 3: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 3); return 0;
+        case 4: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 4); return 0;
+        case -1: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 1); return 0;
+        case -2: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 2); return 0;
+        case -3: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 3); return 0;
+        case -4: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 4); return 0;
+        default: return 1;
+    }
+}
+#else
+static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
+                             int len, int kh, int G, int KVH, int BS) {
+    (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
+    return 1;
+}
+#endif
+
 /* Decode attention straight from the pages: one query token per sequence, no gather.
  *
  * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
@@ -159,6 +243,8 @@ int pd_paged_decode_attention(
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
+            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, len, kh, G, KVH, BS))
+                continue;  /* the AVX-512 form took it */
             if (D == 64)
                 (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, 16, 64)
                          : decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, 64));

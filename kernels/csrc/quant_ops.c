@@ -27,10 +27,18 @@
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
  *                  call (measured 15-35% faster than oneDNN's packed float32 at 8-64 rows).
+ * Instruction sets (kernels/native_build.py compiles this file once per level): the avx2 variant
+ * is what is described above; the avx512 one replaces the int16 GEMM's micro-tile (vpdpwssd, 32
+ * activation rows x 6 weight rows) and the tiled kernel's (12 weight rows x 32 rows of x, the whole
+ * of K in registers); the baseline one (no AVX2) runs a weight row at a time in plain C, the
+ * integer modes included (q_scalar_activations), and has no pd_f_matmul (it returns 2).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pd_ops.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -327,8 +335,16 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
  * Q_GEMM_NP weight rows per thread task, then broadcast two codes at a time. A micro-tile is 16
  * activation rows by Q_GEMM_NR weight rows: 2 * NR int32 accumulators for a block, folded into
  * 2 * NR float accumulators after each block. Rows past M are zero codes with zero scales. */
+#ifdef __AVX512VNNI__
+/* AVX-512 VNNI: vpdpwssd multiplies and adds the int16 pairs in one instruction (the same exact
+ * int32 sums as madd_epi16 + add_epi32), sixteen lanes wide, the weight pair broadcast from
+ * memory; 6 weight rows x 32 activation rows: 12 int32 + 12 float accumulators. */
+#define Q_GEMM_MT 32  /* activation rows in a tile (two 16-lane vectors) */
+#define Q_GEMM_NR 6   /* weight rows in a micro-tile */
+#else
 #define Q_GEMM_MT 16  /* activation rows in a tile (two 8-lane vectors) */
 #define Q_GEMM_NR 4   /* weight rows in a micro-tile */
+#endif
 #define Q_GEMM_NP 48  /* weight rows in a panel (a multiple of Q_GEMM_NR) */
 
 /* Words w[i][0..7] of eight rows (r[i]) as eight vectors c[p] = w[0..7][p]: an 8x8 transpose. */
@@ -382,50 +398,88 @@ static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp,
     }
 }
 
-/* One micro-tile: the first 8 * V (constant, 1 or 2) rows of an activation tile (packed) times
- * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the 8V x NR results
- * go to res[NR][16]. V = 1 for a last tile of at most 8 rows. */
+/* The micro-tile's vectors: QL lanes of int32 / float, and the pair products added in (avx512:
+ * vpdpwssd; avx2: madd_epi16 + add_epi32; the same exact int32 sums). QV_PIN keeps a value in a
+ * register: GCC reloaded the x vectors for every weight row (10-14% slower) and reassociated the
+ * sums, spilling every product. */
+#ifdef __AVX512VNNI__
+#define QL 16
+typedef __m512 qv_f;
+typedef __m512i qv_i;
+#define qv_zero_f _mm512_setzero_ps
+#define qv_zero_i _mm512_setzero_si512
+#define qv_load_i(p) _mm512_load_si512((const void *)(p))
+#define qv_set1_i _mm512_set1_epi32
+#define qv_dot_pairs(acc, w, x) _mm512_dpwssd_epi32(acc, x, w)
+#define qv_load_f _mm512_load_ps
+#define qv_store_f _mm512_storeu_ps
+#define qv_set1_f _mm512_set1_ps
+#define qv_fmadd _mm512_fmadd_ps
+#define qv_mul _mm512_mul_ps
+#define qv_cvt _mm512_cvtepi32_ps
+#define QV_PIN(v) __asm__("" : "+v"(v))
+#else
+#define QL 8
+typedef __m256 qv_f;
+typedef __m256i qv_i;
+#define qv_zero_f _mm256_setzero_ps
+#define qv_zero_i _mm256_setzero_si256
+#define qv_load_i(p) _mm256_load_si256((const __m256i *)(p))
+#define qv_set1_i _mm256_set1_epi32
+#define qv_dot_pairs(acc, w, x) _mm256_add_epi32(_mm256_madd_epi16(w, x), acc)
+#define qv_load_f _mm256_load_ps
+#define qv_store_f _mm256_storeu_ps
+#define qv_set1_f _mm256_set1_ps
+#define qv_fmadd _mm256_fmadd_ps
+#define qv_mul _mm256_mul_ps
+#define qv_cvt _mm256_cvtepi32_ps
+#define QV_PIN(v) __asm__("" : "+x"(v))
+#endif
+
+/* One micro-tile: the first QL * V (constant, 1 or 2) rows of an activation tile (packed) times
+ * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the QL*V x NR
+ * results go to res[NR][MT]. V = 1 for a last tile of at most QL rows. */
 static inline __attribute__((always_inline)) void q_gemm_tile(
     const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
-    int nb, int K, int qt, float res[Q_GEMM_NR][16], const int V) {
-    __m256 f[Q_GEMM_NR][2];
+    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V) {
+    qv_f f[Q_GEMM_NR][2];
     for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) f[j][v] = _mm256_setzero_ps();
+        for (int v = 0; v < V; v++) f[j][v] = qv_zero_f();
     for (int b = 0; b < nb; b++) {
         const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
-        __m256i a[Q_GEMM_NR][2];
+        qv_i a[Q_GEMM_NR][2];
         for (int j = 0; j < Q_GEMM_NR; j++)
-            for (int v = 0; v < V; v++) a[j][v] = _mm256_setzero_si256();
+            for (int v = 0; v < V; v++) a[j][v] = qv_zero_i();
 #pragma GCC unroll 16
         for (int p = 0; p < 16; p++) {
-            __m256i xv[2];
+            qv_i xv[2];
             for (int v = 0; v < V; v++) {
-                xv[v] = _mm256_load_si256((const __m256i *)(xb + p * Q_GEMM_MT + 8 * v));
-                __asm__("" : "+x"(xv[v]));  /* in registers: GCC reloaded them for every weight row (10-14% slower) */
+                xv[v] = qv_load_i(xb + p * Q_GEMM_MT + QL * v);
+                QV_PIN(xv[v]);
             }
 #pragma GCC unroll 8
             for (int j = 0; j < Q_GEMM_NR; j++) {
                 int32_t pair;
                 memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
-                const __m256i w = _mm256_set1_epi32(pair);
+                const qv_i w = qv_set1_i(pair);
                 for (int v = 0; v < V; v++) {
-                    a[j][v] = _mm256_add_epi32(_mm256_madd_epi16(w, xv[v]), a[j][v]);
-                    __asm__("" : "+x"(a[j][v]));  /* keeps GCC from reassociating the sums (it spilled every product) */
+                    a[j][v] = qv_dot_pairs(a[j][v], w, xv[v]);
+                    QV_PIN(a[j][v]);
                 }
             }
         }
         for (int v = 0; v < V; v++) {
-            const __m256 dx = _mm256_load_ps(dxp + b * Q_GEMM_MT + 8 * v);
+            const qv_f dx = qv_load_f(dxp + b * Q_GEMM_MT + QL * v);
             for (int j = 0; j < Q_GEMM_NR; j++)
-                f[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][v]), _mm256_mul_ps(_mm256_set1_ps(wd[j * nb + b]), dx), f[j][v]);
+                f[j][v] = qv_fmadd(qv_cvt(a[j][v]), qv_mul(qv_set1_f(wd[j * nb + b]), dx), f[j][v]);
             if (qt != QT_Q8_0) {
-                const __m256 s = _mm256_load_ps(sump + b * Q_GEMM_MT + 8 * v);
-                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = _mm256_fmadd_ps(_mm256_set1_ps(wm[j * nb + b]), s, f[j][v]);
+                const qv_f s = qv_load_f(sump + b * Q_GEMM_MT + QL * v);
+                for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = qv_fmadd(qv_set1_f(wm[j * nb + b]), s, f[j][v]);
             }
         }
     }
     for (int j = 0; j < Q_GEMM_NR; j++)
-        for (int v = 0; v < V; v++) _mm256_storeu_ps(res[j] + 8 * v, f[j][v]);
+        for (int v = 0; v < V; v++) qv_store_f(res[j] + QL * v, f[j][v]);
 }
 
 static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
@@ -465,8 +519,8 @@ static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_
             const int32_t *xt = xp + (int64_t)t * nb * 16 * Q_GEMM_MT;
             const float *dxt = dxp + (int64_t)t * nb * Q_GEMM_MT, *st = sump + (int64_t)t * nb * Q_GEMM_MT;
             for (int j0 = 0; j0 < np; j0 += Q_GEMM_NR) {
-                float res[Q_GEMM_NR][16];
-                if (mr > 8) q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 2);
+                float res[Q_GEMM_NR][Q_GEMM_MT];
+                if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 2);
                 else q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 1);
                 const int nr = np - j0 < Q_GEMM_NR ? np - j0 : Q_GEMM_NR;
                 for (int r = 0; r < mr; r++)
@@ -545,10 +599,12 @@ static inline __attribute__((always_inline)) void q_direct_i8(
  * 8 loads per 12 FMAs (V = 2; a last block of at most 8 rows of x runs V = 1).
  * res[r][j] = W row r . x row m0 + j. */
 static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6], const float *xt, int64_t xts, int k0, int k1,
-                                                          float res[6][16], const int V) {
+                                                          float res[6][16], const int V, int64_t ahead) {
     __m256 c[6][2];
     for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int k = k0; k < k1; k++) {
+        if (ahead && k % 16 == 0)  /* the rows `ahead` floats on (the next tile's) into L2, a line at a time */
+            for (int r = 0; r < 6; r++) _mm_prefetch((const char *)(w[r] + ahead + k), _MM_HINT_T1);
         const __m256 b0 = _mm256_load_ps(xt + k * xts), b1 = V == 2 ? _mm256_load_ps(xt + k * xts + 8) : b0;
         for (int r = 0; r < 6; r++) {
             const __m256 a = _mm256_broadcast_ss(w[r] + k);
@@ -562,14 +618,97 @@ static inline __attribute__((always_inline)) void dot_6xV(const float *const w[6
     }
 }
 
+/* One tile of the tiled path, AVX2: nt (<= Q_TILE) weight rows (K apart) times every row of x
+ * (xt, transposed, Mp apart): blocks of 16 rows of x, K chunks of Q_KC, 6-row register blocks;
+ * during the first block of x the rows `ahead` floats on (0: none) are prefetched into L2. */
+static __attribute__((unused)) void tile_avx2(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os,
+                                              int64_t ahead) {
+    for (int m0 = 0; m0 < M; m0 += 16) {
+        const int mr = M - m0 < 16 ? M - m0 : 16;
+        float res[Q_TILE / 6][6][16];
+        memset(res, 0, sizeof res);
+        for (int k0 = 0; k0 < K; k0 += Q_KC) {  /* a K chunk of x stays in L1 across the tile's row blocks */
+            const int k1 = K - k0 < Q_KC ? K : k0 + Q_KC;
+            for (int j = 0; j < nt; j += 6) {
+                const int nr = nt - j < 6 ? nt - j : 6;
+                const float *wr[6];
+                for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
+                if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2, m0 ? 0 : ahead);
+                else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1, m0 ? 0 : ahead);
+            }
+        }
+        for (int j = 0; j < nt; j += 6) {
+            const int nr = nt - j < 6 ? nt - j : 6;
+            for (int r = 0; r < mr; r++)
+                for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + j + c] = res[j / 6][c][r];
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* The AVX-512 form: 32 registers hold a 12-row x 32-column block (24 accumulators, two vectors of
+ * x, the weight broadcast folded into the FMA's memory operand), over the whole of K at once (x,
+ * at most Mp * K floats, stays in L2; the weight rows stream once): 2 vector loads and 12
+ * broadcasts per 24 FMAs, no partial sums stored and reloaded. While it works on its 12 rows it
+ * prefetches the next 12 into L2 (12 streams at once defeat the hardware prefetcher: the LM head,
+ * 49152 x 576 at 32 rows, one thread, went from 25 to 20 ms, oneDNN's packed fp32 taking 20-24). */
+#define F_R 12
+#define F_TILE 48  /* weight rows a thread task takes (a multiple of F_R) */
+static inline __attribute__((always_inline)) void dot_12xV(const float *const w[F_R], const float *xt, int64_t xts, int K,
+                                                           float res[F_R][32], const int V) {
+    __m512 c[F_R][2];
+    for (int r = 0; r < F_R; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        for (int r = 0; r < F_R; r++) _mm_prefetch((const char *)(w[r] + (int64_t)F_R * K + k0), _MM_HINT_T1);  /* the next block's rows */
+        const int k1 = K - k0 < 16 ? K : k0 + 16;
+        for (int k = k0; k < k1; k++) {
+            const __m512 b0 = _mm512_load_ps(xt + k * xts), b1 = V == 2 ? _mm512_load_ps(xt + k * xts + 16) : b0;
+            for (int r = 0; r < F_R; r++) {
+                const __m512 a = _mm512_set1_ps(w[r][k]);
+                c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+                if (V == 2) c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < F_R; r++) {
+        _mm512_storeu_ps(res[r], c[r][0]);
+        if (V == 2) _mm512_storeu_ps(res[r] + 16, c[r][1]);
+    }
+}
+
+static void tile_avx512(const float *tile, int nt, int K, const float *xt, int Mp, int M, float *out, int64_t os, int64_t ahead) {
+    (void)ahead;  /* (dot_12xV prefetches its next 12 rows itself) */
+    for (int m0 = 0; m0 < M; m0 += 32) {
+        const int mr = M - m0 < 32 ? M - m0 : 32;
+        for (int j = 0; j < nt; j += F_R) {
+            const int nr = nt - j < F_R ? nt - j : F_R;
+            const float *wr[F_R];
+            float res[F_R][32];
+            for (int c = 0; c < F_R; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
+            if (mr > 16) dot_12xV(wr, xt + m0, Mp, K, res, 2);
+            else dot_12xV(wr, xt + m0, Mp, K, res, 1);
+            for (int r = 0; r < mr; r++)
+                for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + j + c] = res[c][r];
+        }
+    }
+}
+#define T_ROWS F_TILE
+#define T_PAD 15  /* x's rows padded to a multiple of 16 */
+#define tile_gemm tile_avx512
+#else
+#define T_ROWS Q_TILE
+#define T_PAD 7
+#define tile_gemm tile_avx2
+#endif
+
 /* The tiled path: out (M, N) = x (M, K) @ W^T for W given as float32 rows (wf, K apart: read in
- * place) or as quantized rows (w, dequantised a tile of Q_TILE rows at a time into a per-thread
+ * place) or as quantized rows (w, dequantised a tile of T_ROWS rows at a time into a per-thread
  * scratch). Returns nonzero if memory could not be allocated. */
 static int tiled_matmul(const float *x, int64_t xs, int M, int N, int K, float *out, int64_t os,
                         const float *wf, const uint8_t *w, int64_t row_bytes, int qt) {
-    const int tiles = (N + Q_TILE - 1) / Q_TILE, nb = K / 32;
+    const int tiles = (N + T_ROWS - 1) / T_ROWS, nb = K / 32;
     int failed = 0;
-    const int Mp = (M + 7) & ~7;
+    const int Mp = (M + T_PAD) & ~T_PAD;
     float *xt = (float *)aligned_alloc(64, (size_t)K * Mp * sizeof(float));
     if (!xt) return 1;
     for (int k = 0; k < K; k++) {
@@ -578,33 +717,14 @@ static int tiled_matmul(const float *x, int64_t xs, int M, int N, int K, float *
     }
 #pragma omp parallel for schedule(static) reduction(| : failed)
     for (int t = 0; t < tiles; t++) {
-        const int n0 = t * Q_TILE, nt = N - n0 < Q_TILE ? N - n0 : Q_TILE;
-        const float *tile = wf ? wf + (int64_t)n0 * K : q_scratch((size_t)Q_TILE * K);
+        const int n0 = t * T_ROWS, nt = N - n0 < T_ROWS ? N - n0 : T_ROWS;
+        const float *tile = wf ? wf + (int64_t)n0 * K : q_scratch((size_t)T_ROWS * K);
         if (!tile) { failed = 1; continue; }
         if (!wf)
             for (int i = 0; i < nt; i++)
                 for (int b = 0; b < nb; b++)
                     q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, (float *)tile + (int64_t)i * K + b * 32);
-        for (int m0 = 0; m0 < M; m0 += 16) {
-            const int mr = M - m0 < 16 ? M - m0 : 16;
-            float res[Q_TILE / 6][6][16];
-            memset(res, 0, sizeof res);
-            for (int k0 = 0; k0 < K; k0 += Q_KC) {  /* a K chunk of x stays in L1 across the tile's row blocks */
-                const int k1 = K - k0 < Q_KC ? K : k0 + Q_KC;
-                for (int j = 0; j < nt; j += 6) {
-                    const int nr = nt - j < 6 ? nt - j : 6;
-                    const float *wr[6];
-                    for (int c = 0; c < 6; c++) wr[c] = tile + (int64_t)(j + (c < nr ? c : 0)) * K;  /* tails repeat row 0 */
-                    if (mr > 8) dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 2);
-                    else dot_6xV(wr, xt + m0, Mp, k0, k1, res[j / 6], 1);
-                }
-            }
-            for (int j = 0; j < nt; j += 6) {
-                const int nr = nt - j < 6 ? nt - j : 6;
-                for (int r = 0; r < mr; r++)
-                    for (int c = 0; c < nr; c++) out[(int64_t)(m0 + r) * os + n0 + j + c] = res[j / 6][c][r];
-            }
-        }
+        tile_gemm(tile, nt, K, xt, Mp, M, out + n0, os, wf ? (int64_t)T_ROWS * K : 0);  /* float rows in place: prefetch the next tile's */
     }
     free(xt);
     return failed;
@@ -622,6 +742,44 @@ int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K
 int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os) {
     (void)x; (void)xs; (void)wf; (void)M; (void)N; (void)K; (void)out; (void)os;
     return 2;
+}
+#endif
+
+#ifndef __AVX2__
+/* The integer paths' activations in plain C: per 32-wide block, codes round(x * limit / max|x|)
+ * (to nearest even, as cvtps_epi32), the scale max|x| / limit and the block's float sum. */
+static void q_scalar_activations(const float *x, int64_t xs, int M, int K, float limit, int32_t *xq, float *dx, float *xsum) {
+    const int nb = K / 32;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *src = x + r * xs + b * 32;
+            float mx = 0.0f, sum = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                mx = fmaxf(mx, fabsf(src[j]));
+                sum += src[j];
+            }
+            const float inv = mx > 0.0f ? limit / mx : 0.0f;
+            dx[r * nb + b] = mx / limit;
+            xsum[r * nb + b] = sum;
+            for (int j = 0; j < 32; j++) xq[(int64_t)r * K + b * 32 + j] = (int32_t)nearbyintf(src[j] * inv);
+        }
+}
+
+/* One weight row times one row of integer activations: sum over blocks of d * dx * (q . xq) + m * sum(x). */
+static float q_scalar_row_int(const uint8_t *row, int qt, int nb, const int32_t *xq, const float *dx, const float *xsum) {
+    const int bb = q_block_bytes(qt);
+    float acc = 0.0f, moff = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        float d, m;
+        const uint8_t *q = q_block_head(row + (int64_t)b * bb, qt, &d, &m);
+        const int32_t *xb = xq + b * 32;
+        int32_t dot = 0;
+        for (int j = 0; j < 32; j++)
+            dot += (qt == QT_Q8_0 ? (int32_t)(int8_t)q[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4) * xb[j];
+        acc += (float)dot * (d * dx[b]);
+        moff += m * xsum[b];
+    }
+    return acc + moff;
 }
 #endif
 
@@ -703,19 +861,32 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
     if (activations == ACT_INT16) return q_gemm_i16(x, xs, w, row_bytes, qt, M, N, K, out, os);
     return tiled_matmul(x, xs, M, N, K, out, os, NULL, w, row_bytes, qt);
 #else
-    (void)activations;  /* no AVX2: float activations, a row at a time */
+    /* No AVX2 (the baseline variant): a weight row at a time in plain C. The integer modes round
+     * the activations as the vector paths do (q_scalar_activations), so that a mode computes the
+     * same products on every CPU (kernels/quant.py matmul_int_twin); int8 up to Q_DIRECT_ROWS rows. */
+    const int integer = activations == ACT_INT16 || (activations == ACT_INT8 && M <= Q_DIRECT_ROWS);
+    int32_t *xq = integer ? (int32_t *)malloc(((size_t)M * K + 2 * (size_t)M * nb) * 4) : NULL;
+    if (integer && !xq) return 1;
+    float *dx = (float *)(xq + (size_t)M * K), *xsum = dx + (size_t)M * nb;
+    if (integer) q_scalar_activations(x, xs, M, K, activations == ACT_INT16 ? 32767.0f : 127.0f, xq, dx, xsum);
     int failed = 0;
 #pragma omp parallel for schedule(static) reduction(| : failed)
     for (int n = 0; n < N; n++) {
+        const uint8_t *row = w + (int64_t)n * row_bytes;
+        if (integer) {
+            for (int m = 0; m < M; m++) out[m * os + n] = q_scalar_row_int(row, qt, nb, xq + (int64_t)m * K, dx + m * nb, xsum + m * nb);
+            continue;
+        }
         float *wrow = q_scratch((size_t)K);
         if (!wrow) { failed = 1; continue; }
-        for (int b = 0; b < nb; b++) q_block_dequant(w + (int64_t)n * row_bytes + (int64_t)b * q_block_bytes(qt), qt, wrow + b * 32);
+        for (int b = 0; b < nb; b++) q_block_dequant(row + (int64_t)b * q_block_bytes(qt), qt, wrow + b * 32);
         for (int m = 0; m < M; m++) {
             float s = 0.0f;
             for (int k = 0; k < K; k++) s += x[m * xs + k] * wrow[k];
             out[m * os + n] = s;
         }
     }
+    free(xq);
     return failed;
 #endif
 }

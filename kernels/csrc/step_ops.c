@@ -7,30 +7,7 @@
  * Because every op is the same C function on the same buffers, the result equals the per-op
  * loop bit for bit; that loop stays the twin (tests/runtime/test_quantized.py compares them).
  */
-#include <stdint.h>
-
-void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float *w, float *out, int rows, int dim, float eps);
-void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
-void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
-                      float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
-int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-                              const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                              const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale);
-int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
-                int64_t os, int activations);
-
-/* One quantized weight: N rows of K/32 GGUF blocks, row_bytes apart. */
-typedef struct {
-    const uint8_t *w;
-    int64_t row_bytes;
-    int32_t qt, n, k, pad;
-} pd_qweight;
-
-/* One decoder layer: its two norm weights, an optional qkv bias (NULL: none) and four weights. */
-typedef struct {
-    const float *input_norm, *post_norm, *qkv_bias;
-    pd_qweight qkv, o, gate_up, down;
-} pd_layer;
+#include "pd_ops.h"
 
 static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int i8) {
     return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, w->n, i8);

@@ -1,6 +1,7 @@
 """The fused C kernels (kernels/csrc/cpu_ops.c) against their torch twins and the reference
 attention: every shape class the model produces (head dims 64, 128 and an odd one, GQA groups
-1-4, block sizes 8/16/32, lengths that end mid-page, rows in any order, strided rows).
+1-6, block sizes 8/16/32, lengths that end mid-page, rows in any order, strided rows), on every
+instruction-set variant the machine runs (the `ops` fixture: tests/kernels/variants.py).
 
 Tolerances: rope and the KV write keep torch's order of operations and must match bit for bit;
 the reductions (RMSNorm's sum of squares, attention's dot products and softmax) sum in another
@@ -10,18 +11,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native as cn
+from kernels import cpu_native as cn, native_build
 from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear, row_bucket
 from kernels.reference import paged_attention_ref
+from tests.kernels.variants import ISAS, isa  # noqa: F401  (the fixture)
 
-ops = cn.native()
-pytestmark = pytest.mark.skipif(ops is None and cn._compiler() is None, reason="no C compiler: the fused CPU kernels are not built")
+pytestmark = pytest.mark.skipif(cn.native() is None and native_build.compiler() is None, reason="no C compiler: the fused CPU kernels are not built")
+
+
+@pytest.fixture
+def ops(isa):  # noqa: F811
+    """The kernels of one instruction-set variant: each test taking it runs for every variant."""
+    return cn.native()
 
 
 def test_the_kernels_build_where_a_compiler_is():
     """A C source that stops compiling must fail the suite, not fall back to the twins quietly
     (every other test here would still pass, on the slow path)."""
-    assert ops is not None, "the C kernels failed to build: see the warning above"
+    assert cn.native() is not None, "the C kernels failed to build: see the warning above"
+    assert ISAS[-1] == "baseline" and cn.native().isa == ISAS[0], "native() loads the best variant the machine runs"
 
 
 def close(a, b, rel=2e-6):
@@ -30,8 +38,10 @@ def close(a, b, rel=2e-6):
     assert err <= rel * scale * 8, f"max error {err:.3e} at scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 40, 32), (6, 3, 64, 16)])
-def test_decode_attention_matches_reference(heads, kv_heads, head_dim, block_size):
+# head dim 64: groups of 1-4 heads (the AVX-512 form) at block sizes 16 and 8, and of 6 (the generic one)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 40, 32), (6, 3, 64, 16),
+                                                                 (4, 1, 64, 8), (5, 5, 64, 16), (6, 1, 64, 16)])
+def test_decode_attention_matches_reference(heads, kv_heads, head_dim, block_size, ops):
     g = torch.Generator().manual_seed(heads * head_dim)
     num_blocks = 64
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
@@ -54,7 +64,7 @@ def test_decode_attention_matches_reference(heads, kv_heads, head_dim, block_siz
     assert torch.isnan(out[untouched]).all(), "rows not asked for were written"
 
 
-def test_decode_attention_long_context_is_stable():
+def test_decode_attention_long_context_is_stable(ops):
     """Scores far apart (a large max subtracted) and 2,000 keys: no overflow, same as reference."""
     g = torch.Generator().manual_seed(1)
     k_cache = torch.randn(128, 16, 1, 64, generator=g) * 4
@@ -70,7 +80,7 @@ def test_decode_attention_long_context_is_stable():
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (130, 576), (3, 100)])
-def test_rms_norm_matches_twin(rows, dim):
+def test_rms_norm_matches_twin(rows, dim, ops):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, dim, generator=g) * 3
     w = torch.randn(dim, generator=g)
@@ -84,7 +94,7 @@ def test_rms_norm_matches_twin(rows, dim):
     close(out, expect)
 
 
-def test_rms_norm_reads_strided_rows():
+def test_rms_norm_reads_strided_rows(ops):
     base = torch.randn(5, 200)
     x = base[:, 10:74]
     w = torch.randn(64)
@@ -94,7 +104,7 @@ def test_rms_norm_reads_strided_rows():
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 160), (64, 1536), (2, 13)])
-def test_silu_mul_matches_twin(rows, inter):
+def test_silu_mul_matches_twin(rows, inter, ops):
     gate_up = torch.randn(rows, 2 * inter) * 6  # wide range: saturated and tiny sigmoids
     out = torch.empty(rows, inter)
     ops.silu_mul(gate_up, out)
@@ -102,7 +112,7 @@ def test_silu_mul_matches_twin(rows, inter):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 40)])
-def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim):
+def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim, ops):
     from runtime.config import RopeScaling
     from runtime.rope import RotaryEmbedding
 
@@ -129,7 +139,7 @@ def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim):
     assert not k_cache.view(640, -1)[others].any(), "a slot not in slot_mapping was written"
 
 
-def test_bad_inputs_are_refused_before_c_runs():
+def test_bad_inputs_are_refused_before_c_runs(ops):
     with pytest.raises(ValueError, match="float32"):
         ops.silu_mul(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous"):
@@ -150,14 +160,16 @@ def test_packed_linear_matches_f_linear(rows):
 
 
 @pytest.mark.parametrize("rows", [8, 13, 32, 48])
-def test_float_tiled_kernel_matches_f_linear(rows):
+def test_float_tiled_kernel_matches_f_linear(rows, ops):
     """pd_f_matmul (the tiled kernel reading a float32 weight in place), the auto kind's path at
     NATIVE_ROWS, against its twin F.linear: 53 weight rows (tile and 6-row block tails), K = 80
     (not a multiple of the K chunk), x rows strided wider than K, and into a given out buffer."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(53, 80, generator=g)
     run = ops.f_linear(w)
-    assert run is not None  # AVX2 machines build it (the suite's CI does)
+    if ops.isa == "baseline":  # built from AVX2 up; without it PackedLinear runs oneDNN
+        assert run is None and PackedLinear(w, None, "auto").f_run is None
+        return
     x = torch.randn(rows, 120, generator=g)[:, :80]
     close(run(x), F.linear(x, w), rel=4e-6)
     out = torch.full((rows, 53), float("nan"))

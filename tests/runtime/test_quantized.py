@@ -5,7 +5,9 @@
   above) equal the float twin (dequantize, F.linear) to float32 summation order: max error
   <= 1e-5 of the output's largest magnitude. The int16 and int8 activation paths (<= 4 rows)
   equal their own twin (kernels.quant.matmul_int_twin, float64) to the same bound, and int16
-  stays within 1e-4 of the float path.
+  stays within 1e-4 of the float path. Each runs on every instruction-set variant the machine
+  runs (tests/kernels/variants.py): the avx512 one's int16 GEMM (vpdpwssd) and the baseline's
+  plain C compute the same integer products as the avx2 one.
 - A tiny random Llama written as Q4_0 / Q4_1 / Q8_0 GGUF decodes greedily like its float twin
   (the same file loaded with quantization none), keeps its matrices quantized, and its
   weights take about the quantization ratio of the float bytes.
@@ -33,6 +35,7 @@ from runtime.model import ForwardBatch
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import render_chat
 from tests.helpers import save_tiny_model, write_gguf
+from tests.kernels.variants import isa  # noqa: F401  (the fixture: a test taking it runs on every instruction-set variant)
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
 
@@ -44,7 +47,7 @@ def random_quant(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantTensor
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-def test_dequantize_c_equals_twin_equals_gguf(qtype):
+def test_dequantize_c_equals_twin_equals_gguf(qtype, isa):  # noqa: F811
     w = random_quant(qtype, 40, 96)
     ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(40, 96).astype(np.float32))
     assert torch.equal(w.dequantize(), ref)
@@ -55,7 +58,7 @@ def test_dequantize_c_equals_twin_equals_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 45, 128, 131])
-def test_matmul_paths_equal_their_twins(qtype, rows):
+def test_matmul_paths_equal_their_twins(qtype, rows, isa):  # noqa: F811
     w = random_quant(qtype, 53, 160, seed=rows)  # 53: float tile (24) and register-block (3) tails, int16 panel (48) and micro-tile (4) tails; rows 8, 33, 45, 131: last int16 tiles of 8, 1, 13, 3 rows
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(53)
@@ -150,7 +153,7 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode:
 
 
 @pytest.mark.parametrize("arch,qtype,acts", [("llama", "Q4_1", "float"), ("qwen2", "Q8_0", "int16"), ("llama", "Q4_0", "int8")])
-def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts):
+def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts, isa):  # noqa: F811
     save_tiny_model(tmp_path / "hf", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
     write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)
     _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, quant_activations=acts))

@@ -1,0 +1,59 @@
+/* Every function the pdserve C kernels export, declared once: the .c files include this header,
+ * and kernels/cpu_native.py's signature table (_SIGNATURES) mirrors it for ctypes.
+ *
+ * The same sources are compiled once per instruction-set level (kernels/native_build.py:
+ * baseline x86-64, avx2 = x86-64-v3, avx512 = x86-64-v4 + VNNI), each into its own library with
+ * these same symbol names; kernels/cpu_native.py asks pd_cpu_features (from the baseline library)
+ * what the CPU and the OS support and loads the best variant.
+ */
+#ifndef PD_OPS_H
+#define PD_OPS_H
+#include <stdint.h>
+
+/* isa_probe.c: what the CPU and the OS support, PD_CPU_* bits. */
+enum {
+    PD_CPU_AVX2 = 1,    /* AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE, and the OS saves YMM state (x86-64-v3) */
+    PD_CPU_AVX512 = 2,  /* AVX-512 F/BW/CD/DQ/VL and VNNI, and the OS saves opmask and ZMM state */
+    PD_CPU_AVX512_BF16 = 4,
+    PD_CPU_AMX = 8,     /* AMX tile + int8 + bf16, and the OS granted tile data (arch_prctl) */
+};
+int pd_cpu_features(void);
+/* The instruction-set level this library was compiled for: 0 baseline, 1 avx2, 2 avx512. */
+int pd_build_isa(void);
+/* The hash of the sources it was compiled from (kernels/native_build.py source_hash). */
+const char *pd_source_hash(void);
+
+/* cpu_ops.c */
+int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+                              const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                              const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale);
+void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float *w, float *out, int rows, int dim, float eps);
+void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
+void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
+                      float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
+
+/* quant_ops.c */
+void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int64_t *rows, int n, float *out);
+int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
+                int64_t os, int activations);
+int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os);
+
+/* step_ops.c: one quantized weight, N rows of K/32 GGUF blocks, row_bytes apart ... */
+typedef struct {
+    const uint8_t *w;
+    int64_t row_bytes;
+    int32_t qt, n, k, pad;
+} pd_qweight;
+
+/* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none) and four weights. */
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias;
+    pd_qweight qkv, o, gate_up, down;
+} pd_layer;
+
+int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
+                     float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
+                     const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
+                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int H, int KVH, int D, int BS,
+                     int hidden, int inter, float scale, float eps, int activations);
+#endif
