@@ -98,7 +98,7 @@ def test_split_refused():
 def test_plan_round_trip(tiny):
     engine, _ = tiny_engine(tiny)
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
-    batch, _ = engine.runner.prepare(engine.scheduler.schedule().scheduled)
+    batch, _, _ = engine.runner.prepare(engine.scheduler.schedule().scheduled)
     back = batch_of(msgspec.msgpack.decode(msgspec.msgpack.encode(plan_of(batch)), type=StepPlan))
     for field in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
         assert torch.equal(getattr(back, field), getattr(batch, field)), field
