@@ -146,7 +146,7 @@ class DecodeWorker:
         wid = process.worker_id(role, wcfg)
         cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
-        model = build_model(cfg, tensors, engine_cfg)
+        model = build_model(cfg, tensors, engine_cfg, wcfg.model)
         num_blocks = engine_cfg.blocks_for_budget(cfg)
         shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)
         if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here

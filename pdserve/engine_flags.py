@@ -1,6 +1,6 @@
 """`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device,
---quantization and the switch --no-prefix-cache go to every worker; --served-model-name goes to
+--quantization, --quant-activations, --linear-backend and the switch --no-prefix-cache go to every worker; --served-model-name goes to
 the HTTP gateway.
 
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
@@ -15,6 +15,13 @@ from __future__ import annotations
 
 import click
 
+# kernels.backends names, written here so that the launcher's --help imports no torch (tests check they agree)
+LINEAR_BACKEND_CHOICES = ["auto", "auto-reduced", "rules", "c", "onednn", "mkl", "onednn-bf16", "int8pack",
+                          "c-float", "c-int16", "c-int8", "dequant-mkl", "int4pack"]
+LINEAR_BACKEND_HELP = ("CPU: which back-end multiplies each linear layer. auto: the fastest of the float32-faithful ones, measured "
+                       "per shape and row count at first start (cached); auto-reduced: bf16 / int8 ones too where they pass a "
+                       "teacher-forced accuracy check; rules: fixed row-count rules; or one back-end by name")
+
 # flag (as vllm serve spells it, and as the worker commands take it) -> (click type, help)
 WORKER_FLAGS = {
     "dtype": (click.Choice(["auto", "float32", "bfloat16", "float16"]), "weights and KV dtype (auto: bfloat16 on CUDA, float32 on the CPU)"),
@@ -27,6 +34,7 @@ WORKER_FLAGS = {
     "block_size": (int, "tokens per KV block (a power of two)"),
     "quantization": (click.Choice(["auto", "none"]), "auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
     "quant_activations": (click.Choice(["int16", "float", "int8"]), "quantized weights: how a small decode batch is multiplied (default int16)"),
+    "linear_backend": (click.Choice(LINEAR_BACKEND_CHOICES), LINEAR_BACKEND_HELP + " [default: auto]"),
 }
 
 WORKER_SWITCHES = {"no_prefix_cache": "do not reuse the KV of token prefixes computed before (on by default, as in vLLM)"}

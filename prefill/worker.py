@@ -70,7 +70,7 @@ class PrefillWorker:
         cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
         pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
-        engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
+        engine = LLMEngine(build_model(cfg, tensors, engine_cfg, wcfg.model), None, engine_cfg, kv_cache=pool, prefill_only=True)
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         ctx = zmq.Context()

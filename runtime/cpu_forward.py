@@ -34,6 +34,7 @@ class CpuForward:
         c = model.cfg
         self.cfg = c
         self.ops = ops
+        self.activations = activations
         self.eps = c.rms_eps
         self.scale = c.head_dim**-0.5
         embed = model.weight("embed_tokens.weight")
@@ -50,6 +51,7 @@ class CpuForward:
         # fused_step False keeps the per-op loop, the twin it is tested against
         self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
         self.fused_step = self.step_layers is not None
+        self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
@@ -73,7 +75,7 @@ class CpuForward:
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
-        if self.fused_step and not plan.prefills and tokens <= quant.DIRECT_ROWS:
+        if self.fused_step and not plan.prefills and tokens <= quant.DIRECT_ROWS and self._c_step(tokens):
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
                               plan.decode_tables, plan.decode_lens, self.scale, self.eps)
             delta = bufs[5]
@@ -83,6 +85,11 @@ class CpuForward:
         last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
         ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
         return self.lm_head(last).float()  # (N, vocab)
+
+    def _c_step(self, tokens: int) -> bool:
+        """Whether the layers' back-ends at this many rows are the C kernel the one-call step runs."""
+        layer, c_kernel = self.layers[0], ("rules", f"c-{self.activations}")
+        return all(lin.backend_at(tokens) in c_kernel for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def _layers(self, batch, plan: "_AttentionPlan", kv_cache, h, x, bufs) -> torch.Tensor:
         """Every decoder layer, eight calls each; returns the last layer's output (not yet added
