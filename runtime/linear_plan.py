@@ -71,8 +71,9 @@ def apply(model, econf, source=None) -> "select.Table | None":
         return None
     lins = linears(fast)
     reps = {}  # shape key -> (one layer of that shape, its buckets)
-    for lin in lins:
-        reps.setdefault(select.shape_key(lin.weight), (lin, _buckets(lin, lin is fast.lm_head, econf)))
+    for lin in lins:  # (a layer that shares the LM head's shape takes both one's buckets)
+        key, buckets = select.shape_key(lin.weight), _buckets(lin, lin is fast.lm_head, econf)
+        reps[key] = (lin, sorted(set(buckets) | set(reps[key][1] if key in reps else ())))
     acts = econf.quant_activations
     if mode in backends.BY_NAME:
         table = _fixed(reps, mode, acts)
