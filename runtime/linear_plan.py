@@ -111,11 +111,12 @@ def _measured(reps: dict, acts: str, reduced: set[str]) -> "select.Table":
         lambda k, r: rules_choice(k, r, acts)).to_json())
     table = select.Table.from_json(doc)
     table.source = "cached" if hit else "measured"
-    for key, why in table.refused.items():
-        if not hit:
-            continue
+    for key, why in table.refused.items() if hit else ():
         for name, reason in why.items():
-            log.warning("linear back-end %s refused for %s (cached): %s", name, key, reason)
+            if key == "(budget)":  # kernels.select.choose's note: the rules' choice from there on (delete the file to measure again)
+                log.warning("linear back-end table (cached): %s", reason)
+            else:
+                log.warning("linear back-end %s refused for %s (cached): %s", name, key, reason)
     return table
 
 
