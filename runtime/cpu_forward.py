@@ -17,7 +17,11 @@ residual add, the qkv GEMM, rotary embedding fused with the KV-cache write, atte
 GEMM, the second fused add + RMSNorm, the gate/up GEMM, silu * up, the down GEMM. Decode rows
 (one query token) attend straight from the pages in C, all sequences in one call; a sequence
 with a longer query (prefill, chunked prefill) runs the torch path's per-sequence sdpa, shaped
-as transformers' so that a prompt's first token is computed as HF computes it.
+as transformers' so that a prompt's first token is computed as HF computes it; prompts of one
+length with no cached prefix, adjacent in the step, attend in one sdpa call instead
+(`batch_fresh`; the per-prompt path is its twin). With a measured back-end table
+(runtime.linear_plan) each projection runs the back-end its row count was given, and the one-call
+decode step runs only where that is the C kernel it calls.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import torch
 
 from kernels import backends, quant, select
 from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS
+from runtime.errors import InvalidRequestError
 
 log = logging.getLogger("pdserve.runtime")
 
@@ -96,7 +97,7 @@ def _fixed(reps: dict, name: str, acts: str) -> "select.Table":
     for key, (lin, buckets) in reps.items():
         ok = b in backends.for_weight(lin.weight) and b.bind(lin.weight) is not None
         if not ok:
-            raise ValueError(f"linear back-end {name} is not supported for {key} weights on this machine")
+            raise InvalidRequestError(f"linear back-end {name} is not supported for {key} weights on this machine")
         table.entries[key] = [(r, name if r <= b.max_rows else rules_choice(key, r, acts)) for r in buckets]
     return table
 
