@@ -20,13 +20,20 @@ up to a bucket (1, 2, 4, 8, then multiples of 8; zero rows, sliced off the resul
 row counts per weight (19). The packed copy doubles the memory of the weights it packs.
 - `quant`: the weight is a kernels.quant.QuantTensor (GGUF Q4_0/Q4_1/Q8_0 blocks, `--quantization
   auto`), multiplied by kernels.quant.matmul; chosen by the weight's type whatever the kind asked.
+Those are the rules. `use(rows_backends)` replaces them with a measured table's row for this
+weight's shape (kernels.select; back-ends by name from kernels.backends): each call then runs the
+back-end of the smallest bucket that holds its rows (the last bucket's above), bound once here;
+the rules' oneDNN copy is dropped unless the table uses it.
 """
 from __future__ import annotations
+
+import bisect
 
 import torch
 import torch.nn.functional as F
 
-from kernels import quant
+from kernels import backends, quant
+from kernels.backends import row_bucket  # noqa: F401  (the rules' oneDNN row counts; tests read it here)
 
 KINDS = ("auto", "torch", "onednn")
 ONEDNN_MAX_ROWS = 128  # auto: larger batches (prefill) go to F.linear
@@ -41,11 +48,6 @@ def resolve_kind(kind: str, weight: torch.Tensor) -> str:
     return kind
 
 
-def row_bucket(rows: int) -> int:
-    """The padded row count oneDNN runs for `rows` rows: 1, 2, 4, 8, then the next multiple of 8."""
-    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
-
-
 class PackedLinear:
     def __init__(self, weight: "torch.Tensor | quant.QuantTensor", bias: torch.Tensor | None = None, kind: str = "auto",
                  batch_hint: int = 32, activations: str = "float"):
@@ -57,20 +59,45 @@ class PackedLinear:
         self.bias = bias
         self.max_rows = ONEDNN_MAX_ROWS if self.kind == "auto" else (1 << 62 if self.kind == "onednn" else 0)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.max_rows else None
+        self.onednn = backends.onednn_run(self.packed) if self.packed is not None else None
         self.q_run = quant.bound_matmul(weight, activations) if self.quantized else None
         self.q_rows = quant.kernel_rows(activations)  # quant: rows the C kernel takes
         self.f_run = _native_float(weight) if self.kind == "auto" else None
+        self.plan_rows: list[int] = []  # a measured table's buckets for this shape, ascending (use)
+        self.plan_names: list[str] = []
+        self.plan_runs: list = []
+
+    def use(self, rows_backends: list[tuple[int, str]]) -> None:
+        """Dispatch by a measured table's [(bucket, back-end name)] for this weight's shape."""
+        kinds = backends.for_weight(self.weight)
+        runs = {name: backends.BY_NAME[name].bind(self.weight) if backends.BY_NAME[name] in kinds else None
+                for name in {n for _, n in rows_backends}}
+        missing = [n for n, r in runs.items() if r is None]
+        if missing:
+            raise ValueError(f"linear back-end(s) {', '.join(missing)} cannot run a {tuple(self.weight.shape)} weight here")
+        self.plan_rows = [b for b, _ in rows_backends]
+        self.plan_names = [n for _, n in rows_backends]
+        self.plan_runs = [runs[n] for n in self.plan_names]
+        self.packed = self.onednn = None  # the rules' oneDNN copy (the table's own is bound above where it uses oneDNN)
+
+    def backend_at(self, rows: int) -> str:
+        """The back-end name that runs `rows` rows ('rules' without a table)."""
+        return self.plan_names[min(bisect.bisect_left(self.plan_rows, rows), len(self.plan_rows) - 1)] if self.plan_rows else "rules"
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
         memory is flat from the first request on instead of growing as new batch sizes appear."""
-        if self.packed is not None:
-            for rows in sorted({row_bucket(r) for r in range(1, min(self.max_rows, ONEDNN_MAX_ROWS) + 1)}):
-                self(self.weight.new_zeros((rows, self.in_features)))
+        top = self.plan_rows[-1] if any(n.startswith("onednn") for n in self.plan_names) else (
+            min(self.max_rows, ONEDNN_MAX_ROWS) if self.packed is not None else 0)
+        for rows in sorted({row_bucket(r) for r in range(1, top + 1)}):
+            self(torch.zeros((rows, self.in_features)))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias); `out`, a (rows, out_features) buffer the quantized kernel may write
         into (the result is returned either way; other kinds allocate)."""
+        if self.plan_runs:
+            out = self.plan_runs[min(bisect.bisect_left(self.plan_rows, x.shape[0]), len(self.plan_rows) - 1)](x, out)
+            return out if self.bias is None else out.add_(self.bias)
         if self.q_run is not None and x.shape[0] <= self.q_rows:
             out = self.q_run(x, out)
             return out if self.bias is None else out.add_(self.bias)
@@ -82,12 +109,8 @@ class PackedLinear:
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is None or rows > self.max_rows or rows == 0:
             return F.linear(x, self.weight, self.bias)
-        bucket = row_bucket(rows)
-        if bucket != rows:
-            padded = x.new_zeros((bucket, x.shape[1]))
-            padded[:rows] = x
-            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = self.onednn(x)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def _native_float(weight: torch.Tensor):

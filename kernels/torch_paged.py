@@ -125,6 +125,20 @@ def attend_one(q, k, v, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def attend_fresh(q, k, v, scale: float) -> torch.Tensor:
+    """n prompts of one length L with no cached prefix, in one causal sdpa call: q (n, L, H, D),
+    k, v (n, L, KVH, D) (any strides with contiguous heads: views of the fused qkv rows, so no
+    page is read back); returns (n, L, H, D). attend_one per prompt is its twin: the same sdpa
+    over each batch element."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q4 = q.transpose(1, 2)  # (n, H, L, D)
+    k4, v4 = k.transpose(1, 2), v.transpose(1, 2)
+    if not _SDPA_HAS_GQA and heads != kv_heads:
+        k4, v4 = k4.repeat_interleave(heads // kv_heads, dim=1), v4.repeat_interleave(heads // kv_heads, dim=1)
+    kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
+    return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, **kwargs).transpose(1, 2)
+
+
 def _kv_heads_for_sdpa(k, v, group: int):
     """(S, KVH, D) -> (1, KVH, S, D), repeated to (1, H, S, D) only where sdpa lacks enable_gqa."""
     k4, v4 = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)

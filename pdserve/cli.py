@@ -9,7 +9,7 @@ import time
 
 import click
 
-from pdserve.engine_flags import engine_flag_options, worker_args
+from pdserve.engine_flags import LINEAR_BACKEND_CHOICES, LINEAR_BACKEND_HELP, engine_flag_options, worker_args
 from pdserve.launch import HANG_TIMEOUT_S
 
 COORDINATOR_CLIENTS = "tcp://127.0.0.1:5555"
@@ -44,6 +44,8 @@ def _engine_options(f):
                           "int16 or int8 (activations rounded per 32-wide block, integer products; faster, approximate) "
                           "[default: the engine's]"),
         click.option("--int8-activations", is_flag=True, help="the same as --quant-activations int8"),
+        click.option("--linear-backend", default="auto", show_default=True, type=click.Choice(LINEAR_BACKEND_CHOICES),
+                     help=LINEAR_BACKEND_HELP),
         click.option("--no-prefix-cache", "no_prefix_cache", is_flag=True,
                      help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)"),
         click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(1),
@@ -66,7 +68,7 @@ def _engine_options(f):
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
              quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False,
-             tensor_parallel_size=1, pipeline_parallel_size=1, **extra):
+             tensor_parallel_size=1, pipeline_parallel_size=1, linear_backend="auto", **extra):
     from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
     from runtime.errors import PdserveError
 
@@ -76,7 +78,7 @@ def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                             quantization=quantization, prefix_cache=not no_prefix_cache, tensor_parallel_size=tensor_parallel_size,
-                            pipeline_parallel_size=pipeline_parallel_size,
+                            pipeline_parallel_size=pipeline_parallel_size, linear_backend=linear_backend,
                             quant_activations="int8" if int8_activations else quant_activations or EngineConfig.quant_activations)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)

@@ -1,7 +1,7 @@
 """`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device,
---quantization, --tensor-parallel-size, --pipeline-parallel-size (only 1) and the switch
---no-prefix-cache go to every worker; --served-model-name goes to
+--quantization, --quant-activations, --linear-backend, --tensor-parallel-size, --pipeline-parallel-size (only 1)
+and the switch --no-prefix-cache go to every worker; --served-model-name goes to
 the HTTP gateway.
 
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
@@ -15,6 +15,13 @@ rest of the worker flags.
 from __future__ import annotations
 
 import click
+
+# kernels.backends names, written here so that the launcher's --help imports no torch (tests check they agree)
+LINEAR_BACKEND_CHOICES = ["auto", "auto-reduced", "rules", "c", "onednn", "mkl", "onednn-bf16", "int8pack",
+                          "c-float", "c-int16", "c-int8", "dequant-mkl", "int4pack"]
+LINEAR_BACKEND_HELP = ("CPU: which back-end multiplies each linear layer. auto: the fastest of the float32-faithful ones, measured "
+                       "per shape and row count at first start (cached); auto-reduced: bf16 / int8 ones too where they pass a "
+                       "teacher-forced accuracy check; rules: fixed row-count rules; or one back-end by name")
 
 # flag (as vllm serve spells it, and as the worker commands take it) -> (click type, help)
 WORKER_FLAGS = {
@@ -30,6 +37,7 @@ WORKER_FLAGS = {
     "quant_activations": (click.Choice(["int16", "float", "int8"]), "quantized weights: how a small decode batch is multiplied (default int16)"),
     "tensor_parallel_size": (click.IntRange(1), "rank processes each worker splits the model over (CPU: gloo); --prefill-tp / --decode-tp per side"),
     "pipeline_parallel_size": (click.IntRange(1), "only 1: pipeline parallelism is not supported"),
+    "linear_backend": (click.Choice(LINEAR_BACKEND_CHOICES), LINEAR_BACKEND_HELP + " [default: auto]"),
 }
 
 WORKER_SWITCHES = {"no_prefix_cache": "do not reuse the KV of token prefixes computed before (on by default, as in vLLM)"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.backends import BY_NAME
 from kernels.cpu_native import ACTIVATION_MODES
 
 from runtime.errors import InvalidRequestError, NotSupportedError, UnsupportedModelError
@@ -122,6 +123,7 @@ class ModelConfig:
 
 
 QUANT_ACTIVATIONS = tuple(ACTIVATION_MODES)  # float, int8, int16: how a small decode batch meets quantized weights
+LINEAR_BACKENDS = ("auto", "auto-reduced", "rules", *BY_NAME)  # --linear-backend (runtime.linear_plan)
 AUTO_KV_CACHE_MB = 2048  # the workers' KV budget unless --kv-cache-mb is given (vLLM's CPU peer here runs with 2 GiB)
 
 
@@ -163,6 +165,9 @@ class EngineConfig:
     # float32 on the CPU: the fused forward of runtime.cpu_forward (off: the module forward, its twin)
     fast_path: bool = True
     linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
+    # runtime.linear_plan: rules (kernels.linear's fixed rules; the worker commands default to auto:
+    # back-ends measured at first start, cached), auto, auto-reduced or one back-end's name
+    linear_backend: str = "rules"
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized (kernels.quant) where the CPU fast path
     # runs; none: dequantized to float32 at load (the reference the HF-equivalence tests use)
     quantization: str = "auto"
@@ -194,6 +199,8 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.linear_kind not in ("auto", "torch", "onednn"):
             raise InvalidRequestError(f"linear_kind must be auto, torch or onednn, got {self.linear_kind!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise InvalidRequestError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.quant_activations not in QUANT_ACTIVATIONS:
             raise InvalidRequestError(f"quant_activations must be one of {', '.join(QUANT_ACTIVATIONS)}, got {self.quant_activations!r}")
         if self.quantization not in ("auto", "none"):
@@ -255,7 +262,7 @@ class EngineConfig:
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
             "quant_activations": self.quant_activations, "prefix_cache": int(self.prefix_cache),
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size, "linear_backend": self.linear_backend,
         }
 
 

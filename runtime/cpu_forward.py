@@ -17,7 +17,11 @@ residual add, the qkv GEMM, rotary embedding fused with the KV-cache write, atte
 GEMM, the second fused add + RMSNorm, the gate/up GEMM, silu * up, the down GEMM. Decode rows
 (one query token) attend straight from the pages in C, all sequences in one call; a sequence
 with a longer query (prefill, chunked prefill) runs the torch path's per-sequence sdpa, shaped
-as transformers' so that a prompt's first token is computed as HF computes it.
+as transformers' so that a prompt's first token is computed as HF computes it; prompts of one
+length with no cached prefix, adjacent in the step, attend in one sdpa call instead
+(`batch_fresh`; the per-prompt path is its twin). With a measured back-end table
+(runtime.linear_plan) each projection runs the back-end its row count was given, and the one-call
+decode step runs only where that is the C kernel it calls.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_native, quant
 from kernels.linear import PackedLinear
-from kernels.torch_paged import attend_one, gather_pages
+from kernels.torch_paged import attend_fresh, attend_one, gather_pages
 
 
 class CpuForward:
@@ -34,6 +38,7 @@ class CpuForward:
         c = model.cfg
         self.cfg = c
         self.ops = ops
+        self.activations = activations
         self.eps = c.rms_eps
         self.scale = c.head_dim**-0.5
         embed = model.weight("embed_tokens.weight")
@@ -50,6 +55,8 @@ class CpuForward:
         # fused_step False keeps the per-op loop, the twin it is tested against
         self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
         self.fused_step = self.step_layers is not None
+        self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
+        self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
         for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
@@ -67,13 +74,13 @@ class CpuForward:
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         tokens = batch.input_ids.numel()
-        plan = _AttentionPlan.of(batch)
+        plan = _AttentionPlan.of(batch, self.batch_fresh)
         h = self.embed(batch.input_ids)  # (T, hidden): the residual stream, updated in place
         x = torch.empty_like(h)
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
-        if self.fused_step and not plan.prefills and tokens <= quant.DIRECT_ROWS:
+        if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens):
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
                               plan.decode_tables, plan.decode_lens, self.scale, self.eps)
             delta = bufs[5]
@@ -83,6 +90,11 @@ class CpuForward:
         last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
         ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
         return self.lm_head(last).float()  # (N, vocab)
+
+    def _c_step(self, tokens: int) -> bool:
+        """Whether the layers' back-ends at this many rows are the C kernel the one-call step runs."""
+        layer, c_kernel = self.layers[0], ("rules", f"c-{self.activations}")
+        return all(lin.backend_at(tokens) in c_kernel for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def _layers(self, batch, plan: "_AttentionPlan", kv_cache, h, x, bufs) -> torch.Tensor:
         """Every decoder layer, eight calls each; returns the last layer's output (not yet added
@@ -115,6 +127,12 @@ class CpuForward:
         if plan.decode_rows is not None:
             self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
                                       check=check)
+        for start, n, length in plan.fresh:  # n prompts of one length, no cached prefix: one sdpa, K/V straight from qkv
+            rows = qkv[start:start + n * length]
+            q = rows[:, : c.q_size].view(n, length, c.num_heads, c.head_dim)
+            k = rows[:, c.q_size:c.q_size + c.kv_size].view(n, length, c.num_kv_heads, c.head_dim)
+            v = rows[:, c.q_size + c.kv_size:].view(n, length, c.num_kv_heads, c.head_dim)
+            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale).reshape(n * length, c.q_size)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len)
@@ -151,17 +169,29 @@ class _Layer:
 class _AttentionPlan:
     """Which query rows decode (one token, C kernel, one call) and which sequences prefill (torch)."""
 
-    __slots__ = ("decode_rows", "decode_tables", "decode_lens", "prefills")
+    __slots__ = ("decode_rows", "decode_tables", "decode_lens", "prefills", "fresh")
 
     @classmethod
-    def of(cls, batch) -> "_AttentionPlan":
+    def of(cls, batch, batch_fresh: bool = True) -> "_AttentionPlan":
+        """batch_fresh: runs of adjacent prompts of one length with no cached prefix attend in one
+        call (`fresh`: (first row, prompts, length)); off: each prompt alone (the twin)."""
         plan = cls()
         starts = batch.query_start_loc.tolist()
         lens = batch.seq_lens.tolist()
         decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-        plan.prefills = [
-            (starts[i], starts[i + 1], batch.block_tables[i], lens[i]) for i in range(len(lens)) if starts[i + 1] - starts[i] > 1
-        ]
+        prefill = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
+        runs: list[list[int]] = []  # adjacent prompts of one length, none with a cached prefix
+        for i in prefill if batch_fresh else ():
+            if lens[i] == starts[i + 1] - starts[i]:
+                prev = runs[-1][-1] if runs else None
+                if prev is not None and starts[prev + 1] == starts[i] and lens[prev] == lens[i]:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+        runs = [r for r in runs if len(r) > 1]  # a lone prompt keeps attend_one (HF's exact call)
+        plan.fresh = [(starts[r[0]], len(r), lens[r[0]]) for r in runs]
+        batched = {i for r in runs for i in r}
+        plan.prefills = [(starts[i], starts[i + 1], batch.block_tables[i], lens[i]) for i in prefill if i not in batched]
         plan.decode_rows = plan.decode_tables = plan.decode_lens = None
         if len(decode) == len(lens):
             plan.decode_rows = batch.query_start_loc[:-1].long()

@@ -44,7 +44,7 @@ from runtime.scheduler import Scheduler
 from runtime.sequence import FinishReason, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from runtime.weights import dequantize_all, load_checkpoint
-from runtime import structured
+from runtime import linear_plan, structured
 
 log = logging.getLogger("pdserve.runtime")
 
@@ -74,9 +74,11 @@ class Completion:
     prompt_logprobs: list | None = None  # runtime.scoring.PromptScore per prompt token after the first, when asked
 
 
-def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaModel:
+def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=None) -> LlamaModel:
     """The model from loaded tensors; quantized ones (kernels.quant.QuantTensor) stay quantized
-    where the CPU fast path can run them and are dequantized, with a log line saying why, elsewhere."""
+    where the CPU fast path can run them and are dequantized, with a log line saying why, elsewhere.
+    Its linear layers' back-ends follow econf.linear_backend (runtime.linear_plan; source, the
+    checkpoint's path or None for the default model, names the tokenizer its accuracy check reads)."""
     quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, QuantTensor)})
     why_not = _why_not_quantized(econf) if quantized else None
     if why_not:
@@ -87,6 +89,7 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaMo
     model = model.to(econf.device).eval()
     if econf.fast_path and econf.attention_backend in ("auto", "torch"):
         model.enable_fast_path(econf.linear_kind, econf.quant_activations)
+        linear_plan.apply(model, econf, source)
     if model.quantized and model.fast is None and not econf.device.startswith("cuda"):
         raise RuntimeError("the quantized weights need the CPU fast path, which did not start")
     kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype
@@ -119,7 +122,7 @@ def load_model(model=None, config: EngineConfig | None = None, progress: bool = 
     """Read a checkpoint and build its model as `config` says (quantized or not)."""
     config = config or EngineConfig()
     cfg, tensors = load_checkpoint(model, progress=progress, keep_quantized=config.keep_quantized)
-    return cfg, build_model(cfg, tensors, config)
+    return cfg, build_model(cfg, tensors, config, model)
 
 
 class LLMEngine:

@@ -49,8 +49,18 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
     return Hello(
         PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
         pool.shape[2], pool.shape[3], kv_endpoint, profile,
-        engine=engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), roles=list(roles or []),
+        engine={**engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), "linear_table": linear_table(engine)},
+        roles=list(roles or []),
     )
+
+
+LINEAR_TABLE_CHARS = 4000  # the Hello's copy of the chosen back-end table (a few lines per linear shape)
+
+
+def linear_table(engine: LLMEngine) -> str:
+    """The measured linear back-end table (runtime.linear_plan) as text, for `pdserve stats`."""
+    table = getattr(engine.model.fast, "linear_table", None)
+    return "" if table is None else table.text()[:LINEAR_TABLE_CHARS]
 
 
 def announce_role(link, role: Role) -> None:

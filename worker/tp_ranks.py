@@ -118,7 +118,7 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
     shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
     if econf.tensor_parallel_size == 1:
-        model = build_model(cfg, tensors, econf)
+        model = build_model(cfg, tensors, econf, wcfg.model)
         return model, make_pool(shape, False), None
     check_split(cfg, econf.tensor_parallel_size)
     pool = make_pool(shape, True)

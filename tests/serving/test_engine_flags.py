@@ -40,6 +40,9 @@ def test_launch_engine_flags_reach_every_worker(model_dir, tmp_path):
                     e["block_size"]) == ("float32", "cpu", 8, 128, 256, 512, 8), w
             assert w["max_model_len"] == 256 and w["block_size"] == 8 and e["quant_activations"] == "int8"
             assert 127 < e["kv_pool_mb"] <= 128  # the pool fills the budget, in whole blocks
+            # the default --linear-backend auto: the measured table, one line per linear shape (qkv, o, gate_up, down, LM head)
+            assert e["linear_backend"] == "auto" and len(e["linear_table"].splitlines()) == 5, e["linear_table"]
+            assert all(line.split(": ")[0].endswith(" f32") for line in e["linear_table"].splitlines())
         models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny-chat"]
         r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60,
@@ -76,3 +79,11 @@ def test_max_model_len_beyond_the_model_stops_the_launch(model_dir, tmp_path):
     assert "colocated-0 (pid" in out.stderr and "cannot start with this configuration" in out.stderr  # exit 78: not restarted
     log = (tmp_path / "colocated-0.log").read_text()
     assert "max_model_len 4096 is longer than the model's context (1024 tokens)" in log
+
+
+def test_linear_backend_choices_are_the_engines():
+    """The launcher lists --linear-backend's choices without importing torch; they must be the engine's."""
+    from pdserve.engine_flags import LINEAR_BACKEND_CHOICES
+    from runtime.config import LINEAR_BACKENDS
+
+    assert LINEAR_BACKEND_CHOICES == list(LINEAR_BACKENDS)
