@@ -121,3 +121,33 @@ def test_table_text_names_runs_of_buckets():
     t = select.Table({"960x576 f32": [(1, "c"), (4, "c"), (8, "onednn"), (64, "onednn"), (128, "mkl")], "8x8 Q4_1": [(1, "c-int16")]})
     assert t.text() == "960x576 f32: 1-4 c, 5-64 onednn, 65+ mkl\n8x8 Q4_1: 1+ c-int16"
     assert t.pick("960x576 f32", 5) == "onednn" and t.pick("960x576 f32", 4000) == "mkl" and t.pick("other", 1) is None
+
+
+def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
+    """A second start that asks while the first measures waits for its table (hit) instead of
+    measuring beside it (two timings on the same cores, each distorting the other)."""
+    import threading
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    started, release, measured, results = threading.Event(), threading.Event(), [], {}
+
+    def measure(name):
+        def run():
+            measured.append(name)
+            started.set()
+            assert release.wait(30)
+            return {"by": name}
+        return run
+
+    first = threading.Thread(target=lambda: results.update(first=select.cached("linear", "k", measure("first"))))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: results.update(second=select.cached("linear", "k", measure("second"))))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # held by the first's lock
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert measured == ["first"]
+    assert results == {"first": ({"by": "first"}, False), "second": ({"by": "first"}, True)}
