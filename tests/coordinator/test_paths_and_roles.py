@@ -22,8 +22,8 @@ from gateway.metrics import GatewayMetrics
 from runtime.params import SamplingParams
 from tests.helpers import free_port
 from wire.protocol import (
-    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Heartbeat, Hello, Role, RoleSet, SetRole, TokenBatch,
-    TokenOut,
+    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet,
+    SetRole, TokenBatch, TokenOut,
 )
 
 BOTH = [Role.PREFILL, Role.DECODE]
@@ -105,6 +105,22 @@ def test_with_slo_a_request_is_placed_with_both_predictions_and_feeds_the_calibr
     cal = c.stats()["calibration"]
     assert cal["ttft"]["error"]["count"] == 1 and cal["tpot"]["error"]["count"] == 1
     assert cal["ttft"]["headroom"] == c.cfg.ttft_headroom  # the static headroom until enough samples
+    assert cal["paths"][st.path["path"]]["ttft"]["error"]["count"] == 1  # and its path's own record
+
+
+def test_a_hand_off_is_measured_from_its_kv_send_to_its_first_token(closing):
+    c = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], paths="remote")
+    closing(c)
+    iid = start(c, "r", 20)
+    st = c.requests[iid]
+    c.on_worker(b"d", Granted(iid, [0, 1], st.admissions, 1))
+    assert c.taken(Prefill)
+    c.on_worker(b"d", TokenBatch([TokenOut(iid, 7)]))  # the first token may come before PrefillDone
+    c.on_worker(b"p", PrefillDone(iid, 20, 1000, 0.25, 0.1, 1))
+    h = c.stats()["handoff"]["d"]
+    # 0.25 s of KV send before its PrefillDone, less the first step predicted at placement
+    assert h["count"] == 1 and h["mean_extra_ms"] == pytest.approx(1000 * (0.25 - st.predicted_tpot), abs=30)
+    assert c.handoff_times.extra_s("d") == pytest.approx(h["mean_extra_ms"] / 1000, abs=1e-5)
 
 
 def planning(workers, **cfg) -> Recorded:
@@ -194,3 +210,4 @@ def test_metrics_render_paths_role_changes_and_prediction_error(closing):
     assert samples[("pdserve:role_changes_total", (("from", "decode"), ("model_name", "m"), ("to", "prefill")))] == 1
     assert ("pdserve:prediction_error", (("model_name", "m"), ("phase", "ttft"), ("quantile", "p99"))) in samples
     assert samples[("pdserve:admission_headroom", (("model_name", "m"), ("phase", "tpot")))] == c.cfg.tpot_headroom
+    assert ("pdserve:path_prediction_error", (("model_name", "m"), ("path", "local"), ("phase", "ttft"), ("quantile", "p50"))) in samples
