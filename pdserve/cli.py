@@ -189,7 +189,7 @@ def _slo_options(f):
 def _topology_options(f):
     """Each request's path and the planner that moves roles with the load (coordinator/paths.py, planner.py)."""
     opts = [
-        click.option("--paths", default="remote", show_default=True, type=click.Choice(["auto", "remote", "local"]),
+        click.option("--paths", default="auto", show_default=True, type=click.Choice(["auto", "remote", "local"]),
                      help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default "
                           "until auto's local TTFT is predicted well on a shared node: see README, Paths and roles); "
                           "auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
