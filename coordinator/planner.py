@@ -31,6 +31,7 @@ per prefill worker, streams per decode worker), and among those the one with lea
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Mapping
@@ -320,6 +321,8 @@ class Planner:
                                       **({"target": w.target.name.lower()} if w.target is not None else {})}
                         for w in self.workers.values()},
             "counts": dict(self.counts),
+            "last_window": {name: dataclasses.asdict(getattr(self.recent[-1], name)) for name in ("prefill", "decode")} if self.recent else {},
+            "streak": {r.name.lower(): n for r, n in self.streak.items()},
             "changes": [{"worker": c.worker_id, "node": c.node, "from": c.old.name.lower(), "to": c.new.name.lower(),
                          "at": c.at, "reason": c.reason} for c in self.changes],
         }

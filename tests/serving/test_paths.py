@@ -84,14 +84,15 @@ async def phase(address, jobs, max_tokens, until, what, stats):
     deadline = time.monotonic() + PHASE_S
     async with AsyncClient(address, timeout=120) as c:
         while not until():
-            assert time.monotonic() < deadline, f"{what} within {PHASE_S:g} s: {stats()['planner']}"
+            if time.monotonic() > deadline:
+                s = stats()
+                raise AssertionError(f"{what} within {PHASE_S:g} s: {s['planner']}; requests {s['requests']}; slo {s['slo']}")
             for r in await asyncio.gather(*(c.generate(token_ids=p, max_tokens=max_tokens, temperature=0, ignore_eos=True)
                                             for p in jobs), return_exceptions=True):
                 out.append(r)
     return out
 
 
-@pytest.mark.skip(reason="the planner does not move a role under this load on the tiny model: being tuned (see the session note)")
 def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_path):
     launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=2, engine_args=["--kv-cache-mb", "32"], coordinator_args=[
         "--paths", "auto", "--planner", "--planner-window-s", "0.5", "--planner-dwell-s", "2", "--ttft-p99-ms", "150", "--tpot-p99-ms", "30"])
@@ -105,7 +106,7 @@ def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_pat
             first = asyncio.run(phase(launcher.plan.client_addr, heavy_prompts, 1, done, "no role change", c.stats))
             stats = wait_for(c, lambda s: counts(s).get("decode_to_prefill", 0) >= 1, 5, "no decode worker became a prefill worker")
             assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill", "prefill"]
-            streams = prompts([8] * 24, first=30000)
+            streams = prompts([8] * 24, first=20000)
             back = lambda: counts(c.stats()).get("prefill_to_decode", 0) >= 1 and counts(c.stats()).get("confirmed", 0) >= 2  # noqa: E731
             second = asyncio.run(phase(launcher.plan.client_addr, streams, 64, back, "no role change back", c.stats))
             stats = wait_all_blocks_free(c, timeout=30)
