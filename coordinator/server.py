@@ -130,7 +130,7 @@ class CoordinatorConfig:
     served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
-    paths: str = "auto"  # XXX the default until auto's local TTFT is predicted well on a shared node; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
+    paths: str = "auto"  # auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
     local_prefill_tokens: int = PathRule.local_tokens  # without SLO control: prompts with this many uncached tokens or fewer go LOCAL
     # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
@@ -519,14 +519,19 @@ class Coordinator:
         worker's measured hand-off cost; each path is held to the headroom its own errors call for."""
         p = self.snapshots(prefills, now, st) if self.cfg.paths != "local" else []
         d = [dataclasses.replace(s, handoff_s=self.handoff_times.extra_s(s.worker_id)) for s in self.snapshots(decodes, now, st)]
-        node = {w.hello.worker_id: f"{w.hello.host}/{w.hello.boot_id}" for w in (*prefills, *decodes)}
-        p, d = share_node(p, d, node, stall_cap(self.tightest_tpot_ms()))
+        p, d = share_node(p, d, self.core_groups(), stall_cap(self.tightest_tpot_ms()))
         targets = self.admission_targets(st, Path.REMOTE) if self.cfg.slo else None
         if self.cfg.paths == "remote" and p:
             decision = placement.place_pair(req, p, d, targets)
             return PathChoice(decision, Path.REMOTE if decision.outcome is Outcome.PLACED else None, "fixed", remote=decision)
         local_targets = self.admission_targets(st, Path.LOCAL) if self.cfg.slo else None
         return choose_path(req, p, d, targets, self.path_rule, local_targets)
+
+    def core_groups(self) -> dict[str, str]:
+        """Worker id -> the cores it shares (runtime/cores.py: the workers one `pdserve launch` started
+        on its node share one file, named in Hello.engine); a worker without a share is left out."""
+        return {wid: f"{w.hello.host}/{w.hello.boot_id}/{share}" for wid, w in self.workers.items()
+                if (share := w.hello.engine.get("core_share"))}
 
     def wait_for_twin(self, st: RequestState, block_size: int) -> bool:
         """n choices of one request (the same prompt from the same client at once, at least a
