@@ -144,15 +144,17 @@ def share_node(prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot], no
     return out_p, out_d
 
 
-def pick(ok: dict, local: Decision | None, decodes: list[WorkerSnapshot], rule: PathRule) -> Path:
-    """Of two ways that both meet the targets: LOCAL when its decode worker shares its node's
-    cores with the prefill workers (a prompt takes the same cores either way, and LOCAL spares the
-    hand-off and the turns: the launch then serves as a colocated worker with every core, and the
-    prefill worker takes what LOCAL cannot), else REMOTE only by `rule.remote_margin`."""
+def pick(ok: dict, local: Decision | None, decodes: list[WorkerSnapshot], rule: PathRule) -> tuple[Path, str]:
+    """Of two ways that both meet the targets, the one to take and why: LOCAL when its decode
+    worker shares its node's cores with the prefill workers (a prompt takes the same cores either
+    way, and LOCAL spares the hand-off and the turns: the launch then serves as a colocated worker
+    with every core, and the prefill worker takes what LOCAL cannot), else REMOTE only by
+    `rule.remote_margin`."""
+    remote_ahead = ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin
     d = next((w for w in decodes if local is not None and w.worker_id == local.worker), None)
     if d is not None and d.shared is not None:
-        return Path.LOCAL
-    return Path.REMOTE if ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin else Path.LOCAL
+        return Path.LOCAL, "shared_node" if remote_ahead else "headroom"
+    return (Path.REMOTE if remote_ahead else Path.LOCAL), "headroom"
 
 
 def choose_path(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],
@@ -173,9 +175,11 @@ def choose_path(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[
     room = {p: headroom(d, t) for p, d, t in ((Path.REMOTE, remote, targets), (Path.LOCAL, local, local_targets)) if d is not None}
     ok = {p: h for p, h in room.items() if h is not None}
     if ok:
-        path = pick(ok, local, gentle, rule) if len(ok) == 2 else next(iter(ok))
-        reason = ("shared_node" if path is Path.LOCAL and ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin else "headroom") \
-            if len(ok) == 2 else f"only_{path.value}"
+        if len(ok) == 2:
+            path, reason = pick(ok, local, gentle, rule)
+        else:
+            path = next(iter(ok))
+            reason = f"only_{path.value}"
         detail = ", ".join(f"{p.value} headroom {h:.2f}" for p, h in ok.items())
         return PathChoice(remote if path is Path.REMOTE else local, path, reason, detail, remote, local)
     if req.parked:  # admitted before: never shed, takes the first room (place_pair's WAIT, or a local worker's queue)
