@@ -16,10 +16,14 @@ plus the blocks its streams hold (Dynamo's KV router weighs overlap against load
 so a shared system prompt does not pull every stream onto one worker.
 
 The predictions (README, "Latency targets"): TTFT = waited + the prefill worker's backlog and
-this prompt's uncached tokens at its measured rate + relay + one decode step; TPOT = a decode step with one more
-sequence. A colocated worker runs prompts in the streams' steps, so its TPOT is stretched by the
-share of its time prompts placed on it lately took, plus the backlog spread over this request's
-output tokens.
+this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
+measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence. A colocated
+worker runs prompts in the streams' steps, so its TPOT is stretched by the share of its time
+prompts placed on it lately took, plus the backlog spread over this request's output tokens.
+Workers of two roles sharing a node's cores (`SharedCores`, filled by coordinator/paths.py
+share_node) pay for it: a decode worker's own prompt waits a turn a step while the node's prefill
+workers have work (`deferral`), a prefill worker's backlog stretches by the decode turns it yields
+(`predict_remote_prefill`).
 """
 from __future__ import annotations
 
