@@ -121,6 +121,8 @@ class Result:
     decode_worker: str | None = None
     client_ttft: float | None = None  # seconds, as seen by this client
     latency: float = 0.0  # seconds end to end, as seen by this client
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs asked: the prompt's ids
+    prompt_logprobs: list | None = None  # and a (logprob, rank, [(id, logprob)] top) per id after the first
 
     @property
     def usage(self) -> dict:
@@ -130,6 +132,8 @@ class Result:
     def add(self, d: Delta, t0: float) -> None:
         if self.client_ttft is None and d.token_ids:
             self.client_ttft = time.monotonic() - t0
+        if d.prompt_logprobs is not None:
+            self.prompt_token_ids, self.prompt_logprobs = d.prompt_token_ids, d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         if d.logprobs:
@@ -153,6 +157,8 @@ class StreamDelta:
     finish_reason: str | None = None  # set on the last delta
     result: Result | None = None  # the whole result, on the last delta
     top_logprobs: list | None = None  # per token: [(token_id, logprob), ...] when logprobs were asked for
+    prompt_token_ids: list[int] | None = None  # once, before the first token, when prompt_logprobs were asked for
+    prompt_logprobs: list | None = None  # per prompt token after the first: (logprob, rank, [(token_id, logprob), ...])
 
 
 def encode_request(req: GenerateRequest) -> bytes:
@@ -172,7 +178,8 @@ def to_delta(msg, result: Result, t0: float) -> StreamDelta | None:
     Final becomes a StreamDelta (the last one carries the result); an ErrorReply raises."""
     if isinstance(msg, Delta):
         result.add(msg, t0)
-        return StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs)
+        return StreamDelta(msg.text, msg.token_ids, msg.logprobs, top_logprobs=msg.top_logprobs, prompt_token_ids=msg.prompt_token_ids,
+                           prompt_logprobs=msg.prompt_logprobs)
     if isinstance(msg, Final):
         result.end(msg, t0)
         return StreamDelta("", [], None, result.finish_reason, result)
@@ -182,14 +189,15 @@ def to_delta(msg, result: Result, t0: float) -> StreamDelta | None:
 
 
 def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0,
-                  ttft_ms: float = 0.0, tpot_ms: float = 0.0, trace_headers: dict | None = None) -> GenerateRequest:
+                  ttft_ms: float = 0.0, tpot_ms: float = 0.0, trace_headers: dict | None = None, tools: str | None = None) -> GenerateRequest:
+    """tools: a chat's tools as JSON text, for the chat template (the gateway's gateway/tools.py)."""
     try:
         params = SamplingParams(**sampling)
     except TypeError as e:
         raise InvalidRequest("invalid_request", str(e)) from None
     msgs = None if messages is None else [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
     return GenerateRequest(request_id or uuid.uuid4().hex, params, prompt, msgs, None if token_ids is None else list(token_ids),
-                           priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms, trace_headers=trace_headers or None)
+                           priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms, trace_headers=trace_headers or None, tools=tools)
 
 
 def _socket(ctx, address: str, curve: dict | None, keys: str | None = None):
@@ -236,8 +244,8 @@ class Client:
                 _send_now(self.sock, encode(StatusRequest(request_id)))
 
     def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
-               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers)
+               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools)
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
@@ -332,8 +340,8 @@ class AsyncClient:
                 q.put_nowait(msg)
 
     async def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
-               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers)
+               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools)
         data = encode_request(req)
         self._ensure_reader()
         q: asyncio.Queue = asyncio.Queue()

@@ -77,7 +77,7 @@ from wire.protocol import (
     MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
     ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, NodeReport, Prefill, PrefillDone, Reject,
     Release, Role, RoleSet, SetRole,
-    StatsReply, StatsRequest, StatusRequest, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+    StatsReply, StatsRequest, StatusRequest, PromptLogprobs, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
 )
 
 log = logging.getLogger("pdserve.coordinator")
@@ -135,6 +135,7 @@ class CoordinatorConfig:
     # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
     planner: PlannerConfig | None = None
+    chat_template: str | None = None  # --chat-template: used instead of the model's own (runtime/tokenizer.py, load_chat_template)
 
     def __post_init__(self):
         if self.paths not in PATHS:
@@ -151,6 +152,8 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        if cfg.chat_template is not None:
+            self.tok.chat_template = cfg.chat_template
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
@@ -395,6 +398,7 @@ class Coordinator:
             limits.check_token_ids(len(req.token_ids), "token_ids")
         if req.messages is not None:
             limits.check_messages(len(req.messages))
+            limits.check_tool_calls(max((len(m.tool_calls or ()) for m in req.messages), default=0))
         cost = limits.check_prompt_bytes(prompt_texts(req) if req.token_ids is None else [], len(req.messages or ()),
                                          "messages" if req.messages is not None else "prompt")
         p.validate()
@@ -758,6 +762,8 @@ class Coordinator:
                     if self.handed_off:
                         self.handed_off.pop(item.request_id, None)  # its decode worker took the hand-off
                     self.on_token(item)
+        elif isinstance(msg, PromptLogprobs):
+            self.on_prompt_logprobs(w, msg)
         elif isinstance(msg, PrefillDone):
             self.writer_done(w, msg)
             st = self.requests.get(msg.request_id)
@@ -795,6 +801,8 @@ class Coordinator:
 
     def on_hello(self, ident: bytes, h: Hello) -> None:
         problem = f"protocol version {h.version} != {PROTOCOL_VERSION}" if h.version != PROTOCOL_VERSION else hello_problem(h)
+        if problem is None:
+            problem = handoff_mismatch(h, [w.hello for w in self.workers.values()])
         if problem is None and h.worker_id not in self.workers and len(self.workers) >= self.cfg.max_workers:
             problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
         if problem is not None:
@@ -992,6 +1000,17 @@ class Coordinator:
             self.handoff_times.record(st.decode, max(0.0, st.first_token_at - st.prefill_end), st.predicted_tpot)
             st.prefill_end = st.first_token_at = 0.0
 
+    def on_prompt_logprobs(self, w: WorkerState, msg: PromptLogprobs) -> None:
+        """The prompt's scores go to the client once, with its token ids, before its first token."""
+        st = self.request_on(w, msg.request_id)
+        if st is None or st.scored:
+            return
+        if st.req.params.prompt_logprobs is None or len(msg.scores) != len(st.prompt) - 1:
+            self.counts["invalid_worker_messages"] += 1
+            return
+        st.scored = True
+        self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
+
     def tell_workers(self, st: RequestState, msg) -> None:
         for wid in {st.prefill, st.decode}:
             if wid in self.workers:
@@ -1084,10 +1103,12 @@ class Coordinator:
 def check_worker_message_size(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
     """LimitExceededError if a Prefill, Generate or KVReady of this request could exceed a worker
     socket's MAX_CONTROL_MESSAGE: each carries its params and at most the model's context in token
-    ids plus as many block ids, 9 bytes each at most in msgpack; the rest fits the margin."""
+    ids plus as many block ids, 9 bytes each at most in msgpack, and the prompt's scores when asked; the rest fits the margin."""
     tokens = min(prompt_tokens + params.max_tokens, max_model_len)
     params_bytes = len(encode(params))
     limit = MAX_CONTROL_MESSAGE - WORKER_MESSAGE_MARGIN
+    if params.prompt_logprobs is not None:  # KVReady and PromptLogprobs carry a score per prompt token: 24 bytes + 15 per top id
+        params_bytes += prompt_tokens * (24 + 15 * params.prompt_logprobs)
     if params_bytes + 18 * (tokens + 1) > limit:
         raise LimitExceededError(f"the request's messages to workers would be over {limit} bytes, what a worker link takes "
                                  f"(its sampling parameters alone are {params_bytes} bytes)")
@@ -1112,6 +1133,20 @@ def hello_problem(h: Hello) -> str | None:
         return "invalid hello: block_size and max_model_len must be >= 1 and num_blocks >= 0"
     if any(not all(math.isfinite(v) and v >= 0 for v in step) for step in h.profile):
         return "invalid hello: profile steps must be finite and >= 0"
+    return None
+
+
+def handoff_mismatch(h: Hello, registered: list[Hello]) -> str | None:
+    """Why h's KV blocks could not be handed to or from a registered worker (None if they can):
+    a hand-off moves whole blocks between pools of one model, block size and KV dtype, whatever
+    the tensor parallel size of either side; refused at registration, not mid-request."""
+    for o in registered:
+        if o.worker_id == h.worker_id:
+            continue
+        for what, mine, theirs in (("model", h.model, o.model), ("block size", h.block_size, o.block_size),
+                                   ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype"))):
+            if mine != theirs:
+                return f"not supported: KV hand-offs between workers of another {what} ({mine!r} here, {theirs!r} on {o.worker_id})"
     return None
 
 

@@ -146,6 +146,7 @@ class RequestState:
     first_token_at: float = 0.0  # REMOTE: when its first token came, until its hand-off is measured (Coordinator.note_handoff)
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
+    scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)
 
     @property
     def priority(self) -> int:

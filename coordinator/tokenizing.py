@@ -18,11 +18,14 @@ inline for token ids.
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
+
 from runtime.errors import InvalidRequestError
-from runtime.tokenizer import render_chat
+from runtime.tokenizer import render_chat, template_message
 from wire.protocol import GenerateRequest
 
 SMALL_COST = 64 * 1024  # bytes (message overhead included) up to which requests share one thread; costlier ones queue on the other
@@ -35,21 +38,36 @@ def tokenize(tok, req: GenerateRequest) -> list[int]:
     if req.token_ids is not None:
         return list(req.token_ids)
     if req.messages is not None:
-        return render_chat(tok, [{"role": m.role, "content": m.content} for m in req.messages])
+        return render_chat(tok, [template_message(m) for m in req.messages], _tools(req.tools))
     return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
 
+def _tools(text: str | None) -> list | None:
+    if text is None:
+        return None
+    try:
+        tools = json.loads(text)
+    except ValueError:
+        raise InvalidRequestError("tools is not a JSON list") from None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools is not a JSON list")
+    return tools
+
+
 def prompt_texts(req: GenerateRequest) -> list[str]:
-    """The text a request asks to tokenize: its prompt, or each message's role and content."""
+    """The text a request asks to tokenize: its prompt, or each message's role, content and
+    calls, and its tools (all rendered into the prompt)."""
     if req.prompt is not None:
         return [req.prompt]
-    return [t for m in req.messages or () for t in (m.role, m.content)]
+    texts = [t for m in req.messages or () for t in (m.role, m.content, m.tool_call_id or "", m.name or "")]
+    texts += [t for m in req.messages or () for c in m.tool_calls or () for t in (c.id, c.name, c.arguments)]
+    return texts + [req.tools or ""]
 
 
 def inputs_key(req: GenerateRequest) -> tuple:
     """What the token ids depend on: equal keys tokenize to equal ids."""
     if req.messages is not None:
-        return ("chat", tuple((m.role, m.content) for m in req.messages))
+        return ("chat", tuple(msgspec.msgpack.encode(m) for m in req.messages), req.tools)
     return ("prompt", req.prompt, req.add_special_tokens)
 
 

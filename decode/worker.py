@@ -2,7 +2,8 @@
 as a decode or colocated worker): decode, colocated (the whole engine in one worker), and prefill
 with KV hand-offs to other decode workers; it changes role without a restart (SetRole).
 
-Lifecycle: `DecodeWorker.build` loads the model, puts the KV pool in shared memory (on a GPU:
+Lifecycle: `DecodeWorker.build` loads the model (with `--tensor-parallel-size N`, worker.tp_ranks:
+N rank processes sharing the pool), puts the KV pool in shared memory (on a GPU:
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket, makes a KV sender (its own hand-offs, with the prefill
 worker's security options) and the link that says Hello (its role, and every role as those it
@@ -38,8 +39,8 @@ writer (SIGSTOP, a long pause) that wakes up can never land in blocks another re
 A writer whose answer was lost is done all the same once it reported PrefillDone: the
 coordinator then sends Release(prefill_sent=False), which frees the grant or its fence at once.
 Peers are checked: a KVReady whose blocks are not its grant's, whose num_computed is not the
-granted token count (prompt + output - 1), or whose token ids, params or top logprobs are out of
-range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
+granted token count (prompt + output - 1), or whose token ids, params, top logprobs or prompt
+scores (one per prompt token after the first, when asked) are out of range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
 grant before anything reaches a copy or the engine; a Generate is validated by the engine.
 On exit the shared pool file is unlinked.
 """
@@ -61,19 +62,17 @@ from kvtransfer.transfer import KVReceiver, KVSender
 from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores, stall_cap
-from runtime.engine import LLMEngine, StepOutput, build_model, drain_steps, prefix_report
+from runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
 from runtime.errors import PdserveError
-from runtime.kv_cache import kv_cache_shape
 from runtime.params import MAX_LOGPROBS
 from runtime.sequence import FinishReason
-from runtime.weights import load_checkpoint
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (
-    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, Reject, Release, Role, RoleSet, SetRole,
-    Shutdown, TokenBatch, TokenOut, WorkerError,
+    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, PromptLogprobs, Reject, Release, Role,
+    RoleSet, SetRole, Shutdown, TokenBatch, TokenOut, WorkerError,
 )
-from worker import process
+from worker import process, tp_ranks
 from worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.decode")
@@ -103,6 +102,18 @@ class Fence:
 
     block_ids: list[int]
     writer: int
+
+
+def scores_problem(msg: KVReady, vocab: int) -> str | None:
+    """Why msg's prompt scores are not what its params asked for (None if they are): one per
+    prompt token after the first, each with at most prompt_logprobs top ids inside the vocabulary."""
+    k, scores = msg.params.prompt_logprobs, msg.prompt_logprobs
+    if (k is None) != (scores is None):
+        return "prompt logprobs that its params did not ask for, or none that they did"
+    if scores is not None and (len(scores) != len(msg.prompt_token_ids) - 1
+                               or any(len(top) > k or any(not 0 <= t < vocab for t, _ in top) for _, _, top in scores)):
+        return f"{len(scores)} prompt scores for {len(msg.prompt_token_ids)} prompt tokens, or one with an id outside [0, {vocab}) or over {k} top ids"
+    return None
 
 
 def token_out(o: StepOutput) -> TokenOut:
@@ -144,15 +155,15 @@ class DecodeWorker:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(role, wcfg)
-        cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
-        model = build_model(cfg, tensors, engine_cfg)
-        num_blocks = engine_cfg.blocks_for_budget(cfg)
-        shape = kv_cache_shape(cfg, num_blocks, engine_cfg.block_size)
-        if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
-            pool = gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
-        else:
-            pool = KVPool.create(shape, engine_cfg.torch_dtype, shared=wcfg.shared_pool, name=f"{os.getpid()}")
+
+        def make_pool(shape, shared: bool):
+            if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
+                return gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
+            return KVPool.create(shape, engine_cfg.torch_dtype, shared=shared or wcfg.shared_pool, name=f"{os.getpid()}")
+
+        model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
+        num_blocks = pool.tensor.shape[2]
         engine = LLMEngine(model, None, engine_cfg, kv_cache=pool.tensor)
         if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs:
             cuda_graphs.enable(engine)
@@ -172,6 +183,7 @@ class DecodeWorker:
         link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint, ALL_ROLES))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
+        closing += [ranks.close] if ranks is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
                    cores, sender, role, wcfg.batch_window_ms)
 
@@ -263,6 +275,8 @@ class DecodeWorker:
     def emit(self, outs: list[StepOutput]) -> None:
         tokens = []
         for o in outs:
+            if o.prompt_logprobs is not None:  # before the batch with its first token, in its own message (wire/protocol.py)
+                self.link.send(PromptLogprobs(o.request_id, o.prompt_logprobs))
             if o.error is None:
                 tokens.append(token_out(o))
             else:  # failed in the engine (a grammar that did not compile): a typed error, not a finish
@@ -353,7 +367,7 @@ class DecodeWorker:
             return
         out = self.engine.add_prefilled(
             msg.request_id, msg.prompt_token_ids, msg.output_token_ids, msg.params, grant.block_ids,
-            msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority,
+            msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority, msg.prompt_logprobs,
         )
         self.emit([out])
 
@@ -383,6 +397,9 @@ class DecodeWorker:
             return f"an output token id outside [0, {vocab}) or too many top logprobs"
         if msg.logprob is not None and math.isnan(msg.logprob):
             return "a NaN logprob"
+        problem = scores_problem(msg, vocab)
+        if problem is not None:
+            return problem
         try:
             self.engine.validate(msg.prompt_token_ids + msg.output_token_ids[:-1], msg.params)
         except PdserveError as e:

@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 
 from gateway.errors import ErrorResponse
+from gateway.responses import ResponseEvent, ResponseObject, ResponsesRequest
 from gateway.schema import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList,
 )
@@ -33,7 +34,7 @@ class Health(msgspec.Struct, omit_defaults=True):
 ERRORS = {  # status -> when a route answers it
     400: "bad input: a wrong type or value (naming the field), a bound passed (code limit_exceeded), a prompt too long",
     401: "a missing or wrong API key (only when the gateway has one)",
-    404: "an unknown model",
+    404: "an unknown model, or a response this gateway does not hold (previous_response_id, GET /v1/responses/{id})",
     413: "a request body over the size limit",
     429: "shed: too many requests in flight or a latency target that cannot be met (Retry-After says when to retry)",
     503: "no worker can serve (none registered, or one was lost), or the coordinator dropped this gateway's stream",
@@ -43,7 +44,7 @@ _GENERATE = (400, 401, 404, 413, 429, 503, 504)
 _TOKENIZE = (400, 401, 404, 413)
 _STRUCTS = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList,
             TokenizeCompletionRequest, TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse,
-            Health, ErrorResponse]
+            Health, ErrorResponse, ResponsesRequest, ResponseObject, ResponseEvent]
 
 
 def openapi(title: str, version: str) -> dict:
@@ -56,8 +57,10 @@ def openapi(title: str, version: str) -> dict:
     def errors(*statuses: int) -> dict:
         return {str(s): {"description": ERRORS[s], "content": json(ref["ErrorResponse"])} for s in statuses}
 
-    def op(method: str, summary: str, ok: dict, statuses=(), body: dict | None = None, auth: bool = True, **extra) -> dict:
+    def op(method: str, summary: str, ok: dict, statuses=(), body: dict | None = None, auth: bool = True, parameters=None, **extra) -> dict:
         spec = {"summary": summary, "responses": {"200": {"description": summary, "content": ok}, **errors(*statuses), **extra}}
+        if parameters:
+            spec["parameters"] = parameters
         if body is not None:
             spec["requestBody"] = {"required": True, "content": json(body)}
         if auth:
@@ -72,6 +75,11 @@ def openapi(title: str, version: str) -> dict:
         ok = {**json(ref[whole]), "text/event-stream": {"schema": event}}
         return op("post", f"{summary} (stream=true: server-sent {chunk} events ending in `data: [DONE]`)", ok, _GENERATE, ref[body])
 
+    # a streamed response: named server-sent events, each a ResponseEvent (`type` names it; an error is type "error")
+    event = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {
+        "type": "string", "contentMediaType": "application/json", "contentSchema": ref["ResponseEvent"]}}}
+    responses = {**json(ref["ResponseObject"]), "text/event-stream": {"schema": event}}
+    response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     tokenize_body = {"oneOf": [ref["TokenizeCompletionRequest"], ref["TokenizeChatRequest"]]}
     return {
         "openapi": "3.1.0",
@@ -79,6 +87,10 @@ def openapi(title: str, version: str) -> dict:
         "paths": {
             "/v1/completions": generate("Text completion", "CompletionRequest", "CompletionResponse", "CompletionResponse"),
             "/v1/chat/completions": generate("Chat completion", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
+            "/v1/responses": op("post", "Create a response (stream=true: server-sent Responses events, response.created to response.completed)",
+                                responses, _GENERATE, ref["ResponsesRequest"]),
+            "/v1/responses/{response_id}": op("get", "A response this gateway still holds (the newest 1,000, each for an hour)",
+                                              json(ref["ResponseObject"]), (401, 404), parameters=response_id),
             "/v1/models": op("get", "The served model", json(ref["ModelList"]), (401,)),
             "/health": op("get", "Whether the node can serve (open: no key wanted)", json(ref["Health"]), auth=False,
                           **{"503": {"description": "not ready, or the coordinator does not answer", "content": json(ref["Health"])}}),

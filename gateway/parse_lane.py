@@ -32,13 +32,14 @@ import msgspec
 
 from gateway.errors import ApiError
 from gateway.schema import ChatCompletionRequest, CompletionRequest, bounded, chat_bounds, decode_body, refuse_oversized, request_bounds
+from gateway.responses import ResponsesRequest, responses_bounds
 from gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from wire.limits import RequestLimits
 
 INLINE_BYTES = 256 * 1024  # a larger body is prepared in the child
 NICE = 10  # the child's CPU priority below the serving processes'
 KINDS = {k.__name__: k for k in (CompletionRequest, ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest,
-                                 DetokenizeRequest)}
+                                 DetokenizeRequest, ResponsesRequest)}
 TOKENIZE = "tokenize"  # /tokenize: a chat body if it has "messages", else a completion body
 
 
@@ -76,8 +77,10 @@ def prepare(body: bytes, kind: str, limits: RequestLimits):
     req = decode_body(body, KINDS[kind])
     if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
         request_bounds(req, limits)
+    elif isinstance(req, ResponsesRequest):
+        responses_bounds(req, limits)
     elif isinstance(req, TokenizeChatRequest):
-        bounded(chat_bounds, req.messages, limits)
+        bounded(chat_bounds, req.messages, limits, req.tools)
         bounded(limits.check_template_kwargs, req.chat_template_kwargs)
     elif isinstance(req, TokenizeCompletionRequest):
         bounded(limits.check_prompt_bytes, [req.prompt])

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
-from gateway.structured import structured_output
-from wire.protocol import ChatMessage
+from gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
+from gateway.structured import structured_output, whitespace
+from gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
+from wire.protocol import ChatMessage, ToolCall as WireToolCall
 from runtime.errors import InvalidRequestError
 from runtime.params import SamplingParams, StructuredOutput
 from wire.limits import FieldLimitExceeded, RequestLimits
@@ -72,8 +74,9 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: str | list
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # prepend the prompt (and, with logprobs, its tokens' logprobs: gateway/scoring.py); max_tokens 0 allowed
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob and its top-k alternatives
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -85,6 +88,8 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (gateway/tools.py)
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -94,8 +99,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
     response_format: dict | None = None
+    tools: list[Tool] | None = None  # gateway/tools.py
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool | None = None
 
 
 def decode_body(body: bytes, kind: type):
@@ -175,22 +182,31 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
     if isinstance(req, ChatCompletionRequest):
         limits.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
         limits.check_logprobs("top_logprobs", req.top_logprobs)
-        chat_bounds(req.messages, limits)
+        chat_bounds(req.messages, limits, req.tools)
+        if isinstance(req.tool_choice, NamedToolChoice):
+            limits.check_name("tool_choice", req.tool_choice.function.name)
         prompts = 1
     else:
         limits.check_logprobs("logprobs", req.logprobs)
+        limits.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         prompts = prompt_bounds(req.prompt, limits)
     if prompts * req.n > limits.max_fanout:
         raise FieldLimitExceeded("n", f"{prompts} prompts x n={req.n} make {prompts * req.n} choices; the limit is {limits.max_fanout}")
 
 
-def chat_bounds(messages: list["ChatMessageIn"], limits: RequestLimits) -> None:
-    """Messages, content parts per message, names, and the bytes they render from (each message
-    counting the table's fixed overhead): chat completions and /tokenize."""
+def chat_bounds(messages: list["ChatMessageIn"], limits: RequestLimits, tools: list[Tool] | None = None) -> None:
+    """Messages, content parts and tool calls per message, names, the tools, and the bytes they
+    all render from (each message counting the table's fixed overhead): chat completions and /tokenize."""
     limits.check_messages(len(messages), max((len(m.content) for m in messages if isinstance(m.content, list)), default=0))
+    limits.check_tool_calls(max((len(m.tool_calls or ()) for m in messages), default=0))
     for m in messages:
         limits.check_name("name", m.name)
-    limits.check_prompt_bytes(_chat_texts(messages), len(messages), "messages")
+        for name in (m.tool_call_id, *(t for c in m.tool_calls or () for t in (c.id, c.function.name))):
+            limits.check_name("messages", name)
+    tool_json = [msgspec.json.encode(t) for t in tools or ()]
+    limits.check_tools([t.function.name for t in tools or ()], [len(j) for j in tool_json])
+    texts = _chat_texts(messages)
+    limits.check_prompt_bytes([*texts, *(j.decode() for j in tool_json)] if tools else texts, len(messages), "messages")
 
 
 def _chat_texts(messages):
@@ -200,6 +216,8 @@ def _chat_texts(messages):
             yield m.content
         elif m.content:
             yield from (p.text for p in m.content if p.text)
+        for c in m.tool_calls or ():
+            yield c.function.arguments
 
 
 def prompt_bounds(prompt, limits: RequestLimits) -> int:
@@ -247,27 +265,32 @@ class Job:
 
 def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
     _common_checks(req)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    echo = echo_options(req)
     inputs = completion_inputs(req.prompt, vocab_size, max_len)
-    sampling = sampling_kwargs(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
+    sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
     return _fan_out(inputs, sampling, req.n, req.priority)
 
 
-def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int) -> list[Job]:
+def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPlan | None = None, reasoning=None) -> list[Job]:
+    """plan: how its tools shape the answer (gateway/tools.py: tool_plan); reasoning: the server's
+    --reasoning-parser (gateway/reasoning.py), whose end marker a structured output waits for."""
     _common_checks(req)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    sampling = sampling_kwargs(req, limit if limit is not None else default_max_tokens, logprobs)
-    return _fan_out([{"messages": [chat_message(m) for m in req.messages]}], sampling, req.n, req.priority)
+    sampling = sampling_kwargs(req, limit if limit is not None else default_max_tokens, logprobs, forced_spec(plan) if plan else None)
+    if reasoning is not None and sampling.get("structured") is not None:  # the grammar holds once the reasoning ends, as in vLLM
+        sampling["structured"] = msgspec.structs.replace(sampling["structured"], after=reasoning.end)
+    inputs = {"messages": [chat_message(m) for m in req.messages]}
+    if req.tools:
+        inputs["tools"] = template_tools(req.tools)
+    return _fan_out([inputs], sampling, req.n, req.priority)
 
 
 def _common_checks(req: _Sampling) -> None:
@@ -303,26 +326,35 @@ def _token_ids(ids: list, vocab_size: int) -> bool:
 
 def chat_message(m: ChatMessageIn) -> ChatMessage:
     role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system turn
+    calls = [WireToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls] if m.tool_calls else None
     if m.content is None or isinstance(m.content, str):
-        return ChatMessage(role, m.content or "")
+        return ChatMessage(role, m.content or "", calls, m.tool_call_id, m.name)
     if any(p.type != "text" or p.text is None for p in m.content):
         raise bad_request("only text content parts are supported", "messages")
-    return ChatMessage(role, "\n".join(p.text for p in m.content))
+    return ChatMessage(role, "\n".join(p.text for p in m.content), calls, m.tool_call_id, m.name)
 
 
 _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed")
 
 
-def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None) -> dict:
+def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None, forced: StructuredOutput | None = None,
+                    prompt_logprobs: int | None = None) -> dict:
+    """forced: the grammar a required or named tool_choice holds the answer to (gateway/tools.py);
+    prompt_logprobs: the prompt's scores asked of the prefill pass (gateway/scoring.py)."""
     kw = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs)
+    if prompt_logprobs is not None:
+        kw["prompt_logprobs"] = prompt_logprobs
     kw.update({name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None})
     if req.stop is not None:
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
     spec = structured_output(req)
+    if spec is not None and forced is not None:
+        raise bad_request("You can only either use constraints for structured outputs or tools, not both.", "tool_choice")
+    spec = spec or forced
     if spec is not None:
-        kw["structured"] = spec
+        kw["structured"] = whitespace(spec, req.structured_outputs)
     validate_sampling(kw)
     return kw
 
@@ -358,9 +390,11 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """Over the output, or (echo) the prompt and the output: the prompt's first token's entries are null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -369,6 +403,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None  # vLLM's: with prompt_logprobs asked
 
 
 class CompletionResponse(msgspec.Struct):
@@ -401,8 +436,10 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None  # null when the answer is tool calls only
     role: str = "assistant"
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser (gateway/reasoning.py)
 
 
 class ChatChoice(msgspec.Struct):
@@ -425,6 +462,8 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -14,9 +14,12 @@ freed. /metrics wants the API key when one is set and asks the coordinator for i
 every call; /health never wants it and answers from a readiness summary that a task of the
 lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
 probes cost the coordinator one stats build a second. /openapi.json describes every route
-(gateway/openapi.py). Every field of a request is checked against the table of bounds
+(gateway/openapi.py). /v1/responses runs through the same chat path (gateway/responses.py lends
+its routes and its event stream to `run`); echo and prompt logprobs on /v1/completions are
+gateway/scoring.py's. Every field of a request is checked against the table of bounds
 (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
-choices hold fair shares of the in-flight slots (gateway/slots.py).
+choices hold fair shares of the in-flight slots (gateway/slots.py). A chat's tools and the
+server's reasoning parser shape its jobs and its answer (gateway/tools.py, gateway/reasoning.py).
 """
 from __future__ import annotations
 
@@ -45,11 +48,15 @@ from gateway.schema import (
 )
 from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
+from gateway.responses import ResponsesRoutes
+from gateway.scoring import echo_options
 from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
+from gateway.reasoning import REASONING_PARSERS
 from gateway.structured import check_jobs
+from gateway.tools import ToolConfig, tool_plan
 from gateway.tokenize import TokenizerRoutes, package_version
 from runtime.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
@@ -84,6 +91,8 @@ class GatewayConfig:
     max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     stream_buffer_bytes: int = STREAM_BUFFER_BYTES  # events one HTTP request may leave unread before its streams are aborted
+    tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
+    chat_template: str | None = None  # --chat-template's text, instead of the model's own (the coordinator renders with it too)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -108,6 +117,8 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, tokenizer=None):
         self.cfg = cfg
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        if cfg.chat_template is not None:
+            self.tok.chat_template = cfg.chat_template  # /tokenize counts what the coordinator renders
         self.name = cfg.served_model_name or served_name(cfg.model)
         self.root = str(cfg.model) if cfg.model else str(resolve_model_path(None))
         self.names = {self.name, self.root}
@@ -130,6 +141,7 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *TokenizerRoutes(self).routes(),
+            *ResponsesRoutes(self).routes(),
         ]
         handlers = {ApiError: self.on_api_error, HTTPException: self.on_http_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
@@ -205,7 +217,7 @@ class Gateway:
         jobs = completion_jobs(req, len(self.tok), self.max_model_len)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, echo_options(req), jobs)
         return await self.run(request, req, jobs, fmt, trace)
 
     async def chat_completions(self, request) -> Response:
@@ -213,10 +225,11 @@ class Gateway:
         req = await self.decode_request(request, ChatCompletionRequest)
         self.check_model(req.model)
         trace = self.check_limits(request, req)
-        jobs = chat_jobs(req, await self.context_len())
+        plan, reasoning = tool_plan(req, self.cfg.tools), REASONING_PARSERS.get(self.cfg.tools.reasoning_parser)
+        jobs = chat_jobs(req, await self.context_len(), plan, reasoning)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, plan, reasoning)
         return await self.run(request, req, jobs, fmt, trace)
 
     async def context_len(self) -> int:
@@ -225,7 +238,8 @@ class Gateway:
             await self.stats()
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
-    async def run(self, request, req, jobs, fmt, trace: dict) -> Response:
+    async def run(self, request, req, jobs, fmt, trace: dict, events=None) -> Response:
+        """events: what streams the fan-out's deltas (default: Gateway.events' chat and completion chunks)."""
         for job in jobs if trace else ():  # the coordinator's span joins the client's trace
             job.inputs = {**job.inputs, "trace_headers": trace}
         try:
@@ -240,7 +254,7 @@ class Gateway:
             await unless_disconnected(request.receive, fanout.first())
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             streaming = True  # from here the EventStream closes the fanout
-            return EventStream(self.events(fanout, fmt, jobs, include_usage), fanout.close)
+            return EventStream((events or self.events)(fanout, fmt, jobs, include_usage), fanout.close)
         except ClientGone:
             return Response(status_code=400)  # never sent: nobody is listening
         except Exception as e:
@@ -254,7 +268,8 @@ class Gateway:
             yield sse(chunk)
         try:
             while (event := await fanout.next_event()) is not None:
-                yield sse(fmt.chunk(*event))
+                for chunk in fmt.chunks(*event):
+                    yield sse(chunk)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage(jobs, [fanout.results[j.index] for j in jobs])))
         except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)

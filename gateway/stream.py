@@ -38,7 +38,9 @@ def event_bytes(item) -> int:
     if not isinstance(item, StreamDelta):
         return 0  # errors and end markers: at most two per stream, not counted
     top = sum(map(len, item.top_logprobs)) if item.top_logprobs else 0
-    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ())) + TOP_BYTES * top
+    scored = len(item.prompt_logprobs) if item.prompt_logprobs else 0  # a prompt's scores: a rank and a top list each
+    top += sum(len(t) for _, _, t in item.prompt_logprobs) + scored if scored else 0
+    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ()) + 2 * scored) + TOP_BYTES * top
 
 
 class ClientGone(Exception):

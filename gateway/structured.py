@@ -5,7 +5,8 @@
 
 Lifecycle: `structured_output(req)` runs while a request body becomes jobs (gateway/schema.py's
 sampling_kwargs): it picks the one constraint the body asks for, or None, and raises a 400
-naming the field for a malformed one. Before the jobs leave, `check_jobs(jobs)` checks each
+naming the field for a malformed one; `whitespace(spec, structured_outputs)` then keeps vLLM's
+default (JSON with any whitespace) unless the body asks for `disable_any_whitespace`. Before the jobs leave, `check_jobs(jobs)` checks each
 distinct spec with xgrammar (runtime.structured.check; the first call imports xgrammar, off the
 event loop and outside the budget) on the gateway's compile lane (runtime/grammar_lane.py):
 CHECK_THREADS threads, so hostile specs hold at most that many and never the executor the
@@ -21,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+
+import msgspec
 
 from gateway.errors import ApiError, bad_request
 from runtime.params import StructuredOutput
@@ -78,6 +81,14 @@ def _from_vllm(so: dict, param: str) -> StructuredOutput | None:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise _bad(f"{param}: choice must be a non-empty list of non-empty strings", param)
     return StructuredOutput("choice", choices=tuple(value))
+
+
+def whitespace(spec: StructuredOutput, options: dict | None) -> StructuredOutput:
+    """Any whitespace in JSON, as vLLM's default, unless structured_outputs says
+    {"disable_any_whitespace": true} (vLLM's option: compact JSON); also for response_format and forced tool calls."""
+    if options and options.get("disable_any_whitespace") is True and spec.kind in ("json", "json_object"):
+        return msgspec.structs.replace(spec, any_whitespace=False)
+    return spec
 
 
 def structured_output(req) -> StructuredOutput | None:

@@ -3,7 +3,7 @@
 Shapes follow vLLM's API server: /tokenize takes a completion body {model?, prompt,
 add_special_tokens=true, return_token_strs=false} or a chat body {model?, messages,
 add_generation_prompt=true, continue_final_message=false, add_special_tokens=false,
-chat_template_kwargs?, return_token_strs=false} and answers {count, max_model_len, tokens,
+chat_template_kwargs?, tools?, return_token_strs=false} and answers {count, max_model_len, tokens,
 token_strs}; /detokenize takes {model?, tokens} and answers {prompt}; /version answers
 {version} (this package's version).
 
@@ -30,6 +30,8 @@ from starlette.routing import Route
 
 from gateway.errors import bad_request, read_body
 from gateway.schema import ChatMessageIn, chat_message
+from gateway.tools import Tool
+from runtime.tokenizer import template_message
 from gateway.stream import ClientGone, unless_disconnected
 
 
@@ -48,6 +50,7 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = False
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # shown to the template, as a chat completion's are
 
 
 class TokenizeResponse(msgspec.Struct):
@@ -121,7 +124,7 @@ class TokenizerRoutes:
                 raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
-            messages = [{"role": m.role, "content": m.content} for m in map(chat_message, req.messages)]
+            messages = [template_message(m) for m in map(chat_message, req.messages)]
             work = asyncio.to_thread(self._chat_ids, req, messages)
         else:
             work = asyncio.to_thread(self._prompt_ids, req)
@@ -140,7 +143,8 @@ class TokenizerRoutes:
         if tok.chat_template is None:
             raise bad_request("this model has no chat template; tokenize a plain prompt instead", "messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+            tools = msgspec.to_builtins(req.tools) if req.tools else None  # as the coordinator renders them (gateway/tools.py)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=req.add_generation_prompt, tokenize=False,
                                            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja errors, a final message to continue that is not the assistant's
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None

@@ -46,7 +46,11 @@ def _engine_options(f):
         click.option("--int8-activations", is_flag=True, help="the same as --quant-activations int8"),
         click.option("--no-prefix-cache", "no_prefix_cache", is_flag=True,
                      help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)"),
-        click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice)"),
+        click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(1),
+                     help="rank processes the model is split over (CPU: gloo on loopback)"),
+        click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size", default=1, show_default=True, type=click.IntRange(1),
+                     help="only 1: pipeline parallelism is not supported"),
+        click.option("--threads", default=None, type=int, help="torch threads (default: torch's choice; with TP n, each rank a 1/n share)"),
         click.option("--core-share", default=None, help="PATH:SLOT from the launcher: share the node's cores with its other busy workers"),
         click.option("--worker-id", default="", help="default: ROLE-PID"),
         click.option("--coordinator", "coordinator_addr", default=COORDINATOR_WORKERS, show_default=True, help="coordinator worker port"),
@@ -61,7 +65,8 @@ def _engine_options(f):
 
 
 def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_seqs, max_batched_tokens, max_model_len, gpu_memory_utilization,
-             quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False, **extra):
+             quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False,
+             tensor_parallel_size=1, pipeline_parallel_size=1, **extra):
     from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
     from runtime.errors import PdserveError
 
@@ -70,7 +75,8 @@ def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_
     try:
         ecfg = EngineConfig(dtype=dtype, device=device, block_size=block_size, kv_cache_bytes=kv_cache_mb * 2**20, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                            quantization=quantization, prefix_cache=not no_prefix_cache,
+                            quantization=quantization, prefix_cache=not no_prefix_cache, tensor_parallel_size=tensor_parallel_size,
+                            pipeline_parallel_size=pipeline_parallel_size,
                             quant_activations="int8" if int8_activations else quant_activations or EngineConfig.quant_activations)
         wcfg = WorkerConfig(coordinator=coordinator_addr, model=model, worker_id=worker_id, threads=threads,
                             core_share=core_share, **extra)
@@ -240,6 +246,55 @@ def _check_tracing(endpoint, protocol) -> None:
             raise click.UsageError(str(e)) from None
 
 
+def _chat_template_option(f):
+    return click.option("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) used instead of the model's own, e.g. one "
+                             "that shows tools")(f)
+
+
+def _chat_template(value):
+    from runtime.errors import PdserveError
+    from runtime.tokenizer import load_chat_template
+
+    try:
+        return None if value is None else load_chat_template(value)
+    except PdserveError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _tool_options(f):
+    """Tool calling and reasoning output on the gateway (gateway/tools.py), vLLM's flags."""
+    from gateway.reasoning import REASONING_PARSERS
+    from gateway.tool_parsers import PARSERS
+
+    opts = [
+        click.option("--enable-auto-tool-choice", is_flag=True, help='serve tool_choice "auto" (needs --tool-call-parser)'),
+        click.option("--tool-call-parser", default=None, type=click.Choice(sorted(PARSERS)),
+                     help="how the model writes tool calls, for tool_choice auto"),
+        click.option("--reasoning-parser", default=None, type=click.Choice(sorted(REASONING_PARSERS)),
+                     help="split the model's <think> block into reasoning_content"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser):
+    from gateway.tools import ToolConfig
+    from runtime.errors import PdserveError
+
+    try:
+        return ToolConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    except PdserveError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _tool_args(enable_auto_tool_choice, tool_call_parser, reasoning_parser) -> list[str]:
+    """The same options as flags, for the gateway `pdserve launch` starts."""
+    return ((["--enable-auto-tool-choice"] if enable_auto_tool_choice else []) + (["--tool-call-parser", tool_call_parser] if tool_call_parser else [])
+            + (["--reasoning-parser", reasoning_parser] if reasoning_parser else []))
+
+
 def _limit_options(f):
     """What one request may carry (wire/limits.py); the coordinator and the gateway both check them."""
     opts = [
@@ -304,10 +359,12 @@ def _class_targets(specs) -> dict:
 @_tracing_options
 @click.option("--served-model-name", default=None, help="the model's name in the traces (default: the file or directory name)")
 @_SECRET_OPTION
+@_chat_template_option
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout, admit_timeout, max_active_requests, max_client_requests,
                 client_send_budget_kb, slo, ttft_p99_ms, tpot_p99_ms, class_target, paths, local_prefill_tokens, planner,
-                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file, verbose, **limits):
+                planner_window_s, planner_dwell_s, keys, insecure, otlp_traces_endpoint, otlp_traces_protocol, served_model_name, worker_secret_file,
+                chat_template, verbose, **limits):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
     from coordinator.server import CoordinatorConfig, serve
 
@@ -321,6 +378,7 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
                             class_targets=_class_targets(class_target), keys=keys, insecure=insecure,
                             otlp_traces_endpoint=otlp_traces_endpoint, otlp_traces_protocol=otlp_traces_protocol,
                             served_model_name=served_model_name, limits=_limits(**limits), worker_secret_file=worker_secret_file,
+                            chat_template=_chat_template(chat_template),
                             **({"client_send_budget": client_send_budget_kb * 1024} if client_send_budget_kb else {})))
 
 
@@ -339,8 +397,11 @@ def coordinator(client_addr, worker_addr, model, worker_timeout, pending_timeout
 @click.option("--stream-buffer-kb", default=None, type=click.IntRange(16),
               help="KiB of events one HTTP request may leave unread, past which its streams are aborted (client_too_slow; default 4096)")
 @_limit_options
+@_tool_options
+@_chat_template_option
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb, verbose, **limits):
+def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb,
+            enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, verbose, **limits):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from gateway.server import GatewayConfig, serve
     from runtime.errors import PdserveError
@@ -349,6 +410,8 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
     try:
         cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys,
                             max_inflight=max_inflight, limits=_limits(**limits),
+                            tools=_tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser),
+                            chat_template=_chat_template(chat_template),
                             **({"stream_buffer_bytes": stream_buffer_kb * 1024} if stream_buffer_kb else {}))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
@@ -436,6 +499,8 @@ def stats(address, timeout, keys):
 @click.option("--clients", "client_addr", default=COORDINATOR_CLIENTS, show_default=True)
 @click.option("--workers", "worker_addr", default=COORDINATOR_WORKERS, show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
+@click.option("--prefill-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the prefill workers")
+@click.option("--decode-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the decode (or colocated) workers")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
 @click.option("--gateway/--no-gateway", default=True, show_default=True, help="the OpenAI HTTP gateway, beside the coordinator")
@@ -452,12 +517,15 @@ def stats(address, timeout, keys):
 @_limit_options
 @_security_options
 @_tracing_options
+@_tool_options
+@_chat_template_option
 @engine_flag_options
-def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, log_dir,
+def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model, kv_backend, client_addr, worker_addr, threads, prefill_tp, decode_tp, log_dir,
            engine_arg, gateway, http_host, http_port, api_key, max_inflight, hang_timeout_s, slo, ttft_p99_ms, tpot_p99_ms, class_target,
            paths, local_prefill_tokens, planner, planner_window_s, planner_dwell_s, keys, insecure,
            otlp_traces_endpoint, otlp_traces_protocol, served_model_name,
-           max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range, **engine_flags):
+           max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range,
+           enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
     from runtime.errors import PdserveError
@@ -473,6 +541,8 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
     plan.engine_args += worker_args(engine_flags) + [a for arg in engine_arg for a in arg.split("=", 1)]
+    plan.prefill_args += ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp else []
+    plan.decode_args += ["--tensor-parallel-size", str(decode_tp)] if decode_tp else []
     plan.served_model_name = served_model_name or plan.served_model_name
     plan.coordinator_args += ["--slo" if slo else "--no-slo", "--ttft-p99-ms", str(ttft_p99_ms), "--tpot-p99-ms", str(tpot_p99_ms)]
     plan.coordinator_args += [a for spec in class_target for a in ("--class-target", spec)]
@@ -487,6 +557,12 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model
     _limits(**limits)  # a bad value is a usage error before anything starts
     plan.coordinator_args += _limit_args(**limits)
     plan.gateway_args += _limit_args(**limits) + ["--max-inflight", str(max_inflight)]
+    _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser)  # a bad combination is a usage error now
+    plan.gateway_args += _tool_args(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    if chat_template is not None:
+        _chat_template(chat_template)  # a file that cannot be read is a usage error before anything starts
+        plan.coordinator_args += ["--chat-template", chat_template]
+        plan.gateway_args += ["--chat-template", chat_template]
     plan.keys = keys or plan.keys
     plan.insecure = insecure or plan.insecure
     plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key

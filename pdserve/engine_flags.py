@@ -1,6 +1,7 @@
 """`vllm serve`'s engine flags on `pdserve launch`: --dtype, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --kv-cache-mb, --gpu-memory-utilization, --block-size, --device,
---quantization and the switch --no-prefix-cache go to every worker; --served-model-name goes to
+--quantization, --tensor-parallel-size, --pipeline-parallel-size (only 1) and the switch
+--no-prefix-cache go to every worker; --served-model-name goes to
 the HTTP gateway.
 
 Lifecycle: `engine_flag_options` adds the flags to the click command (each defaults to None:
@@ -27,6 +28,8 @@ WORKER_FLAGS = {
     "block_size": (int, "tokens per KV block (a power of two)"),
     "quantization": (click.Choice(["auto", "none"]), "auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32"),
     "quant_activations": (click.Choice(["int16", "float", "int8"]), "quantized weights: how a small decode batch is multiplied (default int16)"),
+    "tensor_parallel_size": (click.IntRange(1), "rank processes each worker splits the model over (CPU: gloo); --prefill-tp / --decode-tp per side"),
+    "pipeline_parallel_size": (click.IntRange(1), "only 1: pipeline parallelism is not supported"),
 }
 
 WORKER_SWITCHES = {"no_prefix_cache": "do not reuse the KV of token prefixes computed before (on by default, as in vLLM)"}

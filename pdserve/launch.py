@@ -80,6 +80,7 @@ class NodePlan:
     kv_backend: str = "auto"
     engine_args: list[str] = field(default_factory=list)  # passed to every worker
     prefill_args: list[str] = field(default_factory=list)  # passed to prefill workers only
+    decode_args: list[str] = field(default_factory=list)  # passed to decode and colocated workers only
     threads: int | None = None
     name: str = "local"
     coordinator_args: list[str] = field(default_factory=list)  # passed to the coordinator
@@ -288,7 +289,7 @@ class Launcher:
         for role in ("prefill", "decode", "colocated"):
             for i in range(getattr(p, role)):
                 self._spawn(f"{role}-{i}", [*self._role_command(role), "--worker-id", f"{p.name}-{role}-{i}", *common, *share(),
-                                            *(p.prefill_args if role == "prefill" else [])])
+                                            *(p.prefill_args if role == "prefill" else p.decode_args)])
         self.validate()
         for child in self.children:
             self._start_child(child)

@@ -1,7 +1,7 @@
 """The prefill worker (`pdserve prefill`): prompt forward passes, first token, KV hand-off.
 
 Lifecycle: `PrefillWorker.build` loads the model into an engine in prefill mode with a private
-KV pool, times a few prompts, and makes the KV sender and the link that says Hello; the worker
+KV pool (with `--tensor-parallel-size N`, worker.tp_ranks: N rank processes sharing it in /dev/shm), times a few prompts, and makes the KV sender and the link that says Hello; the worker
 itself is built from those parts (tests pass an in-process transport and link). Then `run`
 loops:
   drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
@@ -25,22 +25,22 @@ refuses block ids outside the destination pool.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 import zmq
 
+from kvtransfer.pool import KVPool
 from kvtransfer.transfer import KVSender
 from runtime import structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, build_model, drain_steps, prefix_report
-from runtime.kv_cache import allocate_kv_cache
-from runtime.weights import load_checkpoint
+from runtime.engine import LLMEngine, drain_steps, prefix_report
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import Abort, Heartbeat, Prefill, Reject, Role, RoleSet, SetRole, Shutdown
-from worker import process
+from worker import process, tp_ranks
 from worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.prefill")
@@ -60,6 +60,7 @@ class PrefillWorker:
         self.handoffs = Handoffs(engine, pool, sender, link)
         self.jobs = self.handoffs.jobs  # request id -> Job: prompts queued and not yet handed off
         self.running = True
+        self.closing = []  # what close() ends last: the other tensor-parallel ranks, the pool's file
 
     @classmethod
     def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig) -> "PrefillWorker":
@@ -67,17 +68,25 @@ class PrefillWorker:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
         wid = process.worker_id(Role.PREFILL, wcfg)
-        cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=engine_cfg.keep_quantized)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
-        pool = allocate_kv_cache(cfg, engine_cfg.blocks_for_budget(cfg), engine_cfg.block_size, engine_cfg.torch_dtype, engine_cfg.device)
-        engine = LLMEngine(build_model(cfg, tensors, engine_cfg), None, engine_cfg, kv_cache=pool, prefill_only=True)
+
+        def make_pool(shape, shared: bool):  # private, but for TP n: its ranks share it
+            if shared:
+                return KVPool.create(shape, engine_cfg.torch_dtype, shared=True, name=f"{os.getpid()}")
+            return KVPool(torch.zeros(shape, dtype=engine_cfg.torch_dtype, device=engine_cfg.device))
+
+        model, kv, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)
+        pool = kv.tensor
+        engine = LLMEngine(model, None, engine_cfg, kv_cache=pool, prefill_only=True)
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         ctx = zmq.Context()
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file)),
                           backend=wcfg.kv_backend)
         link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
-        return cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores)
+        worker = cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores)
+        worker.closing = ([ranks.close] if ranks is not None else []) + [kv.close]
+        return worker
 
     def heartbeat(self) -> Heartbeat:
         sched = self.engine.scheduler
@@ -116,6 +125,8 @@ class PrefillWorker:
         self.sender.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
+        for end in self.closing:
+            end()
 
     def handle(self, msg) -> None:
         if isinstance(msg, Prefill):

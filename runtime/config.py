@@ -14,7 +14,7 @@ import torch
 
 from kernels.cpu_native import ACTIVATION_MODES
 
-from runtime.errors import InvalidRequestError, UnsupportedModelError
+from runtime.errors import InvalidRequestError, NotSupportedError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,6 +178,8 @@ class EngineConfig:
     quant_activations: str = "int16"
     gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
     prefix_cache: bool = True  # reuse the KV of full blocks whose token prefix was computed before (off: --no-prefix-cache)
+    tensor_parallel_size: int = 1  # rank processes one worker runs the model on (runtime.tp; CPU, gloo)
+    pipeline_parallel_size: int = 1  # vLLM's flag: only 1 (pipeline parallelism is not built)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -198,11 +200,21 @@ class EngineConfig:
             raise InvalidRequestError(f"quantization must be auto or none, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self._check_parallel()
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
             if not self.device.startswith("cuda"):
                 raise InvalidRequestError(f"gpu_memory_utilization needs a CUDA device (this one is {self.device!r}); size the KV pool with kv_cache_mb")
+
+    def _check_parallel(self) -> None:
+        if self.pipeline_parallel_size != 1:
+            raise NotSupportedError(f"pipeline parallelism is not supported (--pipeline-parallel-size {self.pipeline_parallel_size}); "
+                                    "use --tensor-parallel-size")
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and not self.device.startswith("cpu"):
+            raise NotSupportedError(f"tensor parallelism on {self.device} (NCCL) is not supported; it runs on the CPU (gloo)")
 
     @property
     def keep_quantized(self) -> bool:
@@ -243,6 +255,7 @@ class EngineConfig:
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
             "quant_activations": self.quant_activations, "prefix_cache": int(self.prefix_cache),
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
 
 

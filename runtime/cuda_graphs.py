@@ -78,7 +78,7 @@ class GraphRunner(ModelRunner):
     def execute(self, scheduled):
         if not self.graphable(scheduled):
             return super().execute(scheduled)
-        batch, samplers = self.prepare(scheduled)  # decode: every sequence samples, rows in order
+        batch, samplers, _ = self.prepare(scheduled)  # decode: every sequence samples, rows in order; no prompt rows to score
         n = len(scheduled)
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs.get(size) or self._capture(size, batch)
@@ -86,7 +86,7 @@ class GraphRunner(ModelRunner):
         g.graph.replay()
         self.replays += 1
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids) for s in samplers]
-        return samplers, sample(g.logits[:n], rows, eos_token_id=self.eos_token_id)
+        return samplers, sample(g.logits[:n], rows, eos_token_id=self.eos_token_id), []
 
     def _capture(self, size: int, batch: ForwardBatch) -> _Graph:
         g = _Graph(size, self.width, self.device)

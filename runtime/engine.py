@@ -60,6 +60,7 @@ class StepOutput:
     top_logprobs: list | None = None
     finish_reason: FinishReason | None = None
     error: PdserveError | None = None  # the request failed (its grammar did not compile): report it, not a finish
+    prompt_logprobs: list | None = None  # with its first token, when asked: a runtime.scoring.PromptScore per prompt token after the first
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Completion:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # runtime.scoring.PromptScore per prompt token after the first, when asked
 
 
 def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig) -> LlamaModel:
@@ -190,11 +192,14 @@ class LLMEngine:
         return seq
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
-                      block_table: list[int], num_computed: int, logprob=None, top_logprobs=None, priority: int = 0) -> StepOutput:
+                      block_table: list[int], num_computed: int, logprob=None, top_logprobs=None, priority: int = 0,
+                      prompt_logprobs: list | None = None) -> StepOutput:
         """Join a request prefilled elsewhere: its KV for num_computed tokens is in block_table
-        (owned from now on by this engine), its last output token is new. Returns that token's
-        output, already checked against the stop conditions."""
+        (owned from now on by this engine), its last output token is new (with the prompt's
+        scores, when it asked for them). Returns that token's output, already checked against
+        the stop conditions."""
         seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1], priority)
+        seq.prompt_scores = prompt_logprobs
         seq.block_table = block_table
         seq.num_computed_tokens = num_computed
         self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache
@@ -283,8 +288,10 @@ class LLMEngine:
     def execute(self, scheduled: list[tuple[Sequence, int]]):
         """Run one scheduled step, advance num_computed_tokens, and log the step's size and time."""
         t0 = time.perf_counter()
-        samplers, sampled = self.runner.execute(scheduled)
+        samplers, sampled, scores = self.runner.execute(scheduled)
         dt = time.perf_counter() - t0
+        for seq, new in scores:
+            seq.prompt_scores.extend(new)
         ctx = 0
         for seq, n in scheduled:
             seq.num_computed_tokens += n
@@ -320,6 +327,8 @@ class LLMEngine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
         out = StepOutput(seq.request_id, token, logprob=logprob, top_logprobs=top)
+        if seq.prompt_scores is not None:  # its prompt is all scored: handed out once (runtime/scoring.py)
+            out.prompt_logprobs, seq.prompt_scores = seq.prompt_scores, None
         if self.prefill_only or seq.request_id in self.holding:
             self.scheduler.hold(seq)  # its blocks wait for release()
             return out
@@ -381,6 +390,8 @@ class LLMEngine:
                 if out.token_id is not None:
                     c.token_ids.append(out.token_id)
                     c.logprobs.append(out.logprob)
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 c.text += out.text
                 if out.finish_reason is not None:
                     c.finish_reason = out.finish_reason

@@ -3,8 +3,10 @@
 Lifecycle: built once per worker over a model and its KV pool; `execute(scheduled)` is called
 once per step. It flattens the scheduled tokens of all sequences into one varlen batch (no
 padding), maps each token to its cache slot, and samples one token for every sequence whose
-computed range reaches its last token (prefill done, or decode). It does not change sequence
-state: the engine applies the sampled tokens.
+computed range reaches its last token (prefill done, or decode); for a sequence that asks for
+prompt logprobs it also scores the chunk's prompt rows (runtime/scoring.py: their logits follow
+the sampling rows). It does not change sequence state: the engine applies the sampled tokens and
+the scores.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from runtime.kv_cache import BlockManager
 from runtime.model import ForwardBatch, LlamaModel
 from runtime.sampling import SamplerOutput, SamplingRow, sample
+from runtime.scoring import PromptScore, score, score_positions
 from runtime.sequence import Sequence
 
 
@@ -24,9 +27,11 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = kv_cache.device
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence], list[tuple[Sequence, range]]]:
+        """The step's batch, the sequences that sample (their logits rows first, in order) and
+        the (sequence, positions) whose prompt rows are scored (their rows after, in order)."""
         bs = self.blocks.block_size
-        ids, pos, slots, qsl, lens, logit_rows, samplers = [], [], [], [0], [], [], []
+        ids, pos, slots, qsl, lens, logit_rows, samplers, score_rows, scoring = [], [], [], [0], [], [], [], [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -39,6 +44,10 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logit_rows.append(qsl[-1] - 1)
                 samplers.append(seq)
+            scored = score_positions(seq, start, end) if seq.prompt_scores is not None else range(0)
+            if scored:
+                score_rows.extend(qsl[-2] + p - start for p in scored)
+                scoring.append((seq, scored))
         width = max(len(seq.block_table) for seq, _ in scheduled)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in scheduled]
         dev = self.device
@@ -50,15 +59,29 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             max_query_len=max(n for _, n in scheduled),
-            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logit_rows + score_rows, dtype=torch.int64, device=dev),
         )
-        return batch, samplers
+        return batch, samplers, scoring
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one step; returns the sequences that sampled and their samples (row-aligned)."""
-        batch, samplers = self.prepare(scheduled)
-        logits = self.model(batch, self.kv_cache)  # (len(samplers), vocab)
+    def execute(self, scheduled: list[tuple[Sequence, int]]) \
+            -> tuple[list[Sequence], SamplerOutput | None, list[tuple[Sequence, list[PromptScore]]]]:
+        """Run one step; returns the sequences that sampled and their samples (row-aligned), and
+        the new prompt scores of each scoring sequence."""
+        batch, samplers, scoring = self.prepare(scheduled)
+        logits = self.model(batch, self.kv_cache)  # (len(samplers) + scored rows, vocab)
+        scores = self.score(logits[len(samplers):], scoring) if scoring else []
         if not samplers:
-            return [], None
+            return [], None, scores
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids) for s in samplers]
-        return samplers, sample(logits, rows, eos_token_id=self.eos_token_id)
+        return samplers, sample(logits[:len(samplers)], rows, eos_token_id=self.eos_token_id), scores
+
+    @staticmethod
+    def score(logits: torch.Tensor, scoring: list[tuple[Sequence, range]]) -> list[tuple[Sequence, list[PromptScore]]]:
+        targets = [seq.prompt_token_ids[p + 1] for seq, scored in scoring for p in scored]
+        ks = [seq.params.prompt_logprobs for seq, scored in scoring for _ in scored]
+        flat = score(logits, targets, ks)
+        out, at = [], 0
+        for seq, scored in scoring:
+            out.append((seq, flat[at:at + len(scored)]))
+            at += len(scored)
+        return out

@@ -26,11 +26,14 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
 class StructuredOutput(msgspec.Struct, omit_defaults=True, frozen=True):
     """A constraint on the output (runtime/structured.py): kind "json" (spec: a JSON schema as
     text, strict), "json_object" (any JSON object), "regex" (spec: the pattern) or "choice"
-    (choices: the allowed outputs)."""
+    (choices: the allowed outputs). JSON grammars let the model choose its whitespace, as vLLM's
+    do, unless any_whitespace is False (vLLM's disable_any_whitespace: compact JSON)."""
 
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
+    after: str = ""  # the grammar holds only from the end of this text in the output (a reasoning block's "</think>")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
@@ -51,6 +54,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
     logprobs: int | None = None  # None = none; k = the sampled token's logprob + top-k alternatives
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # constrained decoding; None = free
+    # None = none; k = each prompt token's logprob (after the first), its rank and the top-k
+    # alternatives, computed in the prefill pass (runtime/scoring.py; vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +95,8 @@ def _first_problem(p: SamplingParams) -> str | None:
         return f"stop_token_ids must be integers in [0, 2**63 - 1], got {p.stop_token_ids!r}"
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
+    if p.prompt_logprobs is not None and not (isinstance(p.prompt_logprobs, int) and 0 <= p.prompt_logprobs <= MAX_LOGPROBS):
+        return f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs!r}"
     if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
         return f"min_tokens must be an integer in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
     s = p.structured

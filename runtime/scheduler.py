@@ -6,7 +6,8 @@ scheduled sequence's `num_computed_tokens` (`LLMEngine.execute`). Running sequen
 next token, the newest running sequence is preempted (blocks freed, back to the front of the
 queue for re-prefill). Then waiting sequences are
 admitted in arrival order while the token budget, the sequence cap and the pool allow; a long
-prompt is cut into chunks over several steps. With the prefix cache on, an admitted sequence
+prompt is cut into chunks over several steps (a prompt whose tokens are scored, into chunks of at
+most runtime/scoring.py's SCORE_CHUNK, and never from the prefix cache). With the prefix cache on, an admitted sequence
 first takes the cached blocks of its longest cached prefix (never its last token: that one's
 logits are needed) and starts computing after them; if the rest does not fit, the match is
 given back and the sequence keeps waiting. A sequence whose next uncached block another
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.kv_cache import BlockManager
+from runtime.scoring import SCORE_CHUNK
 from runtime.sequence import FinishReason, Sequence, SeqStatus
 
 
@@ -27,6 +29,12 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended here: could never fit the pool
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """Tokens seq computes this step: what is left, within the budget (a scoring prompt: SCORE_CHUNK at most)."""
+    n = min(seq.num_uncomputed, budget)
+    return n if seq.prompt_scores is None else min(n, SCORE_CHUNK)
 
 
 class Scheduler:
@@ -62,7 +70,7 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed, budget)
+            n = _chunk(seq, budget)
             while not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
                 victim = min(queue + [seq], key=lambda s: (s.priority, -s.arrival_time))
                 if victim is not seq:
@@ -99,7 +107,7 @@ class Scheduler:
                 self._unmatch(seq)
                 deferred.append(self.waiting.popleft())
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = _chunk(seq, budget)
             if not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
                 if hit:
                     self._unmatch(seq)
@@ -143,8 +151,8 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with nothing computed the cached blocks of its prefix; tokens hit."""
-        if not self.blocks.prefix_cache or seq.block_table:
-            return 0
+        if not self.blocks.prefix_cache or seq.block_table or seq.prompt_scores is not None:
+            return 0  # a scoring sequence computes every prompt row (runtime/scoring.py)
         bs = self.blocks.block_size
         n = (seq.num_tokens - 1) // bs
         seq.block_table = self.blocks.match(seq.hashes(bs, n, self.blocks.prefix_key), seq.tokens(0, n * bs))

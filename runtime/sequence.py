@@ -32,7 +32,7 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
-        "block_hashes", "hash_secret",
+        "block_hashes", "hash_secret", "prompt_scores",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] | None = None,
@@ -52,6 +52,8 @@ class Sequence:
         self.priority = priority  # preemption takes the lowest priority, then the latest arrival
         self.block_hashes: list[bytes] = []  # chained keys of its full blocks so far (runtime.prefix_hash.chain_hashes)
         self.hash_secret = b""  # the secret they were made with
+        # its prompt tokens' scores so far while it asks for prompt_logprobs and has not handed them out (runtime/scoring.py)
+        self.prompt_scores: list | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

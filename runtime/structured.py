@@ -22,6 +22,9 @@ Lifecycle:
   request recomputed elsewhere, rebuilds the state from the tokens); the row's logits outside
   the grammar's next tokens become -inf. A constrained row with no pinned grammar (a caller
   that skipped the engine) runs free, logged.
+- A spec with `after` (a reasoning model's "</think>", set by the gateway's --reasoning-parser)
+  leaves the row free until its output's text holds that marker; the grammar then holds from
+  the token that completed it (found by decoding a few tokens at a time, each token once).
 """
 from __future__ import annotations
 
@@ -41,6 +44,10 @@ log = logging.getLogger("pdserve.structured")
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json_object": "JSON object grammar"}
 
+# characters of whitespace a JSON grammar allows between two tokens of the JSON (any kind, as vLLM's
+# default): enough for a newline and the indentation of 7 levels; unbounded, the default model
+# wrote newlines until max_tokens on one schema of five (vLLM does not bound them)
+MAX_WHITESPACE = 16
 CACHE_ENTRIES = 128  # compiled grammars kept for reuse (an LRU), at most this many
 CACHE_BYTES = 64 * 2**20  # ... and this many bytes (a 200-property schema compiles to ~12 MB)
 
@@ -56,14 +63,18 @@ def _grammar(spec: StructuredOutput):
     import xgrammar as xgr
 
     if spec.kind == "json":
-        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
+        return xgr.Grammar.from_json_schema(spec.spec, strict_mode=True, **_whitespace(spec))
     if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_whitespace(spec))
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "choice":
         return xgr.Grammar.from_regex("|".join(re.escape(c) for c in spec.choices))
     raise InvalidRequestError(f"unknown structured output kind {spec.kind!r}")
+
+
+def _whitespace(spec: StructuredOutput) -> dict:
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE} if spec.any_whitespace else {"any_whitespace": False}
 
 
 def check(spec: StructuredOutput) -> None:
@@ -97,6 +108,8 @@ class _Row:
     matcher: object | None = None  # None: not built yet, or a token left the grammar (the row runs free)
     accepted: int = 0  # output tokens fed to the matcher
     broken: bool = False  # a generated token did not fit the grammar: free from then on
+    start: int | None = 0  # where in the output the grammar begins; None: its spec's `after` marker is not there yet
+    scanned: int = 0  # output tokens already searched for that marker
 
 
 class Constrainer:
@@ -154,9 +167,9 @@ class Constrainer:
         spec, compiler = key[0], self.compiler
         try:
             if spec.kind == "json":
-                return compiler.compile_json_schema(spec.spec, strict_mode=True, any_whitespace=False)
+                return compiler.compile_json_schema(spec.spec, strict_mode=True, **_whitespace(spec))
             if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_whitespace(spec))
             return compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {_message(e)}") from None
@@ -184,7 +197,7 @@ class Constrainer:
             mask = xgr.allocate_token_bitmask(len(rows), vocab)
             masked = []
             for i in which:
-                matcher = self._matcher(rows[i].output_token_ids)
+                matcher = self._matcher(rows[i].output_token_ids, rows[i].params.structured.after)
                 if matcher is None or matcher.is_terminated():
                     continue
                 matcher.fill_next_token_bitmask(mask, i)
@@ -197,8 +210,9 @@ class Constrainer:
         xgr.apply_token_bitmask_inplace(out, mask, indices=masked)
         return out
 
-    def _matcher(self, out: list):
-        """The row's matcher caught up with its tokens; None: no pinned grammar, or it left it."""
+    def _matcher(self, out: list, after: str = ""):
+        """The row's matcher caught up with its tokens; None: no pinned grammar, it left it, or
+        the grammar does not hold yet (`after` not in the output)."""
         import xgrammar as xgr
 
         row = self.rows.get(id(out))
@@ -211,6 +225,12 @@ class Constrainer:
             return None
         if row.matcher is None or row.accepted > len(out):  # new, or preempted and recomputed with fewer tokens
             row.matcher, row.accepted = xgr.GrammarMatcher(row.compiled), 0
+            row.start, row.scanned = (None, 0) if after else (0, 0)
+        if row.start is None:
+            row.start = self._marker_end(out, after, row)
+            if row.start is None:
+                return None
+            row.accepted = row.start
         while row.accepted < len(out):
             if not row.matcher.accept_token(out[row.accepted]):
                 log.warning("a generated token does not fit its grammar; the request runs unconstrained from here")
@@ -218,6 +238,18 @@ class Constrainer:
                 return None
             row.accepted += 1
         return row.matcher
+
+
+    def _marker_end(self, out: list, marker: str, row: _Row) -> int | None:
+        """The output index just past the token that completed `marker` in the text, or None;
+        each token is looked at once (a window of as many tokens as the marker has characters)."""
+        window = len(marker)
+        for i in range(row.scanned, len(out)):
+            text = self.tokenizer.decode(out[max(0, i - window):i + 1], skip_special_tokens=False)
+            if marker in text and marker not in self.tokenizer.decode(out[max(0, i - window):i], skip_special_tokens=False):
+                return i + 1
+        row.scanned = len(out)
+        return None
 
 
 _CONSTRAINER = Constrainer()

@@ -78,8 +78,9 @@ def eos_token_ids(tokenizer, model_eos: tuple[int, ...] = ()) -> set[int]:
     return ids
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the model's chat template, ready for the assistant turn."""
+def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`, OpenAI's list, which the template may show) under
+    the model's chat template, ready for the assistant turn."""
     if not messages:
         raise InvalidRequestError("messages must not be empty")
     for m in messages:
@@ -87,8 +88,39 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
             raise InvalidRequestError("each message needs 'role' and 'content'")
     if tokenizer.chat_template is None:
         raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids)
+
+
+def template_message(m) -> dict:
+    """A chat message (wire.protocol.ChatMessage) as HF chat templates read it: its tool calls
+    with their arguments as objects, as vLLM hands them to templates."""
+    d = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                           for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows the text
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's path, or (holding any of `{}` or a newline) the template itself."""
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as e:
+        raise InvalidRequestError(f"--chat-template: cannot read {value}: {e}") from None
 
 
 class IncrementalDetokenizer:

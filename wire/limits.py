@@ -100,14 +100,23 @@ class RequestLimits:
     max_trace_header: int = 512  # characters of traceparent or tracestate (W3C: tracestate is at most 512); no other keys
     max_structured_bytes: int = 64 * 1024  # UTF-8 bytes of a structured-output spec: JSON schema text, regex, or all choices
     max_regex_length: int = 4096  # characters of a structured-output regex
+    max_structured_after: int = 32  # characters of a spec's `after` marker (a reasoning end tag; a sampler decodes that many tokens a step)
     max_choices: int = 256  # options of a `choice` constraint
     max_choice_length: int = 1024  # characters of one option
     max_token_ids: int = 2**17  # ids of one prompt given as token ids (and of /detokenize's tokens); the context bounds them too
     max_prompts: int = 1024  # prompts in one completions request
     max_n: int = 128  # choices per prompt (OpenAI's limit)
     max_fanout: int = 1024  # prompts x n of one request: each choice is one coordinator request
-    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5)
+    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
+    # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
+    max_tools: int = 128  # tools of one chat (OpenAI's limit)
+    max_tool_name_length: int = 64  # characters of a tool's name (OpenAI: ^[a-zA-Z0-9_-]{1,64}$; vLLM does not check the form)
+    max_tool_bytes: int = 64 * 1024  # JSON bytes of one tool (name, description, parameters schema): forcing a call compiles it
+    max_tool_calls: int = 128  # calls of one assistant message in a chat's history
+    max_metadata_keys: int = 16  # keys of a response's metadata (/v1/responses; OpenAI's limit)
+    max_metadata_value: int = 512  # characters of one metadata value (OpenAI's; a key: max_metadata_key, 64)
+    max_metadata_key: int = 64
     max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
 
@@ -170,6 +179,32 @@ class RequestLimits:
         if parts > self.max_content_parts:
             raise FieldLimitExceeded("messages", f"a message has {parts} content parts; the limit is {self.max_content_parts}")
 
+    def check_tool_calls(self, calls: int) -> None:
+        """The most tool calls one message of a chat's history carries."""
+        if calls > self.max_tool_calls:
+            raise FieldLimitExceeded("messages", f"a message has {calls} tool calls; the limit is {self.max_tool_calls}")
+
+    def check_tools(self, names: list[str], sizes: list[int]) -> None:
+        """A chat's tools: how many, each name's length, each one's JSON bytes (their text counts in
+        max_prompt_bytes too: the template renders them)."""
+        if len(names) > self.max_tools:
+            raise FieldLimitExceeded("tools", f"tools has {len(names)} tools; the limit is {self.max_tools}")
+        for name, size in zip(names, sizes):
+            if len(name) > self.max_tool_name_length:
+                raise FieldLimitExceeded("tools", f"a tool's name has {len(name)} characters; the limit is {self.max_tool_name_length}")
+            if size > self.max_tool_bytes:
+                raise FieldLimitExceeded("tools", f"tool {name[:64]!r} has {size} bytes of JSON; the limit is {self.max_tool_bytes}")
+
+    def check_metadata(self, metadata: dict | None) -> None:
+        """A response's metadata: a few short string keys and values (they are echoed and stored)."""
+        if not metadata:
+            return
+        if len(metadata) > self.max_metadata_keys:
+            raise FieldLimitExceeded("metadata", f"metadata has {len(metadata)} keys; the limit is {self.max_metadata_keys}")
+        if any(len(k) > self.max_metadata_key or len(v) > self.max_metadata_value for k, v in metadata.items()):
+            raise FieldLimitExceeded("metadata", f"a metadata key is over {self.max_metadata_key} characters or a value over "
+                                                 f"{self.max_metadata_value}")
+
     def check_prompt_bytes(self, texts, messages: int = 0, param: str = "prompt") -> int:
         """texts: the prompt, or each message's role and content; each of `messages` counts
         message_overhead more. Returns the total: the cost a tokenizing lane is chosen by."""
@@ -216,11 +251,14 @@ class RequestLimits:
         self.check_sampling(p.stop, p.stop_token_ids)
         self.check_max_tokens("max_tokens", p.max_tokens if isinstance(p.max_tokens, int) else None)
         self.check_logprobs("logprobs", p.logprobs if isinstance(p.logprobs, int) else None)
+        self.check_logprobs("prompt_logprobs", p.prompt_logprobs if isinstance(p.prompt_logprobs, int) else None)
         if p.structured is not None:
             self.check_structured(p.structured)
 
     def check_structured(self, s: StructuredOutput, param: str = "structured") -> None:
         """Before it is compiled: the spec's bytes, a regex's length, the choices' number and length."""
+        if len(s.after) > self.max_structured_after:
+            raise FieldLimitExceeded(param, f"the spec's after marker has {len(s.after)} characters; the limit is {self.max_structured_after}")
         if s.kind == "regex" and len(s.spec) > self.max_regex_length:
             raise FieldLimitExceeded(param, f"the regex has {len(s.spec)} characters; the limit is {self.max_regex_length}")
         if len(s.choices) > self.max_choices:

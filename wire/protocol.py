@@ -7,6 +7,7 @@ Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its
   coord   -> prefill       Prefill          with the decode worker's block ids and kv endpoint
   prefill -> decode        KVConnect -> KVAccept once per destination: its pool, whatever the backend
   prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket
+  decode  -> coord         PromptLogprobs   (asked for only) the prompt's scores, before its first token's batch
   decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
   coord   -> client        Delta ... Final  (or ErrorReply at any point)
   colocated mode: coord -> worker Generate, then TokenBatch as above.
@@ -23,12 +24,15 @@ import msgspec
 from runtime.params import SamplingParams
 from runtime.sequence import FinishReason
 
-PROTOCOL_VERSION = 6  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+PROTOCOL_VERSION = 7  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
 # (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes; 5: prefix-cache keys
 # are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys;
-# 6: roles follow the load: Hello names the roles a worker can switch to, SetRole -> RoleSet
+# 6: roles follow the load: Hello names the roles a worker can switch to, SetRole -> RoleSet; 7: prompt logprobs
+# (SamplingParams.prompt_logprobs; KVReady carries them, PromptLogprobs and Delta bring them back)
 MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
+# a prompt token's score (runtime/scoring.py's PromptScore): its logprob, its rank, the top-k [(token id, logprob)]
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 PrefixKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # a prefix-cache block key (runtime.prefix_hash)
 
 
@@ -44,9 +48,20 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=Fal
 
 # ------------------------------------------------------------------ client <-> coordinator
 
+class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
+    """A call an assistant turn made, as the chat template is shown it (arguments: JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
     role: str
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 class GenerateRequest(_Msg):
@@ -60,6 +75,7 @@ class GenerateRequest(_Msg):
     ttft_ms: float = 0.0  # this request's own p99 targets; 0 = its priority class's
     tpot_ms: float = 0.0
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate: the coordinator's span joins that trace
+    tools: str | None = None  # a chat's tools (OpenAI's list, as JSON text): the chat template gets them as tools=
 
 
 class AbortRequest(_Msg):
@@ -83,6 +99,9 @@ class Delta(_Msg):
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # once, before the first token, when params.prompt_logprobs asked: the prompt's ids and a score per id after the first
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Final(_Msg):
@@ -245,6 +264,14 @@ class TokenBatch(_Msg):
     items: list[TokenOut]
 
 
+class PromptLogprobs(_Msg):
+    """Decode/colocated -> coordinator, just before the TokenBatch holding a request's first token
+    (in its own message: a whole batch of them could outgrow the socket's message limit)."""
+
+    request_id: str
+    scores: list[PromptLogprob]
+
+
 class PrefillDone(_Msg):
     """Prefill -> coordinator: the hand-off of request_id finished (for stats and placement); its
     writer is done with the grant, which the coordinator frees if its KVReady never arrived."""
@@ -285,7 +312,7 @@ class RoleSet(_Msg):
     error: str = ""
 
 
-WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PrefillDone, WorkerError, RoleSet]
+WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PromptLogprobs, PrefillDone, WorkerError, RoleSet]
 CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Release, Shutdown, SetRole]
 
 
@@ -310,6 +337,7 @@ class KVReady(_Msg):
     top_logprobs: list[tuple[int, float]] | None = None
     priority: int = 0
     grant: int = 0  # Prefill.grant: which grant these blocks fill (0: the request's current one)
+    prompt_logprobs: list[PromptLogprob] | None = None  # the prompt's scores, when params.prompt_logprobs asked
 
 
 class KVFailed(_Msg):

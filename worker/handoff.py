@@ -109,6 +109,7 @@ class Handoffs:
         ready = KVReady(
             msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids[skip:],
             seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
+            out.prompt_logprobs,
         )
         t0 = time.perf_counter()
         try:

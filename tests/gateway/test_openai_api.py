@@ -77,7 +77,7 @@ def test_models_health_and_openapi(service, client, model, model_dir):
     assert models[0].root == str(model_dir) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
     doc = httpx.get(f"{service.plan.http_url}/openapi.json", timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/version",
-            "/openapi.json"} == set(doc["paths"])
+            "/openapi.json", "/v1/responses", "/v1/responses/{response_id}"} == set(doc["paths"])
     schemas = doc["components"]["schemas"]
     assert "prompt" in schemas["CompletionRequest"]["required"] and "messages" in schemas["ChatCompletionRequest"]["required"]
     assert "ignore_eos" in schemas["ChatCompletionRequest"]["properties"]

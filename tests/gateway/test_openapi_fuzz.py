@@ -16,7 +16,7 @@ from gateway.openapi import openapi
 from tests.gateway.helpers import start_gateway_cluster
 from tests.helpers import save_tiny_served_model
 
-MAX_EXAMPLES = 25  # an operation; 9 operations
+MAX_EXAMPLES = 25  # an operation; 11 operations
 CALL_TIMEOUT_S = 30  # one request may not take longer ("none hangs")
 CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance,
           st_checks.response_schema_conformance]
@@ -29,7 +29,8 @@ started = time.monotonic()
 
 
 TAME = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
-        "add_special_tokens", "add_generation_prompt", "return_token_strs", "tokens"}
+        "add_special_tokens", "add_generation_prompt", "return_token_strs", "tokens", "input", "instructions", "max_output_tokens", "echo",
+        "prompt_logprobs"}
 
 
 @schema.hook
@@ -40,7 +41,7 @@ def map_body(context, body):
     if isinstance(body, dict):
         if len(body) % 2:
             body = {k: v for k, v in body.items() if k in TAME}
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > 4:
                 body[key] = 4
         if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:

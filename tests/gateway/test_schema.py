@@ -64,11 +64,24 @@ def test_completion_sampling_defaults_and_fan_out():
     assert [(j.index, j.prompt_index, j.inputs["prompt"], j.sampling["seed"]) for j in jobs] == [
         (0, 0, "a", 5), (1, 0, "a", 6), (2, 1, "b", 5), (3, 1, "b", 6)]
     assert jobs[0].sampling["stop"] == ["x"] and jobs[0].sampling["logprobs"] == 2 and jobs[0].sampling["top_k"] == 3
-    for bad, param in ((dict(n=0), "n"), (dict(echo=True), "echo"), (dict(temperature=-1.0), "temperature"),
+    for bad, param in ((dict(n=0), "n"), (dict(suffix="s"), "suffix"), (dict(temperature=-1.0), "temperature"),
+                       (dict(prompt_logprobs=21), "prompt_logprobs"),
                        (dict(logit_bias={"1": 2.0}), "logit_bias"), (dict(max_tokens=0), "max_tokens")):
         with pytest.raises(ApiError) as e:
             completion_jobs(CompletionRequest(model="m", prompt="p", **bad), 100)
         assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_echo_and_prompt_logprobs_mapping():
+    """echo with logprobs asks the prompt's logprobs with the same k; max_tokens 0 (echo only) samples one token to drop."""
+    [job] = completion_jobs(CompletionRequest(model="m", prompt="p", echo=True, logprobs=1, max_tokens=0), 100)
+    assert job.sampling["prompt_logprobs"] == 1 and job.sampling["max_tokens"] == 1 and job.sampling["logprobs"] == 1
+    [job] = completion_jobs(CompletionRequest(model="m", prompt="p", echo=True, logprobs=1, prompt_logprobs=5), 100)
+    assert job.sampling["prompt_logprobs"] == 5 and job.sampling["max_tokens"] == 16
+    [job] = completion_jobs(CompletionRequest(model="m", prompt="p", logprobs=3), 100)
+    assert "prompt_logprobs" not in job.sampling  # without echo the prompt is not scored
+    [job] = completion_jobs(CompletionRequest(model="m", prompt="p", echo=True), 100)
+    assert "prompt_logprobs" not in job.sampling  # echo without logprobs: only the text
 
 
 def test_chat_mapping():

@@ -19,7 +19,7 @@ from runtime.grammar_lane import LRU, CompileLane, CompilerBusy, GrammarTooCompl
 from runtime.params import SamplingParams, StructuredOutput
 from runtime.sampling import SamplingRow, sample
 from runtime.sequence import FinishReason
-from runtime.structured import constrainer
+from runtime.structured import MAX_WHITESPACE, constrainer
 from tests.helpers import save_tiny_served_model
 
 
@@ -185,3 +185,62 @@ def test_a_runaway_compile_is_refused_and_what_queues_behind_it_too():
     with pytest.raises(GrammarTooComplex):  # the late result is remembered as the refusal
         lane.outcome(lane.submit("runaway"))
     assert lane.cache.get("queued") is None
+
+
+def test_a_grammar_after_a_marker_holds_only_once_the_output_has_it(engine):
+    """A reasoning model's spec (after="</think>"): free while the output lacks the marker, held
+    to the grammar from the token that completed it, also when a worker takes over mid-output."""
+    tok = engine.tokenizer
+    vocab = engine.cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutput("choice", choices=("yes", "no"), after="</think>"))
+    free = tok.encode(" delta", add_special_tokens=False)[0]
+    logits = torch.zeros(1, vocab)
+    logits[0, free] = 10.0  # what a free row picks
+    grammars = constrainer()
+    compiled = grammars.compile_now(params.structured, vocab, tok.eos_token_id)
+    thinking = tok.encode("Let me think </thi", add_special_tokens=False)
+    done = tok.encode("Let me think </think>", add_special_tokens=False)
+    for given, held in ((thinking, False), (done, True)):
+        row = SamplingRow(params, [1, 2], list(given))
+        grammars.pin(row.output_token_ids, compiled)
+        try:
+            token = sample(logits, [row], eos_token_id=tok.eos_token_id).token_ids[0]
+        finally:
+            grammars.unpin(row.output_token_ids)
+        if held:
+            assert token != free and any(c.startswith(tok.decode([token]).strip()) for c in ("yes", "no")), tok.decode([token])
+        else:
+            assert token == free
+    # a row that grows token by token: free before the marker, held after (each token searched once)
+    row = SamplingRow(params, [1, 2], [])
+    grammars.pin(row.output_token_ids, compiled)
+    try:
+        for t in done:
+            assert sample(logits, [row], eos_token_id=tok.eos_token_id).token_ids[0] == free
+            row.output_token_ids.append(t)
+        assert sample(logits, [row], eos_token_id=tok.eos_token_id).token_ids[0] != free
+    finally:
+        grammars.unpin(row.output_token_ids)
+
+
+def test_any_whitespace_by_default_and_compact_on_request(engine):
+    """JSON grammars let the model choose its whitespace (vLLM's default), at most MAX_WHITESPACE
+    characters between two tokens of the JSON; any_whitespace=False
+    (vLLM's disable_any_whitespace) holds it to xgrammar's compact form (", " and ": ", nothing else)."""
+    import xgrammar as xgr
+
+    tok = engine.tokenizer
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    grammars = constrainer()
+
+    def accepts(spec, text):
+        return xgr.GrammarMatcher(grammars.compile_now(spec, engine.cfg.vocab_size, tok.eos_token_id)).accept_string(text)
+
+    for kind, spec in (("json", schema), ("json_object", "")):
+        assert accepts(StructuredOutput(kind, spec), '{\n  "a": 1\n}') and accepts(StructuredOutput(kind, spec), '{"a":1}')
+        gap = "\n" + " " * (MAX_WHITESPACE - 1)
+        assert accepts(StructuredOutput(kind, spec), '{' + gap + '"a": 1}')
+        assert not accepts(StructuredOutput(kind, spec), '{' + gap + ' "a": 1}')  # a run past the bound: small models loop on newlines
+        assert not accepts(StructuredOutput(kind, spec, any_whitespace=False), '{\n  "a": 1\n}')
+        assert not accepts(StructuredOutput(kind, spec, any_whitespace=False), '{"a":1}')
+        assert accepts(StructuredOutput(kind, spec, any_whitespace=False), '{"a": 1}')

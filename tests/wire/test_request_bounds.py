@@ -53,6 +53,7 @@ def msgs(n, content=""):
     (lambda: completion(prompt=[[1] * L.max_token_ids]), lambda: completion(prompt=[[1], [1] * (L.max_token_ids + 1)]), "prompt"),
     (lambda: completion(prompt="x" * L.max_prompt_bytes), lambda: completion(prompt="x" * (L.max_prompt_bytes + 1)), "prompt"),
     (lambda: completion(logprobs=L.max_logprobs), lambda: completion(logprobs=L.max_logprobs + 1), "logprobs"),
+    (lambda: completion(prompt_logprobs=L.max_logprobs), lambda: completion(prompt_logprobs=L.max_logprobs + 1), "prompt_logprobs"),
     (lambda: chat(logprobs=True, top_logprobs=L.max_logprobs), lambda: chat(logprobs=True, top_logprobs=L.max_logprobs + 1), "top_logprobs"),
     (lambda: completion(max_tokens=L.max_tokens), lambda: completion(max_tokens=L.max_tokens + 1), "max_tokens"),
     (lambda: chat(max_completion_tokens=L.max_tokens), lambda: chat(max_completion_tokens=L.max_tokens + 1), "max_completion_tokens"),
@@ -63,6 +64,54 @@ def msgs(n, content=""):
 def test_each_body_bound_at_its_limit_and_one_past(at, over, param):
     request_bounds(at(), L)
     refused(over(), param)
+
+
+def tool(name="f", description=None):
+    fn = {"name": name, "parameters": {"type": "object"}}
+    return {"type": "function", "function": fn if description is None else {**fn, "description": description}}
+
+
+def call(name="f", id_="c"):
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def _tool_sized(n: int) -> dict:
+    """A tool whose JSON (as the bound counts it: the decoded Struct re-encoded) has exactly n bytes."""
+    import msgspec
+
+    from gateway.tools import Tool
+
+    base = len(msgspec.json.encode(msgspec.convert(tool(description=""), Tool)))
+    return tool(description="d" * (n - base))
+
+
+@pytest.mark.parametrize("at, over, param", [
+    (lambda: chat(tools=[tool()] * L.max_tools), lambda: chat(tools=[tool()] * (L.max_tools + 1)), "tools"),
+    (lambda: chat(tools=[tool("t" * L.max_tool_name_length)]), lambda: chat(tools=[tool("t" * (L.max_tool_name_length + 1))]), "tools"),
+    (lambda: chat(tools=[_tool_sized(L.max_tool_bytes)]), lambda: chat(tools=[_tool_sized(L.max_tool_bytes + 1)]), "tools"),
+    (lambda: chat([{"role": "assistant", "tool_calls": [call()] * L.max_tool_calls}]),
+     lambda: chat([{"role": "assistant", "tool_calls": [call()] * (L.max_tool_calls + 1)}]), "messages"),
+    (lambda: chat([{"role": "assistant", "tool_calls": [call(id_="i" * L.max_name_length)]}]),
+     lambda: chat([{"role": "assistant", "tool_calls": [call(id_="i" * (L.max_name_length + 1))]}]), "messages"),
+    (lambda: chat([{"role": "tool", "content": "r", "tool_call_id": "i" * L.max_name_length}]),
+     lambda: chat([{"role": "tool", "content": "r", "tool_call_id": "i" * (L.max_name_length + 1)}]), "messages"),
+    (lambda: chat(tools=[tool()], tool_choice={"type": "function", "function": {"name": "n" * L.max_name_length}}),
+     lambda: chat(tools=[tool()], tool_choice={"type": "function", "function": {"name": "n" * (L.max_name_length + 1)}}), "tool_choice"),
+])
+def test_each_tool_bound_at_its_limit_and_one_past(at, over, param):
+    request_bounds(at(), L)
+    refused(over(), param)
+
+
+def test_tools_and_tool_calls_count_in_the_prompt_bytes():
+    limits = RequestLimits(max_prompt_bytes=4000)
+    request_bounds(chat(tools=[_tool_sized(3000)]), limits)
+    refused(chat(tools=[_tool_sized(3000)] * 2), "messages", limits=limits)
+    args = json.dumps({"x": "y" * 3000})
+    refused(chat([{"role": "assistant", "tool_calls": [{**call(), "function": {"name": "f", "arguments": args}}] * 2}]), "messages",
+            limits=limits)
+
+
 
 
 def test_message_overhead_counts_in_the_prompt_bytes():
@@ -181,6 +230,7 @@ def test_frames_at_the_limits_are_left_to_the_decoder():
     (gen(messages=[ChatMessage("user", "")] * L.max_messages), gen(messages=[ChatMessage("user", "")] * (L.max_messages + 1))),
     (gen(token_ids=[1] * L.max_token_ids), gen(token_ids=[1] * (L.max_token_ids + 1))),
     (gen(params=SamplingParams(logprobs=L.max_logprobs)), gen(params=SamplingParams(logprobs=L.max_logprobs + 1))),
+    (gen(params=SamplingParams(prompt_logprobs=L.max_logprobs)), gen(params=SamplingParams(prompt_logprobs=L.max_logprobs + 1))),
     (gen(params=SamplingParams(max_tokens=L.max_tokens)), gen(params=SamplingParams(max_tokens=L.max_tokens + 1))),
     (gen(params=SamplingParams(structured=StructuredOutput("choice", choices=("c",) * L.max_choices))),
      gen(params=SamplingParams(structured=StructuredOutput("choice", choices=("c",) * (L.max_choices + 1))))),
@@ -204,3 +254,16 @@ def test_the_stop_scan_does_not_count_whitespace_between_strings():
     with pytest.raises(Exception) as e:
         refuse_oversized(json.dumps({"model": "m", "prompt": "hi", "stop": stops + ["x"]}).encode(), limits)
     assert getattr(e.value, "code", None) == "limit_exceeded"
+
+
+def test_the_coordinator_bounds_tool_calls_and_a_grammar_marker(coordinator):
+    from wire.protocol import ToolCall
+
+    many = [ChatMessage("assistant", "", [ToolCall("c", "f", "{}")] * (L.max_tool_calls + 1))]
+    with pytest.raises(FieldLimitExceeded):
+        coordinator.check_request(gen(messages=many))
+    coordinator.check_request(gen(messages=[ChatMessage("assistant", "", [ToolCall("c", "f", "{}")] * L.max_tool_calls)]))
+    marker = SamplingParams(structured=StructuredOutput("regex", "a", after="x" * (L.max_structured_after + 1)))
+    with pytest.raises(FieldLimitExceeded):
+        coordinator.check_request(gen(params=marker))
+    coordinator.check_request(gen(params=SamplingParams(structured=StructuredOutput("regex", "a", after="</think>"))))

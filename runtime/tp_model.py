@@ -1,0 +1,162 @@
+"""One rank's part of a Llama-family model under tensor parallelism (Megatron's layout).
+
+Lifecycle: each of a worker's N rank processes builds `TPModel(cfg, shard(tensors), econf,
+group)` once (runtime.tp.shard gives its weights); each projection is a kernels.linear
+PackedLinear over the rank's shard (float or GGUF blocks). Rank 0's engine calls `forward(batch,
+kv_cache)` as it calls runtime.model.LlamaModel's: it first broadcasts the step's plan, then
+every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes). Per
+layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
+it reads and writes only those of its worker's whole pool, `my_heads`),
+attention over them, row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
+down and one all-reduce. The embedding and the LM head are split by vocabulary: partial
+embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.
+The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.linear import PackedLinear
+from kernels.quant import QuantTensor
+from runtime.config import EngineConfig, ModelConfig
+from runtime.model import RMSNorm
+from runtime.rope import RotaryEmbedding
+from runtime.tp import RankGroup, StepPlan, batch_of, plan_of, rank_config, shard, vocab_range
+
+
+def _norm(w: torch.Tensor, eps: float, dtype) -> RMSNorm:
+    n = RMSNorm(w.shape[0], eps)
+    n.weight.data = w.to(dtype).contiguous()
+    return n
+
+
+def _fused(parts: list):
+    """Rows of several shards stacked (q/k/v, gate/up): blocks stay blocks when they can."""
+    return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
+
+
+class _Layer:
+    def __init__(self, t: dict, i: int, cfg: ModelConfig, linear, dtype: torch.dtype):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = torch.cat([t[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]) if a + "q_proj.bias" in t else None
+        self.qkv = linear(_fused([t[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]), bias)
+        self.o = linear(t[a + "o_proj.weight"], None)
+        self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
+        self.down = linear(t[p + "mlp.down_proj.weight"], None)
+        self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype)
+        self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype)
+
+
+class TPModel:
+    def __init__(self, full: ModelConfig, tensors: dict, econf: EngineConfig, group: RankGroup):
+        """tensors: this rank's shard (runtime.tp.shard) of the HF-named checkpoint tensors."""
+        self.full, self.group, self.dtype = full, group, econf.torch_dtype
+        self.cfg = rank_config(full, group.size)  # heads, KV heads, MLP width: this rank's
+        self.device, self.backend = econf.device, econf.attention_backend
+        kind = econf.linear_kind if econf.fast_path else "torch"
+
+        def linear(w, bias):
+            w = w if isinstance(w, QuantTensor) else w.to(self.dtype).to(self.device)
+            return PackedLinear(w, None if bias is None else bias.to(self.dtype), kind, activations=econf.quant_activations)
+
+        self.layers = [_Layer(tensors, i, self.cfg, linear, self.dtype) for i in range(full.num_layers)]
+        embed = tensors["model.embed_tokens.weight"]
+        self.embed = embed if isinstance(embed, QuantTensor) else embed.to(self.dtype)
+        self.vocab_start, self.vocab_end = vocab_range(full.vocab_size, group.rank, group.size)
+        self.lm_head = linear(embed if full.tie_embeddings else tensors["lm_head.weight"], None)
+        self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype)
+        self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling)
+        self.scale = full.head_dim**-0.5
+        kvh = self.cfg.num_kv_heads
+        self.kv_heads = slice(group.rank * kvh, (group.rank + 1) * kvh)  # this rank's KV heads in a whole worker's pool
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (blocks count as blocks; the norms, which every rank holds whole, too)."""
+        def size(w):
+            return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
+
+        lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
+        embed = 0 if self.full.tie_embeddings else size(self.embed)
+        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm))]
+        return embed + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
+
+    def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.forward(batch, kv_cache)
+
+    def forward(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Rank 0: send the step's plan, then run it here too; (N, vocab) float32 logits."""
+        self.group.send_plan(plan_of(batch))
+        return self.run(batch, kv_cache)
+
+    def follow(self, kv_cache: torch.Tensor) -> None:
+        """Another rank: run rank 0's steps until it sends stop (or its group fails)."""
+        while True:
+            plan = self.group.recv_plan()
+            if plan.stop:
+                return
+            self.run(batch_of(plan, self.device), kv_cache)
+
+    def stop_followers(self) -> None:
+        self.group.send_plan(StepPlan(stop=True))
+
+    def my_heads(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads, (layers, 2, num_blocks, block_size, KVH / N, D): kv_cache is either
+        this rank's own pool or the worker's whole pool (every rank maps it; a view of its heads)."""
+        return kv_cache[..., self.kv_heads, :] if kv_cache.shape[-2] == self.full.num_kv_heads and self.group.size > 1 else kv_cache
+
+    @torch.inference_mode()
+    def run(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        kv_cache = self.my_heads(kv_cache)
+        h = self._embed(batch.input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            h = h + self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))
+            gate, up = layer.gate_up(layer.post_norm(h)).split(self.cfg.intermediate_size, dim=-1)
+            h = h + self.group.all_reduce(layer.down(F.silu(gate) * up))
+        h = self.norm(h[batch.logits_indices])  # (N, hidden)
+        return self._logits(self.lm_head(h).float())
+
+    def _attention(self, layer: _Layer, x, batch, k_cache, v_cache) -> torch.Tensor:
+        c = self.cfg
+        T = x.shape[0]
+        q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(T, c.num_heads, c.head_dim)  # (T, H / N, D)
+        k = k.reshape(T, c.num_kv_heads, c.head_dim)  # (T, KVH / N, D)
+        v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        q, k = self.rope(batch.positions, q, k)
+        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend)
+        return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros for the others', summed over ranks."""
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(mine, ids - self.vocab_start, 0)
+        if isinstance(self.embed, QuantTensor):
+            rows = self.embed.rows_float(local).to(self.dtype)
+        else:
+            rows = F.embedding(local, self.embed)
+        return self.group.all_reduce(rows * mine.unsqueeze(1).to(rows.dtype))
+
+    def _logits(self, part: torch.Tensor) -> torch.Tensor:
+        """(N, vocab / N) on each rank -> (N, vocab): every rank's columns, padded to one width."""
+        per = -(-self.full.vocab_size // self.group.size)
+        if part.shape[1] < per:
+            part = F.pad(part, (0, per - part.shape[1]))
+        return torch.cat(self.group.all_gather(part), dim=1)[:, :self.full.vocab_size]
+
+
+def build_tp_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, group: RankGroup) -> TPModel:
+    """This rank's model from the whole checkpoint's tensors (the rest is dropped by the caller);
+    GGUF blocks stay blocks where TP 1 would keep them (runtime.engine), else are dequantized."""
+    from runtime.engine import _why_not_quantized
+    from runtime.weights import dequantize_all
+
+    part = shard(cfg, tensors, group.rank, group.size)
+    if any(isinstance(v, QuantTensor) for v in part.values()) and _why_not_quantized(econf):
+        part = dequantize_all(part)
+    return TPModel(cfg, part, econf, group)

@@ -1,0 +1,113 @@
+"""Tensor parallelism (runtime.tp, runtime.tp_model, worker.tp_ranks): N gloo rank processes on
+loopback run tiny random models of several head layouts, float and GGUF blocks; greedy tokens
+equal the TP 1 engine's and each token's logprob is within LOGPROB_TOL of it (the sums of the
+row-parallel layers are added in another order); each rank holds about 1/N of the weights."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from kernels.quant import QuantTensor
+from runtime.config import EngineConfig, ModelConfig
+from runtime.engine import LLMEngine, build_model
+from runtime.errors import NotSupportedError, UnsupportedModelError
+from runtime.kv_cache import allocate_kv_cache
+from runtime.sampling import SamplingParams
+from runtime.weights import load_checkpoint
+from runtime.tp import StepPlan, batch_of, check_split, column_part, plan_of, row_part, vocab_part
+from tests.helpers import save_tiny_model, tiny_engine, write_gguf
+from worker import tp_ranks
+
+LOGPROB_TOL = 1e-4  # float weights
+QUANT_LOGPROB_TOL = 1e-3  # GGUF blocks: the C kernels round activations per block and TP 1 runs the fused path
+PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(3, 40)), [4] * 17]
+
+LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
+    "qwen2-bias-3": (3, dict(arch="qwen2", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)),
+    "mha-tied-odd-vocab-2": (2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, vocab_size=515)),
+}
+
+
+def tp_engine(model, n: int, **config):
+    """(engine over rank 0's TPModel, the Ranks): ranks 1..n-1 are processes of their own."""
+    econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, "tensor_parallel_size": n, **config})
+    cfg, tensors = load_checkpoint(str(model), progress=False, keep_quantized=econf.keep_quantized)
+    ranks = tp_ranks.start(cfg, tensors, econf, econf.num_blocks, str(model), threads=1)
+    pool = allocate_kv_cache(ranks.model.cfg, econf.num_blocks, econf.block_size, econf.torch_dtype)
+    return LLMEngine(ranks.model, None, econf, kv_cache=pool), ranks
+
+
+def compare(ref: LLMEngine, model, n: int, tol: float = LOGPROB_TOL, **config) -> tuple[int, int]:
+    """Greedy tokens and logprobs of TP n against ref; returns (rank 0's, ref's) weight bytes."""
+    engine, ranks = tp_engine(model, n, **config)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+        wanted = ref.generate(PROMPTS, params)
+        for want, got in zip(wanted, engine.generate(PROMPTS, params)):
+            assert got.token_ids == want.token_ids
+            assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < tol
+        hits = engine.blocks.hits
+        assert engine.generate(PROMPTS[1:2], params)[0].token_ids == wanted[1].token_ids  # its prefix cached on every rank
+        assert engine.blocks.hits > hits
+        assert engine.blocks.free_blocks == engine.blocks.num_blocks  # cached prefix blocks count as free
+    finally:
+        ranks.close()
+    assert [p.returncode for p in ranks.procs] == [0] * (n - 1)  # they left on rank 0's stop
+    return ranks.model.weight_bytes(), ref.model.weight_bytes()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_tp_equals_tp1(tmp_path, layout):
+    n, overrides = LAYOUTS[layout]
+    save_tiny_model(tmp_path, max_position_embeddings=128, **overrides)
+    ref, _ = tiny_engine(tmp_path)
+    mine, whole = compare(ref, tmp_path, n)
+    assert whole / n <= mine <= whole / n * 1.05 + 1024, (mine, whole)
+
+
+def test_tp_quantized_blocks(tmp_path):
+    """GGUF Q8_0 kept as blocks: column shards take whole rows, row shards whole blocks."""
+    save_tiny_model(tmp_path, max_position_embeddings=128, hidden_size=64, intermediate_size=128)
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(gguf, tmp_path, "Q8_0")
+    econf = EngineConfig(num_blocks=64, block_size=8)
+    cfg, tensors = load_checkpoint(str(gguf), progress=False, keep_quantized=True)
+    ref = LLMEngine(build_model(cfg, tensors, econf), None, econf)
+    assert ref.model.quantized
+    mine, whole = compare(ref, gguf, 2, QUANT_LOGPROB_TOL)
+    assert whole / 2 * 0.9 <= mine <= whole / 2 * 1.1, (mine, whole)
+
+
+def test_split_refused():
+    cfg = ModelConfig("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 128)
+    with pytest.raises(UnsupportedModelError, match="does not divide the model's 2 KV heads"):
+        check_split(cfg, 4)
+    with pytest.raises(UnsupportedModelError, match="does not divide the model's 4 attention heads"):
+        check_split(cfg, 3)
+    blocks = QuantTensor(torch.zeros(4, 3 * 34, dtype=torch.uint8), "Q8_0", (4, 96))
+    with pytest.raises(UnsupportedModelError, match="not whole blocks"):
+        row_part(blocks, 0, 2, "down_proj")
+    assert row_part(blocks, 1, 3).shape == (4, 32)
+    w = torch.randn(8, 6)
+    for part in (column_part(w, 1, 2), row_part(w, 1, 2), vocab_part(w, 1, 3)):  # each owns its bytes, not a view of w
+        assert part.untyped_storage().nbytes() == part.numel() * 4
+    assert torch.equal(column_part(w, 1, 2), w[4:]) and torch.equal(row_part(w, 1, 2), w[:, 3:]) and torch.equal(vocab_part(w, 2, 3), w[6:])
+
+
+def test_plan_round_trip(tiny):
+    engine, _ = tiny_engine(tiny)
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
+    batch, _ = engine.runner.prepare(engine.scheduler.schedule().scheduled)
+    back = batch_of(msgspec.msgpack.decode(msgspec.msgpack.encode(plan_of(batch)), type=StepPlan))
+    for field in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
+        assert torch.equal(getattr(back, field), getattr(batch, field)), field
+    assert back.max_query_len == batch.max_query_len
+
+
+def test_parallel_flags_refused_in_config():
+    with pytest.raises(NotSupportedError, match="pipeline parallelism is not supported"):
+        EngineConfig(pipeline_parallel_size=2)
+    with pytest.raises(NotSupportedError, match="NCCL.*not supported"):
+        EngineConfig(device="cuda", tensor_parallel_size=3)
+    assert EngineConfig(tensor_parallel_size=3).summary(128, 4, 1024)["tensor_parallel_size"] == 3
