@@ -52,6 +52,7 @@ class WorkerSnapshot:
     shared: "SharedCores | None" = None
     handoff_s: float = 0.0  # decode: a REMOTE hand-off into it costs this beyond one predicted step (measured: HandoffTimes)
     chunk_tokens: int = 2048  # prompt tokens one of its steps takes at most (max_num_batched_tokens)
+    max_seqs: int = 0  # sequences one of its steps runs at most (max_num_seqs; 0: unknown)
 
 
 @dataclass(frozen=True)

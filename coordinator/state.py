@@ -117,6 +117,7 @@ class WorkerState:
             sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
             min((r.req.params.max_tokens for r in requests), default=0),
             chunk_tokens=int(self.hello.engine.get("max_num_batched_tokens") or 2048),
+            max_seqs=int(self.hello.engine.get("max_num_seqs") or 0),
         )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.calibration import Calibration, CalibrationConfig, HandoffTimes
 from coordinator.paths import Path, choose_path, share_node
-from coordinator.placement import SharedCores, deferral, local_steps, predict_prefill, predict_remote_prefill
+from coordinator.placement import Outcome, SharedCores, ShedReason, deferral, local_steps, predict_prefill, predict_remote_prefill
 from coordinator.slo import SloTargets
 from tests.coordinator.test_paths import M, TARGETS, decode, prefill, req
 
@@ -132,3 +132,12 @@ def test_local_targets_apart_from_remote_ones_decide_the_path():
     assert choose_path(req(128), [prefill()], [d], TARGETS).local.predicted_ttft > 1.0
     c = choose_path(req(128), [prefill()], [d], TARGETS, local_targets=SloTargets(1.0, TARGETS.tpot_s))
     assert (c.path, c.reason) == (Path.REMOTE, "only_remote")
+
+
+def test_a_decode_worker_with_a_full_batch_takes_no_local_prompt_under_slo_control():
+    """Its prompt would wait for a stream to end: the pair serves it, or it is shed."""
+    full = dataclasses.replace(decode(requests=8), max_seqs=8)
+    c = choose_path(req(64), [prefill()], [full], TARGETS)
+    assert (c.path, c.reason, c.local.outcome, c.local.reason) == (Path.REMOTE, "only_remote", Outcome.SHED, ShedReason.TPOT)
+    assert choose_path(req(64), [prefill()], [dataclasses.replace(full, max_seqs=9)], TARGETS).path is Path.LOCAL
+    assert choose_path(req(64), [prefill()], [full], None).path is Path.LOCAL  # without targets: it queues there
