@@ -56,14 +56,23 @@ class ErrorTracker:
 
 
 class Calibration:
+    """The errors of all requests, and of each path's (coordinator/paths.py: "remote", "local")
+    apart: a path with errors of its own (min_samples of them) is admitted against its own headroom."""
+
     def __init__(self, cfg: CalibrationConfig = CalibrationConfig()):
         self.cfg = cfg
         self.ttft = ErrorTracker(cfg.window)
         self.tpot = ErrorTracker(cfg.window)
+        self.paths: dict[str, tuple[ErrorTracker, ErrorTracker]] = {}
 
-    def record(self, predicted_ttft: float | None, ttft: float, predicted_tpot: float | None, tpot: float | None) -> None:
-        self.ttft.add(predicted_ttft, ttft)
-        self.tpot.add(predicted_tpot, tpot)
+    def record(self, predicted_ttft: float | None, ttft: float, predicted_tpot: float | None, tpot: float | None,
+               path: str | None = None) -> None:
+        trackers = [(self.ttft, self.tpot)]
+        if path is not None:
+            trackers.append(self.paths.setdefault(path, (ErrorTracker(self.cfg.window), ErrorTracker(self.cfg.window))))
+        for t, p in trackers:
+            t.add(predicted_ttft, ttft)
+            p.add(predicted_tpot, tpot)
 
     def factor(self, tracker: ErrorTracker, static: float) -> float:
         """The share of a target a prediction must meet: static until min_samples errors."""
@@ -71,11 +80,49 @@ class Calibration:
             return static
         return min(1.0, max(self.cfg.floor, 1.0 / (1.0 + self.cfg.k * tracker.under(self.cfg.quantile))))
 
-    def targets(self, base: SloTargets, ttft_headroom: float, tpot_headroom: float) -> SloTargets:
-        """base less the headroom: what a request's predictions must meet to be admitted."""
-        return SloTargets(base.ttft_s * self.factor(self.ttft, ttft_headroom), base.tpot_s * self.factor(self.tpot, tpot_headroom))
+    def trackers(self, path: str | None) -> tuple[ErrorTracker, ErrorTracker]:
+        """The path's own (TTFT, TPOT) errors where it has min_samples of each, else all requests'."""
+        own = self.paths.get(path)
+        if own is not None and min(len(own[0].errors), len(own[1].errors)) >= self.cfg.min_samples:
+            return own
+        return self.ttft, self.tpot
+
+    def targets(self, base: SloTargets, ttft_headroom: float, tpot_headroom: float, path: str | None = None) -> SloTargets:
+        """base less the headroom: what a request's predictions must meet to be admitted (on `path`)."""
+        ttft, tpot = self.trackers(path)
+        return SloTargets(base.ttft_s * self.factor(ttft, ttft_headroom), base.tpot_s * self.factor(tpot, tpot_headroom))
 
     def summary(self, ttft_headroom: float, tpot_headroom: float) -> dict:
-        """Per phase: the relative error percentiles (signed; positive under-predicts) and the headroom in use."""
-        return {name: {"error": t.percentiles(), "headroom": round(self.factor(t, static), 4)}
-                for name, t, static in (("ttft", self.ttft, ttft_headroom), ("tpot", self.tpot, tpot_headroom))}
+        """Per phase: the relative error percentiles (signed; positive under-predicts) and the headroom
+        in use; under "paths", each path's own errors and the headroom its admissions use."""
+        def phases(errors: tuple[ErrorTracker, ErrorTracker], used: tuple[ErrorTracker, ErrorTracker]) -> dict:
+            return {name: {"error": e.percentiles(), "headroom": round(self.factor(u, static), 4)}
+                    for name, e, u, static in zip(("ttft", "tpot"), errors, used, (ttft_headroom, tpot_headroom))}
+        return {**phases((self.ttft, self.tpot), (self.ttft, self.tpot)),
+                "paths": {p: phases(t, self.trackers(p)) for p, t in sorted(self.paths.items())}}
+
+
+class HandoffTimes:
+    """What a REMOTE request's hand-off into each decode worker costs beyond the predicted first
+    step: from its prefill's last compute to its first token (the prefill worker's KV send, reported
+    in PrefillDone, plus PrefillDone to the first token at the coordinator) less the decode step
+    placement predicted, over the last `window` hand-offs (mean, seconds; may be negative: the
+    first token leaves with the KV, before any step). Placement adds it to REMOTE's TTFT."""
+
+    def __init__(self, window: int = 64):
+        self.window = window
+        self.extra: dict[str, collections.deque] = {}
+
+    def record(self, worker: str, observed_s: float, predicted_step_s: float) -> None:
+        if math.isfinite(observed_s) and math.isfinite(predicted_step_s) and observed_s >= 0:
+            self.extra.setdefault(worker, collections.deque(maxlen=self.window)).append(observed_s - predicted_step_s)
+
+    def extra_s(self, worker: str) -> float:
+        xs = self.extra.get(worker)
+        return sum(xs) / len(xs) if xs else 0.0
+
+    def forget(self, worker: str) -> None:
+        self.extra.pop(worker, None)
+
+    def summary(self) -> dict:
+        return {w: {"count": len(xs), "mean_extra_ms": round(1000 * self.extra_s(w), 2)} for w, xs in self.extra.items()}

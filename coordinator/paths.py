@@ -12,22 +12,35 @@ the worker's own streams stretched by the prompt it would take in. The returned 
 carries the decision to apply (PLACED: `prefill` set -> Admit, else -> Generate to the decode
 worker; WAIT; SHED), both ways' decisions and the reason (for the trace, stats and metrics).
 
-With targets (SLO control), the way with the most headroom wins: headroom = min over TTFT and
-TPOT of (target - predicted) / target (the targets given are already less the admission
-headroom), REMOTE only by a margin (`PathRule.remote_margin`). Without targets, Dynamo's conditional disaggregation: LOCAL when the prompt's uncached
-tokens are few (`PathRule.local_tokens`) or the prefill queue is long relative to the decode
-worker's own (more than `PathRule.queue_prompts` such prompts ahead of it), else REMOTE.
+Sharing a node (`share_node`, before the choice): a decode worker on the cores of a busy prefill
+worker defers its steps to it (runtime/cores.py), so a LOCAL prompt's first token waits a turn per
+step while that worker has work; a prefill worker yields its node's decode workers a turn, so a
+REMOTE prefill stretches by their steps; a hand-off costs what was measured into that decode
+worker (HandoffTimes, coordinator/calibration.py). Each way is held to its own admission targets
+(`local_targets`: the calibration per path).
+
+With targets (SLO control), a way must meet them (the targets given are already less the
+admission headroom); of two that do, LOCAL when its decode worker shares its node's cores with the
+prefill workers (the prompt takes the same cores either way: a 1 + 1 node then serves as one
+colocated worker with every core, and the prefill worker takes what LOCAL cannot), else the one
+with the most headroom = min over TTFT and TPOT of (target - predicted) / target, REMOTE only by a
+margin (`PathRule.remote_margin`). Without targets, Dynamo's conditional disaggregation: LOCAL when
+the prompt's uncached tokens are few (`PathRule.local_tokens`) or the prefill queue is long
+relative to the decode worker's own (more than `PathRule.queue_prompts` such prompts ahead of it),
+else REMOTE.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import Mapping
 
 from coordinator.placement import (
-    WAIT, Decision, Outcome, RequestView, ShedReason, WorkerSnapshot, decode_blocks, place_colocated, place_pair, shed,
+    WAIT, Decision, Outcome, RequestView, SharedCores, ShedReason, WorkerSnapshot, decode_blocks, place_colocated, place_pair, shed,
 )
 from coordinator.slo import SloTargets
+from runtime.core_turns import turn_after
 
 
 class Path(enum.Enum):
@@ -44,9 +57,8 @@ class PathRule:
 
     local_tokens: int = 512  # uncached prompt tokens at or under this: prefilled on the decode worker
     queue_prompts: int = 2  # the prefill queue is long when it is this many such prompts behind the decode worker's
-    # With SLO control, REMOTE must beat LOCAL's headroom by this much: what a hand-off costs beyond
-    # the predictions (the KV transfer, a second worker's queue, on a shared node the same cores)
-    # is not in them, and the predictions themselves err by ~15% (README, "Latency targets").
+    # With SLO control and the workers on different nodes, REMOTE must beat LOCAL's headroom by this
+    # much: the predictions err by ~15% (README, "Latency targets"), and a hand-off moves KV over the network.
     remote_margin: float = 0.05
 
 
@@ -94,35 +106,82 @@ def local_stall_ok(req: RequestView, d: WorkerSnapshot, targets: SloTargets) -> 
 
 
 def local_candidates(req: RequestView, decodes: list[WorkerSnapshot], targets: SloTargets | None = None) -> list[WorkerSnapshot]:
-    """Decode workers with KV room for req (with targets: whose streams keep their TPOT through
-    the prompt's step, local_stall_ok), each with req's uncached tokens added to its recent
-    prompt tokens: its streams' predicted steps stretch by the prompt it would take in."""
+    """Decode workers with KV room for req (with targets: with a free place in their batch, and
+    whose streams keep their TPOT through the prompt's step, local_stall_ok), each with req's
+    uncached tokens added to its recent prompt tokens: its streams' predicted steps stretch by the
+    prompt it would take in. A prompt on a worker whose batch is full waits for a stream to end,
+    which no prediction here covers (tests/slo/test_overload.py: LOCAL TTFT 6-14x its prediction)."""
     fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)
-            and (targets is None or local_stall_ok(req, d, targets))]
+            and (targets is None or ((not d.max_seqs or d.requests < d.max_seqs) and local_stall_ok(req, d, targets)))]
     return [dataclasses.replace(d, recent_prompt_tokens=d.recent_prompt_tokens + uncached(req, d)) for d in fits]
 
 
+def share_node(prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot], node: Mapping[str, str],
+               stall_cap_s: float) -> tuple[list[WorkerSnapshot], list[WorkerSnapshot]]:
+    """The snapshots with what sharing a node's cores costs (runtime/cores.py; `node`: worker id ->
+    its node; workers missing from it share with no one), as `SharedCores`: each decode worker
+    defers its steps to its node's prefill workers while they have work, one step a turn (every
+    turn_after(cap) plus the prefill step in progress, never over the cap); each prefill worker
+    yields its node's decode workers with work a turn (their step) every turn_after(cap)."""
+    turn = turn_after(stall_cap_s)
+
+    def mates(w: WorkerSnapshot, others: list[WorkerSnapshot]) -> list[WorkerSnapshot]:
+        return [o for o in others if w.worker_id in node and node.get(o.worker_id) == node[w.worker_id]]
+
+    def prefill_step(p: WorkerSnapshot) -> float:
+        n = max(1, min(p.queued_tokens, p.chunk_tokens))
+        return p.model.predict(1, n, n)
+
+    out_d = []
+    for d in decodes:
+        busy = [p for p in mates(d, prefills) if p.queued_tokens]
+        work = sum(p.queued_tokens / p.model.tokens_per_second() for p in busy)
+        gap = min(stall_cap_s, turn + max(map(prefill_step, busy), default=0.0))
+        out_d.append(dataclasses.replace(d, shared=SharedCores(work, gap)) if mates(d, prefills) else d)
+    out_p = []
+    for p in prefills:
+        steps = [d.model.predict(d.requests, d.requests + min(d.queued_tokens, d.chunk_tokens), d.context_tokens)
+                 for d in mates(p, decodes) if d.requests or d.queued_tokens]
+        out_p.append(dataclasses.replace(p, shared=SharedCores(sum(steps), turn)) if mates(p, decodes) else p)
+    return out_p, out_d
+
+
+def pick(ok: dict, local: Decision | None, decodes: list[WorkerSnapshot], rule: PathRule) -> tuple[Path, str]:
+    """Of two ways that both meet the targets, the one to take and why: LOCAL when its decode
+    worker shares its node's cores with the prefill workers (a prompt takes the same cores either
+    way, and LOCAL spares the hand-off and the turns: the launch then serves as a colocated worker
+    with every core, and the prefill worker takes what LOCAL cannot), else REMOTE only by
+    `rule.remote_margin`."""
+    remote_ahead = ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin
+    d = next((w for w in decodes if local is not None and w.worker_id == local.worker), None)
+    if d is not None and d.shared is not None:
+        return Path.LOCAL, "shared_node" if remote_ahead else "headroom"
+    return (Path.REMOTE if remote_ahead else Path.LOCAL), "headroom"
+
+
 def choose_path(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],
-                targets: SloTargets | None, rule: PathRule = PathRule()) -> PathChoice:
+                targets: SloTargets | None, rule: PathRule = PathRule(), local_targets: SloTargets | None = None) -> PathChoice:
     """The way to serve req (see the module docstring). `decodes` are the workers that take
-    hand-offs and local prefills; `prefills` may be empty (then only LOCAL)."""
+    hand-offs and local prefills; `prefills` may be empty (then only LOCAL). `local_targets`:
+    LOCAL's own admission targets where its predictions err apart from REMOTE's (calibration per path)."""
     locals_ = local_candidates(req, decodes)
     if targets is None:
         return by_rule(req, prefills, decodes, locals_, rule)
+    local_targets = local_targets or targets
     unparked = dataclasses.replace(req, parked=False)
     remote = place_pair(unparked, prefills, decodes, targets) if prefills and decodes else None
-    gentle = local_candidates(req, decodes, targets)
-    local = place_colocated(unparked, gentle, targets) if gentle else None
+    gentle = local_candidates(req, decodes, local_targets)
+    local = place_colocated(unparked, gentle, local_targets) if gentle else None
     if locals_ and not gentle:
-        local = shed(ShedReason.TPOT, "a local prefill would stall the decode workers' streams past their TPOT target")
-    room = {p: headroom(d, targets) for p, d in ((Path.REMOTE, remote), (Path.LOCAL, local)) if d is not None}
+        local = shed(ShedReason.TPOT, "no decode worker has a place in its batch whose streams keep their TPOT target through a local prefill")
+    room = {p: headroom(d, t) for p, d, t in ((Path.REMOTE, remote, targets), (Path.LOCAL, local, local_targets)) if d is not None}
     ok = {p: h for p, h in room.items() if h is not None}
     if ok:
         if len(ok) == 2:
-            path = Path.REMOTE if ok[Path.REMOTE] > ok[Path.LOCAL] + rule.remote_margin else Path.LOCAL
+            path, reason = pick(ok, local, gentle, rule)
         else:
             path = next(iter(ok))
-        reason = "headroom" if len(ok) == 2 else f"only_{path.value}"
+            reason = f"only_{path.value}"
         detail = ", ".join(f"{p.value} headroom {h:.2f}" for p, h in ok.items())
         return PathChoice(remote if path is Path.REMOTE else local, path, reason, detail, remote, local)
     if req.parked:  # admitted before: never shed, takes the first room (place_pair's WAIT, or a local worker's queue)

@@ -16,10 +16,14 @@ plus the blocks its streams hold (Dynamo's KV router weighs overlap against load
 so a shared system prompt does not pull every stream onto one worker.
 
 The predictions (README, "Latency targets"): TTFT = waited + the prefill worker's backlog and
-this prompt's uncached tokens at its measured rate + relay + one decode step; TPOT = a decode step with one more
-sequence. A colocated worker runs prompts in the streams' steps, so its TPOT is stretched by the
-share of its time prompts placed on it lately took, plus the backlog spread over this request's
-output tokens.
+this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
+measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence. A colocated
+worker runs prompts in the streams' steps, so its TPOT is stretched by the share of its time
+prompts placed on it lately took, plus the backlog spread over this request's output tokens.
+Workers of two roles sharing a node's cores (`SharedCores`, filled by coordinator/paths.py
+share_node) pay for it: a decode worker's own prompt waits a turn a step while the node's prefill
+workers have work (`deferral`), a prefill worker's backlog stretches by the decode turns it yields
+(`predict_remote_prefill`).
 """
 from __future__ import annotations
 
@@ -44,6 +48,37 @@ class WorkerSnapshot:
     recent_prompt_tokens: int = 0  # colocated: prompt tokens placed in the last ADMIT_WINDOW_S
     cached_tokens: int = 0  # of the request being placed: leading tokens it is expected to hold (prefix cache)
     shortest_output: int = 0  # the smallest max_tokens of the requests placed on it (0: none or unknown)
+    # on a node whose workers of the other role share its cores (runtime/cores.py): what they take
+    shared: "SharedCores | None" = None
+    handoff_s: float = 0.0  # decode: a REMOTE hand-off into it costs this beyond one predicted step (measured: HandoffTimes)
+    chunk_tokens: int = 2048  # prompt tokens one of its steps takes at most (max_num_batched_tokens)
+    max_seqs: int = 0  # sequences one of its steps runs at most (max_num_seqs; 0: unknown)
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """What the workers of the other role on a worker's node take of its cores (runtime/cores.py).
+    A decode worker: the node's prefill workers have `work_s` of predicted work, and meanwhile it
+    runs a step only in a turn, one every `turn_s` (asked for after turn_after(stall cap), given
+    when the prefill step in progress ends). A prefill worker: the node's decode workers take a
+    turn of `work_s` (their steps) after each `turn_s` of its work, or after its step if longer."""
+
+    work_s: float = 0.0
+    turn_s: float = 0.0
+
+
+def deferral(w: WorkerSnapshot, steps: int) -> float:
+    """How much later a decode worker's next `steps` steps end because it defers to its node's
+    busy prefill workers: each waits a turn while they have work, never more than all of it."""
+    if w.shared is None or w.shared.work_s <= 0:
+        return 0.0
+    return min(w.shared.work_s, steps * w.shared.turn_s)
+
+
+def local_steps(w: WorkerSnapshot, tokens: int) -> int:
+    """The steps until a prompt of `tokens` placed on w has its first token: its backlog and
+    this prompt's uncached tokens in chunks of w.chunk_tokens (a step with decode tokens too)."""
+    return 1 + (w.queued_tokens + max(0, tokens - w.cached_tokens)) // max(1, w.chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -98,6 +133,17 @@ def predict_prefill(w: WorkerSnapshot, tokens: int) -> float:
     return w.model.predict(1, max(1, tokens - w.cached_tokens), tokens) + w.queued_tokens / w.model.tokens_per_second()
 
 
+def predict_remote_prefill(p: WorkerSnapshot, tokens: int) -> float:
+    """predict_prefill on a prefill worker, stretched by the turns it yields its node's decode
+    workers (its model is fitted on its own steps alone): one turn of theirs after each of its
+    steps, or after each turn_s where its steps are shorter."""
+    own = predict_prefill(p, tokens)
+    if p.shared is None or p.shared.work_s <= 0:
+        return own
+    n = min(p.queued_tokens + max(1, tokens - p.cached_tokens), p.chunk_tokens)
+    return own * (1 + p.shared.work_s / max(p.shared.turn_s, p.model.predict(1, n, n)))
+
+
 def prefill_cost(w: WorkerSnapshot, tokens: int) -> tuple:
     """Without SLO control: the tokens a prefill (or colocated) worker would compute before this
     prompt's first token, its backlog and this prompt's uncached part; then its request count."""
@@ -150,14 +196,14 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
             return WAIT
         p = min(prefills, key=lambda w: prefill_cost(w, req.num_tokens))
         return placed(pick_decode(fits, req.num_tokens).worker_id, p.worker_id)
-    prefill_s = {p.worker_id: predict_prefill(p, req.num_tokens) for p in prefills}
+    prefill_s = {p.worker_id: predict_remote_prefill(p, req.num_tokens) for p in prefills}
     p = min(prefills, key=lambda w: (prefill_s[w.worker_id], w.queued_tokens, w.requests))
     ttft = req.waited_s + prefill_s[p.worker_id] + RELAY_OVERHEAD_S
     tpot = {d.worker_id: predict_step(d, req.num_tokens) for d in fits}
     open_ = [d for d in fits if tpot[d.worker_id] <= targets.tpot_s or not d.requests]
     if open_:
         d = pick_decode(open_, req.num_tokens)
-        ttft += tpot[d.worker_id]  # the decode worker may be mid-step when the KV lands
+        ttft += max(0.0, tpot[d.worker_id] + d.handoff_s)  # its first step after the KV lands, as measured (HandoffTimes)
         if ttft <= targets.ttft_s or req.parked:
             return placed(d.worker_id, p.worker_id, ttft, tpot[d.worker_id])
         return shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
@@ -185,7 +231,7 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
     miss = None
     for w in workers:
         step, prefill = predict_step(w, req.num_tokens), predict_prefill(w, req.num_tokens)
-        ttft = req.waited_s + prefill + step + RELAY_OVERHEAD_S
+        ttft = req.waited_s + prefill + step + RELAY_OVERHEAD_S + deferral(w, local_steps(w, req.num_tokens))
         busy = min(MAX_SHARE, prefill_share(w, req.num_tokens))
         tpot = step / (1 - busy) + prefill / max(1, min(req.max_tokens, 4096) - 1)
         if tpot > targets.tpot_s and w.requests:

@@ -21,13 +21,17 @@ while one is under way; a phase must stay short `sustain` windows (one burst doe
 role); short and slack thresholds lie apart, so the move just made does not undo itself; a worker
 keeps a role at least `min_dwell_s`. Only a worker that can take the role without a restart
 (`join`'s roles: its Hello.roles) is moved. Never: the last decode worker (nothing could be served), or
-the last prefill worker while prompts wait for it. Placement of the change: the worker comes from
+the last prefill worker while prompts wait for it or while its phase missed or shed any request in
+the last `sustain` windows (under overload the decode workers shed for TPOT while the prefill worker
+still takes the prompts their own queues cannot: given away, every prompt then queued behind the
+streams and p99 TTFT went 430 ms at a 300 ms target, tests/slo/test_overload.py). Placement of the change: the worker comes from
 the node where the short phase has the most work per worker of that phase (queued prompt tokens
 per prefill worker, streams per decode worker), and among those the one with least in flight.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Mapping
@@ -195,6 +199,7 @@ class Planner:
         self.streak = collections.Counter()  # phase -> windows in a row it was short and the other not
         self.counts = collections.Counter()
         self.changes: collections.deque[RoleChange] = collections.deque(maxlen=32)
+        self.recent: collections.deque[Window] = collections.deque(maxlen=cfg.sustain)  # the last windows observed
 
     # ------------------------------------------------------------------ roster and drains
 
@@ -237,6 +242,7 @@ class Planner:
 
     def observe(self, window: Window) -> RoleChange | None:
         """One window's measurements in; a role change to start (already DRAINING) or None."""
+        self.recent.append(window)
         if any(w.stage is not Stage.ACTIVE for w in self.workers.values()):
             self.counts["held:changing"] += 1  # one change at a time; its effect is not measured yet
             return None
@@ -292,7 +298,10 @@ class Planner:
             return None if p.load * len(given) / (len(given) - 1) < self.cfg.donor_load else "no_slack"
         if other is Role.DECODE or not given:
             return "last_worker"  # the last decode worker: nothing could be served without one
-        # the last prefill worker may go (its prompts then run on the decode workers) once it has none waiting
+        # the last prefill worker may go (its prompts then run on the decode workers) once it has none
+        # waiting and its phase met every target lately (one that sheds needs it)
+        if any(w.prefill.missed for w in self.recent):
+            return "last_worker_missed"
         return None if inflight(loads.get(given[0].worker_id)) == 0 and p.load < self.cfg.donor_load else "last_worker"
 
     def node_pressure(self, phase: Role, loads: dict) -> dict[str, float]:
@@ -312,6 +321,8 @@ class Planner:
                                       **({"target": w.target.name.lower()} if w.target is not None else {})}
                         for w in self.workers.values()},
             "counts": dict(self.counts),
+            "last_window": {name: dataclasses.asdict(getattr(self.recent[-1], name)) for name in ("prefill", "decode")} if self.recent else {},
+            "streak": {r.name.lower(): n for r, n in self.streak.items()},
             "changes": [{"worker": c.worker_id, "node": c.node, "from": c.old.name.lower(), "to": c.new.name.lower(),
                          "at": c.at, "reason": c.reason} for c in self.changes],
         }

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import logging
@@ -52,8 +53,8 @@ import msgspec
 import zmq
 
 from coordinator import placement
-from coordinator.calibration import Calibration
-from coordinator.paths import Path, PathChoice, PathRule, choose_path
+from coordinator.calibration import Calibration, HandoffTimes
+from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
 from coordinator.slo import SloRecorder, SloTargets, StepModel
@@ -62,6 +63,7 @@ from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
 from coordinator.outbox import Outbox, Sent
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
+from runtime.core_turns import stall_cap
 from runtime.errors import InvalidRequestError, LimitExceededError, PdserveError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
@@ -128,7 +130,7 @@ class CoordinatorConfig:
     served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
-    paths: str = "remote"  # the default until auto's local TTFT is predicted well on a shared node; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
+    paths: str = "remote"  # the default until auto holds tests/slo/test_overload.py reliably; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
     local_prefill_tokens: int = PathRule.local_tokens  # without SLO control: prompts with this many uncached tokens or fewer go LOCAL
     # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
@@ -174,6 +176,7 @@ class Coordinator:
         self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
         self.calibration = Calibration()  # prediction errors -> admission headroom (coordinator/calibration.py)
+        self.handoff_times = HandoffTimes()  # a hand-off's cost beyond its predicted first step, per decode worker
         self.path_rule = PathRule(local_tokens=cfg.local_prefill_tokens)
         # roles follow the load only against targets: without them there is no attainment to plan by
         self.planner = Planner(cfg.planner) if cfg.planner is not None and cfg.slo else None
@@ -491,10 +494,10 @@ class Coordinator:
             self.park(st)
             return
         req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
-        targets = self.admission_targets(st) if self.cfg.slo else None
         if decodes:
-            choice = self.choose(req, prefills, decodes, st, now, targets)
+            choice = self.choose(req, prefills, decodes, st, now)
         else:
+            targets = self.admission_targets(st, Path.LOCAL) if self.cfg.slo else None
             d = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
             choice = PathChoice(d, Path.LOCAL if d.outcome is Outcome.PLACED else None, "colocated")
         decision = choice.decision
@@ -512,16 +515,27 @@ class Coordinator:
             else:
                 self.generate_on(st, self.workers[decision.worker], decision, now)
 
-    def choose(self, req: RequestView, prefills: list[WorkerState], decodes: list[WorkerState], st: RequestState, now: float,
-               targets: SloTargets | None) -> PathChoice:
+    def choose(self, req: RequestView, prefills: list[WorkerState], decodes: list[WorkerState], st: RequestState,
+               now: float) -> PathChoice:
         """st's path (coordinator/paths.py: by headroom with targets, Dynamo's rule without);
-        `--paths remote` keeps every request on a pair while one exists, `--paths local` on its decode worker."""
+        `--paths remote` keeps every request on a pair while one exists, `--paths local` on its decode worker.
+        The snapshots carry what a node's shared cores cost each worker (share_node) and each decode
+        worker's measured hand-off cost; each path is held to the headroom its own errors call for."""
         p = self.snapshots(prefills, now, st) if self.cfg.paths != "local" else []
-        d = self.snapshots(decodes, now, st)
+        d = [dataclasses.replace(s, handoff_s=self.handoff_times.extra_s(s.worker_id)) for s in self.snapshots(decodes, now, st)]
+        p, d = share_node(p, d, self.core_groups(), stall_cap(self.tightest_tpot_ms()))
+        targets = self.admission_targets(st, Path.REMOTE) if self.cfg.slo else None
         if self.cfg.paths == "remote" and p:
             decision = placement.place_pair(req, p, d, targets)
             return PathChoice(decision, Path.REMOTE if decision.outcome is Outcome.PLACED else None, "fixed", remote=decision)
-        return choose_path(req, p, d, targets, self.path_rule)
+        local_targets = self.admission_targets(st, Path.LOCAL) if self.cfg.slo else None
+        return choose_path(req, p, d, targets, self.path_rule, local_targets)
+
+    def core_groups(self) -> dict[str, str]:
+        """Worker id -> the cores it shares (runtime/cores.py: the workers one `pdserve launch` started
+        on its node share one file, named in Hello.engine); a worker without a share is left out."""
+        return {wid: f"{w.hello.host}/{w.hello.boot_id}/{share}" for wid, w in self.workers.items()
+                if (share := w.hello.engine.get("core_share"))}
 
     def wait_for_twin(self, st: RequestState, block_size: int) -> bool:
         """n choices of one request (the same prompt from the same client at once, at least a
@@ -588,10 +602,11 @@ class Coordinator:
         w.requests.add(st.iid)
         self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
 
-    def admission_targets(self, st: RequestState) -> SloTargets:
-        """st's targets less the headroom: what a prediction must meet for st to be admitted."""
+    def admission_targets(self, st: RequestState, path: Path) -> SloTargets:
+        """st's targets less the headroom (`path`'s own once its errors are known): what a
+        prediction on that path must meet for st to be admitted."""
         target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        return self.calibration.targets(target, self.cfg.ttft_headroom, self.cfg.tpot_headroom)
+        return self.calibration.targets(target, self.cfg.ttft_headroom, self.cfg.tpot_headroom, path.value)
 
     def shed(self, st: RequestState, decision: Decision) -> None:
         log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, decision.detail)
@@ -756,6 +771,8 @@ class Coordinator:
                 return  # about a request placed elsewhere
             if st is not None:  # (a request that ended meanwhile still counts in the transfer totals)
                 self.release_backlog(st)
+                st.prefill_end = time.monotonic() - msg.kv_seconds  # when its KV send began
+                self.note_handoff(st)
                 self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
@@ -902,6 +919,7 @@ class Coordinator:
         log.warning("dropping worker %s: %s", wid, why)
         self.counts["workers_lost"] += 1
         self.announced.pop(wid, None)
+        self.handoff_times.forget(wid)
         if self.planner is not None:
             self.planner.leave(wid)
         for iid in list(w.requests):
@@ -948,6 +966,9 @@ class Coordinator:
             return
         now = time.monotonic()
         if st.phase != Phase.COLOCATED:
+            if not st.tokens and st.phase == Phase.PREFILLING:
+                st.first_token_at = now
+                self.note_handoff(st)
             st.phase = Phase.DECODING
         elif st.backlog:
             self.release_backlog(st)  # its prompt is done: its blocks are in the worker's next heartbeat
@@ -971,6 +992,13 @@ class Coordinator:
             self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top))
         if reason is not None:
             self.finish(st.iid, reason, tell=False)
+
+    def note_handoff(self, st: RequestState) -> None:
+        """Once both ends of st's hand-off are known (its PrefillDone and its first token come in
+        either order): what it took, against the first step placement predicted (HandoffTimes)."""
+        if st.prefill_end and st.first_token_at and st.decode is not None and st.predicted_tpot is not None:
+            self.handoff_times.record(st.decode, max(0.0, st.first_token_at - st.prefill_end), st.predicted_tpot)
+            st.prefill_end = st.first_token_at = 0.0
 
     def on_prompt_logprobs(self, w: WorkerState, msg: PromptLogprobs) -> None:
         """The prompt's scores go to the client once, with its token ids, before its first token."""
@@ -1019,7 +1047,7 @@ class Coordinator:
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
-            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot)
+            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot, st.path.get("path"))
             if self.planner is not None:
                 self.tally.served(ttft, tpot, self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms))
         self.send_client(st.client, Final(
@@ -1066,6 +1094,7 @@ class Coordinator:
             "pending": len(self.pending),
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
             "calibration": self.calibration.summary(self.cfg.ttft_headroom, self.cfg.tpot_headroom),
+            "handoff": self.handoff_times.summary(),
             "planner": {"enabled": self.planner is not None, "active": self.planner is not None and self.can_switch(),
                         **(self.planner.summary() if self.planner is not None else {})},
         }

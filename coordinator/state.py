@@ -116,6 +116,8 @@ class WorkerState:
             self.hello.worker_id, self.model, self.free_blocks, self.hello.block_size, self.queued_tokens, len(requests),
             sum(r.num_tokens for r in requests), self.recent_prompt_tokens(now), cached_tokens,
             min((r.req.params.max_tokens for r in requests), default=0),
+            chunk_tokens=int(self.hello.engine.get("max_num_batched_tokens") or 2048),
+            max_seqs=int(self.hello.engine.get("max_num_seqs") or 0),
         )
 
 
@@ -141,6 +143,8 @@ class RequestState:
     predicted_ttft: float | None = None
     predicted_tpot: float | None = None
     path: dict = field(default_factory=dict)  # the path chosen at its last placement and both ways' predictions (PathChoice.attributes)
+    prefill_end: float = 0.0  # REMOTE: when its prefill worker began sending its KV (PrefillDone less its kv_seconds)
+    first_token_at: float = 0.0  # REMOTE: when its first token came, until its hand-off is measured (Coordinator.note_handoff)
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
     scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)

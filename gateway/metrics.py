@@ -157,13 +157,22 @@ class ClusterCollector(Collector):
                                 labels=["model_name", "phase", "quantile"])
         headroom = GaugeMetricFamily("pdserve:admission_headroom", "Share of the target a prediction must meet to be admitted, per phase",
                                      labels=["model_name", "phase"])
+        by_path = GaugeMetricFamily("pdserve:path_prediction_error", "(observed - predicted) / predicted per path (local, remote) and phase",
+                                    labels=["model_name", "path", "phase", "quantile"])
         for phase, c in cal.items():
+            if phase == "paths":
+                for path, phases in c.items():
+                    for ph, q, v in ((ph, q, x["error"][q]) for ph, x in phases.items() if isinstance(x, dict)
+                                     for q in ("p50", "p90", "p99") if q in x["error"]):
+                        by_path.add_metric([self.model, path, ph, q], v)
+                continue
             for q in ("p50", "p90", "p99"):
                 if q in c.get("error", {}):
                     err.add_metric([self.model, phase, q], c["error"][q])
             headroom.add_metric([self.model, phase], c.get("headroom", 1.0))
         yield err
         yield headroom
+        yield by_path
 
     def _planner(self, planner: dict):
         """Role changes the planner started (from, to), and its other events (switched, confirmed,

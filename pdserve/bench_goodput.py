@@ -11,7 +11,8 @@ other (each waits for all its requests; the queue is empty when the next begins)
   (bench_vs_vllm.peer_row);
 - `disagg`: `pdserve launch --ttft-p99-ms T --tpot-p99-ms P` (its default topology, 1 prefill +
   1 decode, SLO control on), through the CLI as a user runs it (`launch_pdserve`);
-- `colocated`: the same with `--colocated`.
+- `colocated`: the same with `--colocated`;
+- `auto` (only with --rows): the default launch with `--paths auto`, each request's path chosen.
 --extra-launch-arg adds flags to both pdserve rows. Every request goes through the same OpenAI
 streaming client (`/v1/completions`). Per (row, rate) a `Cell`: requests sent, served, shed
 (HTTP 429: refused by admission control), failed otherwise, goodput (served requests/s within
@@ -36,9 +37,11 @@ import time
 
 from pdserve import bench_vs_vllm as vs
 
-ROWS = ("vllm", "disagg", "colocated")
-ROW_NAMES = {"vllm": vs.ROW_NAMES["vllm"], "disagg": "pdserve default 1P+1D", "colocated": "pdserve --colocated"}
-ROW_LAUNCH = {"disagg": [], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
+ROWS = ("vllm", "disagg", "colocated")  # the rows of a run without --rows
+ALL_ROWS = ("vllm", "disagg", "auto", "colocated")  # auto: the default launch with each request's path chosen (--paths auto)
+ROW_NAMES = {"vllm": vs.ROW_NAMES["vllm"], "disagg": "pdserve default 1P+1D", "auto": "pdserve 1P+1D paths auto",
+             "colocated": "pdserve --colocated"}
+ROW_LAUNCH = {"disagg": [], "auto": ["--paths", "auto"], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
 
 
 @dataclasses.dataclass
@@ -63,7 +66,7 @@ class Cell:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="scripts/goodput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"any of {','.join(ALL_ROWS)}")
     ap.add_argument("--rates", default="4,8,16", help="offered loads, req/s (Poisson arrivals)")
     ap.add_argument("--prompts-per-rate", type=float, default=30.0, help="requests per run = this x the rate")
     ap.add_argument("--input-len", type=int, default=128)
@@ -92,7 +95,7 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def parse_rows(text: str, known=ROWS) -> list[str]:
+def parse_rows(text: str, known=ALL_ROWS) -> list[str]:
     rows = [r for r in text.split(",") if r]
     bad = [r for r in rows if r not in known]
     if bad or not rows:
@@ -229,13 +232,13 @@ def format_table(table: dict[str, list[Cell]]) -> str:
     rates = next(iter(table.values()))
     head = f"{'goodput (req/s)':24s}" + "".join(f"{f'{c.rate:g} req/s':>11s}" for c in rates)
     lines = [head, "-" * len(head)]
-    for row in ROWS:
+    for row in ALL_ROWS:
         if row in table:
             lines.append(f"{ROW_NAMES[row]:24s}" + "".join(f"{c.goodput:11.2f}" for c in table[row]))
     for other, label in (("colocated", "default / colocated"), ("vllm", "default / vLLM")):
         if "disagg" in table and other in table:
             lines.append(f"{label:24s}" + "".join(f"{ratio(a.goodput, b.goodput):>11s}" for a, b in zip(table["disagg"], table[other])))
-    lines += ["", *format_cells([(ROW_NAMES[row], c) for row in ROWS if row in table for c in table[row]])]
+    lines += ["", *format_cells([(ROW_NAMES[row], c) for row in ALL_ROWS if row in table for c in table[row]])]
     checks = goal_checks(table)
     if checks:
         lines += ["", "goals (issue 23):"] + [f"  {'met   ' if ok else 'MISSED'} {text}" for text, ok in checks]

@@ -198,11 +198,11 @@ def _topology_options(f):
     """Each request's path and the planner that moves roles with the load (coordinator/paths.py, planner.py)."""
     opts = [
         click.option("--paths", default="remote", show_default=True, type=click.Choice(["auto", "remote", "local"]),
-                     help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default "
-                          "until auto's local TTFT is predicted well on a shared node: see README, Paths and roles); "
-                          "auto: each request prefilled on a prefill worker (remote) or on its decode worker (local), whichever "
-                          "meets its targets with more headroom (without SLO control: local for short prompts or a long "
-                          "prefill queue); remote / local: always that way while it can be"),
+                     help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default until "
+                          "auto holds the overload test's targets reliably: README, Paths and roles); auto: each request "
+                          "prefilled on its decode worker (local) or on a prefill worker (remote): with SLO control the way "
+                          "that meets its targets, local first where the two share a node's cores; without it local for "
+                          "short prompts or a long prefill queue; local: always on the decode worker"),
         click.option("--local-prefill-tokens", default=512, show_default=True, type=click.IntRange(0),
                      help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally"),
         click.option("--planner/--no-planner", default=False, show_default=True,

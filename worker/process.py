@@ -49,7 +49,8 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
     return Hello(
         PROTOCOL_VERSION, wid, role, os.getpid(), host, boot, str(wcfg.model or "default"), engine.max_model_len,
         pool.shape[2], pool.shape[3], kv_endpoint, profile,
-        engine={**engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), "linear_table": linear_table(engine)},
+        engine={**engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), "linear_table": linear_table(engine),
+                "core_share": (wcfg.core_share or "").rpartition(":")[0]},  # the workers it shares its cores with share this
         roles=list(roles or []),
     )
 

@@ -110,3 +110,13 @@ def test_one_overload_run_end_to_end(model_dir, tmp_path, capsys):
     (run,) = json.loads(out.read_text())["runs"]
     assert run["sent"] == 8 and run["served"] + run["shed"] == 8 and run["failed"] == 0 and run["within"]
     assert run["ttft_p99_ms"] > 0 and run["tpot_p99_ms"] > 0
+
+
+def test_the_auto_row_is_the_default_launch_with_paths_auto_and_runs_only_when_asked():
+    args = gp.build_parser().parse_args(["--rows", "disagg,auto,colocated"])
+    assert gp.parse_rows(args.rows) == ["disagg", "auto", "colocated"]
+    assert gp.parse_rows(gp.build_parser().parse_args([]).rows) == list(gp.ROWS) and "auto" not in gp.ROWS
+    assert gp.pdserve_flags(args, "auto")[:2] == ["--paths", "auto"]
+    table = {"disagg": [cell(4, 3.0)], "auto": [cell(4, 3.5)], "colocated": [cell(4, 3.4)]}
+    text = gp.format_table(table)
+    assert text.index("pdserve default 1P+1D") < text.index("pdserve 1P+1D paths auto") < text.index("pdserve --colocated")

@@ -22,8 +22,8 @@ from gateway.metrics import GatewayMetrics
 from runtime.params import SamplingParams
 from tests.helpers import free_port
 from wire.protocol import (
-    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Heartbeat, Hello, Role, RoleSet, SetRole, TokenBatch,
-    TokenOut,
+    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet,
+    SetRole, TokenBatch, TokenOut,
 )
 
 BOTH = [Role.PREFILL, Role.DECODE]
@@ -31,13 +31,14 @@ BOTH = [Role.PREFILL, Role.DECODE]
 
 
 
-def coordinator(workers, **cfg) -> Recorded:
-    """workers: (id, role, roles it can take); every one with 64 blocks of 16 tokens."""
-    cfg = {"paths": "auto", **cfg}  # what these tests are about (the default is remote)
+def coordinator(workers, core_share: str = "", **cfg) -> Recorded:
+    """workers: (id, role, roles it can take); every one with 64 blocks of 16 tokens; core_share:
+    the cores they share (as one launch's workers say in Hello.engine; "": none)."""
+    cfg = {"paths": "auto", **cfg}
     c = Recorded(CoordinatorConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", **cfg))
     for wid, role, roles in workers:
         c.on_worker(wid.encode(), Hello(PROTOCOL_VERSION, wid, int(role), 1, "h", "b", "m", 2048, 64, 16,
-                                        kv_endpoint="tcp://127.0.0.1:1", roles=roles))
+                                        kv_endpoint="tcp://127.0.0.1:1", roles=roles, engine={"core_share": core_share}))
     return c
 
 
@@ -105,6 +106,43 @@ def test_with_slo_a_request_is_placed_with_both_predictions_and_feeds_the_calibr
     cal = c.stats()["calibration"]
     assert cal["ttft"]["error"]["count"] == 1 and cal["tpot"]["error"]["count"] == 1
     assert cal["ttft"]["headroom"] == c.cfg.ttft_headroom  # the static headroom until enough samples
+    assert cal["paths"][st.path["path"]]["ttft"]["error"]["count"] == 1  # and its path's own record
+
+
+def test_workers_of_one_launch_share_cores_and_a_prompt_that_can_stay_local_does(closing):
+    """A prompt of 500 tokens beside a busy decode worker: apart (no core share named in the
+    Hellos) the idle prefill worker's headroom wins; sharing a launch's cores, the decode worker
+    prefills it (its step models are the recorded profile's: a prefill costs the same either way)."""
+    profile = [(s, s + t, c, 0.005 + 0.001 * s + 0.0005 * (s + t) + 0.002 * c / 1000)
+               for s in (1, 4, 16) for t in (0, 128, 512) for c in (100, 1000, 4000)]
+    for share, path, reason in (("", "remote", "headroom"), ("/dev/shm/pdserve-cores-x", "local", "shared_node")):
+        c = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], core_share=share)
+        closing(c)
+        for w in c.workers.values():
+            w.model.add(profile)
+        for i in range(4):  # streams on the decode worker (by either path)
+            start(c, f"s{i}", 40, max_tokens=200)
+        c.on_worker(b"d", Heartbeat("d", 52, 4, 0, 0))
+        for i in list(c.requests):
+            c.on_worker(b"d", TokenBatch([TokenOut(i, 7)]))  # their prompts are done
+        iid = start(c, "long", 500)
+        assert (c.requests[iid].path["path"], c.requests[iid].path["path_reason"]) == (path, reason), c.requests[iid].path
+        assert set(c.core_groups()) == ({"p", "d"} if share else set())
+
+
+def test_a_hand_off_is_measured_from_its_kv_send_to_its_first_token(closing):
+    c = coordinator([("p", Role.PREFILL, []), ("d", Role.DECODE, [])], paths="remote")
+    closing(c)
+    iid = start(c, "r", 20)
+    st = c.requests[iid]
+    c.on_worker(b"d", Granted(iid, [0, 1], st.admissions, 1))
+    assert c.taken(Prefill)
+    c.on_worker(b"d", TokenBatch([TokenOut(iid, 7)]))  # the first token may come before PrefillDone
+    c.on_worker(b"p", PrefillDone(iid, 20, 1000, 0.25, 0.1, 1))
+    h = c.stats()["handoff"]["d"]
+    # 0.25 s of KV send before its PrefillDone, less the first step predicted at placement
+    assert h["count"] == 1 and h["mean_extra_ms"] == pytest.approx(1000 * (0.25 - st.predicted_tpot), abs=30)
+    assert c.handoff_times.extra_s("d") == pytest.approx(h["mean_extra_ms"] / 1000, abs=1e-5)
 
 
 def planning(workers, **cfg) -> Recorded:
@@ -194,3 +232,4 @@ def test_metrics_render_paths_role_changes_and_prediction_error(closing):
     assert samples[("pdserve:role_changes_total", (("from", "decode"), ("model_name", "m"), ("to", "prefill")))] == 1
     assert ("pdserve:prediction_error", (("model_name", "m"), ("phase", "ttft"), ("quantile", "p99"))) in samples
     assert samples[("pdserve:admission_headroom", (("model_name", "m"), ("phase", "tpot")))] == c.cfg.tpot_headroom
+    assert ("pdserve:path_prediction_error", (("model_name", "m"), ("path", "local"), ("phase", "ttft"), ("quantile", "p50"))) in samples

@@ -188,3 +188,25 @@ def test_phase_loads_from_snapshots():
                                             SloTargets(2.0, 0.1))
     assert prefill_load == pytest.approx(200 / rate / 2.0)
     assert decode_load == pytest.approx(m.predict(8, 8, 800) / 0.1)  # the idle worker has no step
+
+
+def test_the_last_prefill_worker_stays_while_its_phase_sheds():
+    """Overload: the decode phase sheds for TPOT window after window while the idle-looking prefill
+    worker still loses a request or two to its TTFT target (too few to count as attainment): it
+    stays. Once the prefill phase has met every target for `sustain` windows it may go."""
+    p = planner(("p0", "a", Role.PREFILL), ("d0", "a", Role.DECODE))
+    loads = (WorkerLoad("p0"), WorkerLoad("d0", running=40))
+    one_shed = PhaseWindow(met=2, missed=1, load=0.1)  # under min_outcomes: attainment unknown
+    assert feed(p, [(one_shed, DECODE_SHORT), (OK, DECODE_SHORT), (OK, DECODE_SHORT)], loads=loads) == []
+    assert p.counts["held:last_worker_missed"] == 1  # window 3: the shed of window 1 is in the last 3
+    [c] = feed(p, [(OK, DECODE_SHORT)], start=103.0, loads=loads)  # window 4: three clean prefill windows
+    assert (c.worker_id, c.new) == ("p0", Role.DECODE)
+    p2 = planner(("p0", "a", Role.PREFILL), ("d0", "a", Role.DECODE))
+    assert feed(p2, [(one_shed, DECODE_SHORT), (OK, DECODE_SHORT)] * 4, loads=loads) == []  # a shed every other window
+
+
+def test_a_load_that_swings_between_phases_moves_nothing():
+    """Short prompt bursts between decode-heavy spells: neither phase stays short `sustain` windows."""
+    p = planner(*P1_D2)
+    assert feed(p, [(PREFILL_SHORT, OK), (PREFILL_SHORT, OK), (OK, DECODE_SHORT), (OK, DECODE_SHORT)] * 3) == []
+    assert sum(n for k, n in p.counts.items() if "_to_" in k) == 0

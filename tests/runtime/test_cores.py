@@ -177,7 +177,7 @@ def test_prefill_and_decode_steps_take_turns_and_never_overlap(share_path):
 
 
 def test_the_stall_cap_follows_the_coordinators_tpot_target():
-    from runtime.cores import DECODE_STALL_CAP_S, DECODE_TURN_AFTER_S, STALL_SHARE_OF_TPOT, stall_cap, turn_after
+    from runtime.core_turns import DECODE_STALL_CAP_S, DECODE_TURN_AFTER_S, STALL_SHARE_OF_TPOT, stall_cap, turn_after
 
     assert stall_cap(0.0) == DECODE_STALL_CAP_S  # no SLO control: prefill first, up to the cap
     assert stall_cap(500.0) == pytest.approx(STALL_SHARE_OF_TPOT * 0.5)  # the default target: 0.2 s

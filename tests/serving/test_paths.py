@@ -9,7 +9,8 @@ pool is whole after.
 Roles follow the load (needs workers that can switch role: skipped unless a registered worker's
 Hello.roles names more than one): a prompt-heavy phase turns a decode worker into a prefill
 worker, a decode-heavy phase turns one back; no request is lost, outputs stay greedy-exact and
-every pool is whole.
+every pool is whole. Each phase's requests carry targets that phase cannot meet (and the other
+phase's loose ones), so that it is short of capacity on a fast machine as on a loaded one.
 """
 import asyncio
 import time
@@ -77,24 +78,30 @@ def wait_for(client, check, timeout, what):
 PHASE_S = 90.0  # a phase that has not moved a role by then fails
 
 
-async def phase(address, jobs, max_tokens, until, what, stats):
-    """Send `jobs` in waves of concurrent requests until until() is true (at most PHASE_S);
-    every result or error."""
+async def phase(address, jobs, max_tokens, until, what, stats, ttft_ms, tpot_ms):
+    """Send `jobs` in waves of concurrent requests, each with its own targets ttft_ms and tpot_ms,
+    until until() is true (at most PHASE_S); every result or error."""
     out = []
     deadline = time.monotonic() + PHASE_S
     async with AsyncClient(address, timeout=120) as c:
         while not until():
-            assert time.monotonic() < deadline, f"{what} within {PHASE_S:g} s: {stats()['planner']}"
-            for r in await asyncio.gather(*(c.generate(token_ids=p, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-                                            for p in jobs), return_exceptions=True):
+            if time.monotonic() > deadline:
+                s = stats()
+                raise AssertionError(f"{what} within {PHASE_S:g} s: {s['planner']}; requests {s['requests']}; slo {s['slo']}")
+            for r in await asyncio.gather(*(c.generate(token_ids=p, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                       ttft_ms=ttft_ms, tpot_ms=tpot_ms) for p in jobs), return_exceptions=True):
                 out.append(r)
     return out
 
 
-@pytest.mark.skip(reason="the planner does not move a role under this load on the tiny model: being tuned (see the session note)")
 def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_path):
+    # Each phase's requests carry their own targets (within --client-target-range) so that one
+    # phase is short whatever the machine's speed: the prompt phase asks for a TTFT no 600-token
+    # prompt has (5 ms) and a loose TPOT (100 ms), the decode phase for a loose TTFT (500 ms) and a
+    # TPOT no decode step has (1 ms).
     launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=2, engine_args=["--kv-cache-mb", "32"], coordinator_args=[
-        "--paths", "auto", "--planner", "--planner-window-s", "0.5", "--planner-dwell-s", "2", "--ttft-p99-ms", "150", "--tpot-p99-ms", "30"])
+        "--paths", "auto", "--planner", "--planner-window-s", "0.5", "--planner-dwell-s", "2", "--ttft-p99-ms", "5", "--tpot-p99-ms", "1",
+        "--client-target-range", "1:100"])
     try:
         with Client(launcher.plan.client_addr, timeout=60) as c:
             if not any(len(w.get("roles", [])) > 1 for w in c.stats()["workers"]):
@@ -102,12 +109,12 @@ def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_pat
             counts = lambda s: s["planner"].get("counts", {})  # noqa: E731
             heavy_prompts = prompts([600] * 6)
             done = lambda: counts(c.stats()).get("confirmed", 0) >= 1  # noqa: E731
-            first = asyncio.run(phase(launcher.plan.client_addr, heavy_prompts, 1, done, "no role change", c.stats))
+            first = asyncio.run(phase(launcher.plan.client_addr, heavy_prompts, 1, done, "no role change", c.stats, 5, 100))
             stats = wait_for(c, lambda s: counts(s).get("decode_to_prefill", 0) >= 1, 5, "no decode worker became a prefill worker")
             assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill", "prefill"]
-            streams = prompts([8] * 24, first=30000)
+            streams = prompts([8] * 24, first=20000)
             back = lambda: counts(c.stats()).get("prefill_to_decode", 0) >= 1 and counts(c.stats()).get("confirmed", 0) >= 2  # noqa: E731
-            second = asyncio.run(phase(launcher.plan.client_addr, streams, 64, back, "no role change back", c.stats))
+            second = asyncio.run(phase(launcher.plan.client_addr, streams, 64, back, "no role change back", c.stats, 500, 1))
             stats = wait_all_blocks_free(c, timeout=30)
         for jobs, results, n in ((heavy_prompts, first, 1), (streams, second, 64)):
             want = reference(model_dir, jobs, n)

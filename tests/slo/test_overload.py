@@ -130,7 +130,9 @@ def test_overload_admitted_meet_targets_excess_shed_fast(model_dir, tmp_path):
     summary += (f"; on: {len(served)} served, {len(shed)} shed, p99 TTFT {p99([o[1] for o in served]) * 1000:.0f} ms "
                 f"TPOT {p99([o[2] for o in served]) * 1000:.1f} ms, slowest rejection {max((o[1] for o in shed), default=0) * 1000:.0f} ms, "
                 f"paths local {stats['requests'].get('path:local', 0)} remote {stats['requests'].get('path:remote', 0)}, "
-                f"headroom {stats['calibration']['ttft']['headroom']}/{stats['calibration']['tpot']['headroom']}")
+                f"headroom {stats['calibration']['ttft']['headroom']}/{stats['calibration']['tpot']['headroom']}, "
+                f"TTFT prediction error p50/p99 per path " + ", ".join(
+                    f"{p} {c['ttft']['error'].get('p50', 0):.2f}/{c['ttft']['error'].get('p99', 0):.2f}" for p, c in stats["calibration"]["paths"].items()))
     print(summary)
     assert shed and served, summary
     assert all(o[2] == "slo_unattainable" for o in shed), summary
