@@ -1145,7 +1145,7 @@ def handoff_mismatch(h: Hello, registered: list[Hello]) -> str | None:
             continue
         for what, mine, theirs in (("model", h.model, o.model), ("block size", h.block_size, o.block_size),
                                    ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype"))):
-            if mine != theirs:
+            if mine is not None and theirs is not None and mine != theirs:  # (a worker that does not say is not refused for it)
                 return f"not supported: KV hand-offs between workers of another {what} ({mine!r} here, {theirs!r} on {o.worker_id})"
     return None
 

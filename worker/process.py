@@ -60,7 +60,7 @@ LINEAR_TABLE_CHARS = 4000  # the Hello's copy of the chosen back-end table (a fe
 
 def linear_table(engine: LLMEngine) -> str:
     """The measured linear back-end table (runtime.linear_plan) as text, for `pdserve stats`."""
-    table = getattr(engine.model.fast, "linear_table", None)
+    table = getattr(getattr(engine.model, "fast", None), "linear_table", None)  # a TP model has no fused fast path
     return "" if table is None else table.text()[:LINEAR_TABLE_CHARS]
 
 

@@ -324,16 +324,17 @@ class RogueDecode(threading.Thread):
     """Registers as a decode worker with room for everything and an unusable kv endpoint, and
     grants every Admit blocks it does not have; heartbeats until stopped."""
 
-    def __init__(self, addr: str, kv_endpoint: str):
+    def __init__(self, addr: str, kv_endpoint: str, model: str):
         super().__init__(daemon=True)
         self.sock = dealer(addr)
+        self.model = model  # the cluster's: a worker of another model is refused at registration
         self.kv_endpoint = kv_endpoint
         self.stop = threading.Event()
         self.admits = 0
 
     def run(self):
         dec = decoder(Welcome | Admit)
-        hello = Hello(PROTOCOL_VERSION, "fz-rogue", int(Role.DECODE), 1, "fz-host", "fz-boot", "m", CONTEXT, 10**6, BLOCK,
+        hello = Hello(PROTOCOL_VERSION, "fz-rogue", int(Role.DECODE), 1, "fz-host", "fz-boot", self.model, CONTEXT, 10**6, BLOCK,
                       self.kv_endpoint)
         self.sock.send(encode(hello))
         next_beat = time.monotonic() + 0.3
@@ -353,8 +354,8 @@ class RogueDecode(threading.Thread):
 
 
 @pytest.mark.parametrize("endpoint", ["bogus://nowhere", "tcp://127.0.0.1:notaport", ""])
-def test_rogue_decode_worker_with_an_unusable_kv_endpoint(cluster, endpoint):
-    rogue = RogueDecode(cluster.plan.worker_addr, endpoint)
+def test_rogue_decode_worker_with_an_unusable_kv_endpoint(cluster, model_dir, endpoint):
+    rogue = RogueDecode(cluster.plan.worker_addr, endpoint, str(model_dir))
     rogue.start()
     try:
         poll(lambda: "fz-rogue" in {w["id"] for w in stats(cluster)["workers"]}, timeout=10)
