@@ -17,8 +17,9 @@ from tests.gateway.helpers import poll
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 
-def say_hello(addr: str, options: dict, wid: str, wait_s: float) -> bool:
-    """Connect with options, say Hello as a decode worker; True if a Welcome comes within wait_s."""
+def say_hello(addr: str, options: dict, wid: str, wait_s: float, model: str = "m") -> bool:
+    """Connect with options, say Hello as a decode worker of `model` (a worker of another model than
+    the registered ones is refused whatever its credentials); True if a Welcome comes within wait_s."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     security.apply(s, options)
@@ -28,7 +29,7 @@ def say_hello(addr: str, options: dict, wid: str, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
-                s.send(encode(Hello(PROTOCOL_VERSION, wid, int(Role.DECODE), 1, "h", "b", "m", 16, 1, 16)), zmq.NOBLOCK)
+                s.send(encode(Hello(PROTOCOL_VERSION, wid, int(Role.DECODE), 1, "h", "b", model, 16, 1, 16)), zmq.NOBLOCK)
             except zmq.Again:  # no connection has passed the handshake
                 pass
             if s.poll(200) and isinstance(dec.decode(s.recv()), Welcome):
@@ -66,7 +67,7 @@ def test_per_launch_secret_admits_only_its_holders(model, tmp_path):
         assert not say_hello(addr, security.worker_options(None, "a guess"), "intruder", 2.0)
         with Client(launcher.plan.client_addr, timeout=30) as c:
             assert "intruder" not in registered(c) and len(registered(c)) == 2  # the launch's own workers did register
-        assert say_hello(addr, security.worker_options(None, security.read_secret(path)), "holder", 5.0)
+        assert say_hello(addr, security.worker_options(None, security.read_secret(path)), "holder", 5.0, str(model))
         end_whole(launcher, "holder")
     finally:
         launcher.stop()
@@ -89,7 +90,7 @@ def test_client_key_is_refused_at_the_worker_port(model, tmp_path):
         assert not say_hello(addr, security.client_options(str(keys)), "client-as-worker", 3.0)
         with Client(launcher.plan.client_addr, keys=str(keys), timeout=30) as c:
             assert "client-as-worker" not in registered(c)
-        assert say_hello(addr, security.worker_options(str(keys)), "keyed-worker", 5.0)
+        assert say_hello(addr, security.worker_options(str(keys)), "keyed-worker", 5.0, str(model))
         with Client(launcher.plan.client_addr, keys=str(keys), timeout=30) as c:
             poll(lambda: "keyed-worker" not in registered(c), timeout=15)
             assert c.generate(token_ids=[5, 6, 7], temperature=0, max_tokens=3, ignore_eos=True).completion_tokens == 3
