@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import backends, quant
-from kernels.backends import row_bucket  # noqa: F401  (the rules' oneDNN row counts; tests read it here)
+from kernels.backends import row_bucket
 
 KINDS = ("auto", "torch", "onednn")
 ONEDNN_MAX_ROWS = 128  # auto: larger batches (prefill) go to F.linear
@@ -80,9 +80,13 @@ class PackedLinear:
         self.plan_runs = [runs[n] for n in self.plan_names]
         self.packed = self.onednn = None  # the rules' oneDNN copy (the table's own is bound above where it uses oneDNN)
 
+    def _slot(self, rows: int) -> int:
+        """The table's entry for `rows` rows: the smallest bucket that holds them (the last above)."""
+        return min(bisect.bisect_left(self.plan_rows, rows), len(self.plan_rows) - 1)
+
     def backend_at(self, rows: int) -> str:
         """The back-end name that runs `rows` rows ('rules' without a table)."""
-        return self.plan_names[min(bisect.bisect_left(self.plan_rows, rows), len(self.plan_rows) - 1)] if self.plan_rows else "rules"
+        return self.plan_names[self._slot(rows)] if self.plan_rows else "rules"
 
     def warm(self) -> None:
         """Build oneDNN's primitive for every row bucket now (~0.1 s per weight shape), so that
@@ -96,7 +100,7 @@ class PackedLinear:
         """x @ W^T (+ bias); `out`, a (rows, out_features) buffer the quantized kernel may write
         into (the result is returned either way; other kinds allocate)."""
         if self.plan_runs:
-            out = self.plan_runs[min(bisect.bisect_left(self.plan_rows, x.shape[0]), len(self.plan_rows) - 1)](x, out)
+            out = self.plan_runs[self._slot(x.shape[0])](x, out)
             return out if self.bias is None else out.add_(self.bias)
         if self.q_run is not None and x.shape[0] <= self.q_rows:
             out = self.q_run(x, out)

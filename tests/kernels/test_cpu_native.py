@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native as cn, native_build
-from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear, row_bucket
+from kernels.backends import row_bucket
+from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear
 from kernels.reference import paged_attention_ref
 from tests.kernels.variants import ISAS, isa  # noqa: F401  (the fixture)
 
