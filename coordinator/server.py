@@ -1047,9 +1047,10 @@ class Coordinator:
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
-            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot, st.path.get("path"))
+            targets = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
+            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot, st.path.get("path"), targets)
             if self.planner is not None:
-                self.tally.served(ttft, tpot, self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms))
+                self.tally.served(ttft, tpot, targets)
         self.send_client(st.client, Final(
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ))

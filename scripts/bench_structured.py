@@ -36,6 +36,13 @@ REGEX = "[a-z ]+"  # always allows another token: with min_tokens = max_tokens t
 QUESTIONS = ("Write notes about Paris.", "Describe a cat.", "List facts about the sea.", "Tell me about trains.")
 
 
+def other_length(tokens: int) -> int:
+    """The other requests' length: long enough to outlast the free ones whatever order the
+    requests reach the workers in (sent at once, a free request may be prefilled a few steps after
+    an other one; with --tokens 4 a margin of tokens // 2 was two steps and lost that race in CI)."""
+    return 2 * tokens + 16
+
+
 def other_kinds(length: int) -> dict:
     """name -> the extra request fields of the other requests (OpenAI / vLLM extra body)."""
     return {
@@ -94,7 +101,7 @@ def via_http(args) -> None:
         import httpx
 
         model = model or httpx.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
-        length = args.tokens + args.tokens // 2
+        length = other_length(args.tokens)
         report(args, {name: (lambda f, o, body=body: asyncio.run(http_run(base, model, f, o, args.tokens, body)))
                       for name, body in other_kinds(length).items()})
     finally:
@@ -112,7 +119,7 @@ def in_process(args) -> None:
 
     eng = LLMEngine.load(args.model_path, EngineConfig(kv_cache_bytes=256 * 2**20), progress=False)
     prompts = [render_chat(eng.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    length = args.tokens + args.tokens // 2
+    length = other_length(args.tokens)
     kinds = {
         "free": SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
         "json schema": SamplingParams(temperature=0, max_tokens=length, structured=StructuredOutput("json", json.dumps(SCHEMA))),

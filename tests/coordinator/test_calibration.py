@@ -60,3 +60,18 @@ def test_summary_exports_errors_and_headroom():
     s = fed([0.1] * 20).summary(0.8, 0.9)
     assert s["ttft"]["error"]["count"] == 20 and s["ttft"]["error"]["p99"] == pytest.approx(0.1)
     assert s["ttft"]["headroom"] == pytest.approx(1 / 1.1, abs=1e-4) and s["tpot"] == {"error": {"count": 0}, "headroom": 0.9}
+
+
+def test_errors_of_short_predictions_are_measured_against_the_floor_share_of_the_target():
+    """A fixed lateness (a prompt waiting out a step in progress) is not a large relative error of
+    a short prediction: predicted 0.2 s, observed 0.5 s against a 2 s target is +0.3 s of a 1 s
+    scale (floor 0.5 x target), not +150%; near the limit the plain relative error counts."""
+    c = Calibration(CalibrationConfig(min_samples=10))
+    for _ in range(20):
+        c.record(0.2, 0.5, None, None, targets=BASE)
+    assert c.summary(0.8, 0.9)["ttft"]["error"]["p99"] == pytest.approx(0.3)
+    assert c.targets(BASE, 0.8, 0.9).ttft_s == pytest.approx(2.0 / 1.3)
+    limit = c.targets(BASE, 0.8, 0.9).ttft_s
+    assert limit + 0.3 * max(limit, 0.5 * BASE.ttft_s) <= BASE.ttft_s + 1e-9  # admitted at the limit, late by as much: on time
+    c.record(1.5, 1.8, None, None, targets=BASE)  # at or above the floor share: relative to the prediction
+    assert c.ttft.errors[-1] == pytest.approx(0.2)
