@@ -54,6 +54,7 @@ import zmq
 
 from coordinator import placement
 from coordinator.calibration import Calibration, HandoffTimes
+from coordinator.config import CoordinatorConfig
 from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
@@ -88,7 +89,6 @@ MAX_NODE_TEXT = 64
 WORKER_MESSAGE_MARGIN = 64 * 1024  # bytes of a worker message besides its ids and params: names, endpoints, logprobs, CURVE
 GONE_WRITER_KEEP_S = 30.0  # a Prefill's writer record is kept this long after its request ended, for a late PrefillDone
 SET_ROLE_RESEND_S = 1.0  # a SetRole not answered by then is sent again (the worker's inbox may have dropped it)
-PATHS = ("auto", "remote", "local")
 
 
 @dataclass
@@ -100,52 +100,6 @@ class Writer:
     grant: int
     since: float = 0.0  # when PrefillDone came (handed_off)
     gone_at: float = 0.0  # when its request was first seen ended or re-granted (writers are forgotten later)
-
-
-@dataclass
-class CoordinatorConfig:
-    client_addr: str = "tcp://127.0.0.1:5555"
-    worker_addr: str = "tcp://127.0.0.1:5556"
-    model: str | None = None
-    worker_timeout_s: float = 2.0
-    max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
-    pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
-    admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
-    handoff_timeout_s: float = 5.0  # a hand-off reported done (PrefillDone) its decode worker has not started this long was lost
-    slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
-    ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
-    tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
-    class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
-    ttft_headroom: float = 0.8  # admit against this fraction of the TTFT target: queueing predictions err low under load
-    tpot_headroom: float = 0.9  # and of the TPOT target: a step time fitted from the worker's own steps errs less
-    max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
-    max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
-    send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
-    client_send_budget: int = 32 * 2**20  # bytes queued for one client; past it its requests end client_too_slow (coordinator/outbox.py)
-    max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
-    keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
-    insecure: bool = False  # allow a non-loopback bind without keys
-    otlp_traces_endpoint: str | None = None  # export a span per request, a child per phase (coordinator/tracing.py)
-    otlp_traces_protocol: str = "grpc"  # or http/protobuf
-    served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
-    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
-    worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
-    paths: str = "remote"  # the default until auto holds tests/slo/test_overload.py reliably; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
-    local_prefill_tokens: int = PathRule.local_tokens  # without SLO control: prompts with this many uncached tokens or fewer go LOCAL
-    # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
-    # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
-    planner: PlannerConfig | None = None
-    chat_template: str | None = None  # --chat-template: used instead of the model's own (runtime/tokenizer.py, load_chat_template)
-
-    def __post_init__(self):
-        if self.paths not in PATHS:
-            raise ValueError(f"paths must be one of {', '.join(PATHS)}, got {self.paths!r}")
-        if self.local_prefill_tokens < 0:
-            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
-
-    def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
-        base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
-        return SloTargets((ttft_ms or base[0]) / 1000, (tpot_ms or base[1]) / 1000)
 
 
 class Coordinator:
