@@ -41,6 +41,11 @@ class Spec:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def off_spelling(self) -> str:
+        """A --NAME/--no-NAME pair's second spelling."""
+        return "--no-" + self.name.replace("_", "-")
+
+    @property
     def switch(self) -> bool:
         return self.kind == "bool" or self.flag.pair
 
@@ -110,7 +115,7 @@ class GroupedCommand(click.Command):
 def click_option(spec: Spec, unset: bool = False):
     """The click option of one flag; `unset`: default None, the role's default shown in the help."""
     fl = spec.flag
-    decls = [f"{spec.spelling}/--no-{spec.name.replace('_', '-')}" if fl.pair else spec.spelling, *fl.aliases, spec.name]
+    decls = [f"{spec.spelling}/{spec.off_spelling}" if fl.pair else spec.spelling, *fl.aliases, spec.name]
     shown = spec.default not in (None, "", False, ())
     kw = dict(cls=GroupedOption, group=fl.group, multiple=fl.multiple, envvar=fl.envvar, default=None if unset else spec.default,
               help=f"{fl.help}  [default: {spec.default}]" if unset and shown else fl.help, show_default=shown and not unset)
@@ -149,7 +154,7 @@ def as_args(spec_list: list[Spec], values: dict) -> list[str]:
         if value is None or (s.switch and not s.flag.pair and not value):
             continue
         if s.switch:
-            args.append(s.spelling if value else f"--no-{s.name.replace('_', '-')}")
+            args.append(s.spelling if value else s.off_spelling)
         else:
             args += [a for v in (value if s.flag.multiple else [value]) for a in (s.spelling, str(v))]
     return args
