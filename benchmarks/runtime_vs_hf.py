@@ -4,24 +4,21 @@
 Prints load seconds, prefill tokens/s at one prompt of --prompt-len tokens, and decode tokens/s
 at each batch size (decode rate = batch * N / (time for N+1 tokens - time for 1 token), so
 prefill is excluded the same way for both), with medians of --repeats runs and the ratios.
-Usage: .venv/bin/python scripts/bench_runtime.py [--batches 1,8,32] [--new-tokens 32]
+Usage: .venv/bin/python -m benchmarks.runtime_vs_hf [--batches 1,8,32] [--new-tokens 32]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.weights import default_model_path  # noqa: E402
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.sampling import SamplingParams
+from runtime.weights import default_model_path
 
 
 def median_time(fn, repeats):

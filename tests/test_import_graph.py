@@ -4,16 +4,21 @@ rule in the README's layout section ("Who imports whom").
 Every `import` counts, at module level or inside a function (a lazy import is still a
 dependency). The test fails when a package imports one the README does not allow it to, when two
 packages import each other (directly or round a longer circle), or when modules inside one
-package import each other in a circle.
+package import each other in a circle. benchmarks/ (not shipped) may import anything, but
+nothing shipped may import it, and the package list in pyproject.toml must leave it out.
 """
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve")
+PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve",
+            "benchmarks")
+NOT_SHIPPED = ("benchmarks",)  # in the repository, not in the wheel
 
 
 def module_name(path: Path) -> str:
@@ -104,6 +109,14 @@ def test_every_package_imports_only_what_the_readme_allows():
     rule = readme_rule()
     extra = {pkg: sorted(deps - rule[pkg]) for pkg, deps in package_graph().items() if rule[pkg] is not None and deps - rule[pkg]}
     assert not extra, f"imports the README's layout section does not allow: {extra}"
+
+
+def test_nothing_shipped_imports_what_is_not_shipped():
+    graph = package_graph()
+    shipped = [p for p in PACKAGES if p not in NOT_SHIPPED]
+    assert not {p: sorted(graph[p] & set(NOT_SHIPPED)) for p in shipped if graph[p] & set(NOT_SHIPPED)}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in NOT_SHIPPED if any(fnmatch(p, g) or fnmatch(f"{p}.x", g) for g in include)]
 
 
 def test_no_package_imports_one_that_imports_it_back():

@@ -1,31 +1,71 @@
-"""`vllm bench serve` command lines on `pdserve bench`: the flags it shares with vLLM, resolved
-to pdserve's own, and the result file vLLM writes.
+"""The command line of `pdserve bench`: its flags (`vllm bench serve`'s, so that a vLLM command line
+runs unchanged) and their checks.
 
-Lifecycle: `add_vllm_flags(parser)` adds vLLM's flags that pdserve bench lacked (--host/--port,
---label, --result-dir/--result-filename, --save-detailed, --append-result, --metadata,
---percentile-metrics, --metric-percentiles, --served-model-name, the per-dataset length flags,
-the sampling penalties, --trust-remote-code); after parsing, `resolve(args)` checks
-them and maps them onto the run (backend from the URL, dataset names, lengths, extra body),
-raising ValueError with the flag's name on a bad value. The run builds its workload with
-`build_workload` (random, sharegpt/jsonl/custom, prefix_repetition) and, once measured, writes
-`--save-result` (a flag, vLLM's form) as vLLM does: the file name
-`{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json` under --result-dir unless
---result-filename, flat keys (date, endpoint_type, backend, label, model_id, tokenizer_id,
-num_prompts, metadata, request_rate, burstiness, max_concurrency, duration, completed, failed,
-totals, throughputs, max_output_tokens_per_s, max_concurrent_requests, then
-mean/median/std/pN of each selected metric), per-request lists only with --save-detailed.
-`--save-result FILE.json` (pdserve's older form) still writes everything to FILE.json.
+Lifecycle: `build_parser()` makes the parser: pdserve's flags, then (`add_vllm_flags`) vLLM's
+that pdserve bench lacked (--host/--port, --label, --result-dir/--result-filename,
+--save-detailed, --append-result, --metadata, --percentile-metrics, --metric-percentiles,
+--served-model-name, the per-dataset length flags, the sampling penalties, --trust-remote-code).
+After parsing, `resolve(args)` checks them and folds them into the run's own settings in place
+(backend from the URL, dataset names, lengths, extra body), raising ValueError with the flag's
+name on a bad value. Nothing here imports torch or the engine: `pdserve bench --help` stays fast.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import random
 
-DATASETS = ("random", "sharegpt", "jsonl", "custom", "prefix_repetition", "chat_replay")
-DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
-PDSERVE_ONLY_KEYS = ("e2els", "start_times", "goodput_slos_ms", "dataset", "input_len", "output_len", "ignore_eos", "seed", "base_url")
+from pdserve.bench.backends import BACKENDS
+from pdserve.bench.metrics import ALL_METRICS, PERCENTILES
+from pdserve.bench.report import result_path
+from pdserve.bench.workloads import DATASETS
+
+DEFAULT_PLOT = "bench-sweep.png"
 SAMPLING_EXTRAS = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdserve bench", description="Benchmark online serving latency and throughput "
+                                 "(flags and report follow `vllm bench serve`).")
+    ap.add_argument("--backend", default=None, choices=(*BACKENDS, "vllm"),
+                    help="pdserve: the msgspec client; openai(-chat): any OpenAI-compatible server (vllm: openai); "
+                         "default: openai given an http URL, --host or --port, else pdserve")
+    ap.add_argument("--base-url", default=None, help="tcp://127.0.0.1:5555 (pdserve) or http://127.0.0.1:8000 (openai)")
+    ap.add_argument("--endpoint", default=None, help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    ap.add_argument("--model", default=None, help="model name sent to an OpenAI server (default: its first /v1/models entry)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer path (GGUF file or HF dir; default: the default model's)")
+    ap.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=DATASETS,
+                    help="sharegpt, custom: the same reader as jsonl")
+    ap.add_argument("--dataset-path", default=None, help="ShareGPT-style JSONL or JSON array (default: the prompt set shipped in pdserve/data)")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128, help="random: prompt tokens")
+    ap.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
+                    help="output tokens (random default 128; jsonl default: each reply's length)")
+    ap.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                    help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals: 1 = Poisson, <1 burstier, >1 steadier")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--extra-body", default=None, help="openai: JSON merged into every request, e.g. '{\"repeat_penalty\": 1.0}'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", "--num-warmups", dest="warmup", type=int, default=0, help="untimed requests sent first")
+    ap.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. --goodput ttft:500 tpot:50 (ttft, tpot, e2el)")
+    ap.add_argument("--save-result", nargs="?", const=True, default=None, metavar="FILE.json",
+                    help="alone (vLLM's form): write vLLM's result file (see --result-dir, --result-filename); with a path: "
+                         "everything, per-request lists included, to that file")
+    ap.add_argument("--sweep", default=None, metavar="RATE,RATE,...", help="run at each request rate; plot p99 TTFT, p99 TPOT, goodput")
+    ap.add_argument("--plot", default=DEFAULT_PLOT, help=f"--sweep's PNG (default {DEFAULT_PLOT})")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--stub-coordinator", action="store_true",
+                    help="measure coordinator overhead: a real coordinator, stub workers that answer at once, "
+                         "--num-prompts requests with --max-concurrency in flight")
+    add_vllm_flags(ap)
+    return ap
+
 
 
 def add_vllm_flags(ap) -> None:
@@ -93,8 +133,6 @@ def resolve(args) -> None:
 
 
 def _metric_names(text: str | None) -> list[str]:
-    from pdserve.bench_metrics import ALL_METRICS
-
     if text is None:
         return list(ALL_METRICS)
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -105,8 +143,6 @@ def _metric_names(text: str | None) -> list[str]:
 
 
 def _percentiles(text: str | None) -> list[float]:
-    from pdserve.bench_metrics import PERCENTILES
-
     if text is None:
         return list(PERCENTILES)
     try:
@@ -118,76 +154,9 @@ def _percentiles(text: str | None) -> list[float]:
     return ps
 
 
-# ------------------------------------------------------------------ workloads
-
-def build_workload(args, tokenizer):
-    from pdserve.bench_data import build_requests
-
-    if args.dataset == "prefix_repetition":
-        return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
-                                          args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
-                                          args.output_len or args.prefix_repetition_output_len, args.seed)
-    if args.dataset == "chat_replay":
-        from pdserve.bench_data import chat_replay_requests
-
-        return chat_replay_requests(tokenizer, args.num_prompts, args.chat_turns, args.prefix_repetition_prefix_len, args.input_len,
-                                    args.output_len or 128, args.seed)
-    dataset = "jsonl" if args.dataset in ("sharegpt", "custom") else args.dataset
-    return build_requests(dataset, tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
-                          args.dataset_path)
-
-
-def prefix_repetition_requests(tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int):
-    """vLLM's prefix_repetition: num_prefixes random prefixes of prefix_len tokens, each followed
-    by num // num_prefixes random suffixes of suffix_len tokens, shuffled with seed."""
-    from pdserve.bench_data import BenchRequest, random_prompt, word_tokens
-
-    if min(prefix_len, suffix_len, num_prefixes, output_len) < 1 or num < num_prefixes:
-        raise ValueError("--prefix-repetition-* lengths and --prefix-repetition-num-prefixes must be >= 1, "
-                         f"and --num-prompts ({num}) at least the number of prefixes")
-    rng = random.Random(seed)
-    words = word_tokens(tokenizer)
-    reqs = []
-    for _ in range(num_prefixes):
-        _, prefix = random_prompt(tokenizer, words, prefix_len, rng)
-        for _ in range(num // num_prefixes):
-            _, suffix = random_prompt(tokenizer, words, suffix_len, rng)
-            ids = prefix + suffix
-            text = tokenizer.decode(ids)
-            ids = tokenizer.encode(text, add_special_tokens=False)  # the prompt as a text backend sends it
-            reqs.append(BenchRequest(text, len(ids), output_len, token_ids=ids))
-    rng.shuffle(reqs)
-    return reqs
-
-
-# ------------------------------------------------------------------ the result file
-
-def vllm_result(args, result: dict, model_id: str | None, tokenizer_id: str) -> dict:
-    """One run's result with vLLM's keys, in vLLM's order."""
-    doc = {"date": result["date"], "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
-           "model_id": model_id, "tokenizer_id": tokenizer_id, "num_prompts": args.num_prompts, **args.metadata_pairs,
-           "request_rate": result["request_rate"], "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
-    skip = set(doc) | set(PDSERVE_ONLY_KEYS) | (set() if args.save_detailed else set(DETAIL_KEYS))
-    doc.update({k: v for k, v in result.items() if k not in skip})
-    return doc
-
-
-def result_path(args, model_id: str | None, date: str, rate) -> str:
-    """vLLM's file name; the rate as Python prints it: 4.0qps, infqps."""
-    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-    name = args.result_filename or f"{args.label or args.backend}-{rate}qps{concurrency}-{(model_id or 'pdserve').split('/')[-1]}-{date}.json"
-    if args.result_dir:
-        os.makedirs(args.result_dir, exist_ok=True)
-        name = os.path.join(args.result_dir, name)
-    return name
-
-
-def save_vllm_result(args, result: dict, model_id: str | None, tokenizer_id: str) -> str:
-    doc = vllm_result(args, result, model_id, tokenizer_id)
-    path = result_path(args, model_id, result["date"], float(result["request_rate"]))
-    with open(path, "a+" if args.append_result else "w", encoding="utf-8") as f:
-        if args.append_result and f.tell() != 0:
-            f.write("\n")
-        json.dump(doc, f)
-    return path
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--sweep takes positive rates separated by commas (inf allowed), got {text!r}")
+    return rates
 
