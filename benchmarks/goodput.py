@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = load_tokenizer(args.model)
     workloads = [Workload(f"{rate:g} req/s", build_requests("random", tokenizer, max(1, round(args.prompts_per_rate * rate)),
-                                                                args.input_len, args.output_len, 0.0, args.seed + i), None, rate,
-                             args.seed + i) for i, rate in enumerate(rates)]
+                                                             args.input_len, args.output_len, 0.0, args.seed + i), None, rate,
+                          args.seed + i) for i, rate in enumerate(rates)]
     print(f"cpu: {cpu_line()}")
     load_start = os.getloadavg()
     print(f"{load_line()} at the start")

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model)
     n = max(1, round(args.rate * args.duration_s))
     workloads = [Workload(f"run {i + 1}", build_requests("random", tokenizer, n, args.input_len, args.output_len, 0.0, args.seed + i),
-                             None, args.rate, args.seed + i) for i in range(args.runs)]
+                          None, args.rate, args.seed + i) for i in range(args.runs)]
     flags = [*(["--colocated"] if args.colocated else []), "--ttft-p99-ms", f"{args.ttft_ms:g}", "--tpot-p99-ms", f"{args.tpot_ms:g}",
              *extra_launch_args(args)]
     print(f"cpu: {cpu_line()}")

@@ -64,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-
 def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict) -> tuple[dict, float]:
     from pdserve.launch import Launcher, NodePlan
 
@@ -86,7 +85,6 @@ def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict
         return result
     finally:
         launcher.stop()
-
 
 
 def hf_row(args, workloads) -> dict:
@@ -124,7 +122,6 @@ def format_tables(metrics: dict, startups: dict, workloads, memory: dict | None 
                  "p99 TTFT <= vLLM's; SLO-on rows: every request served; quantized: single-stream TPOT <= llama.cpp's, "
                  "32-request tok/s >= the fp32 row's")
     return "\n".join(lines)
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"machine": machine(), "args": vars(args), "startup_s": startups, "resident_mib": memory,
                        "rows": {row: {n: dataclasses.asdict(m) for n, m in ms.items()} for row, ms in metrics.items()}}, f, indent=1)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-
 def add_vllm_flags(ap) -> None:
     ap.add_argument("--host", default=None, help="with --port: the OpenAI server at http://HOST:PORT (vLLM's; default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="(vLLM's; default 8000)")

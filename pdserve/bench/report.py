@@ -61,7 +61,6 @@ def print_runs(args, runs, tokenizer_id: str) -> list[dict]:
     return results
 
 
-
 def plot_sweep(results: list[dict], path: str) -> None:
     """p99 TTFT, p99 TPOT and goodput (request throughput without SLOs) against the offered rate."""
     matplotlib = import_extra("matplotlib", "--sweep's plot")
@@ -85,7 +84,6 @@ def plot_sweep(results: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
 
 
 def save_results(args, results: list[dict], tokenizer_id: str) -> None:

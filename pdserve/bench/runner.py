@@ -60,7 +60,6 @@ async def send_all(backend, requests, rate: float, burstiness: float, max_concur
     return outputs, duration
 
 
-
 async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple]:
     """Open the backend once, warm up, then one timed run per rate: [(rate, outputs, seconds)]."""
     extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -85,7 +84,6 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
             args.kv_moved.append({k: after[k] - before[k] for k in after} if before and after else None)
             runs.append((rate, outputs, duration))
     return runs
-
 
 
 async def kv_counters(backend, settle_s: float = 5.0) -> dict | None:

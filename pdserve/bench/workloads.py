@@ -171,7 +171,6 @@ def prefix_repetition_requests(tokenizer, num: int, prefix_len: int, suffix_len:
     return reqs
 
 
-
 # ------------------------------------------------------------------ multi-turn chat replay
 
 def chat_replay_requests(tokenizer, num: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int) -> list[BenchRequest]:
