@@ -5,14 +5,18 @@ Lifecycle: when a request ends the coordinator `record`s its predicted TTFT and 
 placement Decision) next to the observed ones and its targets. Each phase keeps the last `window`
 errors e = (observed - predicted) / max(predicted, floor * target) (positive: the model
 under-predicted). Before each placement it asks `targets(base, ttft_headroom, tpot_headroom)`
-for what a prediction must meet: with fewer than `min_samples` errors the static headroom
-(CoordinatorConfig.ttft_headroom / tpot_headroom), then, per phase, target / (1 + k * q) with q
-the `quantile` of the under-predictions, clamped to [floor, 1]. Why: observed = predicted + e *
-max(predicted, floor * target), so a request admitted at predicted <= target / (1 + q) is within
-target unless its error is beyond the quantile (for predictions below floor * target too, as
-long as q <= 1 / floor - 1, which the clamp to the floor assumes). Under overload admission fills
-up to the limit, so the admitted requests' predictions crowd at it: for p99 targets the quantile
-is the 99th.
+for what a prediction must meet:
+with fewer than `min_samples` errors the static headroom (CoordinatorConfig.ttft_headroom /
+tpot_headroom), then, per phase, target / (1 + k * q) with q the `quantile` of the
+under-predictions, clamped to [floor, static]. Why: observed = predicted + e * max(predicted,
+floor * target), so a request admitted at predicted <= target / (1 + q) is within target unless
+its error is beyond the quantile (for predictions below floor * target too, as long as q <= 1 /
+floor - 1, which the clamp to the floor assumes). Under overload admission fills up to the limit,
+so the admitted requests' predictions crowd at it: for p99 targets the quantile is the 99th.
+The errors only ever tighten the static headroom, never loosen it: a 99th percentile of 20-256
+errors, measured on a load that changes, is an estimate, and the first requests of a cold start
+(served before any queue formed) were over-predicted, which let the headroom rise to the whole
+target just before the burst they preceded missed it.
 
 Why errors against max(predicted, floor * target) and not the prediction alone: part of the error
 does not scale with the prediction (a prompt that lands mid-step waits out the rest of a prefill
@@ -87,10 +91,11 @@ class Calibration:
             p.add(predicted_tpot, tpot, least[1])
 
     def factor(self, tracker: ErrorTracker, static: float) -> float:
-        """The share of a target a prediction must meet: static until min_samples errors."""
+        """The share of a target a prediction must meet: static until min_samples errors, then
+        what the errors call for, never above static nor below the floor."""
         if len(tracker.errors) < self.cfg.min_samples:
             return static
-        return min(1.0, max(self.cfg.floor, 1.0 / (1.0 + self.cfg.k * tracker.under(self.cfg.quantile))))
+        return min(static, max(self.cfg.floor, 1.0 / (1.0 + self.cfg.k * tracker.under(self.cfg.quantile))))
 
     def trackers(self, path: str | None) -> tuple[ErrorTracker, ErrorTracker]:
         """The path's own (TTFT, TPOT) errors where it has min_samples of each, else all requests'."""
