@@ -1,8 +1,9 @@
 """How wrong the latency predictions are, and the admission headroom that follows from it.
 Plain classes, no sockets and no clock.
 
-Lifecycle: when a request ends the coordinator `record`s its predicted TTFT and TPOT (from its
-placement Decision) next to the observed ones and its targets. Each phase keeps the last `window`
+Lifecycle: when a request's first token is out the coordinator records its predicted TTFT (from
+its placement Decision) next to the observed one and its targets (`record_ttft`), and its TPOT
+when it ends (`record_tpot`). Each phase keeps the last `window`
 errors e = (observed - predicted) / max(predicted, floor * target) (positive: the model
 under-predicted). Before each placement it asks `targets(base, ttft_headroom, tpot_headroom)`
 for what a prediction must meet:
@@ -81,14 +82,30 @@ class Calibration:
 
     def record(self, predicted_ttft: float | None, ttft: float, predicted_tpot: float | None, tpot: float | None,
                path: str | None = None, targets: SloTargets | None = None) -> None:
-        """One finished request; `targets` (its own) set the least scale of its errors (floor * target)."""
-        trackers = [(self.ttft, self.tpot)]
+        """One finished request's TTFT and TPOT errors (record_ttft and record_tpot at once)."""
+        self.record_ttft(predicted_ttft, ttft, path, targets)
+        self.record_tpot(predicted_tpot, tpot, path, targets)
+
+    def record_ttft(self, predicted: float | None, observed: float | None, path: str | None = None,
+                    targets: SloTargets | None = None) -> None:
+        """A TTFT error, as soon as the first token is out (a request's end may be tens of seconds
+        later: under overload that left admission on the static headroom for a whole 20 s run);
+        `targets` (the request's own) set the least scale of its error (floor * target)."""
+        for tracker in self._trackers(path, 0):
+            tracker.add(predicted, observed, self.cfg.floor * targets.ttft_s if targets is not None else 0.0)
+
+    def record_tpot(self, predicted: float | None, observed: float | None, path: str | None = None,
+                    targets: SloTargets | None = None) -> None:
+        """A finished request's TPOT error (see record_ttft)."""
+        for tracker in self._trackers(path, 1):
+            tracker.add(predicted, observed, self.cfg.floor * targets.tpot_s if targets is not None else 0.0)
+
+    def _trackers(self, path: str | None, phase: int) -> list[ErrorTracker]:
+        """The pooled tracker of a phase (0 TTFT, 1 TPOT) and, for a path, that path's own."""
+        pairs = [(self.ttft, self.tpot)]
         if path is not None:
-            trackers.append(self.paths.setdefault(path, (ErrorTracker(self.cfg.window), ErrorTracker(self.cfg.window))))
-        least = (self.cfg.floor * targets.ttft_s, self.cfg.floor * targets.tpot_s) if targets is not None else (0.0, 0.0)
-        for t, p in trackers:
-            t.add(predicted_ttft, ttft, least[0])
-            p.add(predicted_tpot, tpot, least[1])
+            pairs.append(self.paths.setdefault(path, (ErrorTracker(self.cfg.window), ErrorTracker(self.cfg.window))))
+        return [pair[phase] for pair in pairs]
 
     def factor(self, tracker: ErrorTracker, static: float) -> float:
         """The share of a target a prediction must meet: static until min_samples errors, then

@@ -80,3 +80,15 @@ def test_errors_of_short_predictions_are_measured_against_the_floor_share_of_the
     assert limit + 0.3 * max(limit, 0.5 * BASE.ttft_s) <= BASE.ttft_s + 1e-9  # admitted at the limit, late by as much: on time
     c.record(1.5, 1.8, None, None, targets=BASE)  # at or above the floor share: relative to the prediction
     assert c.ttft.errors[-1] == pytest.approx(0.2)
+
+
+def test_ttft_and_tpot_errors_are_recorded_apart():
+    """The TTFT error counts when the first token is out, the TPOT error when the request ends."""
+    c = Calibration(CalibrationConfig(min_samples=10))
+    for _ in range(20):
+        c.record_ttft(1.0, 1.25, path="remote", targets=BASE)
+    assert c.summary(0.8, 0.9)["tpot"]["error"] == {"count": 0}
+    assert c.targets(BASE, 0.8, 0.9, "remote").ttft_s == pytest.approx(2.0 / 1.25)  # pooled: remote has no TPOT errors yet
+    for _ in range(10):
+        c.record_tpot(0.1, 0.1, path="remote", targets=BASE)
+    assert c.summary(0.8, 0.9)["paths"]["remote"]["tpot"]["error"]["count"] == 10
