@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RULE_FILE = ROOT / "docs" / "architecture.md"
 PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve")
 
 
@@ -81,6 +80,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if n not in state and (found := visit(n)):
             return found
     return None
+
+
+RULE_FILE = ROOT / "docs" / "architecture.md"
 
 
 def documented_rule() -> dict[str, set[str] | None]:
