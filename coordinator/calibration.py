@@ -16,14 +16,13 @@ floor - 1, which the clamp to the floor assumes). Under overload admission fills
 so the admitted requests' predictions crowd at it: for p99 targets the quantile is the 99th.
 The errors only ever tighten the static headroom, never loosen it: a 99th percentile of 20-256
 errors, measured on a load that changes, is an estimate, and the first requests of a cold start
-(served before any queue formed) were over-predicted, which let the headroom rise to the whole
-target just before the burst they preceded missed it.
+(served before any queue formed) are over-predicted: loosening on them would raise the headroom
+to the whole target just before the burst they precede.
 
 Why errors against max(predicted, floor * target) and not the prediction alone: part of the error
 does not scale with the prediction (a prompt that lands mid-step waits out the rest of a prefill
-and of a decode step: measured on the overload test, +100-150 ms whether 150 or 380 ms was
-predicted). Relative to a short prediction it looks huge (p99 +112%), which pinned the headroom
-to the floor while the requests near the limit, the ones that can miss, were late by 25% at most.
+and of a decode step); relative to a short prediction it looks huge and pinned the headroom to
+the floor for nothing (docs/performance.md, "Figures behind design choices").
 `summary` exports the error percentiles and the headroom in use (stats, /metrics).
 """
 from __future__ import annotations
