@@ -605,8 +605,7 @@ class Coordinator:
     def admission_targets(self, st: RequestState, path: Path) -> SloTargets:
         """st's targets less the headroom (`path`'s own once its errors are known): what a
         prediction on that path must meet for st to be admitted."""
-        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        return self.calibration.targets(target, self.cfg.ttft_headroom, self.cfg.tpot_headroom, path.value)
+        return self.calibration.targets(self.request_targets(st), self.cfg.ttft_headroom, self.cfg.tpot_headroom, path.value)
 
     def shed(self, st: RequestState, decision: Decision) -> None:
         log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, decision.detail)
@@ -978,6 +977,8 @@ class Coordinator:
         if item.token_id >= 0:
             st.tokens.append(item.token_id)
             st.token_times.append(now - st.arrival)
+            if len(st.token_times) == 1:
+                self.calibration.record_ttft(st.predicted_ttft, st.token_times[0], st.path.get("path"), self.request_targets(st))
             new.append(item.token_id)
             text = st.detok.step(item.token_id)
         reason = item.finish_reason
@@ -992,6 +993,10 @@ class Coordinator:
             self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top))
         if reason is not None:
             self.finish(st.iid, reason, tell=False)
+
+    def request_targets(self, st: RequestState) -> SloTargets:
+        """st's own p99 targets (its class's, or the ones it asked for)."""
+        return self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
 
     def note_handoff(self, st: RequestState) -> None:
         """Once both ends of st's hand-off are known (its PrefillDone and its first token come in
@@ -1047,8 +1052,8 @@ class Coordinator:
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
-            targets = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot, st.path.get("path"), targets)
+            targets = self.request_targets(st)
+            self.calibration.record_tpot(st.predicted_tpot, tpot, st.path.get("path"), targets)
             if self.planner is not None:
                 self.tally.served(ttft, tpot, targets)
         self.send_client(st.client, Final(
