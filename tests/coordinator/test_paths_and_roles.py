@@ -168,6 +168,7 @@ def test_a_drained_worker_is_told_its_new_role_and_placement_follows(closing):
         st = c.requests[start(c, f"busy-{wid}", 20)]
         if st.decode != wid:  # (both may be placed on one: put this one on wid)
             c.unplace(st)
+            c.move(st, Phase.NEW)  # placed again by hand, as a retry would
             c.generate_on(st, c.workers[wid], placed(wid), time.monotonic())
         busy[wid] = st.iid
     now = time.monotonic()
