@@ -357,3 +357,12 @@ def test_metrics_keep_the_rules_promtool_checks(service, client, model):
 def test_metrics_pass_promtool(service, client, model):
     status, out = promtool_check(served_metrics(service, client, model))
     assert status == 0, out
+
+
+def test_every_phase_move_of_this_modules_traffic_is_in_the_table(service, client, model):
+    """Run last: the streams, aborts, disconnects and refusals above moved requests only as
+    coordinator/state.py's TRANSITIONS allows (a move outside it is counted illegal_transitions)."""
+    greedy(client, model, "one more", 2)
+    with coordinator(service) as c:
+        counts = c.stats()["requests"]
+    assert counts.get("requests", 0) >= 1 and counts.get("illegal_transitions", 0) == 0, counts
