@@ -443,7 +443,7 @@ def _usage_error(role: str, args: list[str]) -> str | None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
     """Benchmark serving latency and throughput, like `vllm bench serve` (see `pdserve bench --help`)."""
-    from pdserve.bench import main as bench_main
+    from pdserve.bench.command import main as bench_main
 
     sys.exit(bench_main(list(args)))
 

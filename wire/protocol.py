@@ -1,6 +1,6 @@
 """The wire protocol: every message between pdserve processes, as msgspec Structs.
 
-Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its states):
+Lifecycle of one request (docs/architecture.md; coordinator/server.py holds its states):
   client  -> coordinator   GenerateRequest
   coord   -> decode        Admit            decode reserves KV blocks for the prompt
   decode  -> coord         Granted | AdmitRefused
