@@ -46,6 +46,7 @@ def _engine_options(f):
 
 
 def _configs(kv_cache_mb, int8_activations, **values):
+    """A worker command's EngineConfig and WorkerConfig from its flags; a bad value is a usage error."""
     from runtime.config import auto_kv_cache_mb
 
     engine, worker = field_values(ENGINE, values), field_values(WORKER, values)
