@@ -58,7 +58,7 @@ class PathRule:
     local_tokens: int = 512  # uncached prompt tokens at or under this: prefilled on the decode worker
     queue_prompts: int = 2  # the prefill queue is long when it is this many such prompts behind the decode worker's
     # With SLO control and the workers on different nodes, REMOTE must beat LOCAL's headroom by this
-    # much: the predictions err by ~15% (README, "Latency targets"), and a hand-off moves KV over the network.
+    # much: the predictions err by ~15% (docs/operations.md, "Latency targets"), and a hand-off moves KV over the network.
     remote_margin: float = 0.05
 
 

@@ -15,7 +15,7 @@ compute; a decode worker, when any holds part of the prompt, the blocks it would
 plus the blocks its streams hold (Dynamo's KV router weighs overlap against load the same way),
 so a shared system prompt does not pull every stream onto one worker.
 
-The predictions (README, "Latency targets"): TTFT = waited + the prefill worker's backlog and
+The predictions (docs/operations.md, "Latency targets"): TTFT = waited + the prefill worker's backlog and
 this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
 measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence. A colocated
 worker runs prompts in the streams' steps, so its TPOT is stretched by the share of its time
