@@ -70,7 +70,7 @@ def _configs(model, dtype, device, block_size, kv_cache_mb, num_blocks, max_num_
              quantization, quant_activations, int8_activations, threads, core_share, worker_id, coordinator_addr, no_prefix_cache=False,
              tensor_parallel_size=1, pipeline_parallel_size=1, linear_backend="auto", **extra):
     from runtime.config import EngineConfig, WorkerConfig, auto_kv_cache_mb
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     if kv_cache_mb is None:  # not used when --num-blocks or --gpu-memory-utilization sizes the pool
         kv_cache_mb = auto_kv_cache_mb() if num_blocks is None and gpu_memory_utilization is None else 0
@@ -120,7 +120,7 @@ def _sampling_options(f):
 @_sampling_options
 def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampling):
     """Stream a completion for PROMPT to the terminal (from the running service, or --local)."""
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     try:
         if local:
@@ -132,7 +132,7 @@ def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampli
 
 
 def _generate_remote(prompt, address, chat, timeout, keys, sampling):
-    from client.library import Client, ClientError
+    from pdserve_client.library import Client, ClientError
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     with Client(address, timeout=timeout, keys=keys) as client:
@@ -152,7 +152,7 @@ def _generate_remote(prompt, address, chat, timeout, keys, sampling):
 def _generate_local(prompt, model, dtype, chat, sampling):
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
+    from pdserve_client.params import SamplingParams
     from runtime.tokenizer import render_chat
 
     params = SamplingParams(**sampling)
@@ -255,7 +255,7 @@ def _chat_template_option(f):
 
 
 def _chat_template(value):
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
     from runtime.tokenizer import load_chat_template
 
     try:
@@ -283,7 +283,7 @@ def _tool_options(f):
 
 def _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser):
     from gateway.tools import ToolConfig
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     try:
         return ToolConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
@@ -315,7 +315,7 @@ def _limit_options(f):
 
 
 def _limits(max_prompt_bytes, max_stop, max_stop_length, max_client_priority, client_target_range):
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
     from wire.limits import RequestLimits
 
     try:
@@ -406,7 +406,7 @@ def gateway(address, host, port, model, served_model_name, api_key, request_time
             enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, verbose, **limits):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
     from gateway.server import GatewayConfig, serve
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     _logging(verbose)
     try:
@@ -478,7 +478,7 @@ def decode(colocated, **kw):
 @click.option("--keys", default=None, type=click.Path(), help="CurveZMQ keys directory (pdserve keygen)")
 def stats(address, timeout, keys):
     """Print the coordinator's stats as JSON."""
-    from client.library import Client, ClientError
+    from pdserve_client.library import Client, ClientError
 
     with Client(address, timeout=timeout, keys=keys) as c:
         try:
@@ -530,7 +530,7 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, model
            enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, **engine_flags):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, NodePlan, plan_from_toml
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     try:
         if config_path:

@@ -61,7 +61,7 @@ def worker_args(values: dict) -> list[str]:
     if not given:
         return switches
     from runtime.config import EngineConfig
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     fields = {("kv_cache_bytes" if k == "kv_cache_mb" else k): (v * 2**20 if k == "kv_cache_mb" else v) for k, v in given.items()}
     try:

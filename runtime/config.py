@@ -15,7 +15,8 @@ import torch
 from kernels.backends import BY_NAME
 from kernels.cpu_native import ACTIVATION_MODES
 
-from runtime.errors import InvalidRequestError, NotSupportedError, UnsupportedModelError
+from pdserve_client.errors import InvalidRequestError
+from runtime.errors import NotSupportedError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from pdserve_client.params import SamplingParams  # noqa: E402
 from runtime.weights import default_model_path  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.library import AsyncClient, Client  # noqa: E402
+from pdserve_client.library import AsyncClient, Client  # noqa: E402
 from pdserve.launch import Launcher, NodePlan  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.library import Client  # noqa: E402
+from pdserve_client.library import Client  # noqa: E402
 from pdserve.bench import run_rates  # noqa: E402
 from pdserve.bench_data import build_requests  # noqa: E402
 from pdserve.bench_metrics import compute_metrics  # noqa: E402

@@ -19,12 +19,12 @@ from coordinator.planner import PlannerConfig, Stage
 from tests.coordinator.recorded import Recorded
 from coordinator.server import CoordinatorConfig
 from gateway.metrics import GatewayMetrics
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import free_port
 from wire.protocol import (
-    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet,
-    SetRole, TokenBatch, TokenOut,
+    PROTOCOL_VERSION, Admit, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, TokenOut,
 )
+from pdserve_client.protocol import FinishReason, GenerateRequest
 
 BOTH = [Role.PREFILL, Role.DECODE]
 
