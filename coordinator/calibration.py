@@ -1,24 +1,28 @@
 """How wrong the latency predictions are, and the admission headroom that follows from it.
 Plain classes, no sockets and no clock.
 
-Lifecycle: when a request ends the coordinator `record`s its predicted TTFT and TPOT (from its
-placement Decision) next to the observed ones and its targets. Each phase keeps the last `window`
+Lifecycle: when a request's first token is out the coordinator records its predicted TTFT (from
+its placement Decision) next to the observed one and its targets (`record_ttft`), and its TPOT
+when it ends (`record_tpot`). Each phase keeps the last `window`
 errors e = (observed - predicted) / max(predicted, floor * target) (positive: the model
 under-predicted). Before each placement it asks `targets(base, ttft_headroom, tpot_headroom)`
-for what a prediction must meet: with fewer than `min_samples` errors the static headroom
-(CoordinatorConfig.ttft_headroom / tpot_headroom), then, per phase, target / (1 + k * q) with q
-the `quantile` of the under-predictions, clamped to [floor, 1]. Why: observed = predicted + e *
-max(predicted, floor * target), so a request admitted at predicted <= target / (1 + q) is within
-target unless its error is beyond the quantile (for predictions below floor * target too, as
-long as q <= 1 / floor - 1, which the clamp to the floor assumes). Under overload admission fills
-up to the limit, so the admitted requests' predictions crowd at it: for p99 targets the quantile
-is the 99th.
+for what a prediction must meet:
+with fewer than `min_samples` errors the static headroom (CoordinatorConfig.ttft_headroom /
+tpot_headroom), then, per phase, target / (1 + k * q) with q the `quantile` of the
+under-predictions, clamped to [floor, static]. Why: observed = predicted + e * max(predicted,
+floor * target), so a request admitted at predicted <= target / (1 + q) is within target unless
+its error is beyond the quantile (for predictions below floor * target too, as long as q <= 1 /
+floor - 1, which the clamp to the floor assumes). Under overload admission fills up to the limit,
+so the admitted requests' predictions crowd at it: for p99 targets the quantile is the 99th.
+The errors only ever tighten the static headroom, never loosen it: a 99th percentile of 20-256
+errors, measured on a load that changes, is an estimate, and the first requests of a cold start
+(served before any queue formed) are over-predicted: loosening on them would raise the headroom
+to the whole target just before the burst they precede.
 
 Why errors against max(predicted, floor * target) and not the prediction alone: part of the error
 does not scale with the prediction (a prompt that lands mid-step waits out the rest of a prefill
-and of a decode step: measured on the overload test, +100-150 ms whether 150 or 380 ms was
-predicted). Relative to a short prediction it looks huge (p99 +112%), which pinned the headroom
-to the floor while the requests near the limit, the ones that can miss, were late by 25% at most.
+and of a decode step); relative to a short prediction it looks huge and pinned the headroom to
+the floor for nothing (docs/performance.md, "Figures behind design choices").
 `summary` exports the error percentiles and the headroom in use (stats, /metrics).
 """
 from __future__ import annotations
@@ -77,20 +81,37 @@ class Calibration:
 
     def record(self, predicted_ttft: float | None, ttft: float, predicted_tpot: float | None, tpot: float | None,
                path: str | None = None, targets: SloTargets | None = None) -> None:
-        """One finished request; `targets` (its own) set the least scale of its errors (floor * target)."""
-        trackers = [(self.ttft, self.tpot)]
+        """One finished request's TTFT and TPOT errors (record_ttft and record_tpot at once)."""
+        self.record_ttft(predicted_ttft, ttft, path, targets)
+        self.record_tpot(predicted_tpot, tpot, path, targets)
+
+    def record_ttft(self, predicted: float | None, observed: float | None, path: str | None = None,
+                    targets: SloTargets | None = None) -> None:
+        """A TTFT error, as soon as the first token is out (a request's end may be tens of seconds
+        later: under overload that left admission on the static headroom for a whole 20 s run);
+        `targets` (the request's own) set the least scale of its error (floor * target)."""
+        for tracker in self._trackers(path, 0):
+            tracker.add(predicted, observed, self.cfg.floor * targets.ttft_s if targets is not None else 0.0)
+
+    def record_tpot(self, predicted: float | None, observed: float | None, path: str | None = None,
+                    targets: SloTargets | None = None) -> None:
+        """A finished request's TPOT error (see record_ttft)."""
+        for tracker in self._trackers(path, 1):
+            tracker.add(predicted, observed, self.cfg.floor * targets.tpot_s if targets is not None else 0.0)
+
+    def _trackers(self, path: str | None, phase: int) -> list[ErrorTracker]:
+        """The pooled tracker of a phase (0 TTFT, 1 TPOT) and, for a path, that path's own."""
+        pairs = [(self.ttft, self.tpot)]
         if path is not None:
-            trackers.append(self.paths.setdefault(path, (ErrorTracker(self.cfg.window), ErrorTracker(self.cfg.window))))
-        least = (self.cfg.floor * targets.ttft_s, self.cfg.floor * targets.tpot_s) if targets is not None else (0.0, 0.0)
-        for t, p in trackers:
-            t.add(predicted_ttft, ttft, least[0])
-            p.add(predicted_tpot, tpot, least[1])
+            pairs.append(self.paths.setdefault(path, (ErrorTracker(self.cfg.window), ErrorTracker(self.cfg.window))))
+        return [pair[phase] for pair in pairs]
 
     def factor(self, tracker: ErrorTracker, static: float) -> float:
-        """The share of a target a prediction must meet: static until min_samples errors."""
+        """The share of a target a prediction must meet: static until min_samples errors, then
+        what the errors call for, never above static nor below the floor."""
         if len(tracker.errors) < self.cfg.min_samples:
             return static
-        return min(1.0, max(self.cfg.floor, 1.0 / (1.0 + self.cfg.k * tracker.under(self.cfg.quantile))))
+        return min(static, max(self.cfg.floor, 1.0 / (1.0 + self.cfg.k * tracker.under(self.cfg.quantile))))
 
     def trackers(self, path: str | None) -> tuple[ErrorTracker, ErrorTracker]:
         """The path's own (TTFT, TPOT) errors where it has min_samples of each, else all requests'."""

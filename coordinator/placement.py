@@ -221,7 +221,7 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
     """A colocated worker for req: without SLO control, or for a parked request, the one with
     most room (it queues the prompt itself: there is no WAIT). With it, the lowest predicted
     TTFT among workers meeting both targets, else SHED with the last miss. Measured
-    (scripts/bench_slo.py): a plain decode step as TPOT gave p99 TPOT 392 ms at a 250 ms target,
+    (benchmarks/slo.py): a plain decode step as TPOT gave p99 TPOT 392 ms at a 250 ms target,
     adding the backlog 325 ms, adding the prefill share 204 ms."""
     if targets is None or req.parked:
         if any(w.cached_tokens for w in workers):

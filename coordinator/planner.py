@@ -38,19 +38,22 @@ from typing import Mapping
 
 from coordinator.placement import ShedReason, WorkerSnapshot
 from coordinator.slo import SloTargets
+from runtime.flags import flag
 from wire.protocol import Role
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    window_s: float = 2.0  # one measurement window (the coordinator's period for observe)
+    window_s: float = flag(2.0, group="paths and roles", name="planner_window_s", min=0.1, launch=True,  # the coordinator's period for observe
+                           help="the planner's measurement window (a phase must be short 3 windows in a row before a role moves)")
     sustain: int = 3  # windows in a row a phase must be short before a worker moves to it
     min_outcomes: int = 5  # fewer requests in a window: its attainment says nothing
     short_attainment: float = 0.95  # under this share of requests within target: short
     slack_attainment: float = 0.99  # at or over this (or no requests): may give a worker
     short_load: float = 1.0  # load (see Window) at or over this: short
     donor_load: float = 0.7  # the giving phase's load with one worker fewer must stay under this
-    min_dwell_s: float = 20.0  # a worker keeps a role at least this long (10 windows)
+    min_dwell_s: float = flag(20.0, group="paths and roles", name="planner_dwell_s", min=0.0, launch=True,  # 10 windows
+                              help="a worker keeps a role at least this long (no flapping)")
     max_drain_s: float = 30.0  # a drain not done by then is called off
 
 

@@ -54,6 +54,8 @@ import zmq
 
 from coordinator import placement
 from coordinator.calibration import Calibration, HandoffTimes
+from coordinator.config import CoordinatorConfig
+from coordinator.counts import Count, Counts
 from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
@@ -91,7 +93,6 @@ MAX_NODE_TEXT = 64
 WORKER_MESSAGE_MARGIN = 64 * 1024  # bytes of a worker message besides its ids and params: names, endpoints, logprobs, CURVE
 GONE_WRITER_KEEP_S = 30.0  # a Prefill's writer record is kept this long after its request ended, for a late PrefillDone
 SET_ROLE_RESEND_S = 1.0  # a SetRole not answered by then is sent again (the worker's inbox may have dropped it)
-PATHS = ("auto", "remote", "local")
 
 
 @dataclass
@@ -103,52 +104,6 @@ class Writer:
     grant: int
     since: float = 0.0  # when PrefillDone came (handed_off)
     gone_at: float = 0.0  # when its request was first seen ended or re-granted (writers are forgotten later)
-
-
-@dataclass
-class CoordinatorConfig:
-    client_addr: str = "tcp://127.0.0.1:5555"
-    worker_addr: str = "tcp://127.0.0.1:5556"
-    model: str | None = None
-    worker_timeout_s: float = 2.0
-    max_attempts: int = 3  # placements of one request (the first + retries after a lost worker)
-    pending_timeout_s: float = 60.0  # a request no decode worker can take for this long fails
-    admit_timeout_s: float = 10.0  # an Admit unanswered this long (dropped by a full worker inbox) is placed again
-    handoff_timeout_s: float = 5.0  # a hand-off reported done (PrefillDone) its decode worker has not started this long was lost
-    slo: bool = True  # predict, place by predicted latency, shed what cannot meet its targets
-    ttft_ms: float = 5000.0  # p99 targets of priority class 0: the default model on 2 CPU cores serves a
-    tpot_ms: float = 500.0  # burst of ~25 chat prompts within 5 s and decodes ~48 streams within 0.5 s a token
-    class_targets: dict = field(default_factory=dict)  # priority -> (ttft_ms, tpot_ms)
-    ttft_headroom: float = 0.8  # admit against this fraction of the TTFT target: queueing predictions err low under load
-    tpot_headroom: float = 0.9  # and of the TPOT target: a step time fitted from the worker's own steps errs less
-    max_active_requests: int = 4096  # with this many in flight a new request is refused ("overloaded")
-    max_client_requests: int = 1024  # the same bound per client connection (the HTTP gateway is one client)
-    send_hwm: int = 100_000  # messages queued for one peer; a client that stops reading is dropped (send_client)
-    client_send_budget: int = 32 * 2**20  # bytes queued for one client; past it its requests end client_too_slow (coordinator/outbox.py)
-    max_workers: int = 1024  # registered workers; a Hello beyond this is refused until one leaves
-    keys: str | None = None  # CurveZMQ keys directory (pdserve keygen); required to bind beyond loopback
-    insecure: bool = False  # allow a non-loopback bind without keys
-    otlp_traces_endpoint: str | None = None  # export a span per request, a child per phase (coordinator/tracing.py)
-    otlp_traces_protocol: str = "grpc"  # or http/protobuf
-    served_model_name: str | None = None  # the model's name in the traces (default: as the gateway names it)
-    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
-    worker_secret_file: str | None = None  # without keys: workers must present this per-launch secret (wire/security.py)
-    paths: str = "remote"  # the default until auto holds tests/slo/test_overload.py reliably; auto: each request's path chosen (coordinator/paths.py); remote / local: always that way when it can
-    local_prefill_tokens: int = PathRule.local_tokens  # without SLO control: prompts with this many uncached tokens or fewer go LOCAL
-    # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
-    # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
-    planner: PlannerConfig | None = None
-    chat_template: str | None = None  # --chat-template: used instead of the model's own (runtime/tokenizer.py, load_chat_template)
-
-    def __post_init__(self):
-        if self.paths not in PATHS:
-            raise ValueError(f"paths must be one of {', '.join(PATHS)}, got {self.paths!r}")
-        if self.local_prefill_tokens < 0:
-            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
-
-    def targets(self, priority: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> SloTargets:
-        base = self.class_targets.get(priority, (self.ttft_ms, self.tpot_ms))
-        return SloTargets((ttft_ms or base[0]) / 1000, (tpot_ms or base[1]) / 1000)
 
 
 class Coordinator:
@@ -187,7 +142,7 @@ class Coordinator:
         self.next_window = 0.0
         self.role_changes = itertools.count(1)
         self.announced: dict[str, list] = {}  # worker id -> [change number, role, when last sent]: SetRole awaiting its RoleSet
-        self.counts = collections.Counter()
+        self.counts = Counts()  # events by name: the stats' "requests" (coordinator/counts.py)
         self.kv = collections.Counter()
         self._ids = itertools.count()
         self.epoch = os.urandom(4).hex()  # in every request id: ids never repeat across restarts
@@ -243,41 +198,41 @@ class Coordinator:
     async def _client_loop(self) -> None:
         async for frames in self.client_io.messages():
             if len(frames) != 2:
-                self.counts["bad_client_messages"] += 1
+                self.counts.add(Count.BAD_CLIENT_MESSAGES)
                 continue
             ident, body = frames
             if len(body) > SCAN_FIRST_BYTES and (over := self.cfg.limits.oversized_frame(body)) is not None:
-                self.counts["error:limit_exceeded"] += 1  # refused before decoding: see RequestLimits.oversized_frame
+                self.counts.error("limit_exceeded")  # refused before decoding: see RequestLimits.oversized_frame
                 self.send_client(ident, ErrorReply(over[0], "limit_exceeded", over[1]))
                 continue
             try:
                 msg = self.client_dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self.counts["bad_client_messages"] += 1
+                self.counts.add(Count.BAD_CLIENT_MESSAGES)
                 self.send_client(ident, ErrorReply("", "bad_message", f"undecodable message: {e}"))
                 continue
             try:
                 self.on_client(ident, msg)
             except Exception:  # one bad request must never take the coordinator down
                 log.exception("error handling a client message")
-                self.counts["internal_errors"] += 1
+                self.counts.add(Count.INTERNAL_ERRORS)
 
     async def _worker_loop(self) -> None:
         async for frames in self.worker_io.messages():
             if len(frames) != 2:
-                self.counts["bad_worker_messages"] += 1
+                self.counts.add(Count.BAD_WORKER_MESSAGES)
                 continue
             ident, body = frames
             try:
                 msg = self.worker_dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                self.counts["bad_worker_messages"] += 1
+                self.counts.add(Count.BAD_WORKER_MESSAGES)
                 continue
             try:
                 self.on_worker(ident, msg)
             except Exception:
                 log.exception("error handling a worker message")
-                self.counts["internal_errors"] += 1
+                self.counts.add(Count.INTERNAL_ERRORS)
 
     async def _housekeeping(self) -> None:
         pruned = time.monotonic()
@@ -300,10 +255,10 @@ class Coordinator:
     def send_client(self, ident: bytes, msg) -> None:
         sent = self.outbox.send(self.client_io, ident, encode(msg), idle=ident not in self.client_load)
         if sent is Sent.OVER_BUDGET:  # the client does not read: its queued bytes are at client_send_budget
-            self.counts["client_over_budget_messages"] += 1
+            self.counts.add(Count.CLIENT_OVER_BUDGET_MESSAGES)
             self.drop_client(ident, over_budget=True)
         elif sent is Sent.FAILED:  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
-            self.counts["client_send_failures"] += 1
+            self.counts.add(Count.CLIENT_SEND_FAILURES)
             self.drop_client(ident)
 
     def drop_client(self, ident: bytes, over_budget: bool = False) -> None:
@@ -315,20 +270,20 @@ class Coordinator:
             if st is None:
                 continue
             if over_budget:
-                self.counts["error:client_too_slow"] += 1
+                self.counts.error("client_too_slow")
                 notice = ErrorReply(st.client_rid, "client_too_slow", f"aborted: over {self.cfg.client_send_budget} bytes "
                                     "are queued for this client, which does not read them (--client-send-budget-mb)")
                 self.outbox.send(self.client_io, ident, encode(notice), idle=ident not in self.client_load, notice=True)
             else:
-                self.counts["finished:abort"] += 1
-                self.counts["client_gone_aborts"] += 1
+                self.counts.finished(FinishReason.ABORT)
+                self.counts.add(Count.CLIENT_GONE_ABORTS)
         for key in [k for k in self.tokenizing if k[0] == ident]:
             self.forget_tokenizing(key)
-            self.counts["client_gone_aborts"] += 1
+            self.counts.add(Count.CLIENT_GONE_ABORTS)
 
     def on_client(self, ident: bytes, msg) -> None:
         if isinstance(msg, (AbortRequest, StatusRequest)) and len(msg.request_id) > self.cfg.limits.max_name_length:
-            self.counts["oversized_ids_dropped"] += 1  # no request has such an id; echoing it would cost its bytes again
+            self.counts.add(Count.OVERSIZED_IDS_DROPPED)  # no request has such an id; echoing it would cost its bytes again
             return
         if isinstance(msg, GenerateRequest):
             self.on_generate(ident, msg)
@@ -337,7 +292,7 @@ class Coordinator:
             if iid is not None:
                 self.finish(iid, FinishReason.ABORT)
             elif self.forget_tokenizing((ident, msg.request_id)):
-                self.counts["finished:abort"] += 1
+                self.counts.finished(FinishReason.ABORT)
                 self.send_client(ident, Final(msg.request_id, FinishReason.ABORT, 0, 0, 0.0, [], None, None, None))
         elif isinstance(msg, StatsRequest):
             self.send_client(ident, StatsReply(json.dumps(self.stats()).encode()))
@@ -349,7 +304,7 @@ class Coordinator:
 
     def on_node_report(self, msg: NodeReport) -> None:
         if msg.node not in self.nodes and len(self.nodes) >= MAX_NODES:
-            self.counts["node_reports_dropped"] += 1
+            self.counts.add(Count.NODE_REPORTS_DROPPED)
             return
         cut = lambda d: {str(k)[:MAX_NODE_TEXT]: v if isinstance(v, int) else str(v)[:MAX_NODE_TEXT]  # noqa: E731
                          for k, v in list(d.items())[:MAX_NODE_ROLES]}
@@ -364,14 +319,14 @@ class Coordinator:
         try:
             cost = self.check_request(req)  # first: even a refusal for load echoes only a bounded id
         except PdserveError as e:
-            self.counts[f"error:{e.code}"] += 1
+            self.counts.error(e.code)
             self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
             return
         active = len(self.requests) + len(self.tokenizing)
         if active >= self.cfg.max_active_requests or self.client_load[ident] >= self.cfg.max_client_requests:
             mine = active < self.cfg.max_active_requests
             n, limit = (self.client_load[ident], self.cfg.max_client_requests) if mine else (active, self.cfg.max_active_requests)
-            self.counts["error:overloaded"] += 1
+            self.counts.error("overloaded")
             self.send_client(ident, ErrorReply(req.request_id, "overloaded",
                                                f"{'this client' if mine else 'the coordinator'} has {n} requests in flight (limit {limit}); retry later"))
             return
@@ -430,19 +385,19 @@ class Coordinator:
         try:
             prompt = list(fut.result())  # its own copy: twins share the work's result
         except PdserveError as e:
-            self.counts[f"error:{e.code}"] += 1
+            self.counts.error(e.code)
             self.send_client(key[0], ErrorReply(req.request_id, e.code, str(e)))
             return
         except Exception as e:  # a template that fails on this input, a tokenizer bug: this request only
             log.warning("tokenizing %r failed: %r", req.request_id, e)
-            self.counts["error:invalid_request"] += 1
+            self.counts.error("invalid_request")
             self.send_client(key[0], ErrorReply(req.request_id, "invalid_request", f"the prompt could not be tokenized: {e}"))
             return
         try:
             self.start_request(key[0], req, prompt)
         except Exception:  # as in _client_loop: one request must never take the coordinator down
             log.exception("starting %r failed", req.request_id)
-            self.counts["internal_errors"] += 1
+            self.counts.add(Count.INTERNAL_ERRORS)
 
     def start_request(self, ident: bytes, req: GenerateRequest, prompt: list[int]) -> None:
         key = (ident, req.request_id)
@@ -455,7 +410,7 @@ class Coordinator:
             if limit is not None:
                 check_worker_message_size(len(prompt), req.params, limit)
         except PdserveError as e:
-            self.counts[f"error:{e.code}"] += 1
+            self.counts.error(e.code)
             self.send_client(ident, ErrorReply(req.request_id, e.code, str(e)))
             return
         iid = f"r{next(self._ids)}-{self.epoch}"
@@ -463,12 +418,12 @@ class Coordinator:
         self.requests[iid] = st
         self.by_client[key] = iid
         self.client_load[ident] += 1
-        self.counts["requests"] += 1
+        self.counts.add(Count.REQUESTS)
         try:
             self.place(st)
         except Exception:  # a bug in placement must not leave the request (and its client) waiting forever
             log.exception("placing %s failed", iid)
-            self.counts["internal_errors"] += 1
+            self.counts.add(Count.INTERNAL_ERRORS)
             self.error(iid, "internal_error", "the coordinator failed to place this request")
 
     # ------------------------------------------------------------------ placement
@@ -510,8 +465,7 @@ class Coordinator:
             self.shed(st, decision)
         else:
             st.path = choice.attributes()
-            self.counts[f"path:{choice.path.value}"] += 1
-            self.counts[f"path_reason:{choice.reason}"] += 1
+            self.counts.placed(choice.path.value, choice.reason)
             log.debug("%s takes the %s path (%s): %s", st.iid, choice.path.value, choice.reason, choice.detail)
             if decision.prefill is not None:
                 self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
@@ -575,7 +529,8 @@ class Coordinator:
         held = self.cached_on(d, st)
         need = placement.blocks_needed(st.num_tokens - held, d.hello.block_size)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
-        st.prefill, st.decode, st.phase, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, Phase.ADMITTING, need, backlog
+        st.prefill, st.decode, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, need, backlog
+        self.move(st, Phase.ADMITTING)
         st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot
         d.reserved_blocks += need
         p.queued_tokens += backlog
@@ -594,7 +549,8 @@ class Coordinator:
         lacks for st are reserved until its first token: until the worker schedules the prompt its
         heartbeats do not show them taken, and the next placement must not count them free."""
         held = self.cached_on(w, st)
-        st.decode, st.phase, st.backlog = w.hello.worker_id, Phase.COLOCATED, st.num_tokens - held
+        st.decode, st.backlog = w.hello.worker_id, st.num_tokens - held
+        self.move(st, Phase.COLOCATED)
         st.reserved = placement.blocks_needed(st.num_tokens - held, w.hello.block_size)
         w.reserved_blocks += st.reserved
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
@@ -608,8 +564,7 @@ class Coordinator:
     def admission_targets(self, st: RequestState, path: Path) -> SloTargets:
         """st's targets less the headroom (`path`'s own once its errors are known): what a
         prediction on that path must meet for st to be admitted."""
-        target = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-        return self.calibration.targets(target, self.cfg.ttft_headroom, self.cfg.tpot_headroom, path.value)
+        return self.calibration.targets(self.request_targets(st), self.cfg.ttft_headroom, self.cfg.tpot_headroom, path.value)
 
     def shed(self, st: RequestState, decision: Decision) -> None:
         log.info("shed %s (priority %d, %d tokens): %s", st.iid, st.priority, st.num_tokens, decision.detail)
@@ -618,9 +573,17 @@ class Coordinator:
             self.tally.shed(decision.reason)
         self.error(st.iid, "slo_unattainable", decision.detail)
 
+    def move(self, st: RequestState, to: Phase) -> None:
+        """The one place a request's phase changes (coordinator/state.py's TRANSITIONS): a move
+        the table does not allow is a bug, logged and counted (illegal_transitions)."""
+        was = st.phase
+        if not st.move(to):
+            self.counts.add(Count.ILLEGAL_TRANSITIONS)
+            log.error("bug: request %s moved %s -> %s, which TRANSITIONS (coordinator/state.py) does not allow", st.iid, was.name, to.name)
+
     def park(self, st: RequestState) -> None:
         if st.phase != Phase.PENDING:
-            st.phase = Phase.PENDING
+            self.move(st, Phase.PENDING)
             self.pending.append(st.iid)
 
     def admission_timeouts(self, now: float) -> None:
@@ -634,7 +597,7 @@ class Coordinator:
             del self.admitting[iid]
             st = self.requests.get(iid)
             if st is not None and st.phase == Phase.ADMITTING:
-                self.counts["admission_timeouts"] += 1
+                self.counts.add(Count.ADMISSION_TIMEOUTS)
                 self.retry(st, f"decode worker {st.decode} did not answer the admission within {self.cfg.admit_timeout_s:g} s",
                            code="overloaded")
 
@@ -651,7 +614,7 @@ class Coordinator:
             if now - st.arrival > self.cfg.pending_timeout_s:
                 self.error(st.iid, "overloaded", "no decode worker had room for this request in time")
                 continue
-            st.phase = Phase.NEW
+            self.move(st, Phase.NEW)
             st.attempts -= 1  # waiting for room is not a new attempt
             self.place(st, parked=True)
 
@@ -696,7 +659,7 @@ class Coordinator:
         wid, now = w.hello.worker_id, time.monotonic()
         a = self.announced.get(wid)
         if self.planner is None or a is None or msg.change != a[0]:
-            self.counts["stale_role_sets"] += 1
+            self.counts.add(Count.STALE_ROLE_SETS)
             return
         if msg.error or msg.role != a[1]:
             self.keep_role(w, Role(msg.role), msg.error or f"it answered role {Role(msg.role).name.lower()}", now)
@@ -731,7 +694,7 @@ class Coordinator:
 
     def send_worker(self, w: WorkerState, msg) -> None:
         if not self.worker_io.send([w.identity, encode(msg)]):  # its queue is full (EAGAIN at send_hwm): counted
-            self.counts["worker_send_failures"] += 1
+            self.counts.add(Count.WORKER_SEND_FAILURES)
 
     def on_worker(self, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
@@ -743,7 +706,7 @@ class Coordinator:
             return
         w.last_seen = time.monotonic()
         if not numbers_ok(msg):
-            self.counts["invalid_worker_messages"] += 1
+            self.counts.add(Count.INVALID_WORKER_MESSAGES)
             return
         if isinstance(msg, Heartbeat):
             w.beat = msg
@@ -794,7 +757,7 @@ class Coordinator:
         if st is None:
             return None
         if not st.placed_on(w.hello.worker_id):
-            self.counts["wrong_worker_messages"] += 1
+            self.counts.add(Count.WRONG_WORKER_MESSAGES)
             return None
         return st
 
@@ -809,7 +772,7 @@ class Coordinator:
         if problem is None and h.worker_id not in self.workers and len(self.workers) >= self.cfg.max_workers:
             problem = f"{len(self.workers)} workers are registered (limit {self.cfg.max_workers})"
         if problem is not None:
-            self.counts["rejected_workers"] += 1
+            self.counts.add(Count.REJECTED_WORKERS)
             self.worker_io.send([ident, encode(Reject(problem))])
             return
         old = self.workers.get(h.worker_id)
@@ -836,7 +799,7 @@ class Coordinator:
     def on_granted(self, d: WorkerState, msg: Granted) -> None:
         st = self.requests.get(msg.request_id)
         if st is not None and not st.placed_on(d.hello.worker_id):
-            self.counts["wrong_worker_messages"] += 1
+            self.counts.add(Count.WRONG_WORKER_MESSAGES)
             st = None  # not this worker's to fill: it frees its own grant
         stale = st is not None and msg.admission != st.admissions  # answers an admission that was retried
         if stale and not msg.grant:
@@ -853,7 +816,8 @@ class Coordinator:
             self.send_worker(d, Release(msg.request_id, msg.grant, prefill_sent=False))
             self.retry(st, "its prefill worker was lost")
             return
-        st.phase, st.grant = Phase.PREFILLING, msg.grant
+        st.grant = msg.grant
+        self.move(st, Phase.PREFILLING)
         self.send_worker(p, Prefill(
             st.iid, st.prompt, st.req.params, d.hello.worker_id, d.hello.kv_endpoint, msg.block_ids, list(st.tokens), st.priority,
             msg.grant, msg.cached_blocks,
@@ -885,7 +849,7 @@ class Coordinator:
                 self.send_worker(d, Release(iid, h.grant, prefill_sent=False))
             st = self.requests.get(iid)
             if st is not None and st.phase == Phase.PREFILLING and (st.decode, st.grant) == (h.decode, h.grant):
-                self.counts["lost_handoffs"] += 1
+                self.counts.add(Count.LOST_HANDOFFS)
                 log.warning("hand-off of %s never reached decode worker %s: grant %d released", iid, h.decode, h.grant)
                 self.error(iid, "kv_transfer_failed", f"the prefill worker handed off this request's KV but decode worker "
                                                       f"{h.decode} never received it within {self.cfg.handoff_timeout_s:g} s")
@@ -920,7 +884,7 @@ class Coordinator:
         if self.by_ident.get(w.identity) == wid:
             del self.by_ident[w.identity]
         log.warning("dropping worker %s: %s", wid, why)
-        self.counts["workers_lost"] += 1
+        self.counts.add(Count.WORKERS_LOST)
         self.announced.pop(wid, None)
         self.handoff_times.forget(wid)
         if self.planner is not None:
@@ -940,9 +904,9 @@ class Coordinator:
         if st.attempts >= self.cfg.max_attempts:
             self.error(st.iid, code, f"{why}; gave up after {st.attempts} attempts")
             return
-        self.counts["retries"] += 1
+        self.counts.add(Count.RETRIES)
         log.info("retrying %s (%d tokens done): %s", st.iid, len(st.tokens), why)
-        st.phase = Phase.NEW
+        self.move(st, Phase.NEW)
         self.place(st, parked=True)  # an admitted request is never shed on a retry
 
     def release_backlog(self, st: RequestState) -> None:
@@ -972,7 +936,8 @@ class Coordinator:
             if not st.tokens and st.phase == Phase.PREFILLING:
                 st.first_token_at = now
                 self.note_handoff(st)
-            st.phase = Phase.DECODING
+            if st.phase != Phase.DECODING:
+                self.move(st, Phase.DECODING)
         elif st.backlog:
             self.release_backlog(st)  # its prompt is done: its blocks are in the worker's next heartbeat
             self.unreserve(st)
@@ -981,6 +946,8 @@ class Coordinator:
         if item.token_id >= 0:
             st.tokens.append(item.token_id)
             st.token_times.append(now - st.arrival)
+            if len(st.token_times) == 1:
+                self.calibration.record_ttft(st.predicted_ttft, st.token_times[0], st.path.get("path"), self.request_targets(st))
             new.append(item.token_id)
             text = st.detok.step(item.token_id)
         reason = item.finish_reason
@@ -996,6 +963,10 @@ class Coordinator:
         if reason is not None:
             self.finish(st.iid, reason, tell=False)
 
+    def request_targets(self, st: RequestState) -> SloTargets:
+        """st's own p99 targets (its class's, or the ones it asked for)."""
+        return self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
+
     def note_handoff(self, st: RequestState) -> None:
         """Once both ends of st's hand-off are known (its PrefillDone and its first token come in
         either order): what it took, against the first step placement predicted (HandoffTimes)."""
@@ -1009,7 +980,7 @@ class Coordinator:
         if st is None or st.scored:
             return
         if st.req.params.prompt_logprobs is None or len(msg.scores) != len(st.prompt) - 1:
-            self.counts["invalid_worker_messages"] += 1
+            self.counts.add(Count.INVALID_WORKER_MESSAGES)
             return
         st.scored = True
         self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
@@ -1044,14 +1015,14 @@ class Coordinator:
         st = self.close(iid, tell)
         if st is None:
             return
-        self.counts[f"finished:{reason.name.lower()}"] += 1
+        self.counts.finished(reason)
         times = st.token_times
         ttft = times[0] if times else 0.0
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
-            targets = self.cfg.targets(st.priority, st.req.ttft_ms, st.req.tpot_ms)
-            self.calibration.record(st.predicted_ttft, ttft, st.predicted_tpot, tpot, st.path.get("path"), targets)
+            targets = self.request_targets(st)
+            self.calibration.record_tpot(st.predicted_tpot, tpot, st.path.get("path"), targets)
             if self.planner is not None:
                 self.tally.served(ttft, tpot, targets)
         self.send_client(st.client, Final(
@@ -1066,7 +1037,7 @@ class Coordinator:
         st = self.close(iid)
         if st is None:
             return
-        self.counts[f"error:{code}"] += 1
+        self.counts.error(code)
         self.send_client(st.client, ErrorReply(st.client_rid, code, message))
         if self.tracer is not None:
             self.tracer.ended(st, "error", None, self.model_name, f"{code}: {message}")
@@ -1091,7 +1062,7 @@ class Coordinator:
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
             "phases": self.phases.snapshot(),
-            "requests": dict(self.counts),
+            "requests": self.counts.snapshot(),
             "epoch": self.epoch,
             "nodes": self.nodes,
             "active_requests": len(self.requests),

@@ -8,7 +8,9 @@ dropped when the worker leaves or falls silent; its `role` follows a switch the 
 PREFILLING (Prefill sent) -> DECODING (tokens arrive); a request on a colocated worker, or on a
 decode worker's LOCAL path (it prefills the prompt itself), goes NEW -> COLOCATED. A retry after
 a lost worker sends it back to NEW. From ADMITTING on some worker may hold blocks for it, so
-ending it then tells its workers to abort.
+ending it then tells its workers to abort. `TRANSITIONS` is the one table of the moves allowed,
+and `RequestState.move` the one way its phase changes (the coordinator reports a move outside the
+table as a bug).
 """
 from __future__ import annotations
 
@@ -39,6 +41,16 @@ class Phase(enum.IntEnum):
     def on_workers(self) -> bool:
         """Some worker may hold blocks or state for the request: ending it must tell them."""
         return self >= Phase.ADMITTING
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {  # phase -> the phases it may move to
+    Phase.NEW: frozenset({Phase.PENDING, Phase.ADMITTING, Phase.COLOCATED}),  # placement: parked, or sent on its path
+    Phase.PENDING: frozenset({Phase.NEW}),  # room may have freed: placed again
+    Phase.ADMITTING: frozenset({Phase.PREFILLING, Phase.PENDING, Phase.NEW}),  # Granted; AdmitRefused; retried
+    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.NEW}),  # its first token; retried
+    Phase.COLOCATED: frozenset({Phase.NEW}),  # retried (its tokens leave it COLOCATED)
+    Phase.DECODING: frozenset({Phase.NEW}),  # retried
+}
 
 
 @dataclass
@@ -133,7 +145,7 @@ class RequestState:
     detok: IncrementalDetokenizer
     prefill: str | None = None
     decode: str | None = None
-    phase: Phase = Phase.NEW
+    _phase: Phase = Phase.NEW  # read as .phase, changed by move() alone
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     reserved: int = 0
@@ -149,6 +161,17 @@ class RequestState:
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
     scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def move(self, to: Phase) -> bool:
+        """Enter phase `to`; False if TRANSITIONS does not allow it from here (a bug for the caller
+        to report; the request moves all the same, as it did before the table)."""
+        allowed = to in TRANSITIONS[self._phase]
+        self._phase = to
+        return allowed
 
     @property
     def priority(self) -> int:

@@ -1,5 +1,8 @@
 """Prometheus metrics of the HTTP gateway (`GET /metrics`), named after vLLM's (`vllm:X` is
-`pdserve:X` here) so that existing dashboards carry over.
+`pdserve_X` here: Prometheus keeps colons for recording rules) so that existing dashboards carry
+over. The exposition passes `promtool check metrics`: no `_created` series, and the coordinator's
+sliding-window percentiles are gauges named per percentile (`..._p99_seconds`), not `quantile`
+labels, which only a summary may carry.
 
 Lifecycle: one `GatewayMetrics` per gateway, with its own registry. As each request ends the
 gateway observes it: `observe(result)` feeds the TTFT, TPOT, inter-token and end-to-end
@@ -11,7 +14,7 @@ gateway just fetched, and a collector turns it into gauges and counters during t
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -25,25 +28,32 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+PERCENTILES = ("p50", "p90", "p99")  # of the coordinator's sliding windows: one gauge family each
+
+
+def percentile_gauges(name: str, doc: str, labels: list[str], unit: str = "") -> dict[str, GaugeMetricFamily]:
+    """One gauge family per percentile, `{name}_{p}{unit}` (a `quantile` label is a summary's alone)."""
+    return {p: GaugeMetricFamily(f"{name}_{p}{unit}", f"{doc} ({p})", labels=labels) for p in PERCENTILES}
 
 
 class GatewayMetrics:
     def __init__(self, model_name: str):
+        disable_created_metrics()  # process-wide, as vLLM does: no `<counter>_created` series beside each counter and histogram
         self.model = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.cluster = ClusterCollector(model_name)
         self.registry.register(self.cluster)
         m, r = ["model_name"], self.registry
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token, as the gateway sees it", m, registry=r, buckets=TTFT_BUCKETS)
-        self.tpot = Histogram("pdserve:time_per_output_token_seconds", "Mean time per output token after the first, per request", m, registry=r, buckets=TPOT_BUCKETS)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between consecutive output tokens", m, registry=r, buckets=TPOT_BUCKETS)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=E2E_BUCKETS)
-        self.prompt_len = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
-        self.output_len = Histogram("pdserve:request_generation_tokens", "Generated tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests", m, registry=r)
-        self.finished = Counter("pdserve:request_success", "Requests that ended, by finish reason", m + ["finished_reason"], registry=r)
-        self.errors = Counter("pdserve:request_errors", "Requests that failed, by error type", m + ["error_type"], registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, as the gateway sees it", m, registry=r, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request", m, registry=r, buckets=TPOT_BUCKETS)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens", m, registry=r, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=E2E_BUCKETS)
+        self.prompt_len = Histogram("pdserve_request_prompt_tokens", "Prompt tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
+        self.output_len = Histogram("pdserve_request_generation_tokens", "Generated tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens of finished requests", m, registry=r)
+        self.finished = Counter("pdserve_request_success", "Requests that ended, by finish reason", m + ["finished_reason"], registry=r)
+        self.errors = Counter("pdserve_request_errors", "Requests that failed, by error type", m + ["error_type"], registry=r)
 
     def observe(self, r: Result) -> None:
         ttft = r.client_ttft if r.client_ttft is not None else r.ttft
@@ -84,7 +94,7 @@ class ClusterCollector(Collector):
 
     def collect(self):
         s = self.snapshot
-        yield GaugeMetricFamily("pdserve:coordinator_up", "1 if the coordinator answered this scrape", 1.0 if s is not None else 0.0)
+        yield GaugeMetricFamily("pdserve_coordinator_up", "1 if the coordinator answered this scrape", 1.0 if s is not None else 0.0)
         if s is None:
             return
         yield from self._workers(s.get("workers", []))
@@ -94,16 +104,16 @@ class ClusterCollector(Collector):
     def _workers(self, workers: list[dict]):
         labels = ["model_name", "worker", "role"]
         fams = {
-            "running": GaugeMetricFamily("pdserve:num_requests_running", "Sequences in a worker's running batch", labels=labels),
-            "queue": GaugeMetricFamily("pdserve:num_requests_waiting", "Sequences waiting in a worker's queue", labels=labels),
-            "queued_tokens": GaugeMetricFamily("pdserve:num_queued_tokens", "Prompt tokens queued at a worker", labels=labels),
+            "running": GaugeMetricFamily("pdserve_num_requests_running", "Sequences in a worker's running batch", labels=labels),
+            "queue": GaugeMetricFamily("pdserve_num_requests_waiting", "Sequences waiting in a worker's queue", labels=labels),
+            "queued_tokens": GaugeMetricFamily("pdserve_num_queued_tokens", "Prompt tokens queued at a worker", labels=labels),
         }
-        usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (1 = full)", labels=labels)
-        count = GaugeMetricFamily("pdserve:num_workers", "Registered workers by role", labels=["model_name", "role"])
+        usage = GaugeMetricFamily("pdserve_kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (1 = full)", labels=labels)
+        count = GaugeMetricFamily("pdserve_num_workers", "Registered workers by role", labels=["model_name", "role"])
         prefix = {  # vLLM's prefix_cache_queries / prefix_cache_hits (tokens), per worker
-            "queries": CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache", labels=labels),
-            "hits": CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in a worker's prefix cache", labels=labels),
-            "cached_blocks": GaugeMetricFamily("pdserve:prefix_cache_blocks", "KV blocks registered in a worker's prefix cache", labels=labels),
+            "queries": CounterMetricFamily("pdserve_prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache", labels=labels),
+            "hits": CounterMetricFamily("pdserve_prefix_cache_hits", "Prompt tokens found in a worker's prefix cache", labels=labels),
+            "cached_blocks": GaugeMetricFamily("pdserve_prefix_cache_blocks", "KV blocks registered in a worker's prefix cache", labels=labels),
         }
         by_role: dict[str, int] = {}
         for w in workers:
@@ -124,12 +134,12 @@ class ClusterCollector(Collector):
         for name, key, doc in (("kv_transfer_bytes", "bytes", "KV cache bytes handed from prefill to decode workers"),
                                ("kv_transfer_seconds", "seconds", "Seconds spent handing KV cache from prefill to decode workers"),
                                ("kv_transfer_handoffs", "handoffs", "Prefill-to-decode KV hand-offs")):
-            fam = CounterMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            fam = CounterMetricFamily(f"pdserve_{name}", doc, labels=["model_name"])
             fam.add_metric(m, kv.get(key, 0))
             yield fam
-        pending = GaugeMetricFamily("pdserve:num_requests_pending", "Requests the coordinator holds until a decode worker has room", labels=["model_name"])
+        pending = GaugeMetricFamily("pdserve_num_requests_pending", "Requests the coordinator holds until a decode worker has room", labels=["model_name"])
         pending.add_metric(m, s.get("pending", 0))
-        active = GaugeMetricFamily("pdserve:num_requests_active", "Requests the coordinator is serving", labels=["model_name"])
+        active = GaugeMetricFamily("pdserve_num_requests_active", "Requests the coordinator is serving", labels=["model_name"])
         active.add_metric(m, s.get("active_requests", 0))
         yield pending
         yield active
@@ -141,8 +151,8 @@ class ClusterCollector(Collector):
     def _paths(self, counts: dict):
         """Requests placed per path (remote: prefill worker + hand-off; local: prefilled on its
         decode worker) and per reason the path was chosen (coordinator/paths.py)."""
-        fams = {"path": CounterMetricFamily("pdserve:request_path", "Requests placed, by the path they took", labels=["model_name", "path"]),
-                "path_reason": CounterMetricFamily("pdserve:request_path_reason", "Requests placed, by why their path was chosen",
+        fams = {"path": CounterMetricFamily("pdserve_request_path", "Requests placed, by the path they took", labels=["model_name", "path"]),
+                "path_reason": CounterMetricFamily("pdserve_request_path_reason", "Requests placed, by why their path was chosen",
                                                    labels=["model_name", "reason"])}
         for key, n in counts.items():
             kind, _, value = key.partition(":")
@@ -151,34 +161,31 @@ class ClusterCollector(Collector):
         yield from fams.values()
 
     def _calibration(self, cal: dict):
-        """Per phase: the latency model's relative prediction error quantiles (positive: it
+        """Per phase: the latency model's relative prediction error percentiles (positive: it
         predicted too low) and the share of the target admission holds predictions to."""
-        err = GaugeMetricFamily("pdserve:prediction_error", "(observed - predicted) / predicted over recent requests, per phase",
-                                labels=["model_name", "phase", "quantile"])
-        headroom = GaugeMetricFamily("pdserve:admission_headroom", "Share of the target a prediction must meet to be admitted, per phase",
+        err = percentile_gauges("pdserve_prediction_error", "(observed - predicted) / predicted over recent requests, per phase",
+                                ["model_name", "phase"])
+        headroom = GaugeMetricFamily("pdserve_admission_headroom", "Share of the target a prediction must meet to be admitted, per phase",
                                      labels=["model_name", "phase"])
-        by_path = GaugeMetricFamily("pdserve:path_prediction_error", "(observed - predicted) / predicted per path (local, remote) and phase",
-                                    labels=["model_name", "path", "phase", "quantile"])
+        by_path = percentile_gauges("pdserve_path_prediction_error", "(observed - predicted) / predicted per path (local, remote) and phase",
+                                    ["model_name", "path", "phase"])
         for phase, c in cal.items():
             if phase == "paths":
                 for path, phases in c.items():
-                    for ph, q, v in ((ph, q, x["error"][q]) for ph, x in phases.items() if isinstance(x, dict)
-                                     for q in ("p50", "p90", "p99") if q in x["error"]):
-                        by_path.add_metric([self.model, path, ph, q], v)
+                    for ph, x in phases.items():
+                        add_percentiles(by_path, [self.model, path, ph], x.get("error", {}) if isinstance(x, dict) else {})
                 continue
-            for q in ("p50", "p90", "p99"):
-                if q in c.get("error", {}):
-                    err.add_metric([self.model, phase, q], c["error"][q])
+            add_percentiles(err, [self.model, phase], c.get("error", {}))
             headroom.add_metric([self.model, phase], c.get("headroom", 1.0))
-        yield err
+        yield from err.values()
         yield headroom
-        yield by_path
+        yield from by_path.values()
 
     def _planner(self, planner: dict):
         """Role changes the planner started (from, to), and its other events (switched, confirmed,
         refused, drains called off, changes held back and why)."""
-        changes = CounterMetricFamily("pdserve:role_changes", "Role changes started by the planner", labels=["model_name", "from", "to"])
-        events = CounterMetricFamily("pdserve:planner_events", "Planner events: drains switched, confirmed, refused, called off, held",
+        changes = CounterMetricFamily("pdserve_role_changes", "Role changes started by the planner", labels=["model_name", "from", "to"])
+        events = CounterMetricFamily("pdserve_planner_events", "Planner events: drains switched, confirmed, refused, called off, held",
                                      labels=["model_name", "event"])
         for key, n in planner.get("counts", {}).items():
             old, to, new = key.partition("_to_")
@@ -193,25 +200,30 @@ class ClusterCollector(Collector):
         """The coordinator's sliding-window p50/p90/p99 TTFT and TPOT per priority class, its
         targets, prediction error and sheds (SLO control)."""
         m = [self.model]
-        labels = ["model_name", "priority", "quantile"]
-        fams = {kind: GaugeMetricFamily(f"pdserve:slo_{kind}_seconds", f"Coordinator-measured {kind.upper()} over a sliding window, per priority class",
-                                        labels=labels) for kind in ("ttft", "tpot")}
+        fams = {kind: percentile_gauges(f"pdserve_slo_{kind}", f"Coordinator-measured {kind.upper()} over a sliding window, per priority class",
+                                        ["model_name", "priority"], "_seconds") for kind in ("ttft", "tpot")}
         for prio, kinds in slo.get("classes", {}).items():
             for kind, window in kinds.items():
-                for q in ("p50", "p90", "p99"):
-                    if q in window:
-                        fams[kind].add_metric([self.model, prio, q], window[q])
-        yield from fams.values()
+                add_percentiles(fams[kind], [self.model, prio], window)
+        for kind in fams.values():
+            yield from kind.values()
         for kind in ("ttft", "tpot"):
-            target = GaugeMetricFamily(f"pdserve:slo_{kind}_target_seconds", f"p99 {kind.upper()} target of priority class 0", labels=["model_name"])
+            target = GaugeMetricFamily(f"pdserve_slo_{kind}_target_seconds", f"p99 {kind.upper()} target of priority class 0", labels=["model_name"])
             target.add_metric(m, slo.get(f"{kind}_ms", 0.0) / 1000)
             yield target
         err = slo.get("ttft_prediction_error", {})
         if "p50" in err:
-            fam = GaugeMetricFamily("pdserve:slo_ttft_prediction_error", "Median |predicted - actual| / actual TTFT", labels=["model_name"])
+            fam = GaugeMetricFamily("pdserve_slo_ttft_prediction_error", "Median |predicted - actual| / actual TTFT", labels=["model_name"])
             fam.add_metric(m, err["p50"])
             yield fam
-        shed = CounterMetricFamily("pdserve:slo_shed_requests", "Requests shed because their targets could not be met", labels=["model_name", "priority"])
+        shed = CounterMetricFamily("pdserve_slo_shed_requests", "Requests shed because their targets could not be met", labels=["model_name", "priority"])
         for prio, n in slo.get("shed", {}).items():
             shed.add_metric([self.model, prio], n)
         yield shed
+
+
+def add_percentiles(fams: dict[str, GaugeMetricFamily], labels: list[str], window: dict) -> None:
+    """A window's percentiles ({"p50": .., ...}, those it has) into their gauge families."""
+    for p, fam in fams.items():
+        if p in window:
+            fam.add_metric(labels, window[p])

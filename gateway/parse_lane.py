@@ -1,11 +1,9 @@
 """Large request bodies are scanned, decoded and bounded in a child process, so a costly body never
 holds the gateway's event loop and never queues in front of a short request.
 
-Why a process: msgspec holds the GIL for a whole decode (a 6.6 MB chat of 200,000 empty messages:
-~20 ms to scan, ~90 ms to decode generically), and a thread holding the GIL stalls the loop that
-streams every other request. Measured through `pdserve launch` with the hostile corpus of
-tests/faults/test_hostile.py arriving in rounds: a short request's TTFT went from 18 ms idle to
-85-215 ms while the bodies were decoded on a thread of the gateway.
+Why a process: msgspec holds the GIL for a whole decode (tens of milliseconds for the hostile
+corpus's largest bodies), and a thread holding the GIL stalls the loop that streams every other
+request (docs/performance.md, "Figures behind design choices").
 
 Lifecycle: the gateway makes one `ParseLane` and closes it at shutdown; the first large body starts
 its child (`python -m gateway.parse_lane LIMITS_JSON`, which lowers its own CPU priority).

@@ -7,15 +7,11 @@ and kept for the process; `__call__(x)` runs per step. Kinds:
 - `onednn`: the weight reordered once into oneDNN's blocked layout and multiplied with
   `mkldnn._linear_pointwise`, what inductor's weight prepacking (and vLLM's CPU path) emits;
 - `auto` (the default on the CPU in float32): the C tiled kernel (kernels/csrc/quant_ops.c
-  `pd_f_matmul`, reading W in place) for NATIVE_ROWS (8-48 rows: a batch-32 step's GEMMs 102
-  against oneDNN's 130 ms, alternating, same process; at 64 rows even, at 128 oneDNN ahead),
-  onednn for the other decode-sized batches (at most
-  ONEDNN_MAX_ROWS rows), F.linear above. Measured side by side on a quiet 2-core AVX2 EPYC, 2
-  threads: a batch-32 step's GEMMs take 78 ms with oneDNN against 110 ms with MKL's F.linear
-  (the 49152-wide LM head alone 17 against 34 ms), while at prefill sizes (512, 2048 rows)
-  F.linear is 5-11% faster.
-oneDNN builds a primitive for every distinct row count (3.5 ms to create, about 0.6 MB kept,
-never freed: a prefill worker grew 120 MB over the 1,000-request soak). So onednn pads the rows
+  `pd_f_matmul`, reading W in place) for NATIVE_ROWS (8-48 rows), onednn for the other
+  decode-sized batches (at most ONEDNN_MAX_ROWS rows), F.linear above: at each size the fastest
+  of the three as measured (docs/performance.md, "How the CPU runs the model").
+oneDNN builds a primitive for every distinct row count, kept for good (a prefill worker's memory
+grew over the soak until this was bounded). So onednn pads the rows
 up to a bucket (1, 2, 4, 8, then multiples of 8; zero rows, sliced off the result): a bounded set of
 row counts per weight (19). The packed copy doubles the memory of the weights it packs.
 - `quant`: the weight is a kernels.quant.QuantTensor (GGUF Q4_0/Q4_1/Q8_0 blocks, `--quantization

@@ -7,7 +7,8 @@ the kv socket (KVConnect -> KVAccept: the one description of that pool, whatever
 shape, dtype, host and boot id, its shm file, its GPU and IPC handle, what it can take) and picks
 the backend from it (`choose_backend`: shm on one machine with a shared pool, cuda_ipc or nccl
 between GPU pools, else tcp, or the one the worker was told to use). Per hand-off `send(...)`
-moves the bytes with that backend and then delivers the `KVReady` header:
+moves the bytes with that backend (one class each in kvtransfer/backends.py, found by name) and
+then delivers the `KVReady` header:
   shm: map the destination pool (once per destination) and copy blocks into it directly;
        the header follows on the kv socket, so it is seen only after the bytes are in place.
   tcp: one zero-copy frame per layer after the header; the receiver copies the frames into
@@ -36,45 +37,30 @@ import zmq
 
 from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
 from wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
+from kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
 from kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
 from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
 from runtime.errors import NotSupportedError
 
-BACKENDS = ("shm", "tcp")
-GPU_BACKENDS = ("cuda_ipc", "nccl")
+BACKENDS = tuple(name for name, b in BY_NAME.items() if not b.gpu)  # ("shm", "tcp")
+GPU_BACKENDS = tuple(name for name, b in BY_NAME.items() if b.gpu)  # ("cuda_ipc", "nccl")
 
 
 def choose_backend(src_host: str, src_boot: str, dst_host: str, dst_boot: str, dst_shm_path: str, forced: str | None = None,
                    src_gpu: list[str] | None = None, dst_gpu: list[str] | None = None) -> str:
-    """shm when both workers share a machine (same host and boot id) and the pool is shared.
+    """The backend's name: `forced` if it can work here (else ValueError or NotSupportedError), or
+    for auto (None) the first of backends.AUTO_ORDER that reaches the destination: cuda_ipc on one
+    machine and nccl otherwise when both workers offer it, shm on one machine with a shared pool, tcp.
 
     src_gpu/dst_gpu: the GPU backends each worker offers (KVAccept.backends); None = not known.
-    When both are known, auto takes cuda_ipc on one machine and nccl otherwise if both offer it.
     """
-    same = src_host == dst_host and src_boot == dst_boot
-    if forced in GPU_BACKENDS:
-        return _forced_gpu(forced, same, src_gpu, dst_gpu)
-    if (forced is None or forced == "auto") and src_gpu is not None and dst_gpu is not None:
-        both = set(src_gpu) & set(dst_gpu)
-        if same and "cuda_ipc" in both:
-            return "cuda_ipc"
-        if "nccl" in both:
-            return "nccl"
-    if forced is not None and forced != "auto":
-        if forced not in BACKENDS:
-            raise ValueError(f"unknown kv backend {forced!r} (choose from auto, {', '.join(BACKENDS)})")
-        if forced == "shm" and not (dst_shm_path and src_host == dst_host and src_boot == dst_boot):
-            raise ValueError("kv backend shm needs both workers on one machine and a shared decode pool")
-        return forced
-    return "shm" if dst_shm_path and src_host == dst_host and src_boot == dst_boot else "tcp"
-
-
-def _forced_gpu(forced: str, same: bool, src_gpu, dst_gpu) -> str:
-    if forced == "cuda_ipc" and not same:
-        raise ValueError("kv backend cuda_ipc needs both workers on one machine")
-    for side, offers in (("prefill", src_gpu), ("decode", dst_gpu)):
-        if offers is not None and forced not in offers:
-            raise NotSupportedError(f"kv backend {forced} needs a CUDA KV pool and cupy on both workers; the {side} worker offers {list(offers) or 'none'}")
+    route = Route(src_host == dst_host and src_boot == dst_boot, dst_shm_path, src_gpu, dst_gpu)
+    if forced is None or forced == "auto":
+        return next(b.name for b in AUTO_ORDER if b.reaches(route))
+    backend = BY_NAME.get(forced)
+    if backend is None:
+        raise ValueError(f"unknown kv backend {forced!r} (choose from auto, {', '.join(BY_NAME)})")
+    backend.check_forced(route)
     return forced
 
 
@@ -87,11 +73,7 @@ def check_block_ids(ids: list[int], num_blocks: int) -> None:
 
 def gpu_backends(pool: torch.Tensor) -> list[str]:
     """The GPU backends a worker with this KV pool can take part in."""
-    from kvtransfer import cuda_ipc, nccl
-
-    if not pool.is_cuda or not cuda_ipc.has_cupy():
-        return []
-    return ["cuda_ipc"] + (["nccl"] if nccl.available(pool.device) else [])
+    return [b.name for b in (CUDA_IPC, NCCL) if b.sends_from(pool)]
 
 
 class KVSender:
@@ -132,7 +114,7 @@ class KVSender:
         """(the pool at endpoint, the backend to reach it from src), asked once per destination."""
         dest = self.dests.get(endpoint)
         if dest is None:
-            pool = self._handshake(endpoint, KVConnect(self.identity, next(self._nonce)))
+            pool = self.handshake(endpoint, KVConnect(self.identity, self.next_nonce()))
             gpu = [b for b in pool.backends if b in GPU_BACKENDS]
             try:
                 # a forced backend is tried as it is: a GPU one this side cannot do fails at its first use
@@ -153,30 +135,13 @@ class KVSender:
             pool, backend = self.destination(endpoint, src)
             check_block_ids(msg.block_ids, pool.kv_shape[2])
             msg = msgspec.structs.replace(msg, backend=backend)
-            sock = self._socket(endpoint)
-            if backend == "shm":
-                copy_blocks(self._pool(pool).tensor, src, src_ids, msg.block_ids)
-                sock.send(encode(msg))
-            elif backend == "tcp":
-                idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-                frames = [src[layer].index_select(1, idx).contiguous().cpu() for layer in range(src.shape[0])]  # GPU pools: via host
-                sock.send_multipart([encode(msg), *[f.view(torch.uint8).numpy() for f in frames]], copy=False)
-            else:
-                self._peer(endpoint, backend, pool, src).send(src, src_ids, msg.block_ids, lambda: sock.send(encode(msg)))
+            BY_NAME[backend].send(self, endpoint, pool, src, src_ids, msg, self._socket(endpoint))
         except BaseException:
             self.forget(endpoint)  # the next hand-off asks again and builds what it needs afresh
             raise
         self.bytes_sent += nbytes
         self.seconds += time.perf_counter() - t0
         return nbytes
-
-    def _pool(self, pool: KVAccept) -> KVPool:
-        mapped = self.pools.get(pool.shm_path)
-        if mapped is None:
-            if pool.kv_dtype not in DTYPES:
-                raise ValueError(f"unknown kv dtype {pool.kv_dtype!r}")
-            mapped = self.pools[pool.shm_path] = KVPool.attach(pool.shm_path, pool.kv_shape, DTYPES[pool.kv_dtype])
-        return mapped
 
     def fail(self, endpoint: str, request_id: str, reason: str, grant: int = 0) -> bool:
         """Tell the decode side its hand-off (of grant number `grant`) will not come. Runs on error
@@ -187,25 +152,10 @@ class KVSender:
         except zmq.ZMQError:
             return False
 
-    def _peer(self, endpoint: str, backend: str, pool: KVAccept, src: torch.Tensor):
-        from kvtransfer import cuda_ipc, nccl
+    def next_nonce(self) -> int:
+        return next(self._nonce)
 
-        peer = self.peers.get(endpoint)
-        if peer is not None:
-            return peer
-        try:
-            if backend == "cuda_ipc":
-                peer = cuda_ipc.IpcPeer.open(pool, self.timeout)
-            else:
-                uid = nccl.unique_id()
-                accept = self._handshake(endpoint, KVConnect(self.identity, next(self._nonce), uid))
-                peer = nccl.NcclSender.connect(uid, src.device, accept.kv_shape, self.timeout)
-        except NotSupportedError as e:  # no cupy here: a failed hand-off, not a dead worker
-            raise KVTransferError(str(e)) from e
-        self.peers[endpoint] = peer
-        return peer
-
-    def _handshake(self, endpoint: str, ask: KVConnect) -> KVAccept:
+    def handshake(self, endpoint: str, ask: KVConnect) -> KVAccept:
         """KVConnect on the kv socket, then the KVAccept with its nonce (bounded wait)."""
         what = "nccl" if ask.nccl_id else "pool description"
         sock = self._socket(endpoint)
@@ -297,61 +247,31 @@ class KVReceiver:
                 except (ValueError, InvalidHandoff) as e:
                     self.bad_messages += 1
                     return KVFailed(msg.request_id, f"invalid hand-off: {e}", msg.grant), []
-                if msg.backend == "nccl":  # receives posted now, for every header, keep sends and receives paired
-                    return msg, self.nccl.post(frames[0].bytes, len(msg.block_ids))
+                return msg, BY_NAME[msg.backend].arrived(self, frames[0].bytes, msg, frames[2:])
             return msg, frames[2:]
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, KVTransferError):
             self.bad_messages += 1
             return None
 
     def _check(self, msg: KVReady, frames) -> None:
-        pool = self.pool
-        check_block_ids(msg.block_ids, pool.shape[2])
-        if msg.backend not in BACKENDS and msg.backend not in GPU_BACKENDS:
+        check_block_ids(msg.block_ids, self.pool.shape[2])
+        backend = BY_NAME.get(msg.backend)
+        if backend is None:
             raise ValueError("unknown backend")
-        if msg.backend in GPU_BACKENDS and frames:
-            raise ValueError(f"{msg.backend} hand-off with block frames")
-        if (msg.backend == "cuda_ipc" and self.ipc is None) or (msg.backend == "nccl" and self.nccl is None):
-            raise ValueError(f"{msg.backend} hand-off that was never set up")
-        if msg.backend == "tcp":
-            if len(frames) != pool.shape[0]:
-                raise ValueError(f"{len(frames)} layer frames, expected {pool.shape[0]}")
-            want = 2 * len(msg.block_ids) * pool[0, 0, 0].numel() * pool.element_size()
-            if any(len(f.buffer) != want for f in frames):
-                raise ValueError("layer frame of the wrong size")
+        backend.check(self, msg, frames)
 
     def copy_in(self, msg: KVReady, frames) -> None:
         """Copy tcp block frames (checked by recv) into msg.block_ids, or for nccl (frames: the
         receives recv posted) wait for them and scatter them, raising KVTransferError on failure;
         shm and cuda_ipc bytes are already there."""
-        if msg.backend == "nccl":
-            self.bytes_received += self.nccl.finish(frames, msg.block_ids)
-            return
-        if msg.backend != "tcp":
-            return
-        pool = self.pool
-        shape = (2, len(msg.block_ids), *pool.shape[3:])
-        want = len(frames[0].buffer)
-        idx = torch.tensor(msg.block_ids, dtype=torch.int64, device=pool.device)
-        for layer, f in enumerate(frames):
-            data = torch.frombuffer(f.buffer, dtype=pool.dtype).view(shape)
-            pool[layer].index_copy_(1, idx, data.to(pool.device))  # a GPU pool takes tcp frames through host memory
-        self.bytes_received += want * len(frames)
+        self.bytes_received += BY_NAME[msg.backend].copy_in(self, msg, frames)
 
     def _connect(self, peer: bytes, ask: KVConnect) -> None:
         """Answer a prefill worker's KVConnect (on the I/O thread): this pool's description, or
         for an nccl join, the join (made on a thread of the inbox's own), or why not."""
-        from kvtransfer import nccl
-
         reply = describe(self.pool, self.ipc, self.shm_path, ask.nonce)
-        if ask.nccl_id:
-            if "nccl" in reply.backends:
-                if self.nccl is None:
-                    self.nccl = nccl.NcclInbox(self.pool, self.timeout)
-                self.nccl.connect(peer, ask.nccl_id)
-            else:
-                why = f"kv backend 'nccl' is not available here (KV pool on {self.pool.device}, cupy and NCCL needed)"
-                reply = msgspec.structs.replace(reply, error=why)
+        if ask.nccl_id and (why := NCCL.join(self, peer, ask, reply)):
+            reply = msgspec.structs.replace(reply, error=why)
         self.sock.send_multipart([peer, encode(reply)])
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """Model and engine configuration: plain dataclasses, validated when constructed.
 
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
-metadata) and then only read; an `EngineConfig` is built from CLI flags or by tests. Nothing
-here reads environment variables.
+metadata) and then only read; an `EngineConfig` and a `WorkerConfig` are built from CLI flags
+(each field a flag sets declares it: runtime/flags.py) or by tests. Nothing here reads
+environment variables, and nothing imports torch until a method needs it, so the command line
+builds its flags from these classes without loading the engine.
 """
 from __future__ import annotations
 
@@ -10,16 +12,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import torch
-
-from kernels.backends import BY_NAME
-from kernels.cpu_native import ACTIVATION_MODES
-
 from pdserve_client.errors import InvalidRequestError
 from runtime.errors import NotSupportedError, UnsupportedModelError
+from runtime.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
 @dataclass(frozen=True)
@@ -123,8 +121,12 @@ class ModelConfig:
         )
 
 
-QUANT_ACTIVATIONS = tuple(ACTIVATION_MODES)  # float, int8, int16: how a small decode batch meets quantized weights
-LINEAR_BACKENDS = ("auto", "auto-reduced", "rules", *BY_NAME)  # --linear-backend (runtime.linear_plan)
+# kernels.cpu_native.ACTIVATION_MODES and kernels.backends.BY_NAME, named here so that --help imports no torch
+# (tests/serving/test_engine_flags.py checks they agree)
+QUANT_ACTIVATIONS = ("float", "int16", "int8")  # how a small decode batch meets quantized weights
+LINEAR_BACKENDS = ("auto", "auto-reduced", "rules", "c", "onednn", "mkl", "onednn-bf16", "int8pack",  # --linear-backend
+                   "c-float", "c-int16", "c-int8", "dequant-mkl", "int4pack")  # (runtime.linear_plan)
+KV_BACKENDS = ("auto", "shm", "tcp", "cuda_ipc", "nccl")  # --kv-backend (kvtransfer)
 AUTO_KV_CACHE_MB = 2048  # the workers' KV budget unless --kv-cache-mb is given (vLLM's CPU peer here runs with 2 GiB)
 
 
@@ -153,25 +155,33 @@ def auto_kv_cache_mb(shm_dir: str = "/dev/shm") -> int:
 class EngineConfig:
     """How one process runs the model: dtype, KV pool size, batching limits."""
 
-    dtype: str = "auto"  # auto: bfloat16 on a CUDA device, float32 on the CPU
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_cache_bytes
-    kv_cache_bytes: int = 512 * 2**20  # in-process default; the worker commands default to auto_kv_cache_mb()
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    dtype: str = flag("auto", group="model and weights", choices=("auto", *DTYPES), launch=True,
+                      help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
+    block_size: int = flag(16, group="KV cache and transfer", launch=True, help="tokens per KV block (a power of two)")
+    num_blocks: int | None = flag(None, group="KV cache and transfer", help="KV pool size in blocks (overrides --kv-cache-mb)")
+    # in-process default; the worker commands size it with auto_kv_cache_mb()
+    kv_cache_bytes: int = flag(512 * 2**20, group="KV cache and transfer", name="kv_cache_mb", scale=2**20, command_default=COMPUTED,
+                               launch=True, help=f"KV pool memory budget per worker, MiB (default: {AUTO_KV_CACHE_MB}, or less on a small "
+                               "machine: at most a quarter of the available memory and half of /dev/shm's free space)")
+    max_num_seqs: int = flag(64, group="scheduling", launch=True, help="sequences one worker runs at once")
+    max_num_batched_tokens: int = flag(2048, group="scheduling", aliases=("--max-batched-tokens",), launch=True,
+                                       help="token budget of one step")
     attention_backend: str = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's max_position
+    device: str = flag("cpu", group="model and weights", launch=True, help="cpu, cuda or cuda:N")
+    max_model_len: int | None = flag(None, group="scheduling", launch=True, help="context length, prompt + output (default: the model's)")
     cuda_graphs: bool = True  # on a CUDA device the decode worker replays captured decode steps (runtime.cuda_graphs)
     # float32 on the CPU: the fused forward of runtime.cpu_forward (off: the module forward, its twin)
     fast_path: bool = True
     linear_kind: str = "auto"  # kernels.linear: auto, torch (F.linear) or onednn (prepacked)
-    # runtime.linear_plan: rules (kernels.linear's fixed rules; the worker commands default to auto:
-    # back-ends measured at first start, cached), auto, auto-reduced or one back-end's name
-    linear_backend: str = "rules"
+    # runtime.linear_plan: rules (kernels.linear's fixed rules) in process; the worker commands default to auto
+    linear_backend: str = flag("rules", group="model and weights", choices=LINEAR_BACKENDS, command_default="auto", launch=True,
+                               help="CPU: which back-end multiplies each linear layer. auto: the fastest of the float32-faithful "
+                               "ones, measured per shape and row count at first start (cached); auto-reduced: bf16 / int8 ones "
+                               "too where they pass a teacher-forced accuracy check; rules: fixed row-count rules; or one back-end by name")
     # auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay quantized (kernels.quant) where the CPU fast path
     # runs; none: dequantized to float32 at load (the reference the HF-equivalence tests use)
-    quantization: str = "auto"
+    quantization: str = flag("auto", group="model and weights", aliases=("-q",), choices=("auto", "none"), launch=True,
+                             help="auto: serve a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (CPU); none: dequantize to float32")
     # quantized weights only: how activations meet them. float: every
     # product is x times the dequantized weight (the float twin up to summation order); int16
     # (the default) / int8: x is rounded per 32-wide block to integers (to 1/32767 / 1/127 of the
@@ -181,11 +191,20 @@ class EngineConfig:
     # int16 also takes larger batches and prompts (kernels.quant.kernel_rows: 1.1-1.5x dequantize
     # + MKL or the float tiled kernel; prefill top-1 99.88%, KL 0.00000); with float or int8,
     # batches above 4 rows run float.
-    quant_activations: str = "int16"
-    gpu_memory_utilization: float | None = None  # CUDA only: size the KV pool to fill this share of the GPU (vLLM's flag)
-    prefix_cache: bool = True  # reuse the KV of full blocks whose token prefix was computed before (off: --no-prefix-cache)
-    tensor_parallel_size: int = 1  # rank processes one worker runs the model on (runtime.tp; CPU, gloo)
-    pipeline_parallel_size: int = 1  # vLLM's flag: only 1 (pipeline parallelism is not built)
+    quant_activations: str = flag("int16", group="model and weights", choices=QUANT_ACTIVATIONS, launch=True,
+                                  help="quantized weights: how a small decode batch (<= 4 rows; int16: <= 7) is multiplied: float "
+                                  "(exact to summation order), int16 or int8 (activations rounded per 32-wide block, integer "
+                                  "products; faster, approximate)")
+    gpu_memory_utilization: float | None = flag(None, group="KV cache and transfer", launch=True,
+                                                help="CUDA only: size the KV pool so that this share of the GPU's memory is used "
+                                                "(instead of --kv-cache-mb)")
+    prefix_cache: bool = flag(True, group="KV cache and transfer", name="no_prefix_cache", launch=True,
+                              help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)")
+    tensor_parallel_size: int = flag(1, group="parallelism", aliases=("-tp",), min=1, launch=True,
+                                     help="rank processes a worker splits the model over (runtime.tp; CPU: gloo on loopback); "
+                                     "`pdserve launch` also takes --prefill-tp / --decode-tp per side")
+    pipeline_parallel_size: int = flag(1, group="parallelism", aliases=("-pp",), min=1, launch=True,
+                                       help="only 1: pipeline parallelism is not supported")
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -230,14 +249,16 @@ class EngineConfig:
         return self.quantization == "auto"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def blocks_for_budget(self, model: ModelConfig) -> int:
         """Number of KV blocks that fit in kv_cache_bytes (all layers, K and V)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        itemsize = self.torch_dtype.itemsize
         per_block = 2 * model.num_layers * self.block_size * model.kv_size * itemsize
         budget = self.kv_cache_bytes if self.gpu_memory_utilization is None else self.gpu_kv_budget()
         return max(1, math.floor(budget / per_block))
@@ -246,6 +267,8 @@ class EngineConfig:
         """Bytes left for the KV pool, called once the weights are on the GPU: the device's total
         memory x gpu_memory_utilization, less what is in use now (by this process and any other),
         less a 5% reserve for activations."""
+        import torch
+
         free, total = torch.cuda.mem_get_info(torch.device(self.device))
         budget = int(total * (self.gpu_memory_utilization - 0.05)) - (total - free)
         if budget <= 0:
@@ -271,23 +294,27 @@ class EngineConfig:
 class WorkerConfig:
     """What a worker process needs beyond the engine: where the coordinator is, who it is."""
 
-    coordinator: str = "tcp://127.0.0.1:5556"
-    model: str | None = None
-    worker_id: str = ""  # "" = role-pid
-    kv_backend: str = "auto"  # prefill: auto (from each decode pool's description), or force shm, tcp, cuda_ipc, nccl
-    kv_bind: str = "tcp://127.0.0.1:*"  # decode: where prefill workers deliver KV
+    coordinator: str = flag("tcp://127.0.0.1:5556", group="network", help="coordinator worker port")
+    model: str | None = flag(None, group="model and weights", launch=True, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    worker_id: str = flag("", group="network", help="default: ROLE-PID")
+    # prefill: auto (from each decode pool's description), or force one
+    kv_backend: str = flag("auto", group="KV cache and transfer", choices=KV_BACKENDS, launch=True,
+                           help="how to hand KV to decode workers (auto: from each decode pool's description)")
+    kv_bind: str = flag("tcp://127.0.0.1:*", group="KV cache and transfer", help="where prefill workers deliver KV")  # decode
     shared_pool: bool = True  # decode: put the KV pool in /dev/shm for the shm backend
-    batch_window_ms: float = 2.0  # prefill: wait this long for more prompts to pack
-    heartbeat_s: float = 0.5
+    batch_window_ms: float = flag(2.0, group="scheduling", help="wait this long to pack more prompts into a forward")  # prefill
+    heartbeat_s: float = flag(0.5, group="network", help="seconds between heartbeats (load, free KV blocks, step times); keep well "
+                              "under the coordinator's --worker-timeout")
     grant_timeout_s: float = 30.0  # decode: a grant whose KV never arrives is freed after this
-    threads: int | None = None  # torch threads; None = torch's default
-    core_share: str | None = None  # "PATH:SLOT": size threads by the launch's busy workers (runtime.cores)
-    keys: str | None = None  # CurveZMQ keys directory (pdserve keygen)
-    insecure: bool = False  # allow a non-loopback kv bind without keys
-    worker_secret_file: str | None = None  # without keys: the per-launch secret (wire/security.py) workers present
+    threads: int | None = flag(None, group="parallelism", help="torch threads (default: torch's choice; with TP n, each rank a 1/n share)")
+    core_share: str | None = flag(None, group="parallelism",  # runtime.cores
+                                  help="PATH:SLOT from the launcher: share the node's cores with its other busy workers")
+    keys: str | None = keys_flag()
+    insecure: bool = insecure_flag()  # allow a non-loopback kv bind without keys
+    worker_secret_file: str | None = secret_flag()  # without keys: the per-launch secret (wire/security.py) workers present
 
     def __post_init__(self):
-        if self.kv_backend not in ("auto", "shm", "tcp", "cuda_ipc", "nccl"):
+        if self.kv_backend not in KV_BACKENDS:
             raise InvalidRequestError(f"kv_backend must be auto, shm, tcp, cuda_ipc or nccl, got {self.kv_backend!r}")
         if self.batch_window_ms < 0 or self.heartbeat_s <= 0 or self.grant_timeout_s <= 0:
             raise InvalidRequestError("batch_window_ms must be >= 0, heartbeat_s and grant_timeout_s > 0")

@@ -13,11 +13,10 @@ the prefill worker, before its next step, stops (YIELDING) until that decode ste
 before any step waits for a decode step in progress to end (`take_prefill_turn`), so the two
 never run at once on the same cores; past its stall cap a decode worker steps regardless (see
 `stall_cap` and `turn_after`: under SLO control both follow the coordinator's TPOT target). A
-prefill worker sizes its threads by the busy prefill workers alone (measured, a 32-prompt
-burst's TTFT median / p99 5.1 / 10.0 s against 7.8 / 13.2 s with the deferral alone). Time to first token
-is what a backed-up prefill queue costs, and each prompt's whole prefill waits on it, while a
-decode stream loses at most the cap per token: split 1 + 1 on two cores, a burst of 32 prompts
-took the prefill worker twice as long and the disaggregated p99 TTFT was 1.65x vLLM's.
+prefill worker sizes its threads by the busy prefill workers alone. Time to first token is what
+a backed-up prefill queue costs, and each prompt's whole prefill waits on it, while a decode
+stream loses at most the cap per token (docs/performance.md, "Figures behind design choices":
+a static 1 + 1 split doubled a burst's prefill time).
 
 Lifecycle: the launcher calls `create_share(n_workers)` once (a file of one byte per worker in
 /dev/shm) and hands worker i the spec "PATH:i" (`--core-share`); it unlinks the file when it

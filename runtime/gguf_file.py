@@ -1,8 +1,8 @@
 """A fast reader of a GGUF file's header: metadata and tensor table, with tensor bytes mapped.
 
 Lifecycle: `read_gguf(path)` parses the header once (strings of the embedded vocabulary are
-skipped, not decoded, which is what makes it ~50x faster than gguf.GGUFReader on a tokenizer
-of 49k entries), maps the file read-only, and returns metadata plus a `GGUFTensor` per tensor
+skipped, not decoded, which is what makes it much faster than gguf.GGUFReader: docs/performance.md,
+"Figures behind design choices"), maps the file read-only, and returns metadata plus a `GGUFTensor` per tensor
 whose `raw()` is a zero-copy uint8 view of its bytes shaped (rows, bytes per row). Type sizes
 and dequantization come from the `gguf` package. A file that ends early or lies about its
 sizes raises ValueError naming what is wrong.

@@ -6,9 +6,9 @@ imported and loaded everything it keeps for its lifetime (torch, transformers, t
 tokenizer) and before it takes traffic. Nothing else here runs later.
 
 Why: those imports leave about 200,000 long-lived objects on the heap, and a full collection
-walks all of them: about 60 ms on a 2-core Xeon, and more on a slower or busier machine. Such a
-pause inside the coordinator delays every admission, rejection and token relay behind it (one
-showed up as a 99 ms rejection in CI). `gc.freeze()` moves them to a permanent generation that
+walks all of them (tens of milliseconds: docs/performance.md, "Figures behind design choices").
+Such a pause inside the coordinator delays every admission, rejection and token relay behind
+it. `gc.freeze()` moves them to a permanent generation that
 collections skip; a full collection then costs microseconds. vLLM does the same after start-up.
 """
 from __future__ import annotations

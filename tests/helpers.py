@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.ports import free_port  # noqa: F401  (the one free_port; tests import it from here)
+
 LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
@@ -136,14 +138,6 @@ def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
     cfg.update(overrides)
     save_tiny_model(path, seed=seed, **cfg)
     tok.save_pretrained(str(path))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), prefill_args=(),

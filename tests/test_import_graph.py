@@ -1,10 +1,11 @@
 """The import graph between pdserve's packages, read from the source with `ast`, against the
-rule in the README's layout section ("Who imports whom").
+rule in docs/architecture.md's layout section ("Who imports whom").
 
 Every `import` counts, at module level or inside a function (a lazy import is still a
-dependency). The test fails when a package imports one the README does not allow it to, when two
+dependency). The test fails when a package imports one the rule does not allow it to, when two
 packages import each other (directly or round a longer circle), or when modules inside one
-package import each other in a circle.
+package import each other in a circle. benchmarks/ (not shipped) may import anything, but
+nothing shipped may import it, and the package list in pyproject.toml must leave it out.
 """
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import ast
 import re
 import sys
 import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_DIST = ROOT / "client"  # the pdserve-client distribution: its package is client/pdserve_client
-ENGINE = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "gateway", "pdserve")
+ENGINE = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "gateway", "pdserve", "benchmarks")
 PACKAGES = {"pdserve_client": CLIENT_DIST / "pdserve_client", **{p: ROOT / p for p in ENGINE}}  # package -> its folder
 GONE = ("client",)  # packages that no longer exist (now pdserve_client): an import of one is stale
+NOT_SHIPPED = ("benchmarks",)  # in the repository, not in the wheel
 
 
 def module_name(path: Path) -> str:
@@ -135,11 +138,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def readme_rule() -> dict[str, set[str] | None]:
-    """package -> the packages it may import (None: any), from the README's import-graph block."""
-    text = (ROOT / "README.md").read_text()
+RULE_FILE = ROOT / "docs" / "architecture.md"
+
+
+def documented_rule() -> dict[str, set[str] | None]:
+    """package -> the packages it may import (None: any), from docs/architecture.md's import-graph block."""
+    text = RULE_FILE.read_text()
     block = re.search(r"Who imports whom.*?```\n(.*?)```", text, re.S)
-    assert block, "README.md has no 'Who imports whom' block in its layout section"
+    assert block, "docs/architecture.md has no 'Who imports whom' block in its layout section"
     rule = {}
     for line in block.group(1).splitlines():
         m = re.match(r"\s*(\w+)\s+->\s+([^#]*)", line)
@@ -149,14 +155,22 @@ def readme_rule() -> dict[str, set[str] | None]:
     return rule
 
 
-def test_readme_names_every_package():
-    assert set(readme_rule()) == set(PACKAGES)
+def test_the_rule_names_every_package():
+    assert set(documented_rule()) == set(PACKAGES)
 
 
-def test_every_package_imports_only_what_the_readme_allows():
-    rule = readme_rule()
+def test_every_package_imports_only_what_the_rule_allows():
+    rule = documented_rule()
     extra = {pkg: sorted(deps - rule[pkg]) for pkg, deps in package_graph().items() if rule[pkg] is not None and deps - rule[pkg]}
-    assert not extra, f"imports the README's layout section does not allow: {extra}"
+    assert not extra, f"imports docs/architecture.md's layout section does not allow: {extra}"
+
+
+def test_nothing_shipped_imports_what_is_not_shipped():
+    graph = package_graph()
+    shipped = [p for p in PACKAGES if p not in NOT_SHIPPED]
+    assert not {p: sorted(graph[p] & set(NOT_SHIPPED)) for p in shipped if graph[p] & set(NOT_SHIPPED)}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in NOT_SHIPPED if any(fnmatch(p, g) or fnmatch(f"{p}.x", g) for g in include)]
 
 
 def test_no_package_imports_one_that_imports_it_back():
@@ -188,9 +202,9 @@ def test_no_import_uses_a_path_the_client_distribution_replaced():
 def test_the_stale_import_check_sees_moved_names(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("from wire.protocol import Hello, GenerateRequest\nfrom runtime.errors import PdserveError, NotSupportedError\n"
-                 "from pdserve_client import Client\n\ndef f():\n    from client.library import Client\n")
+                 "from pdserve_client import Client\n\ndef f():\n    from client import Client\n")
     assert sorted(s.split(": ", 1)[1] for s in stale_imports([f], source_modules())) == [
-        "from client.library (no such module)", "from runtime.errors import PdserveError", "from wire.protocol import GenerateRequest"]
+        "from client (no such module)", "from runtime.errors import PdserveError", "from wire.protocol import GenerateRequest"]
 
 
 def test_the_client_distribution_imports_only_pyzmq_and_msgspec():

@@ -21,6 +21,7 @@ import msgspec
 
 from pdserve_client.errors import InvalidRequestError
 from runtime.errors import LimitExceededError
+from runtime.flags import flag
 from pdserve_client.params import MAX_LOGPROBS, StructuredOutput
 
 SCAN_FIRST_BYTES = 64 * 1024  # a larger GenerateRequest frame is scanned for oversized fields before it is decoded
@@ -85,13 +86,17 @@ def utf8_len(text: str) -> int:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    # ---- with a flag (pdserve/cli.py)
-    max_prompt_bytes: int = 2**20  # --max-prompt-bytes: UTF-8 bytes of a prompt, or of a chat's roles and contents plus message_overhead a message
-    max_stop: int = 64  # --max-stop: stop strings per request (OpenAI allows 4)
-    max_stop_length: int = 256  # --max-stop-length: characters of one stop string
+    # ---- with a flag (pdserve/cli.py builds it from these)
+    # UTF-8 bytes of a prompt, or of a chat's roles and contents plus message_overhead a message
+    max_prompt_bytes: int = flag(2**20, group="request limits", min=1, launch=True,
+                                 help="UTF-8 bytes of a prompt (or a chat's messages) before tokenizing; more is a 400")
+    max_stop: int = flag(64, group="request limits", min=1, launch=True, help="stop strings per request")  # OpenAI allows 4
+    max_stop_length: int = flag(256, group="request limits", min=1, launch=True, help="characters of one stop string")
     max_stop_token_ids: int = 1024  # stop_token_ids per request
-    max_client_priority: int = 0  # --max-client-priority: a request may ask for at most this priority class
-    client_target_range: tuple[float, float] = (1.0, 1.0)  # --client-target-range: own ttft_ms/tpot_ms allowed, as factors of the class targets
+    max_client_priority: int = flag(0, group="request limits", launch=True, help="the highest priority class a request may ask for (higher is a 400)")
+    # own ttft_ms/tpot_ms allowed, as factors of the class targets
+    client_target_range: tuple[float, float] = flag((1.0, 1.0), group="request limits", launch=True,
+                                                    help="LO:HI: a request's own ttft_ms/tpot_ms must lie within LO..HI times its class's targets")
     # ---- named defaults (no flag): generous for any real client, small enough that no field costs more than the prompt bound
     message_overhead: int = 32  # bytes each chat message counts in max_prompt_bytes besides its text: rendering it costs a
     # template loop turn, so 200,000 empty messages count 6.4 MB, not 0 (and msgpack frames a message in <= 24 bytes)

@@ -8,8 +8,8 @@ high-water mark); `stop()` unregisters the descriptor. The caller closes the soc
 `stop()`.
 
 Why not zmq.asyncio's awaited recv and send: each creates a Future and runs callbacks per
-message, which measured about a third of the coordinator's CPU per request with stub workers
-(`pdserve bench --stub-coordinator`). Here one wake-up drains every waiting message with
+message, a large share of the coordinator's CPU per request (docs/performance.md, "Measuring",
+the coordinator with stub workers). Here one wake-up drains every waiting message with
 non-blocking calls (`drain_batch` at most before the loop gets a turn).
 
 ZeroMQ's descriptor is edge-triggered and is also consumed by sends on the same socket, so

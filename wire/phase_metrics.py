@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5,
            10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 BYTES = tuple(float(2**k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
-PHASES = {  # histogram (pdserve:NAME) -> (help, buckets)
+PHASES = {  # histogram (pdserve_NAME) -> (help, buckets)
     "request_queue_time_seconds": ("Time from arrival to the start of the prompt's forward (placement, KV grant, prefill queue)", SECONDS),
     "request_prefill_time_seconds": ("Time of the prompt's forward pass on the prefill worker", SECONDS),
     "request_kv_transfer_time_seconds": ("Time handing the prompt's KV cache from the prefill to the decode worker", SECONDS),
@@ -137,10 +137,10 @@ def families(stats: dict, model: str):
         for bound, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"]):
             total += n
             cumulative.append((bound, total))
-        fam = HistogramMetricFamily(f"pdserve:{name}", PHASES[name][0], labels=["model_name"])
+        fam = HistogramMetricFamily(f"pdserve_{name}", PHASES[name][0], labels=["model_name"])
         fam.add_metric([model], cumulative, h["sum"])
         yield fam
-    pre = CounterMetricFamily("pdserve:num_preemptions", "Sequences preempted (and recomputed) by workers short of KV blocks",
+    pre = CounterMetricFamily("pdserve_num_preemptions", "Sequences preempted (and recomputed) by workers short of KV blocks",
                               labels=["model_name", "worker"])
     for w in stats.get("workers", []):
         pre.add_metric([model, w["id"]], w.get("preemptions", 0))

@@ -2,7 +2,7 @@
 messages. The client-facing ones (client <-> coordinator), their `Message` base and the codec
 (`encode`, `decoder`) are in pdserve_client/protocol.py, the client distribution's one copy.
 
-Lifecycle of one request (README.md, "Using it"; coordinator/server.py holds its states):
+Lifecycle of one request (docs/architecture.md; coordinator/server.py holds its states):
   client  -> coordinator   GenerateRequest
   coord   -> decode        Admit            decode reserves KV blocks for the prompt
   decode  -> coord         Granted | AdmitRefused

@@ -4,16 +4,19 @@ llama.cpp row is skipped with its reason where it cannot run (no GGUF for a safe
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_compare_table_small(model_dir, tmp_path):
     out = tmp_path / "c.json"
-    r = subprocess.run([sys.executable, "-m", "pdserve.bench_compare", "--model", str(model_dir), "--num-prompts", "3", "--input-len", "16",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--model", str(model_dir), "--num-prompts", "3", "--input-len", "16",
                         "--output-len", "4", "--rows", "disagg,hf-batch,llama-cpp", "--sections", "rows", "--disable-tqdm",
-                        "--save-result", str(out)], capture_output=True, text=True, timeout=300)
+                        "--save-result", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = {line.split("  ")[0]: line for line in r.stdout.splitlines()}
     assert lines["pdserve disaggregated 1P+1D"].split()[3] == "3/3" and lines["pdserve disaggregated 1P+1D"].endswith("1.00x")

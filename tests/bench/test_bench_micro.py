@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from pdserve.bench_overhead import format_overhead, measure_overhead
-from pdserve.bench_roofline import decode_roofline, format_handoffs, format_roofline, kv_handoff, machine_rates, step_cost
+from benchmarks.roofline import decode_roofline, format_handoffs, format_roofline, kv_handoff, machine_rates, step_cost
+from pdserve.bench.overhead import format_overhead, measure_overhead
 from runtime.config import ModelConfig
 
 

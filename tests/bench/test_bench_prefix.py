@@ -4,9 +4,8 @@ hand-off bytes and prefix-cache hit rate the bench reports for a pdserve cluster
 without the prefix cache (real processes on loopback)."""
 import json
 
-from pdserve.bench import build_parser
-from pdserve.bench_data import chat_replay_requests, follow_up
-from pdserve.bench_vllm import build_workload
+from pdserve.bench.options import build_parser
+from pdserve.bench.workloads import build_workload, chat_replay_requests, follow_up
 from runtime.tokenizer import load_tokenizer
 from tests.bench.test_bench_serving import bench
 from tests.helpers import start_cluster, wait_all_blocks_free

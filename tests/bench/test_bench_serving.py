@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdserve.bench_data import arrival_intervals
+from pdserve.bench.workloads import arrival_intervals
 from pdserve.launch import Launcher, NodePlan
 from tests.helpers import free_port
 
@@ -40,7 +40,7 @@ def bench(*args) -> str:
 
 def bench_here(capsys, *args) -> str:
     """The same command in this process (no interpreter start-up); returns stdout."""
-    from pdserve.bench import main
+    from pdserve.bench.command import main
 
     code = main(["--disable-tqdm", *args])
     out = capsys.readouterr()

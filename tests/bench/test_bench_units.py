@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench_backends import OpenAIBackend, Sampling
-from pdserve.bench_data import (
+from pdserve.bench.backends import OpenAIBackend, Sampling
+from pdserve.bench.workloads import (
     BenchRequest, arrival_intervals, build_requests, length_range, read_jsonl, shipped_prompts_path,
 )
-from pdserve.bench_metrics import RequestOutput, compute_metrics, format_metrics, parse_goodput, result_dict
+from pdserve.bench.metrics import RequestOutput, compute_metrics, format_metrics, parse_goodput, result_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -39,7 +39,7 @@ def gateway(model_dir, tmp_path_factory):
 
 
 def bench_here(capsys, *args) -> str:
-    from pdserve.bench import main
+    from pdserve.bench.command import main
 
     code = main(["--disable-tqdm", *args])
     out = capsys.readouterr()
@@ -112,7 +112,7 @@ def test_prefix_repetition(gateway, model_dir, tmp_path, capsys):
 
 
 def test_prefix_repetition_prompts_share_prefixes(model_dir):
-    from pdserve.bench_vllm import prefix_repetition_requests
+    from pdserve.bench.workloads import prefix_repetition_requests
     from runtime.tokenizer import load_tokenizer
 
     reqs = prefix_repetition_requests(load_tokenizer(str(model_dir)), 6, 20, 5, 3, 4, seed=0)
@@ -130,7 +130,7 @@ def test_prefix_repetition_prompts_share_prefixes(model_dir):
     (["--min-p", "0.1"], "--min-p: only with the openai backends"),
 ])
 def test_bad_vllm_flags_are_usage_errors(flags, message, capsys):
-    from pdserve.bench import main
+    from pdserve.bench.command import main
 
     assert main(["--backend", "pdserve", "--num-prompts", "1", *flags]) == 2
     assert message in capsys.readouterr().err

@@ -5,9 +5,12 @@ import json
 
 import pytest
 
-from pdserve import bench_goodput as gp
-from pdserve import bench_overload as ov
-from pdserve.bench_metrics import RequestOutput
+from benchmarks import goodput as gp
+from benchmarks import overload_check as ov
+from benchmarks.cells import Cell, format_cells, make_cell
+from benchmarks.machine import cpu_line
+from benchmarks.servers import launch_command
+from pdserve.bench.metrics import RequestOutput
 
 
 def served(ttft: float, tpot: float, n: int = 1, tokens: int = 5) -> list[RequestOutput]:
@@ -23,14 +26,14 @@ def lost(n: int) -> list[RequestOutput]:
     return [RequestOutput(prompt_len=8, error="ReadTimeout: ") for _ in range(n)]
 
 
-def cell(rate: float, goodput: float, served_n: int = 10) -> gp.Cell:
-    return gp.Cell(rate, served_n, served_n, 0, 0, 10.0, goodput, 100.0, 20.0, None)
+def cell(rate: float, goodput: float, served_n: int = 10) -> Cell:
+    return Cell(rate, served_n, served_n, 0, 0, 10.0, goodput, 100.0, 20.0, None)
 
 
 def test_cell_counts_shed_lost_and_goodput_within_both_targets():
     # 10 s: 3 on time, 1 too slow to first token, 1 too slow per token, 2 shed (429), 1 lost
     outs = served(0.5, 0.1, 3) + served(2.5, 0.1) + served(0.5, 0.3) + shed(2, 0.004) + lost(1)
-    c = gp.make_cell(4.0, outs, 10.0, ttft_ms=2000, tpot_ms=250)
+    c = make_cell(4.0, outs, 10.0, ttft_ms=2000, tpot_ms=250)
     assert (c.sent, c.admitted, c.served, c.shed, c.failed) == (8, 6, 5, 2, 1)
     assert c.goodput == pytest.approx(0.3)  # 3 good / 10 s
     assert c.ttft_p99_ms == pytest.approx(2500, rel=0.05) and c.tpot_p99_ms == pytest.approx(300, rel=0.05)
@@ -38,9 +41,9 @@ def test_cell_counts_shed_lost_and_goodput_within_both_targets():
 
 
 def test_cell_with_nothing_served_has_no_latencies():
-    c = gp.make_cell(16.0, shed(3), 2.0, 2000, 250)
+    c = make_cell(16.0, shed(3), 2.0, 2000, 250)
     assert (c.served, c.shed, c.goodput, c.ttft_p99_ms, c.tpot_p99_ms) == (0, 3, 0.0, None, None)
-    assert "     -        -" in gp.format_cells([("x", c)])[2]
+    assert "     -        -" in format_cells([("x", c)])[2]
 
 
 def test_table_ratios_and_goal_checks():
@@ -65,10 +68,10 @@ def test_goal_checks_only_for_rows_measured():
 
 
 def test_overload_summary_counts_runs_within_both_targets():
-    good = gp.make_cell(12, served(1.0, 0.2, 5) + shed(5), 20.0, 3000, 400)
-    slow = gp.make_cell(12, served(3.5, 0.2, 5), 20.0, 3000, 400)
-    lossy = gp.make_cell(12, served(1.0, 0.2, 5) + lost(1), 20.0, 3000, 400)
-    all_shed = gp.make_cell(12, shed(4), 20.0, 3000, 400)
+    good = make_cell(12, served(1.0, 0.2, 5) + shed(5), 20.0, 3000, 400)
+    slow = make_cell(12, served(3.5, 0.2, 5), 20.0, 3000, 400)
+    lossy = make_cell(12, served(1.0, 0.2, 5) + lost(1), 20.0, 3000, 400)
+    all_shed = make_cell(12, shed(4), 20.0, 3000, 400)
     assert [ov.within(c, 3000, 400) for c in (good, slow, lossy, all_shed)] == [True, False, False, False]
     text = ov.format_runs([good, slow, lossy, all_shed], 3000, 400)
     assert "within both targets (TTFT p99 <= 3000 ms, TPOT p99 <= 400 ms) in 1 of 4 runs" in text
@@ -82,7 +85,7 @@ def test_pdserve_rows_launch_with_the_targets_and_extra_flags(tmp_path):
     args = gp.build_parser().parse_args(["--ttft-ms", "1500", "--extra-launch-arg=--max-num-seqs 64", "--extra-launch-arg=--threads=1"])
     assert gp.pdserve_flags(args, "disagg") == ["--ttft-p99-ms", "1500", "--tpot-p99-ms", "250", "--max-num-seqs", "64", "--threads=1"]
     assert gp.pdserve_flags(args, "colocated")[0] == "--colocated"
-    cmd = gp.launch_command(args, gp.pdserve_flags(args, "colocated"), str(tmp_path), 8123)
+    cmd = launch_command(args, gp.pdserve_flags(args, "colocated"), str(tmp_path), 8123)
     assert cmd[1:4] == ["-m", "pdserve", "launch"] and cmd[cmd.index("--http-port") + 1] == "8123" and "--model" not in cmd
 
 
@@ -93,7 +96,7 @@ def test_bad_command_lines_are_refused_before_anything_starts(capsys, argv, word
 
 
 def test_cpu_line_names_the_model_and_flags():
-    line = gp.cpu_line()
+    line = cpu_line()
     assert line.startswith("Model name: ") and "; Flags: " in line and "unknown" not in line
 
 

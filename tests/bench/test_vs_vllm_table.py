@@ -1,7 +1,8 @@
 """scripts/vs_vllm's table: ratios to vLLM for every other row, from known metrics, and its
 command line (rows are checked before anything starts)."""
-from pdserve import bench_vs_vllm as vs
-from pdserve.bench_metrics import RequestOutput, compute_metrics
+from benchmarks import vs_vllm as vs
+from benchmarks.servers import Workload
+from pdserve.bench.metrics import RequestOutput, compute_metrics
 
 
 def metrics(ttft: float, itl: float, n: int, duration: float):
@@ -11,7 +12,7 @@ def metrics(ttft: float, itl: float, n: int, duration: float):
 
 
 def test_table_gives_each_row_its_ratio_to_vllm():
-    w = [vs.Workload("2 at once", [], None)]
+    w = [Workload("2 at once", [], None)]
     table = vs.format_tables(
         {"vllm": {"2 at once": metrics(0.2, 0.05, 2, 1.0)}, "colocated": {"2 at once": metrics(0.1, 0.10, 2, 0.5)}},
         {"vllm": 60.0, "colocated": 20.0}, w,

@@ -1,5 +1,6 @@
 """A Coordinator whose sends are recorded instead of leaving on sockets, for in-process tests
-of its request and worker handling (messages in through on_worker / on_client, out in lists)."""
+of its request and worker handling (messages in through on_worker / on_client, out in lists).
+It is strict about phases: a move outside coordinator/state.py's TRANSITIONS fails the test."""
 from coordinator.server import Coordinator
 from runtime.tokenizer import load_tokenizer
 
@@ -17,3 +18,8 @@ class Recorded(Coordinator):
 
     def taken(self, kind):
         return [(wid, m) for wid, m in self.to_workers if isinstance(m, kind)]
+
+    def move(self, st, to):
+        was = st.phase
+        super().move(st, to)
+        assert self.counts["illegal_transitions"] == 0, f"{st.iid} moved {was.name} -> {to.name}: not in TRANSITIONS"

@@ -9,6 +9,7 @@
 - finished requests feed the calibration (stats) and /metrics renders paths, role changes and
   the prediction error.
 """
+import shutil
 import time
 
 import pytest
@@ -18,8 +19,10 @@ from coordinator.placement import placed
 from coordinator.planner import PlannerConfig, Stage
 from tests.coordinator.recorded import Recorded
 from coordinator.server import CoordinatorConfig
+from coordinator.state import Phase
 from gateway.metrics import GatewayMetrics
 from pdserve_client.params import SamplingParams
+from tests.gateway.helpers import exposition_problems, promtool_check
 from tests.helpers import free_port
 from wire.protocol import (
     PROTOCOL_VERSION, Admit, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, TokenOut,
@@ -165,6 +168,7 @@ def test_a_drained_worker_is_told_its_new_role_and_placement_follows(closing):
         st = c.requests[start(c, f"busy-{wid}", 20)]
         if st.decode != wid:  # (both may be placed on one: put this one on wid)
             c.unplace(st)
+            c.move(st, Phase.NEW)  # placed again by hand, as a retry would
             c.generate_on(st, c.workers[wid], placed(wid), time.monotonic())
         busy[wid] = st.iid
     now = time.monotonic()
@@ -228,8 +232,11 @@ def test_metrics_render_paths_role_changes_and_prediction_error(closing):
     prefill_short(c, time.monotonic())
     text = GatewayMetrics("m").render(c.stats()).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples[("pdserve:request_path_total", (("model_name", "m"), ("path", "local")))] == 1
-    assert samples[("pdserve:role_changes_total", (("from", "decode"), ("model_name", "m"), ("to", "prefill")))] == 1
-    assert ("pdserve:prediction_error", (("model_name", "m"), ("phase", "ttft"), ("quantile", "p99"))) in samples
-    assert samples[("pdserve:admission_headroom", (("model_name", "m"), ("phase", "tpot")))] == c.cfg.tpot_headroom
-    assert ("pdserve:path_prediction_error", (("model_name", "m"), ("path", "local"), ("phase", "ttft"), ("quantile", "p50"))) in samples
+    assert samples[("pdserve_request_path_total", (("model_name", "m"), ("path", "local")))] == 1
+    assert samples[("pdserve_role_changes_total", (("from", "decode"), ("model_name", "m"), ("to", "prefill")))] == 1
+    assert ("pdserve_prediction_error_p99", (("model_name", "m"), ("phase", "ttft"))) in samples
+    assert samples[("pdserve_admission_headroom", (("model_name", "m"), ("phase", "tpot")))] == c.cfg.tpot_headroom
+    assert ("pdserve_path_prediction_error_p50", (("model_name", "m"), ("path", "local"), ("phase", "ttft"))) in samples
+    assert exposition_problems(text) == []  # every family a coordinator's stats fill keeps promtool's rules
+    if shutil.which("promtool"):
+        assert promtool_check(text)[0] == 0, promtool_check(text)[1]

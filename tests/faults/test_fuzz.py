@@ -266,7 +266,7 @@ def test_gateway_http_fuzz(cluster, model_dir):
     }
     rng = random.Random(4)
     url = cluster.plan.http_url
-    errors_before = value(scrape(url)[0], "pdserve:request_errors_total")
+    errors_before = value(scrape(url)[0], "pdserve_request_errors_total")
     statuses, error_events = {}, 0
     t0 = time.monotonic()
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -294,7 +294,7 @@ def test_gateway_http_fuzz(cluster, model_dir):
     print(f"gateway: {N_HTTP} bodies in {time.monotonic() - t0:.1f}s, statuses {statuses}")
     assert statuses.get(400, 0) > N_HTTP // 3 and statuses.get(200, 0) > 10  # the fuzz reached both sides
     failed = sum(n for s, n in statuses.items() if s != 200) + 2 + error_events  # + the 413 and 400 above
-    poll(lambda: value(scrape(url)[0], "pdserve:request_errors_total") - errors_before == failed, timeout=10)
+    poll(lambda: value(scrape(url)[0], "pdserve_request_errors_total") - errors_before == failed, timeout=10)
     check_healthy(cluster)
 
 

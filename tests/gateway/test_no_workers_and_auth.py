@@ -40,7 +40,7 @@ def test_health_is_503_without_workers(service):
     assert r.status_code == 503
     assert r.json()["status"] == "unavailable" and "no prefill+decode pair" in r.json()["reason"]
     samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
-    assert value(samples, "pdserve:coordinator_up") == 1 and value(samples, "pdserve:num_workers") == 0
+    assert value(samples, "pdserve_coordinator_up") == 1 and value(samples, "pdserve_num_workers") == 0
 
 
 def test_requests_are_503_without_workers(service, model):
@@ -51,7 +51,7 @@ def test_requests_are_503_without_workers(service, model):
                 c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=stream)
             assert e.value.status_code == 503 and e.value.code == "no_workers"
     samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
-    assert value(samples, "pdserve:request_errors_total", error_type="no_workers") == 2
+    assert value(samples, "pdserve_request_errors_total", error_type="no_workers") == 2
 
 
 def test_api_key_is_required(service, model):

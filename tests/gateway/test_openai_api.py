@@ -10,6 +10,7 @@ The model is tiny and random with a 2048-token context; each worker's KV pool is
 coordinator holds it, waiting for room, until --pending-timeout (2 s) and sheds it as
 `overloaded` (or earlier as `slo_unattainable`, when it predicts the TTFT target missed): a 429."""
 import asyncio
+import shutil
 import time
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 
 from pdserve_client.library import Client
 from runtime.tokenizer import load_tokenizer, render_chat
-from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
+from tests.gateway.helpers import exposition_problems, poll, promtool_check, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
 CONTEXT = 2048
@@ -306,8 +307,8 @@ def test_disconnect_while_waiting_aborts(service, client, model):
 def test_metrics_parse_and_move(service, client, model, tok):
     url = service.plan.http_url
     before, types = scrape(url)
-    assert types["pdserve:time_to_first_token_seconds"] == "histogram" and types["pdserve:request_success"] == "counter"
-    assert types["pdserve:kv_cache_usage_perc"] == "gauge" and types["pdserve:num_requests_running"] == "gauge"
+    assert types["pdserve_time_to_first_token_seconds"] == "histogram" and types["pdserve_request_success"] == "counter"
+    assert types["pdserve_kv_cache_usage_perc"] == "gauge" and types["pdserve_num_requests_running"] == "gauge"
     prompt = "Metrics are"
     greedy(client, model, prompt, 5)
     with pytest.raises(openai.BadRequestError):
@@ -315,25 +316,53 @@ def test_metrics_parse_and_move(service, client, model, tok):
 
     def handed_off():  # the hand-off is reported by the prefill worker, apart from the tokens
         s = scrape(url)[0]
-        return s if value(s, "pdserve:kv_transfer_handoffs_total") > value(before, "pdserve:kv_transfer_handoffs_total") else None
+        return s if value(s, "pdserve_kv_transfer_handoffs_total") > value(before, "pdserve_kv_transfer_handoffs_total") else None
 
     after = poll(handed_off)
 
     def moved(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert moved("pdserve:request_success_total", finished_reason="length", model_name=model) == 1
+    assert moved("pdserve_request_success_total", finished_reason="length", model_name=model) == 1
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds", "request_prompt_tokens"):
-        assert moved(f"pdserve:{h}_count") == 1, h
-    assert moved("pdserve:inter_token_latency_seconds_count") == 4
-    assert moved("pdserve:generation_tokens_total") == 5 and moved("pdserve:prompt_tokens_total") == len(tok.encode(prompt))
-    assert moved("pdserve:request_errors_total", error_type="invalid_sampling_params") == 1
-    assert moved("pdserve:kv_transfer_bytes_total") > 0 and moved("pdserve:kv_transfer_seconds_total") > 0
-    assert value(after, "pdserve:coordinator_up") == 1
-    assert value(after, "pdserve:num_workers", role="prefill") == 1 and value(after, "pdserve:num_workers", role="decode") == 1
-    usage = {dict(ls)["worker"]: v for (n, ls), v in after.items() if n == "pdserve:kv_cache_usage_perc"}
+        assert moved(f"pdserve_{h}_count") == 1, h
+    assert moved("pdserve_inter_token_latency_seconds_count") == 4
+    assert moved("pdserve_generation_tokens_total") == 5 and moved("pdserve_prompt_tokens_total") == len(tok.encode(prompt))
+    assert moved("pdserve_request_errors_total", error_type="invalid_sampling_params") == 1
+    assert moved("pdserve_kv_transfer_bytes_total") > 0 and moved("pdserve_kv_transfer_seconds_total") > 0
+    assert value(after, "pdserve_coordinator_up") == 1
+    assert value(after, "pdserve_num_workers", role="prefill") == 1 and value(after, "pdserve_num_workers", role="decode") == 1
+    usage = {dict(ls)["worker"]: v for (n, ls), v in after.items() if n == "pdserve_kv_cache_usage_perc"}
     assert set(usage) == {"t-prefill-0", "t-decode-0"} and all(0 <= v <= 1 for v in usage.values())
-    assert ("pdserve:num_requests_waiting", (("model_name", model), ("role", "decode"), ("worker", "t-decode-0"))) in after
+    assert ("pdserve_num_requests_waiting", (("model_name", model), ("role", "decode"), ("worker", "t-decode-0"))) in after
     # SLO windows: the coordinator's own p99 TTFT of priority class 0 and its targets
-    assert value(after, "pdserve:slo_ttft_seconds", priority="0", quantile="p99") > 0
-    assert value(after, "pdserve:slo_ttft_target_seconds") > 0 and types["pdserve:slo_tpot_seconds"] == "gauge"
+    assert value(after, "pdserve_slo_ttft_p99_seconds", priority="0") > 0
+    assert value(after, "pdserve_slo_ttft_target_seconds") > 0 and types["pdserve_slo_tpot_p99_seconds"] == "gauge"
+
+
+def served_metrics(service, client, model) -> str:
+    """/metrics as text after a request: the histograms, SLO windows and hand-off counters have samples."""
+    greedy(client, model, "Rules are", 3)
+    text = httpx.get(f"{service.plan.http_url}/metrics", timeout=10).text
+    assert 'pdserve_slo_ttft_p99_seconds{model_name="' in text and "pdserve_e2e_request_latency_seconds_bucket{" in text
+    return text
+
+
+def test_metrics_keep_the_rules_promtool_checks(service, client, model):
+    assert exposition_problems(served_metrics(service, client, model)) == []
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not on PATH (Debian's prometheus package has it: "
+                    "`apt-get download prometheus && dpkg-deb -x prometheus_*.deb x` gives x/usr/bin/promtool)")
+def test_metrics_pass_promtool(service, client, model):
+    status, out = promtool_check(served_metrics(service, client, model))
+    assert status == 0, out
+
+
+def test_every_phase_move_of_this_modules_traffic_is_in_the_table(service, client, model):
+    """Run last: the streams, aborts, disconnects and refusals above moved requests only as
+    coordinator/state.py's TRANSITIONS allows (a move outside it is counted illegal_transitions)."""
+    greedy(client, model, "one more", 2)
+    with coordinator(service) as c:
+        counts = c.stats()["requests"]
+    assert counts.get("requests", 0) >= 1 and counts.get("illegal_transitions", 0) == 0, counts

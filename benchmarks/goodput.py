@@ -5,23 +5,22 @@ Lifecycle: print the CPU (`lscpu`'s model name and flags) and the load average -
 workload per offered rate R in --rates (random whole-word prompts of --input-len tokens, greedy,
 ignore_eos, --output-len tokens, --prompts-per-rate x R requests, Poisson arrivals at R req/s),
 the same requests for every row -> for each row in turn: start its server, wait until it answers,
-warm it up (bench_vs_vllm.run_workloads: two short requests), run the rates one after the
+warm it up (servers.run_workloads: two short requests), run the rates one after the
 other (each waits for all its requests; the queue is empty when the next begins), stop it. Rows:
 - `vllm`: `peers/vllm_cpu.sh serve` (float32), started exactly as scripts/vs_vllm starts it
-  (bench_vs_vllm.peer_row);
+  (servers.peer_row);
 - `disagg`: `pdserve launch --ttft-p99-ms T --tpot-p99-ms P` (its default topology, 1 prefill +
-  1 decode, SLO control on), through the CLI as a user runs it (`launch_pdserve`);
+  1 decode, SLO control on), through the CLI as a user runs it (`servers.launch_pdserve`);
 - `colocated`: the same with `--colocated`;
 - `auto` (only with --rows): the default launch with `--paths auto`, each request's path chosen.
 --extra-launch-arg adds flags to both pdserve rows. Every request goes through the same OpenAI
-streaming client (`/v1/completions`). Per (row, rate) a `Cell`: requests sent, served, shed
+streaming client (`/v1/completions`). Per (row, rate) a `cells.Cell`: requests sent, served, shed
 (HTTP 429: refused by admission control), failed otherwise, goodput (served requests/s within
 TTFT <= --ttft-ms and TPOT <= --tpot-ms, as `pdserve bench --goodput` counts it), p99 TTFT and
 p99 TPOT of the served ones, p99 time to a 429. Prints the goodput table with the ratios
 default/colocated and default/vLLM, the per-cell details and issue 23's goal checks (default >=
 colocated and >= vLLM at each rate); `--save-result` writes it all as JSON. Exit status 0
 when every row ran (whether the goals are met is printed, not the exit status).
-`launch_pdserve`, `Cell`, `cpu_line` and `format_cells` are shared with scripts/overload_check.
 """
 from __future__ import annotations
 
@@ -30,38 +29,18 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
-from pdserve import bench_vs_vllm as vs
+from benchmarks.cells import Cell, format_cells, is_shed, make_cell
+from benchmarks.machine import cpu_line, load_line
+from benchmarks.servers import PEERS, Workload, add_server_flags, extra_launch_args, launch_pdserve, peer_row, report_errors
 
 ROWS = ("vllm", "disagg", "colocated")  # the rows of a run without --rows
 ALL_ROWS = ("vllm", "disagg", "auto", "colocated")  # auto: the default launch with each request's path chosen (--paths auto)
-ROW_NAMES = {"vllm": vs.ROW_NAMES["vllm"], "disagg": "pdserve default 1P+1D", "auto": "pdserve 1P+1D paths auto",
+ROW_NAMES = {"vllm": PEERS["vllm"].name, "disagg": "pdserve default 1P+1D", "auto": "pdserve 1P+1D paths auto",
              "colocated": "pdserve --colocated"}
 ROW_LAUNCH = {"disagg": [], "auto": ["--paths", "auto"], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
-
-
-@dataclasses.dataclass
-class Cell:
-    """One timed run of one server: what came of its requests."""
-
-    rate: float  # offered load, req/s
-    sent: int
-    served: int
-    shed: int  # HTTP 429: refused by admission control
-    failed: int  # any other error: an admitted request lost ("lost")
-    duration: float  # seconds, first send to last answer
-    goodput: float  # served req/s within both targets
-    ttft_p99_ms: float | None  # of the served requests; None when none was served
-    tpot_p99_ms: float | None
-    shed_p99_ms: float | None  # send to the 429; None when none was shed
-
-    @property
-    def admitted(self) -> int:
-        return self.sent - self.shed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,16 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(ap)
     ap.add_argument("--save-result", default=None, metavar="FILE.json")
     return ap
-
-
-def add_server_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags both scripts share: the model, more `pdserve launch` flags, vLLM's peers dir, the seed."""
-    ap.add_argument("--model", default=None, help="pdserve's model (default: SmolLM2-135M-Instruct GGUF); vLLM serves its HF copy")
-    ap.add_argument("--extra-launch-arg", action="append", default=[], metavar="FLAGS",
-                    help="more `pdserve launch` flags for the pdserve rows, split like a shell, repeatable: "
-                         "--extra-launch-arg='--max-num-seqs 64'")
-    ap.add_argument("--peers", default=str(vs.REPO.parent / "shared" / "peers"), help="directory holding vllm_cpu.sh")
-    ap.add_argument("--seed", type=int, default=0)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -103,69 +72,7 @@ def parse_rows(text: str, known=ALL_ROWS) -> list[str]:
     return rows
 
 
-def extra_launch_args(args) -> list[str]:
-    return [a for text in args.extra_launch_arg for a in shlex.split(text)]
-
-
-# ------------------------------------------------------------------ the machine
-
-def cpu_line() -> str:
-    """`lscpu`'s model name and flags (from /proc/cpuinfo without lscpu)."""
-    fields = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if "model name" not in fields or "flags" not in fields:
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    k, _, v = line.partition(":")
-                    fields.setdefault(k.strip().lower(), v.strip())
-        except OSError:
-            pass
-    return f"Model name: {fields.get('model name', 'unknown')}; Flags: {fields.get('flags', 'unknown')}"
-
-
-def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average: {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} cores)"
-
-
-# ------------------------------------------------------------------ one server
-
-def launch_command(args, launch_flags: list[str], log_dir: str, http_port: int) -> list[str]:
-    """`pdserve launch` as a user runs it, on free loopback ports, its roles' logs in log_dir."""
-    from pdserve.bench_overhead import free_port
-
-    return [sys.executable, "-m", "pdserve", "launch", "--http-port", str(http_port),
-            "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}", "--log-dir", log_dir,
-            *(["--model", args.model] if args.model else []), *launch_flags]
-
-
-def launch_pdserve(args, launch_flags: list[str], workloads, tokenizer, log_dir: str, name: str) -> tuple[dict, float]:
-    """Start `pdserve launch LAUNCH_FLAGS` (the launcher's own output in LOG_DIR/NAME.log, its roles'
-    in LOG_DIR/NAME/), wait until its gateway's /health answers (a worker pair registered), run the
-    workloads (bench_vs_vllm.run_workloads: warm-up, then each in turn), stop it (SIGTERM to the
-    launcher, which stops its roles). Returns ({workload name: (outputs, seconds)}, start-up seconds)."""
-    from pdserve.bench_compare import wait_http
-    from pdserve.bench_overhead import free_port
-
-    port = free_port()
-    cmd = launch_command(args, launch_flags, os.path.join(log_dir, name), port)
-    log = open(os.path.join(log_dir, f"{name}.log"), "wb")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=vs.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", proc, 600)
-        startup = time.perf_counter() - t0
-        return vs.run_workloads(url, workloads, tokenizer), startup
-    finally:
-        vs.stop_group(proc, leader_only=True)
-        log.close()
-
+# ------------------------------------------------------------------ the pdserve rows
 
 def pdserve_flags(args, row: str) -> list[str]:
     """The `pdserve launch` flags of a pdserve row (after the ports, the log dir and --model)."""
@@ -174,43 +81,10 @@ def pdserve_flags(args, row: str) -> list[str]:
 
 # ------------------------------------------------------------------ figures
 
-def is_shed(o) -> bool:
-    return not o.success and o.error.startswith("HTTP 429")
-
-
-def make_cell(rate: float, outputs, duration: float, ttft_ms: float, tpot_ms: float) -> Cell:
-    from pdserve.bench_metrics import compute_metrics, summarize
-
-    m = compute_metrics(outputs, duration, {"ttft": ttft_ms, "tpot": tpot_ms}, metrics=("ttft", "tpot"), percentiles=(99,))
-    shed = [o.latency for o in outputs if is_shed(o)]
-    served = m.completed
-    return Cell(rate, len(outputs), served, len(shed), m.failed - len(shed), duration, m.request_goodput or 0.0,
-                m.latency_ms["ttft"]["p99"] if served else None, m.latency_ms["tpot"]["p99"] if served else None,
-                summarize(shed, (99,))["p99"] if shed else None)
-
-
-def ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
 def ratio(a: float, b: float) -> str:
     if b > 0:
         return f"{a / b:.2f}x"
     return "inf" if a > 0 else "-"
-
-
-def format_cells(cells: list[tuple[str, Cell]]) -> list[str]:
-    """One line per cell: label, offered load (req/s), requests offered (sent), admitted (not shed),
-    served, shed, lost (admitted, then failed), goodput, p99s."""
-    head = (f"{'':24s} {'req/s':>6s} {'offered':>7s} {'admitted':>8s} {'served':>6s} {'shed':>5s} {'lost':>4s} {'goodput':>7s} "
-            f"{'TTFT p99':>8s} {'TPOT p99':>8s} {'429 p99':>7s}")
-    lines = [head, "-" * len(head)]
-    for label, c in cells:
-        lines.append(f"{label:24s} {c.rate:6g} {c.sent:7d} {c.admitted:8d} {c.served:6d} {c.shed:5d} {c.failed:4d} {c.goodput:7.2f} "
-                     f"{ms(c.ttft_p99_ms):>8s} {ms(c.tpot_p99_ms):>8s} {ms(c.shed_p99_ms):>7s}")
-    lines.append("(goodput: served req/s within both targets; TTFT/TPOT: ms, p99 of the served requests; "
-                 "429 p99: ms to a refusal)")
-    return lines
 
 
 def goal_checks(table: dict[str, list[Cell]]) -> list[tuple[str, bool]]:
@@ -255,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"scripts/goodput: {e}", file=sys.stderr)
         return 2
-    from pdserve.bench_data import build_requests
+    from pdserve.bench.workloads import build_requests
     from runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    workloads = [vs.Workload(f"{rate:g} req/s", build_requests("random", tokenizer, max(1, round(args.prompts_per_rate * rate)),
-                                                                args.input_len, args.output_len, 0.0, args.seed + i), None, rate,
-                             args.seed + i) for i, rate in enumerate(rates)]
+    workloads = [Workload(f"{rate:g} req/s", build_requests("random", tokenizer, max(1, round(args.prompts_per_rate * rate)),
+                                                             args.input_len, args.output_len, 0.0, args.seed + i), None, rate,
+                          args.seed + i) for i, rate in enumerate(rates)]
     print(f"cpu: {cpu_line()}")
     load_start = os.getloadavg()
     print(f"{load_line()} at the start")
@@ -276,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     table, startups = {}, {}
     for row in rows:
         print(f"running {ROW_NAMES[row]} ...", file=sys.stderr, flush=True)
-        if row in vs.PEERS:
-            results, startups[row] = vs.peer_row(args, row, workloads, tokenizer, log_dir)
+        if row in PEERS:
+            results, startups[row] = peer_row(args, row, workloads, tokenizer, log_dir)
         else:
             results, startups[row] = launch_pdserve(args, pdserve_flags(args, row), workloads, tokenizer, log_dir, row)
         table[row] = [make_cell(w.rate, *results[w.name], args.ttft_ms, args.tpot_ms) for w in workloads]
-        report_errors(ROW_NAMES[row], results)
+        report_errors(ROW_NAMES[row], results, ignore=is_shed)  # a 429 is a shed request, counted in the table
     print()
     print(format_table(table))
     print("start-up, process start to first answer (s): " + ", ".join(f"{ROW_NAMES[r]} {s:.1f}" for r, s in startups.items()))
@@ -293,14 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                        "rows": {row: [dataclasses.asdict(c) for c in cells] for row, cells in table.items()},
                        "goals": [{"check": text, "met": ok} for text, ok in goal_checks(table)]}, f, indent=1)
     return 0
-
-
-def report_errors(name: str, results: dict) -> None:
-    """Errors other than 429s, one line per kind, on stderr."""
-    for workload, (outs, _) in results.items():
-        errors = sorted({o.error for o in outs if not o.success and not is_shed(o)})
-        if errors:
-            print(f"{name} / {workload}: {len(errors)} kind(s) of error, first: {errors[0][:200]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

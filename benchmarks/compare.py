@@ -17,13 +17,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
+
+from benchmarks.machine import machine
+from pdserve.ports import free_port
 
 ROWS = ("disagg", "colocated", "hf-serial", "hf-batch", "llama-cpp")
 SECTIONS = ("rows", "roofline", "overhead", "kv")
@@ -52,20 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
-
-
 def resolve_gguf(args) -> Path | None:
     from runtime.model_path import resolve_model_path
 
@@ -83,9 +70,8 @@ def warmup(requests, n: int) -> list:
 # ------------------------------------------------------------------ pdserve rows
 
 def pdserve_row(args, requests, mode: str, log_dir: str):
-    from pdserve.bench import send_all
-    from pdserve.bench_backends import PdserveBackend, Sampling
-    from pdserve.bench_overhead import free_port
+    from pdserve.bench.backends import PdserveBackend, Sampling
+    from pdserve.bench.runner import send_all
     from pdserve.launch import Launcher, NodePlan
 
     counts = dict(prefill=0, decode=0, colocated=1) if mode == "colocated" else dict(prefill=1, decode=1)
@@ -110,74 +96,12 @@ def pdserve_row(args, requests, mode: str, log_dir: str):
 
 # ------------------------------------------------------------------ HF transformers rows
 
-class StepClock:
-    """A generate() streamer that only stamps the time of each decoding step (the first put is the prompt)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.seen_prompt = False
-
-    def put(self, value) -> None:
-        if self.seen_prompt:
-            self.times.append(time.perf_counter())
-        self.seen_prompt = True
-
-    def end(self) -> None:
-        pass
-
-
-def load_hf(model: str | None, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from runtime.model_path import resolve_model_path
-
-    torch.set_num_threads(threads)
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[float]:
-    """One generate() call on left-padded prompts, exactly new_tokens each; returns step times."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    clock = StepClock()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=pad_id, streamer=clock)
-    return clock.times
-
-
-def timed_output(req, start: float, step_times: list[float], n: int, run_start: float):
-    """A RequestOutput from the step times of a generate() call the request took part in."""
-    from pdserve.bench_metrics import RequestOutput
-
-    mine = step_times[:n]
-    return RequestOutput(prompt_len=req.prompt_len, output_tokens=len(mine), success=len(mine) == n, ttft=mine[0] - start,
-                         itl=[b - a for a, b in zip(mine, mine[1:])], latency=mine[-1] - start, start_time=start - run_start,
-                         error="" if len(mine) == n else f"{len(mine)} of {n} tokens")
-
-
 def hf_rows(args, requests, rows: list[str], pad_id: int) -> dict:
+    from benchmarks.hf import hf_generate, hf_run, load_hf
+
     model = load_hf(args.model, os.cpu_count() or 1)
     hf_generate(model, [requests[0].token_ids[:8]], 2, pad_id)  # warm-up
-    out = {}
-    if "hf-serial" in rows:
-        outputs, t0 = [], time.perf_counter()
-        for req in requests:
-            start = time.perf_counter()
-            outputs.append(timed_output(req, start, hf_generate(model, [req.token_ids], req.output_len, pad_id), req.output_len, t0))
-        out["hf-serial"] = (outputs, time.perf_counter() - t0)
-    if "hf-batch" in rows:
-        t0 = time.perf_counter()
-        times = hf_generate(model, [r.token_ids for r in requests], max(r.output_len for r in requests), pad_id)
-        out["hf-batch"] = ([timed_output(r, t0, times, r.output_len, t0) for r in requests], time.perf_counter() - t0)
-    return out
+    return {row: hf_run(model, requests, row == "hf-serial", pad_id) for row in ("hf-serial", "hf-batch") if row in rows}
 
 
 # ------------------------------------------------------------------ llama.cpp row
@@ -192,26 +116,10 @@ def llama_cpp_missing() -> str | None:
     return None
 
 
-def wait_http(url: str, proc, timeout: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"no answer from {url} after {timeout:.0f}s")
-
-
 def llama_cpp_row(args, requests, tokenizer, gguf: Path, log_dir: str):
-    from pdserve.bench import send_all
-    from pdserve.bench_backends import OpenAIBackend, Sampling
-    from pdserve.bench_overhead import free_port
+    from benchmarks.servers import wait_http
+    from pdserve.bench.backends import OpenAIBackend, Sampling
+    from pdserve.bench.runner import send_all
 
     port = free_port()
     n_ctx = max(r.prompt_len + r.output_len for r in requests) + 64
@@ -269,7 +177,7 @@ def format_table(metrics: dict, skipped: dict) -> str:
 
 
 def run_rows(args, requests, tokenizer, rows: list[str], log_dir: str) -> tuple[dict, dict]:
-    from pdserve.bench_metrics import compute_metrics
+    from pdserve.bench.metrics import compute_metrics
 
     results, skipped = {}, {}
     for mode in ("disagg", "colocated"):
@@ -300,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"scripts/compare: unknown row or section: {', '.join(bad)}", file=sys.stderr)
         return 2
-    from pdserve.bench_data import build_requests
+    from pdserve.bench.workloads import build_requests
     from runtime.tokenizer import load_tokenizer
 
     cores = os.cpu_count() or 1
@@ -328,14 +236,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def micro_benchmarks(args, sections: list[str], threads: int, saved: dict) -> None:
-    from pdserve import bench_roofline as rl
+    from benchmarks import roofline as rl
 
     if "roofline" in sections:
         r = rl.decode_roofline(args.model, threads, batch=args.num_prompts, prompt_len=args.input_len)
         print(rl.format_roofline(r))
         saved["roofline"] = {**asdict(r), "fraction": r.fraction, "memory_s": r.memory_s, "compute_s": r.compute_s}
     if "overhead" in sections:
-        from pdserve.bench_overhead import format_overhead, measure_overhead
+        from pdserve.bench.overhead import format_overhead, measure_overhead
 
         o = measure_overhead(args.model, args.overhead_requests, 256, min(2000, args.overhead_requests), log=subprocess.DEVNULL)
         print(format_overhead(o))

@@ -5,23 +5,19 @@ For each backend (shm, tcp) it launches coordinator + 1 prefill + 1 decode worke
 (default model unless --model), sends N requests one at a time and then all N at once (same
 prompts, greedy, ignore_eos), and prints total wall time of each, their ratio, and the KV bytes
 and seconds the prefill workers reported for their hand-offs (bytes/s per backend).
-Usage: .venv/bin/python scripts/bench_serving.py [--num 32] [--prompt-len 128] [--output-len 64]
+Usage: .venv/bin/python -m benchmarks.serving [--num 32] [--prompt-len 128] [--output-len 64]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pdserve_client.library import AsyncClient, Client  # noqa: E402
-from pdserve.launch import Launcher, NodePlan  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from pdserve_client.library import AsyncClient, Client
+from pdserve.launch import Launcher, NodePlan
+from pdserve.ports import free_port
 
 
 def prompts(n, length, seed=0):

@@ -9,7 +9,7 @@ topology, or `--colocated`; --extra-launch-arg adds flags) through the CLI, wait
 answers, warm it up with two short requests, send the run, stop it. The server is restarted for
 every run, so the runs are independent and each starts with a fresh latency model (the harder
 case: the first burst meets an uncalibrated model); `--reuse-server` sends every run to one
-server instead (one start, one warm-up, runs in turn). Per run (bench_goodput.Cell): offered
+server instead (one start, one warm-up, runs in turn). Per run (cells.Cell): offered
 (sent), admitted (not shed), shed (HTTP 429), failed (admitted but lost), the admitted and
 served requests' p99 TTFT and p99 TPOT, p99 time to a 429, and whether the run is within both
 targets: at least one request served, none lost, p99 TTFT <= --ttft-ms and p99 TPOT <= --tpot-ms.
@@ -26,8 +26,9 @@ import shlex
 import sys
 import tempfile
 
-from pdserve import bench_goodput as gp
-from pdserve import bench_vs_vllm as vs
+from benchmarks.cells import Cell, format_cells, is_shed, make_cell
+from benchmarks.machine import cpu_line, load_line
+from benchmarks.servers import Workload, add_server_flags, extra_launch_args, launch_pdserve, report_errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,18 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tpot-ms", type=float, default=400.0, help="pdserve's --tpot-p99-ms, and the check's")
     ap.add_argument("--colocated", action="store_true", help="launch one colocated worker instead of 1 prefill + 1 decode")
     ap.add_argument("--reuse-server", action="store_true", help="one server for every run (default: a fresh one per run)")
-    gp.add_server_flags(ap)
+    add_server_flags(ap)
     ap.add_argument("--save-result", default=None, metavar="FILE.json")
     return ap
 
 
-def within(c: gp.Cell, ttft_ms: float, tpot_ms: float) -> bool:
+def within(c: Cell, ttft_ms: float, tpot_ms: float) -> bool:
     """A run holds the targets: something served, no admitted request lost, both p99s within."""
     return c.served > 0 and c.failed == 0 and c.ttft_p99_ms <= ttft_ms and c.tpot_p99_ms <= tpot_ms
 
 
-def format_runs(cells: list[gp.Cell], ttft_ms: float, tpot_ms: float) -> str:
-    lines = gp.format_cells([(f"run {i + 1} ({'within' if within(c, ttft_ms, tpot_ms) else 'OVER'})", c) for i, c in enumerate(cells)])
+def format_runs(cells: list[Cell], ttft_ms: float, tpot_ms: float) -> str:
+    lines = format_cells([(f"run {i + 1} ({'within' if within(c, ttft_ms, tpot_ms) else 'OVER'})", c) for i, c in enumerate(cells)])
     k = sum(within(c, ttft_ms, tpot_ms) for c in cells)
     lines += [f"within both targets (TTFT p99 <= {ttft_ms:g} ms, TPOT p99 <= {tpot_ms:g} ms) in {k} of {len(cells)} runs",
               f"goal (issue 23): {'met' if k == len(cells) else 'MISSED'}: admitted requests within both p99 targets in every run"]
@@ -64,18 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or not 0 < args.rate < float("inf") or not args.duration_s > 0:
         print("scripts/overload_check: --runs must be >= 1, --rate and --duration-s > 0", file=sys.stderr)
         return 2
-    from pdserve.bench_data import build_requests
+    from pdserve.bench.workloads import build_requests
     from runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     n = max(1, round(args.rate * args.duration_s))
-    workloads = [vs.Workload(f"run {i + 1}", build_requests("random", tokenizer, n, args.input_len, args.output_len, 0.0, args.seed + i),
-                             None, args.rate, args.seed + i) for i in range(args.runs)]
+    workloads = [Workload(f"run {i + 1}", build_requests("random", tokenizer, n, args.input_len, args.output_len, 0.0, args.seed + i),
+                          None, args.rate, args.seed + i) for i in range(args.runs)]
     flags = [*(["--colocated"] if args.colocated else []), "--ttft-p99-ms", f"{args.ttft_ms:g}", "--tpot-p99-ms", f"{args.tpot_ms:g}",
-             *gp.extra_launch_args(args)]
-    print(f"cpu: {gp.cpu_line()}")
+             *extra_launch_args(args)]
+    print(f"cpu: {cpu_line()}")
     load_start = os.getloadavg()
-    print(f"{gp.load_line()} at the start")
+    print(f"{load_line()} at the start")
     print(f"workload: {args.runs} runs of {n} requests, random {args.input_len} in / {args.output_len} out, greedy, ignore_eos, "
           f"Poisson arrivals at {args.rate:g} req/s; server: pdserve launch {' '.join(flags)}, "
           + ("one server for every run, warmed up once" if args.reuse_server else "restarted and warmed up for every run"))
@@ -85,19 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     batches = [workloads] if args.reuse_server else [[w] for w in workloads]
     for i, batch in enumerate(batches):
         print(f"running {', '.join(w.name for w in batch)} ...", file=sys.stderr, flush=True)
-        got, startup = gp.launch_pdserve(args, flags, batch, tokenizer, log_dir, f"server-{i + 1}")
+        got, startup = launch_pdserve(args, flags, batch, tokenizer, log_dir, f"server-{i + 1}")
         results.update(got)
         startups.append(startup)
-        gp.report_errors("pdserve", got)
-    cells = [gp.make_cell(w.rate, *results[w.name], args.ttft_ms, args.tpot_ms) for w in workloads]
+        report_errors("pdserve", got, ignore=is_shed)
+    cells = [make_cell(w.rate, *results[w.name], args.ttft_ms, args.tpot_ms) for w in workloads]
     print()
     print(format_runs(cells, args.ttft_ms, args.tpot_ms))
     print("start-up, process start to first answer (s): " + ", ".join(f"{s:.1f}" for s in startups))
-    print(f"{gp.load_line()} at the end")
+    print(f"{load_line()} at the end")
     print(f"(server logs in {log_dir})")
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump({"cpu": gp.cpu_line(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "args": vars(args), "startup_s": startups,
+            json.dump({"cpu": cpu_line(), "load_avg_start": load_start, "load_avg_end": os.getloadavg(), "args": vars(args), "startup_s": startups,
                        "runs": [{**dataclasses.asdict(c), "admitted": c.admitted, "within": within(c, args.ttft_ms, args.tpot_ms)}
                                 for c in cells]}, f, indent=1)
     return 0

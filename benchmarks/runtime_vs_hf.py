@@ -4,33 +4,19 @@
 Prints load seconds, prefill tokens/s at one prompt of --prompt-len tokens, and decode tokens/s
 at each batch size (decode rate = batch * N / (time for N+1 tokens - time for 1 token), so
 prefill is excluded the same way for both), with medians of --repeats runs and the ratios.
-Usage: .venv/bin/python scripts/bench_runtime.py [--batches 1,8,32] [--new-tokens 32]
+Usage: .venv/bin/python -m benchmarks.runtime_vs_hf [--batches 1,8,32] [--new-tokens 32]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
-from pdserve_client.params import SamplingParams  # noqa: E402
-from runtime.weights import default_model_path  # noqa: E402
-
-
-def median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from benchmarks.timing import median_seconds
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from pdserve_client.params import SamplingParams
 
 
 def prompts(batch, length, vocab, seed=0):
@@ -38,51 +24,40 @@ def prompts(batch, length, vocab, seed=0):
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(batch)]
 
 
+def rates(args, run, vocab: int) -> tuple[float, dict]:
+    """run(prompts, n) generates n tokens for each prompt: (prefill tok/s, {batch: decode tok/s})."""
+    long = prompts(1, args.prompt_len, vocab)
+    prefill = args.prompt_len / median_seconds(lambda: run(long, 1), args.repeats, warmup=1)
+    decode = {}
+    for b in args.batches:
+        ps = prompts(b, args.decode_prompt_len, vocab, seed=b)
+        t1 = median_seconds(lambda: run(ps, 1), args.repeats)
+        tn = median_seconds(lambda: run(ps, args.new_tokens + 1), args.repeats)
+        decode[b] = b * args.new_tokens / (tn - t1)
+    return prefill, decode
+
+
 def ours(args):
     t0 = time.perf_counter()
     eng = LLMEngine.load(args.model, EngineConfig(dtype="float32", kv_cache_bytes=1 << 30, max_num_batched_tokens=4096), progress=False)
     load = time.perf_counter() - t0
-    vocab = eng.cfg.vocab_size
     run = lambda ps, n: eng.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
-    long = prompts(1, args.prompt_len, vocab)
-    run(long, 1)  # warm-up
-    prefill = args.prompt_len / median_time(lambda: run(long, 1), args.repeats)
-    decode = {}
-    for b in args.batches:
-        ps = prompts(b, args.decode_prompt_len, vocab, seed=b)
-        t1 = median_time(lambda: run(ps, 1), args.repeats)
-        tn = median_time(lambda: run(ps, args.new_tokens + 1), args.repeats)
-        decode[b] = b * args.new_tokens / (tn - t1)
-    return load, prefill, decode
+    return (load, *rates(args, run, eng.cfg.vocab_size))
 
 
 def hf(args):
-    from transformers import AutoModelForCausalLM
+    from benchmarks.hf import load_hf
 
-    path = Path(args.model) if args.model else default_model_path()
     t0 = time.perf_counter()
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = load_hf(args.model, torch.get_num_threads())
     load = time.perf_counter() - t0
-    vocab = model.config.vocab_size
 
     def run(ps, n):
         ids = torch.tensor(ps)
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    long = prompts(1, args.prompt_len, vocab)
-    run(long, 1)
-    prefill = args.prompt_len / median_time(lambda: run(long, 1), args.repeats)
-    decode = {}
-    for b in args.batches:
-        ps = prompts(b, args.decode_prompt_len, vocab, seed=b)
-        t1 = median_time(lambda: run(ps, 1), args.repeats)
-        tn = median_time(lambda: run(ps, args.new_tokens + 1), args.repeats)
-        decode[b] = b * args.new_tokens / (tn - t1)
-    return load, prefill, decode
+    return (load, *rates(args, run, model.config.vocab_size))
 
 
 def main():

@@ -14,9 +14,9 @@ runs one in-process engine (no processes, no HTTP: the engine's own cost alone).
 runs once unmeasured first (the first constrained request loads xgrammar and the tokenizer's
 table; each grammar compiles once per worker). Needs a quiet machine for figures.
 
-    .venv/bin/python scripts/bench_structured.py --free 8 --others 8 --tokens 64 --repeats 3
-    .venv/bin/python scripts/bench_structured.py --base-url http://127.0.0.1:8000/v1 --model SmolLM2-135M-Instruct
-    .venv/bin/python scripts/bench_structured.py --in-process
+    .venv/bin/python -m benchmarks.structured --free 8 --others 8 --tokens 64 --repeats 3
+    .venv/bin/python -m benchmarks.structured --base-url http://127.0.0.1:8000/v1 --model SmolLM2-135M-Instruct
+    .venv/bin/python -m benchmarks.structured --in-process
 """
 from __future__ import annotations
 
@@ -24,11 +24,7 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 50}},
           "required": ["notes"], "additionalProperties": False}
@@ -54,14 +50,6 @@ def other_kinds(length: int) -> dict:
 
 # ------------------------------------------------------------------ through the HTTP gateway
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def http_run(base: str, model: str, free: int, others: int, tokens: int, other_body: dict | None) -> float:
     """Free requests' output tokens per second (all sent at once, with `others` beside them)."""
     import httpx
@@ -85,6 +73,7 @@ async def http_run(base: str, model: str, free: int, others: int, tokens: int, o
 
 def via_http(args) -> None:
     from pdserve.launch import Launcher, NodePlan
+    from pdserve.ports import free_port
 
     launcher = None
     base, model = args.base_url, args.model

@@ -1,0 +1,124 @@
+"""Each flag is defined once, on the config dataclass field it sets (runtime/flags.py): every
+command that takes it gets one option built from that declaration, with the field's default and
+its help; `--help` lists the options in sections by concern; what `pdserve launch` passes on to a
+role parses there to the same values; and building the CLI imports no torch."""
+import dataclasses
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from coordinator.config import CoordinatorConfig
+from coordinator.planner import PlannerConfig
+from pdserve.cli import COORDINATOR_LAUNCH, ENGINE, main
+from pdserve.flags import GroupedOption, as_args, specs, worker_args
+from runtime.config import EngineConfig, WorkerConfig
+from runtime.flags import FIELD_DEFAULT, GROUPS
+from wire.limits import RequestLimits
+
+CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits)
+# command -> the config classes whose flags it takes (all of them, or only those marked launch)
+TAKES = {
+    "worker": [(EngineConfig, False), (WorkerConfig, False)],
+    "prefill": [(EngineConfig, False)],
+    "decode": [(EngineConfig, False), (WorkerConfig, False)],
+    "coordinator": [(CoordinatorConfig, False), (PlannerConfig, False), (RequestLimits, False)],
+    "launch": [(EngineConfig, True), (CoordinatorConfig, True), (PlannerConfig, True), (RequestLimits, True)],
+}
+
+
+def params_named(command: click.Command, name: str) -> list[click.Parameter]:
+    return [p for p in command.params if p.name == name]
+
+
+@pytest.mark.parametrize("command", sorted(TAKES))
+def test_every_flag_appears_once_with_its_declared_default_and_help(command):
+    cmd = main.commands[command]
+    spellings = [o for p in cmd.params for o in p.opts + p.secondary_opts]
+    assert len(spellings) == len(set(spellings)), sorted(o for o in spellings if spellings.count(o) > 1)
+    for cls, launch_only in TAKES[command]:
+        for spec in specs(cls, launch_only):
+            found = params_named(cmd, spec.name)
+            assert len(found) == 1, (command, spec.name)
+            opt = found[0]
+            engine_on_launch = command == "launch" and cls is EngineConfig  # None: not given, the worker's default stands
+            shown = f"  [default: {spec.default}]" if engine_on_launch and spec.default not in (None, False) else ""
+            assert isinstance(opt, GroupedOption) and opt.group == spec.flag.group and opt.help == spec.flag.help + shown
+            assert spec.spelling in opt.opts and set(spec.flag.aliases) <= set(opt.opts)
+            assert opt.default == (None if engine_on_launch else spec.default), (command, spec.name)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_command_defaults_are_the_fields_defaults(cls):
+    """Where a field's value is typed as it is, the option's default is the field's default."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    command = "worker" if cls in (EngineConfig, WorkerConfig) else "coordinator"
+    checked = 0
+    for spec in specs(cls):
+        fl, field = spec.flag, fields[spec.field]
+        if fl.command_default is FIELD_DEFAULT and spec.kind in ("int", "float", "str") and fl.scale == 1 and not fl.multiple:
+            [opt] = params_named(main.commands[command], spec.name)
+            assert opt.default == field.default, spec.name
+            checked += 1
+    assert checked >= 2
+
+
+def test_the_defaults_that_are_not_the_fields():
+    """The worker commands' own defaults, declared beside the field; MiB / KiB flags of byte fields; switches."""
+    worker, coordinator = main.commands["worker"], main.commands["coordinator"]
+    default = {p.name: p.default for p in worker.params + coordinator.params}
+    assert default["linear_backend"] == "auto" and EngineConfig().linear_backend == "rules"
+    assert default["kv_cache_mb"] is None  # sized at start from the machine (auto_kv_cache_mb)
+    assert default["client_send_budget_kb"] * 1024 == CoordinatorConfig().client_send_budget
+    assert default["no_prefix_cache"] is False and EngineConfig().prefix_cache is True
+    assert default["planner"] is False and CoordinatorConfig().planner is None
+    assert default["client_target_range"] == "1:1" and RequestLimits().client_target_range == (1.0, 1.0)
+    assert default["max_num_batched_tokens"] == 2048 and default["quant_activations"] == "int16"
+
+
+@pytest.mark.parametrize("command", ["worker", "coordinator", "launch", "gateway"])
+def test_help_is_in_sections_by_concern(command):
+    out = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+    titles = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    want = [g[0].upper() + g[1:] for g in GROUPS]
+    shown = [t for t in titles if t in want]
+    assert shown == sorted(shown, key=want.index) and len(shown) >= 2, titles
+    assert titles[titles.index("Options") + 1:] == shown  # the command's own options first, then the groups
+    if command == "launch":
+        section = out.split("KV cache and transfer:")[1].split("\n\n")[0]
+        assert "--block-size" in section and "[default: 16]" in section and "--kv-backend" in section
+        assert "Request limits:" in out and "--max-stop-length" in out.split("Request limits:")[1]
+
+
+def test_what_launch_passes_on_parses_to_the_same_values():
+    """The engine flags and the coordinator's, given to `pdserve launch`, reach the role as typed."""
+    given = {"dtype": "float32", "kv_cache_mb": 128, "max_num_batched_tokens": 512, "no_prefix_cache": True, "quantization": "none",
+             "tensor_parallel_size": 2, "linear_backend": "c"}
+    args = worker_args(given)
+    assert args[:2] == ["--dtype", "float32"] and "--no-prefix-cache" in args
+    parsed = main.commands["worker"].make_context("worker", args).params
+    assert {k: parsed[k] for k in given} == given
+    with pytest.raises(click.BadParameter, match="block_size must be a power of two"):
+        worker_args({"block_size": 12})
+    values = {s.name: s.default for s in COORDINATOR_LAUNCH}
+    values.update(slo=False, ttft_p99_ms=300.0, class_target=("1:900:90", "2:2000:200"), paths="auto", planner=True, planner_dwell_s=5.0)
+    parsed = main.commands["coordinator"].make_context("coordinator", as_args(COORDINATOR_LAUNCH, values)).params
+    assert {k: parsed[k] for k in values} == values
+
+
+def test_engine_flags_of_launch_are_the_engines():
+    assert {s.name for s in ENGINE if s.flag.launch} == {
+        "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb", "gpu_memory_utilization",
+        "block_size", "quantization", "quant_activations", "tensor_parallel_size", "pipeline_parallel_size", "linear_backend",
+        "no_prefix_cache"}
+
+
+def test_building_the_command_line_imports_no_torch():
+    code = ("import sys; from click.testing import CliRunner; from pdserve.cli import main\n"
+            "helps = [CliRunner().invoke(main, [c, '--help']).output for c in ('launch', 'worker', 'coordinator')]\n"
+            "print(all('--block-size' in h or '--ttft-p99-ms' in h for h in helps), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
