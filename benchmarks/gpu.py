@@ -72,7 +72,7 @@ def decode_rate(model, batch: int, graphs: bool, steps: int = 32, warmup: int = 
     from runtime import cuda_graphs
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
+    from pdserve_client.params import SamplingParams
 
     blocks = batch * -(-(PROMPT_LEN + warmup + steps + 2) // 16) + 8
     engine = LLMEngine(model, None, EngineConfig(device="cuda", dtype="bfloat16", num_blocks=blocks, max_num_seqs=batch,
@@ -194,7 +194,7 @@ def ipc_rate(repeats: int = 20) -> tuple[float, float, float]:
 
     from wire.protocol import KVReady
     from kvtransfer.transfer import KVSender
-    from runtime.params import SamplingParams
+    from pdserve_client.params import SamplingParams
 
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu", "--ipc-child"], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()

@@ -97,7 +97,7 @@ class Roofline:
 
 def decode_step_seconds(engine, batch: int, prompt_len: int, steps: int, warmup: int = 3) -> tuple[float, float]:
     """Median seconds of one engine step with `batch` sequences decoding, and their mean context."""
-    from runtime.sampling import SamplingParams
+    from pdserve_client.params import SamplingParams
 
     rng = random.Random(0)
     vocab = engine.cfg.vocab_size
@@ -167,7 +167,7 @@ class Handoff:
 
 def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks: int, rng: random.Random, tag: str) -> float:
     from wire.protocol import KVReady
-    from runtime.params import SamplingParams
+    from pdserve_client.params import SamplingParams
 
     num_blocks = shape[2]
     src_ids, dst_ids = rng.sample(range(num_blocks), n_blocks), rng.sample(range(num_blocks), n_blocks)

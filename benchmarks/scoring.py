@@ -16,7 +16,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import random
 import tempfile
 import time
 
-from client.library import AsyncClient, Client
+from pdserve_client.library import AsyncClient, Client
 from pdserve.launch import Launcher, NodePlan
 from pdserve.ports import free_port
 

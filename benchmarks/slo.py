@@ -20,7 +20,7 @@ import asyncio
 import tempfile
 from types import SimpleNamespace
 
-from client.library import Client
+from pdserve_client.library import Client
 from pdserve.bench.metrics import compute_metrics
 from pdserve.bench.runner import run_rates
 from pdserve.bench.workloads import build_requests

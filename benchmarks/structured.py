@@ -103,7 +103,7 @@ def via_http(args) -> None:
 def in_process(args) -> None:
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.params import SamplingParams, StructuredOutput
+    from pdserve_client.params import SamplingParams, StructuredOutput
     from runtime.tokenizer import render_chat
 
     eng = LLMEngine.load(args.model_path, EngineConfig(kv_cache_bytes=256 * 2**20), progress=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import enum
 
-from wire.protocol import FinishReason
+from pdserve_client.protocol import FinishReason
 
 
 class Count(enum.StrEnum):

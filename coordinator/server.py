@@ -66,20 +66,23 @@ from coordinator.outbox import Outbox, Sent
 from coordinator.tracing import RequestTracer
 from wire.phase_metrics import PhaseTracker
 from runtime.core_turns import stall_cap
-from runtime.errors import InvalidRequestError, LimitExceededError, PdserveError, PromptTooLongError
+from pdserve_client.errors import InvalidRequestError, PdserveError
+from runtime.errors import LimitExceededError, PromptTooLongError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import served_name
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.prefix_hash import new_secret
 from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
 from wire import liveness, security
 from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 from wire.loop_io import SocketIO
+from pdserve_client.protocol import (
+    MAX_CONTROL_MESSAGE, AbortRequest, ClientToCoordinator, Delta, ErrorReply, Final, FinishReason, GenerateRequest, NodeReport,
+    StatsReply, StatsRequest, StatusRequest, decoder, encode,
+)
 from wire.protocol import (
-    MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, AdmitRefused, ClientToCoordinator, Delta,
-    ErrorReply, Final, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, NodeReport, Prefill, PrefillDone, Reject,
-    Release, Role, RoleSet, SetRole,
-    StatsReply, StatsRequest, StatusRequest, PromptLogprobs, TokenBatch, WorkerError, WorkerToCoordinator, Welcome, decoder, encode,
+    PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
+    RoleSet, SetRole, PromptLogprobs, TokenBatch, WorkerError, WorkerToCoordinator, Welcome,
 )
 
 log = logging.getLogger("pdserve.coordinator")

@@ -22,7 +22,8 @@ from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
 from coordinator.slo import StepModel
 from runtime.prefix_hash import chain_hashes
 from runtime.tokenizer import IncrementalDetokenizer
-from wire.protocol import GenerateRequest, Heartbeat, Hello, Role
+from pdserve_client.protocol import GenerateRequest
+from wire.protocol import Heartbeat, Hello, Role
 
 
 MAX_VIEW = 65536  # block keys kept per worker in the coordinator's view of its prefix cache

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from runtime.errors import InvalidRequestError
+from pdserve_client.errors import InvalidRequestError
 from runtime.tokenizer import render_chat, template_message
-from wire.protocol import GenerateRequest
+from pdserve_client.protocol import GenerateRequest
 
 SMALL_COST = 64 * 1024  # bytes (message overhead included) up to which requests share one thread; costlier ones queue on the other
 

@@ -63,9 +63,9 @@ from runtime import cuda_graphs, structured
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.cores import CoreShare, StaticCores, stall_cap
 from runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
-from runtime.errors import PdserveError
-from runtime.params import MAX_LOGPROBS
-from runtime.sequence import FinishReason
+from pdserve_client.errors import PdserveError
+from pdserve_client.params import MAX_LOGPROBS
+from pdserve_client.protocol import FinishReason
 from wire import liveness, security
 from wire.link import CoordinatorRestarted
 from wire.protocol import (

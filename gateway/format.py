@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from client.library import Result, StreamDelta
+from pdserve_client.library import Result, StreamDelta
 from gateway.reasoning import ThinkParser
 from gateway.tools import CallStream, ToolPlan, whole_calls
 from gateway.schema import (

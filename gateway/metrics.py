@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from client.library import Result
+from pdserve_client.library import Result
 from wire.phase_metrics import families as phase_families
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -32,7 +32,7 @@ import msgspec
 from starlette.responses import Response
 from starlette.routing import Route
 
-from client.library import Result, StreamDelta
+from pdserve_client.library import Result, StreamDelta
 from gateway.errors import ApiError, bad_request
 from gateway.format import ChatFormatter
 from gateway.reasoning import REASONING_PARSERS

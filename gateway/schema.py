@@ -22,9 +22,9 @@ from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # no
 from gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
 from gateway.structured import structured_output, whitespace
 from gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
-from wire.protocol import ChatMessage, ToolCall as WireToolCall
-from runtime.errors import InvalidRequestError
-from runtime.params import SamplingParams, StructuredOutput
+from pdserve_client.protocol import ChatMessage, ToolCall as WireToolCall
+from pdserve_client.errors import InvalidRequestError
+from pdserve_client.params import SamplingParams, StructuredOutput
 from wire.limits import FieldLimitExceeded, RequestLimits
 
 # response_format's type and json_schema name around the schema, a choice list's quotes and commas: the

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
-from client.library import (
+from pdserve_client.library import (
     DEFAULT_ADDRESS, AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
 )
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
@@ -58,7 +58,7 @@ from gateway.reasoning import REASONING_PARSERS
 from gateway.structured import check_jobs
 from gateway.tools import ToolConfig, tool_plan
 from gateway.tokenize import TokenizerRoutes, package_version
-from runtime.errors import InvalidRequestError
+from pdserve_client.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer

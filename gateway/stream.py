@@ -21,7 +21,7 @@ import logging
 
 from starlette.responses import StreamingResponse
 
-from client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
+from pdserve_client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
 from gateway.schema import Job
 from gateway.slots import Slots
 

@@ -26,7 +26,7 @@ import sys
 import msgspec
 
 from gateway.errors import ApiError, bad_request
-from runtime.params import StructuredOutput
+from pdserve_client.params import StructuredOutput
 
 
 def _bad(message: str, param: str):
@@ -138,7 +138,7 @@ async def check_jobs(jobs) -> None:
         return  # no import: runtime.structured brings torch and xgrammar (seconds of a first request)
     if "xgrammar" not in sys.modules or "runtime.structured" not in sys.modules:
         await asyncio.to_thread(_import_xgrammar)  # once per process; outside the budget
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     for spec in specs:
         try:

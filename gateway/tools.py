@@ -32,7 +32,7 @@ import msgspec
 from gateway.errors import bad_request
 from gateway.reasoning import REASONING_PARSERS, held_back
 from gateway.tool_parsers import PARSERS, Parser, ParsedCall
-from runtime.params import StructuredOutput
+from pdserve_client.params import StructuredOutput
 
 # ------------------------------------------------------------------ request and response shapes
 
@@ -95,7 +95,7 @@ class ToolConfig:
     reasoning_parser: str | None = None
 
     def __post_init__(self):
-        from runtime.errors import InvalidRequestError
+        from pdserve_client.errors import InvalidRequestError
 
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
             raise InvalidRequestError(f"unknown tool call parser {self.tool_parser!r}; choose one of {', '.join(PARSERS)}")

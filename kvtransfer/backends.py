@@ -21,7 +21,8 @@ from kvtransfer import cuda_ipc, nccl
 from kvtransfer.errors import KVTransferError
 from kvtransfer.pool import DTYPES, KVPool, copy_blocks
 from runtime.errors import NotSupportedError
-from wire.protocol import KVAccept, KVConnect, KVReady, encode
+from wire.protocol import KVAccept, KVConnect, KVReady
+from pdserve_client.protocol import encode
 
 
 @dataclass(frozen=True)

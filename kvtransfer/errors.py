@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.errors import PdserveError
+from pdserve_client.errors import PdserveError
 
 
 class KVTransferError(PdserveError, RuntimeError):

@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from runtime.errors import PdserveError
+from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
 

@@ -35,7 +35,8 @@ import msgspec
 import torch
 import zmq
 
-from wire.protocol import MAX_CONTROL_MESSAGE, KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode, decoder, encode
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
+from wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
 from kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
 from kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
 from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
@@ -86,7 +87,7 @@ class KVSender:
         self.peers: dict[str, object] = {}  # endpoint -> cuda_ipc.IpcPeer | nccl.NcclSender
         self._nonce = itertools.count(1)
         self._accept = decoder(KVAccept)
-        self.curve = curve or {}  # CurveZMQ client options (wire.security.client_options)
+        self.curve = curve or {}  # CurveZMQ client options (pdserve_client.keys.client_options)
         self.sockets: dict[str, zmq.Socket] = {}
         self.pools: dict[str, KVPool] = {}
         self.bytes_sent = 0

@@ -16,7 +16,7 @@ from coordinator.planner import PlannerConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
 from pdserve.launch import HANG_TIMEOUT_S, NodePlan
 from runtime.config import EngineConfig, WorkerConfig
-from runtime.errors import PdserveError
+from pdserve_client.errors import PdserveError
 from wire.limits import RequestLimits
 
 COORDINATOR_CLIENTS = CoordinatorConfig.client_addr
@@ -98,7 +98,7 @@ def _sampling_options(f):
 @_sampling_options
 def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampling):
     """Stream a completion for PROMPT to the terminal (from the running service, or --local)."""
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     try:
         if local:
@@ -110,7 +110,7 @@ def generate(prompt, address, local, model, dtype, chat, timeout, keys, **sampli
 
 
 def _generate_remote(prompt, address, chat, timeout, keys, sampling):
-    from client.library import Client, ClientError
+    from pdserve_client.library import Client, ClientError
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     with Client(address, timeout=timeout, keys=keys) as client:
@@ -130,7 +130,7 @@ def _generate_remote(prompt, address, chat, timeout, keys, sampling):
 def _generate_local(prompt, model, dtype, chat, sampling):
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
+    from pdserve_client.params import SamplingParams
     from runtime.tokenizer import render_chat
 
     params = SamplingParams(**sampling)
@@ -167,7 +167,7 @@ def _check_tracing(endpoint, protocol) -> None:
 
 
 def _chat_template(value):
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
     from runtime.tokenizer import load_chat_template
 
     try:
@@ -195,7 +195,7 @@ def _tool_options(f):
 
 def _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser):
     from gateway.tools import ToolConfig
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     try:
         return ToolConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
@@ -335,7 +335,7 @@ def decode(colocated, **kw):
 @options(KEYS)
 def stats(address, timeout, keys):
     """Print the coordinator's stats as JSON."""
-    from client.library import Client, ClientError
+    from pdserve_client.library import Client, ClientError
 
     with Client(address, timeout=timeout, keys=keys) as c:
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import click
 
 from runtime.config import EngineConfig
-from runtime.errors import PdserveError
+from pdserve_client.errors import PdserveError
 from runtime.flags import COMPUTED, FIELD_DEFAULT, GROUPS, Flag
 
 SIMPLE = {"int": int, "float": float, "str": str, "bool": bool}  # field types a flag value sets as it is

@@ -42,7 +42,8 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-from runtime.errors import EX_CONFIG, InvalidRequestError, ModelLoadError
+from runtime.errors import EX_CONFIG, ModelLoadError
+from pdserve_client.errors import InvalidRequestError
 from runtime.model_path import resolve_model_path
 from wire.liveness import LIVENESS_ENV
 
@@ -296,7 +297,7 @@ class Launcher:
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with the coordinator; returns its stats."""
-        from client.library import Client, ClientError
+        from pdserve_client.library import Client, ClientError
 
         deadline = time.monotonic() + timeout
         mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),
@@ -410,7 +411,7 @@ class Launcher:
 
     def report(self, client) -> None:
         """Tell the coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
-        from client.library import ClientError
+        from pdserve_client.library import ClientError
 
         try:
             client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
@@ -465,7 +466,7 @@ class Launcher:
         """Restart exited roles and report restart counts until `stop` holds something."""
         client = None
         if self.plan.coordinator or self.plan.num_workers:
-            from client.library import Client
+            from pdserve_client.library import Client
 
             client = Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys)
         try:

@@ -12,7 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from runtime.errors import InvalidRequestError, NotSupportedError, UnsupportedModelError
+from pdserve_client.errors import InvalidRequestError
+from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")

@@ -35,13 +35,15 @@ import torch
 from kernels import cpu_native
 from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
-from runtime.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve_client.errors import InvalidRequestError, PdserveError
+from runtime.errors import PromptTooLongError
 from runtime.kv_cache import BlockManager, allocate_kv_cache
 from runtime.model import LlamaModel
 from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.scheduler import Scheduler
-from runtime.sequence import FinishReason, Sequence
+from pdserve_client.protocol import FinishReason
+from runtime.sequence import Sequence
 from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from runtime.weights import dequantize_all, load_checkpoint
 from runtime import linear_plan, structured

@@ -2,15 +2,14 @@
 
 Lifecycle: raised at the boundary where bad input is first seen (loading a model, validating a
 request), before any state is touched, so a caller that catches one has nothing to clean up.
-`code` is the stable machine-readable name that later travels on the wire.
+`code` is the stable machine-readable name that later travels on the wire. Their base classes
+(PdserveError, InvalidRequestError) and InvalidSamplingParams live in the client distribution
+(pdserve_client/errors.py), which sampling parameters need without the engine.
 """
+from pdserve_client.errors import InvalidRequestError, PdserveError
 
 
 EX_CONFIG = 78  # sysexits.h: a process that cannot start with its configuration exits with this; its launcher does not retry
-
-
-class PdserveError(Exception):
-    code = "internal_error"
 
 
 class ModelLoadError(PdserveError):
@@ -27,16 +26,6 @@ class UnsupportedModelError(PdserveError):
 
 class ModelNotInstalledError(ModelLoadError):
     code = "model_not_installed"
-
-
-class InvalidRequestError(PdserveError, ValueError):
-    """A request's parameters are invalid (the client's fault)."""
-
-    code = "invalid_request"
-
-
-class InvalidSamplingParams(InvalidRequestError):
-    code = "invalid_sampling_params"
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -28,7 +28,7 @@ import torch
 
 from kernels import backends, quant, select
 from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS
-from runtime.errors import InvalidRequestError
+from pdserve_client.errors import InvalidRequestError
 
 log = logging.getLogger("pdserve.runtime")
 

@@ -1,7 +1,7 @@
 """Prefix-cache block keys: a full KV block's tokens hashed, chained to the previous block's key.
 
 Lifecycle: pure functions, no state and no torch, so the coordinator (placement by cached
-prefix) and `wire` (through runtime.sequence) may import it. A key is 128 bits of BLAKE2b keyed
+prefix) may import it. A key is 128 bits of BLAKE2b keyed
 with a secret (`new_secret`): the coordinator makes one at start and hands it to every worker in
 its Welcome, so each process of a deployment computes the same key for the same tokens at the
 same block position and block size (which lets a worker's heartbeat name its cached blocks to

@@ -25,8 +25,7 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from runtime.errors import InvalidSamplingParams  # noqa: F401  (re-exported for callers)
-from runtime.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams  # noqa: F401
+from pdserve_client.params import SamplingParams
 
 _U64 = 2**64 - 1
 _NEG_INF = float("-inf")

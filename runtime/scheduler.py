@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from runtime.kv_cache import BlockManager
 from runtime.scoring import SCORE_CHUNK
-from runtime.sequence import FinishReason, Sequence, SeqStatus
+from pdserve_client.protocol import FinishReason
+from runtime.sequence import Sequence, SeqStatus
 
 
 @dataclass

@@ -12,20 +12,15 @@ from __future__ import annotations
 import enum
 import time
 
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import FinishReason
 from runtime.prefix_hash import chain_hashes
-from runtime.params import SamplingParams
 
 
 class SeqStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0  # EOS, a stop token or a stop string
-    LENGTH = 1  # max_tokens or the model's context
-    ABORT = 2  # cancelled by the client or the system
 
 
 class Sequence:

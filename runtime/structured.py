@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import InvalidRequestError
+from pdserve_client.errors import InvalidRequestError
 from runtime.grammar_lane import LRU, CompileJob, CompileLane
-from runtime.params import StructuredOutput
+from pdserve_client.params import StructuredOutput
 
 log = logging.getLogger("pdserve.structured")
 

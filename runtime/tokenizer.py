@@ -14,7 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from runtime.errors import InvalidRequestError, ModelLoadError
+from pdserve_client.errors import InvalidRequestError
+from runtime.errors import ModelLoadError
 from runtime.model_path import resolve_model_path
 from runtime.stop import StopStrings
 
@@ -93,7 +94,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> l
 
 
 def template_message(m) -> dict:
-    """A chat message (wire.protocol.ChatMessage) as HF chat templates read it: its tool calls
+    """A chat message (pdserve_client.protocol.ChatMessage) as HF chat templates read it: its tool calls
     with their arguments as objects, as vLLM hands them to templates."""
     d = {"role": m.role, "content": m.content}
     if m.tool_calls:

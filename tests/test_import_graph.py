@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve",
-            "benchmarks")
+CLIENT_DIST = ROOT / "client"  # the pdserve-client distribution: its package is client/pdserve_client
+ENGINE = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "gateway", "pdserve", "benchmarks")
+PACKAGES = {"pdserve_client": CLIENT_DIST / "pdserve_client", **{p: ROOT / p for p in ENGINE}}  # package -> its folder
+GONE = ("client",)  # packages that no longer exist (now pdserve_client): an import of one is stale
 NOT_SHIPPED = ("benchmarks",)  # in the repository, not in the wheel
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(CLIENT_DIST if path.is_relative_to(CLIENT_DIST) else ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -47,7 +50,7 @@ def imports_of(path: Path, module: str | None = None) -> set[str]:
 
 
 def source_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {module_name(p): p for folder in PACKAGES.values() for p in folder.rglob("*.py")}
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -62,6 +65,54 @@ def package_graph() -> dict[str, set[str]]:
     for pkg in graph:
         graph[pkg].discard(pkg)
     return graph
+
+
+def top_level(body: list[ast.stmt]):
+    """The statements run when a module is imported (into if / try / with blocks, not functions)."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from top_level([n for n in getattr(node, field, []) if isinstance(n, (ast.stmt, ast.excepthandler))])
+
+
+def bound_names(path: Path, mods: dict[str, Path]) -> dict[str, str]:
+    """name -> where a module's top level gets it: "" for its own classes, functions and
+    assignments, the module it imports it from otherwise (star imports of pdserve modules followed)."""
+    names = {}
+    for node in top_level(ast.parse(path.read_text(), str(path)).body):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = ""
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            names.update((n.id, "") for t in getattr(node, "targets", None) or [node.target] for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.ImportFrom) and node.names[0].name == "*" and node.module in mods:
+            names.update(dict.fromkeys(bound_names(mods[node.module], mods), node.module))
+        elif isinstance(node, ast.ImportFrom):
+            names.update((a.asname or a.name, node.module or "") for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(((a.asname or a.name).split(".")[0], a.name) for a in node.names)
+    return names
+
+
+def stale_imports(files: list[Path], mods: dict[str, Path]) -> list[str]:
+    """`path:line: from M import n` for each import of a pdserve module M that is gone, of an n M
+    does not have (nor as a submodule), or of an n the client distribution defines from an engine
+    module that merely imports it (it is imported from pdserve_client, its one home)."""
+    bound, found = {}, []
+    for path in files:
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in (*PACKAGES, *GONE)):
+                continue
+            if node.module not in mods:
+                found.append(f"{where}:{node.lineno}: from {node.module} (no such module)")
+                continue
+            if node.module not in bound:
+                bound[node.module] = bound_names(mods[node.module], mods)
+            engine = not node.module.startswith("pdserve_client")
+            found += [f"{where}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name != "*" and f"{node.module}.{a.name}" not in mods
+                      and (a.name not in bound[node.module] or engine and bound[node.module][a.name].startswith("pdserve_client"))]
+    return found
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -139,8 +190,29 @@ def test_the_checks_see_circles_lazy_and_relative_imports(tmp_path):
     assert imports_of(f, "kvtransfer.m") >= {"zmq", "wire.protocol", "kvtransfer.pool", "kvtransfer.pool.copy_blocks"}
 
 
-def test_the_old_client_import_path_still_works():
-    from client import AsyncClient, Client
-    from coordinator.client import AsyncClient as OldAsync, Client as OldClient
+def test_no_import_uses_a_path_the_client_distribution_replaced():
+    """A moved name fails here even in a lazy import no other test runs (after a merge, say): each
+    `from M import n` in the packages, tests and scripts names a module M that exists and an n it
+    has, and takes what pdserve_client defines from pdserve_client (stale_imports)."""
+    mods = source_modules()
+    files = [*mods.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    assert not (found := stale_imports(files, mods)), "imports of a name from where it is not defined:\n" + "\n".join(found)
 
-    assert (OldClient, OldAsync) == (Client, AsyncClient)
+
+def test_the_stale_import_check_sees_moved_names(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from wire.protocol import Hello, GenerateRequest\nfrom runtime.errors import PdserveError, NotSupportedError\n"
+                 "from pdserve_client import Client\n\ndef f():\n    from client import Client\n")
+    assert sorted(s.split(": ", 1)[1] for s in stale_imports([f], source_modules())) == [
+        "from client (no such module)", "from runtime.errors import PdserveError", "from wire.protocol import GenerateRequest"]
+
+
+def test_the_client_distribution_imports_only_pyzmq_and_msgspec():
+    """pdserve_client installs alone: it imports the standard library, msgspec, zmq and itself,
+    and its pyproject asks for exactly those two (tests/client/test_distribution.py installs it)."""
+    allowed = set(sys.stdlib_module_names) | {"pdserve_client", "msgspec", "zmq"}
+    found = {i.split(".")[0] for p in PACKAGES["pdserve_client"].rglob("*.py") for i in imports_of(p)}
+    assert {"pdserve_client", "msgspec", "zmq"} <= found, found  # the scan saw its imports
+    assert found <= allowed, f"pdserve_client imports beyond pyzmq and msgspec: {sorted(found - allowed)}"
+    deps = tomllib.loads((CLIENT_DIST / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(re.match(r"[\w-]+", d).group() for d in deps) == ["msgspec", "pyzmq"]

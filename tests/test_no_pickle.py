@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "kernels", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client", "gateway", "pdserve")
+PACKAGES = ("runtime", "kernels", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "client/pdserve_client", "gateway", "pdserve")
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "shelve", "joblib"}
 PICKLE_CALLS = {"send_pyobj", "recv_pyobj", "send_serialized", "recv_serialized", "read_pickle", "to_pickle"}
 

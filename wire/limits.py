@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from runtime.errors import InvalidRequestError, LimitExceededError
+from pdserve_client.errors import InvalidRequestError
+from runtime.errors import LimitExceededError
 from runtime.flags import flag
-from runtime.params import MAX_LOGPROBS, StructuredOutput
+from pdserve_client.params import MAX_LOGPROBS, StructuredOutput
 
 SCAN_FIRST_BYTES = 64 * 1024  # a larger GenerateRequest frame is scanned for oversized fields before it is decoded
 TRACE_HEADERS = ("traceparent", "tracestate")  # the only trace_headers keys a request may carry (W3C trace context)
@@ -252,7 +253,7 @@ class RequestLimits:
             raise FieldLimitExceeded(param, f"{param} is {value}; the limit is {self.max_logprobs}")
 
     def check_params(self, p) -> None:
-        """A GenerateRequest's SamplingParams (runtime/params.py), before validate()."""
+        """A GenerateRequest's SamplingParams (pdserve_client/params.py), before validate()."""
         self.check_sampling(p.stop, p.stop_token_ids)
         self.check_max_tokens("max_tokens", p.max_tokens if isinstance(p.max_tokens, int) else None)
         self.check_logprobs("logprobs", p.logprobs if isinstance(p.logprobs, int) else None)

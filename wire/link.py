@@ -20,7 +20,8 @@ import uuid
 import msgspec
 import zmq
 
-from wire.protocol import MAX_CONTROL_MESSAGE, CoordinatorToWorker, Hello, Reject, Welcome, decoder, encode
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
+from wire.protocol import CoordinatorToWorker, Hello, Reject, Welcome
 
 log = logging.getLogger("pdserve.link")
 

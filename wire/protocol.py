@@ -1,4 +1,6 @@
-"""The wire protocol: every message between pdserve processes, as msgspec Structs.
+"""The wire protocol between pdserve's own processes, as msgspec Structs: the worker-facing
+messages. The client-facing ones (client <-> coordinator), their `Message` base and the codec
+(`encode`, `decoder`) are in pdserve_client/protocol.py, the client distribution's one copy.
 
 Lifecycle of one request (docs/architecture.md; coordinator/server.py holds its states):
   client  -> coordinator   GenerateRequest
@@ -21,8 +23,8 @@ from typing import Annotated, Union
 
 import msgspec
 
-from runtime.params import SamplingParams
-from runtime.sequence import FinishReason
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import FinishReason, Message as _Msg, PromptLogprob
 
 PROTOCOL_VERSION = 7  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
@@ -30,9 +32,6 @@ PROTOCOL_VERSION = 7  # 2: Admit, Granted and AdmitRefused carry the admission n
 # are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys;
 # 6: roles follow the load: Hello names the roles a worker can switch to, SetRole -> RoleSet; 7: prompt logprobs
 # (SamplingParams.prompt_logprobs; KVReady carries them, PromptLogprobs and Delta bring them back)
-MAX_CONTROL_MESSAGE = 16 * 2**20  # bytes; every control socket sets ZMQ_MAXMSGSIZE to this
-# a prompt token's score (runtime/scoring.py's PromptScore): its logprob, its rank, the top-k [(token id, logprob)]
-PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 PrefixKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # a prefix-cache block key (runtime.prefix_hash)
 
 
@@ -40,103 +39,6 @@ class Role(enum.IntEnum):
     PREFILL = 0
     DECODE = 1
     COLOCATED = 2
-
-
-class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-# ------------------------------------------------------------------ client <-> coordinator
-
-class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
-    """A call an assistant turn made, as the chat template is shown it (arguments: JSON text)."""
-
-    id: str
-    name: str
-    arguments: str
-
-
-class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
-    role: str
-    content: str
-    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-    name: str | None = None
-
-
-class GenerateRequest(_Msg):
-    request_id: str
-    params: SamplingParams
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    token_ids: list[int] | None = None
-    add_special_tokens: bool = True
-    priority: int = 0  # higher is more important; picks the class's latency targets
-    ttft_ms: float = 0.0  # this request's own p99 targets; 0 = its priority class's
-    tpot_ms: float = 0.0
-    trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate: the coordinator's span joins that trace
-    tools: str | None = None  # a chat's tools (OpenAI's list, as JSON text): the chat template gets them as tools=
-
-
-class AbortRequest(_Msg):
-    request_id: str
-
-
-class StatsRequest(_Msg):
-    pass
-
-
-class StatusRequest(_Msg):
-    """A client that heard nothing for a while asks whether its request is still known;
-    the coordinator answers ErrorReply("unknown_request") if not (e.g. after a restart)."""
-
-    request_id: str
-
-
-class Delta(_Msg):
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # once, before the first token, when params.prompt_logprobs asked: the prompt's ids and a score per id after the first
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[PromptLogprob] | None = None
-
-
-class Final(_Msg):
-    request_id: str
-    finish_reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    ttft: float  # seconds from arrival at the coordinator to the first token
-    token_times: list[float]  # seconds since arrival of each output token
-    stop_text: str | None = None
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-
-
-class ErrorReply(_Msg):
-    request_id: str
-    code: str  # runtime.errors code: invalid_request, prompt_too_long, no_workers, ...
-    message: str
-
-
-class StatsReply(_Msg):
-    json: bytes  # msgspec-JSON encoded stats document (free-form, for humans and dashboards)
-
-
-class NodeReport(_Msg):
-    """Launcher -> coordinator (client port, every few seconds): how often each role of its node
-    was restarted, and how each last exited; shown by `pdserve stats` under `nodes`."""
-
-    node: str
-    restarts: dict[str, int]
-    last_exit: dict[str, str] = {}
-
-
-ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest, NodeReport]
-CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 
 
 # ------------------------------------------------------------------ worker <-> coordinator
@@ -375,16 +277,3 @@ class KVAccept(_Msg):
 
 PrefillToDecode = Union[KVReady, KVFailed, KVConnect]
 
-
-# ------------------------------------------------------------------ codecs
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decoder(union) -> msgspec.msgpack.Decoder:
-    """One typed decoder per socket; anything else raises msgspec.ValidationError/DecodeError."""
-    return msgspec.msgpack.Decoder(union)

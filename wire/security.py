@@ -12,7 +12,8 @@ writes a per-launch secret into a 0600 file (`write_secret`) and hands its path 
 coordinator and its workers: the worker port and the kv ports then run ZMQ PLAIN, admitting
 only connections that present the secret (over loopback; beyond it keys are required). A bind
 to anything but loopback without keys is refused (`check_bind`) unless the operator said
-`insecure` explicitly. Without keys or a secret nothing changes.
+`insecure` explicitly. Without keys or a secret nothing changes. Reading a keypair and a
+connecting socket's CURVE options is the client distribution's pdserve_client/keys.py.
 """
 from __future__ import annotations
 
@@ -28,15 +29,10 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from runtime.errors import PdserveError
+from pdserve_client.keys import CLIENT, SERVER, WORKER, InsecureBindError, client_options, keypair
 
-SERVER, CLIENT, WORKER = "server", "client", "worker"
 CLIENTS, WORKERS = "clients", "workers"  # ZAP domains of the client port and of the worker-facing ports
 PLAIN_USER = b"pdserve-worker"
-
-
-class InsecureBindError(PdserveError):
-    code = "insecure_bind"
 
 
 def is_loopback(addr: str) -> bool:
@@ -74,28 +70,12 @@ def keygen(directory: str) -> Path:
     return d
 
 
-def _pair(keys: str, name: str) -> tuple[bytes, bytes]:
-    path = Path(keys) / f"{name}.key_secret"
-    if not path.is_file():
-        raise InsecureBindError(f"no {name} keypair at {path}: run `pdserve keygen {keys}`")
-    public, secret = zmq.auth.load_certificate(str(path))
-    return public, secret
-
-
 def server_options(keys: str | None, domain: str = CLIENTS, secret: str | None = None) -> dict:
     """Options of a bound socket: CURVE with keys; PLAIN with a secret (the worker-facing ports)."""
     if keys is None:
         return {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: domain.encode()} if secret is not None else {}
-    public, key = _pair(keys, SERVER)
+    public, key = keypair(keys, SERVER)
     return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: key, zmq.ZAP_DOMAIN: domain.encode()}
-
-
-def client_options(keys: str | None, name: str = CLIENT) -> dict:
-    if keys is None:
-        return {}
-    public, secret = _pair(keys, name)
-    server_public, _ = zmq.auth.load_certificate(str(Path(keys) / f"{SERVER}.key"))
-    return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
 
 
 def worker_options(keys: str | None, secret: str | None = None) -> dict:

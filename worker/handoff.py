@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from runtime.engine import LLMEngine, StepOutput
-from runtime.errors import PdserveError
+from pdserve_client.errors import PdserveError
 from wire import liveness
 from wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
 

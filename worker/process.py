@@ -28,7 +28,8 @@ import zmq
 from kvtransfer.pool import host_identity
 from runtime.config import WorkerConfig
 from runtime.engine import LLMEngine
-from runtime.errors import EX_CONFIG, PdserveError
+from runtime.errors import EX_CONFIG
+from pdserve_client.errors import PdserveError
 from runtime.heap import freeze_startup_heap
 from runtime.kv_cache import BlockManager
 from wire import security

@@ -60,7 +60,7 @@ class PdserveBackend:
         self.client = None
 
     async def __aenter__(self):
-        from client.library import AsyncClient
+        from pdserve_client.library import AsyncClient
 
         self.client = AsyncClient(self.address, timeout=self.timeout)
         try:
@@ -79,7 +79,7 @@ class PdserveBackend:
         return {"token_ids": req.token_ids} if req.token_ids is not None else {"prompt": req.prompt}
 
     async def request(self, req: BenchRequest) -> RequestOutput:
-        from client.library import ClientError
+        from pdserve_client.library import ClientError
 
         s = self.sampling
         out = RequestOutput(prompt_len=req.prompt_len)

@@ -52,7 +52,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.errors import PdserveError
+    from pdserve_client.errors import PdserveError
 
     args = build_parser().parse_args(argv)
     try:

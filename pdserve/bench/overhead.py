@@ -32,9 +32,9 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     import zmq
 
     from wire.protocol import (
-        PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch,
-        TokenOut, Welcome, decoder, encode,
+        PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch, TokenOut, Welcome,
     )
+    from pdserve_client.protocol import FinishReason, decoder, encode
     from kvtransfer.pool import host_identity
 
     ctx = zmq.Context()
@@ -79,7 +79,7 @@ class LoadGenerator:
     def __init__(self, address: str, prompt: list[int]):
         import zmq
 
-        from wire.protocol import CoordinatorToClient, decoder
+        from pdserve_client.protocol import CoordinatorToClient, decoder
 
         self.zmq = zmq
         self.ctx = zmq.Context()
@@ -92,15 +92,15 @@ class LoadGenerator:
         self.prompt = prompt
 
     def encoded(self, prefix: str, n: int) -> list[bytes]:
-        from wire.protocol import GenerateRequest, encode
-        from runtime.params import SamplingParams
+        from pdserve_client.protocol import GenerateRequest, encode
+        from pdserve_client.params import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         return [encode(GenerateRequest(f"{prefix}{i}", params, token_ids=self.prompt)) for i in range(n)]
 
     def finals(self, timeout_s: float = 30.0):
         """Yield (request_id, error or None) for each request that ended, as messages arrive."""
-        from wire.protocol import ErrorReply, Final
+        from pdserve_client.protocol import ErrorReply, Final
 
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("the coordinator stopped answering")
@@ -164,7 +164,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def wait_registered(client_addr: str, worker_id: str, procs, timeout: float = 60.0) -> None:
-    from client.library import Client, ClientError
+    from pdserve_client.library import Client, ClientError
 
     deadline = time.monotonic() + timeout
     with Client(client_addr, timeout=2.0) as c:
@@ -182,7 +182,7 @@ def wait_registered(client_addr: str, worker_id: str, procs, timeout: float = 60
 
 
 def coordinator_stats(client_addr: str) -> dict:
-    from client.library import Client
+    from pdserve_client.library import Client
 
     with Client(client_addr, timeout=5.0) as c:
         return c.stats()

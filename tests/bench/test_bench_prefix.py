@@ -35,7 +35,7 @@ def replay_bytes(model_dir, tmp_path, *engine_args) -> dict:
         assert "KV hand-offs: 12," in stdout, stdout
         d = json.loads(out.read_text())
         assert d["completed"] == 12 and d["failed"] == 0
-        from client.library import Client
+        from pdserve_client.library import Client
 
         with Client(launcher.plan.client_addr) as c:
             wait_all_blocks_free(c)

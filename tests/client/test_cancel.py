@@ -12,8 +12,8 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from client.library import AsyncClient
-from wire.protocol import AbortRequest, ClientToCoordinator, Delta, GenerateRequest, decoder, encode
+from pdserve_client.library import AsyncClient
+from pdserve_client.protocol import AbortRequest, ClientToCoordinator, Delta, GenerateRequest, decoder, encode
 from tests.helpers import free_port
 
 

@@ -15,13 +15,11 @@ import pytest
 
 from tests.coordinator.recorded import Recorded
 from coordinator.server import CoordinatorConfig
-from runtime.params import SamplingParams, StructuredOutput
+from pdserve_client.params import SamplingParams, StructuredOutput
 from tests.decode.test_worker import admit_from, all_free, sleeper, workers
 from tests.helpers import free_port
-from wire.protocol import (
-    MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, AbortRequest, Admit, ErrorReply, GenerateRequest, Granted, Hello, Prefill,
-    PrefillDone, Release, Role, TokenBatch, TokenOut,
-)
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, AbortRequest, ErrorReply, GenerateRequest
+from wire.protocol import PROTOCOL_VERSION, Abort, Admit, Granted, Hello, Prefill, PrefillDone, Release, Role, TokenBatch, TokenOut
 
 
 

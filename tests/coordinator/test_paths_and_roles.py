@@ -21,13 +21,13 @@ from tests.coordinator.recorded import Recorded
 from coordinator.server import CoordinatorConfig
 from coordinator.state import Phase
 from gateway.metrics import GatewayMetrics
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.gateway.helpers import exposition_problems, promtool_check
 from tests.helpers import free_port
 from wire.protocol import (
-    PROTOCOL_VERSION, Admit, FinishReason, Generate, GenerateRequest, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet,
-    SetRole, TokenBatch, TokenOut,
+    PROTOCOL_VERSION, Admit, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, TokenOut,
 )
+from pdserve_client.protocol import FinishReason, GenerateRequest
 
 BOTH = [Role.PREFILL, Role.DECODE]
 

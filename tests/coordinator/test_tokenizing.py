@@ -5,8 +5,8 @@ import asyncio
 import threading
 
 from coordinator.tokenizing import SMALL_COST, OffLoopTokenizer
-from runtime.params import SamplingParams
-from wire.protocol import GenerateRequest
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import GenerateRequest
 
 
 def gen(rid="r", **kw):

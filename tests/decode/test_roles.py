@@ -14,7 +14,7 @@ from decode.worker import DecodeWorker
 from kvtransfer.local import LocalKV
 from prefill.worker import PrefillWorker
 from runtime import cores
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
 from wire.protocol import (
     Abort, Admit, Generate, Granted, KVFailed, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, WorkerError,

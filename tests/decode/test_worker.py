@@ -9,7 +9,7 @@ failed hand-offs and expired grants each end with every block free.
 from decode.worker import DecodeWorker
 from kvtransfer.local import LocalKV
 from prefill.worker import PrefillWorker
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
 from wire.protocol import Abort, Admit, AdmitRefused, Granted, KVFailed, Prefill, Release, TokenBatch, WorkerError
 

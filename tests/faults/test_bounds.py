@@ -24,15 +24,13 @@ import pytest
 import torch
 import zmq
 
-from client.library import AsyncClient, Client, InvalidRequest, Overloaded
+from pdserve_client.library import AsyncClient, Client, InvalidRequest, Overloaded
 from wire.link import WorkerLink
-from wire.protocol import (
-    MAX_CONTROL_MESSAGE, PROTOCOL_VERSION, Abort, CoordinatorToClient, Delta, GenerateRequest, Heartbeat, Hello, Role, Welcome,
-    WorkerToCoordinator, decoder, encode,
-)
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, CoordinatorToClient, Delta, GenerateRequest, decoder, encode
+from wire.protocol import PROTOCOL_VERSION, Abort, Heartbeat, Hello, Role, Welcome, WorkerToCoordinator
 from coordinator.server import Coordinator, CoordinatorConfig
 from kvtransfer.transfer import KVReceiver, KVSender
-from runtime.params import SamplingParams, StructuredOutput
+from pdserve_client.params import SamplingParams, StructuredOutput
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from client.library import AsyncClient, Client, RequestError
+from pdserve_client.library import AsyncClient, Client, RequestError
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 # 21 blocks of 16 tokens on the decode worker: the stalled request's grant (10 blocks) given up

@@ -22,14 +22,17 @@ import pytest
 import torch
 import zmq
 
-from client.library import Client, WorkerLost
+from pdserve_client.library import Client, WorkerLost
 from wire.protocol import (
-    PROTOCOL_VERSION, AbortRequest, Admit, AdmitRefused, ChatMessage, ClientToCoordinator, CoordinatorToClient, Delta,
-    ErrorReply, GenerateRequest, Granted, Heartbeat, Hello, KVFailed, KVReady, PrefillDone, Role, StatsRequest, StatusRequest,
-    TokenBatch, TokenOut, Welcome, WorkerError, WorkerToCoordinator, decoder, encode,
+    PROTOCOL_VERSION, Admit, AdmitRefused, Granted, Heartbeat, Hello, KVFailed, KVReady, PrefillDone, Role, TokenBatch, TokenOut, Welcome,
+    WorkerError, WorkerToCoordinator,
+)
+from pdserve_client.protocol import (
+    AbortRequest, ChatMessage, ClientToCoordinator, CoordinatorToClient, Delta, ErrorReply, GenerateRequest, StatsRequest, StatusRequest,
+    decoder, encode,
 )
 from kvtransfer.transfer import KVReceiver
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.faults.fuzzing import fuzz_messages, mutate_json
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free

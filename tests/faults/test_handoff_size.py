@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from client.library import Client, InvalidRequest
-from runtime.params import StructuredOutput
+from pdserve_client.library import Client, InvalidRequest
+from pdserve_client.params import StructuredOutput
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 DESCRIPTION_BYTES = 1_200_000

@@ -28,9 +28,9 @@ import httpx
 import pytest
 import zmq
 
-from client.library import Client
-from runtime.params import SamplingParams, StructuredOutput
-from wire.protocol import CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
+from pdserve_client.library import Client
+from pdserve_client.params import SamplingParams, StructuredOutput
+from pdserve_client.protocol import CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
 from tests.faults.probe import Probe, launched
 from tests.gateway.helpers import poll
 from tests.helpers import wait_all_blocks_free

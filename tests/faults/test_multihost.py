@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from client.library import Client, RequestError
+from pdserve_client.library import Client, RequestError
 from wire.security import keygen
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 

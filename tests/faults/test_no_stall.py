@@ -22,9 +22,9 @@ import pytest
 
 import zmq
 
-from client.library import Client
-from runtime.params import SamplingParams
-from wire.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
+from pdserve_client.library import Client
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
 from tests.faults.probe import Probe, launched
 from tests.gateway.helpers import poll
 from tests.helpers import wait_all_blocks_free

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from tests.gateway.helpers import start_gateway_cluster
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 

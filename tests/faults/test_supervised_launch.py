@@ -23,19 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from client.library import Client, ClientError, RequestError, RequestLost
+from pdserve_client.library import Client, ClientError, RequestError, RequestLost
 from kvtransfer.pool import host_identity
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.faults.test_worker_death import run_and_kill
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 from wire import security
 from wire.liveness import LIVENESS_ENV
-from wire.protocol import (
-    PROTOCOL_VERSION, CoordinatorToWorker, FinishReason, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut,
-    Welcome, decoder, encode,
-)
+from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, Welcome
+from pdserve_client.protocol import FinishReason, decoder, encode
 
 MAX_TOKENS = 300
 

@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from client.library import AsyncClient, Client
+from pdserve_client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import EX_CONFIG
 from runtime.model_path import resolve_model_path
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
 from tests.helpers import free_port, wait_all_blocks_free

@@ -16,11 +16,11 @@ import httpx
 import pytest
 import zmq
 
-from client.library import Client, InvalidRequest
-from runtime.params import SamplingParams
+from pdserve_client.library import Client, InvalidRequest
+from pdserve_client.params import SamplingParams
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 from wire.limits import RequestLimits
-from wire.protocol import ChatMessage, CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
+from pdserve_client.protocol import ChatMessage, CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
 
 L = RequestLimits()
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -119,7 +119,7 @@ def test_the_client_port_refuses_oversized_ids_and_messages(cluster):
 def test_aborts_and_status_queries_with_oversized_ids_are_dropped_unechoed(cluster):
     """No request has an id over the bound, so an AbortRequest or StatusRequest naming one is
     dropped and counted, never echoed back (a StatusRequest's unknown_request would be)."""
-    from wire.protocol import AbortRequest, StatusRequest
+    from pdserve_client.protocol import AbortRequest, StatusRequest
 
     with Client(cluster.plan.client_addr, timeout=30) as c:
         before = c.stats()["requests"].get("oversized_ids_dropped", 0)

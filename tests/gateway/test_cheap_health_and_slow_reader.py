@@ -17,10 +17,10 @@ import httpx
 import pytest
 import zmq
 
-from client.library import Client
+from pdserve_client.library import Client
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
-from wire.protocol import ClientToCoordinator, StatsReply, StatsRequest, decoder, encode
+from pdserve_client.protocol import ClientToCoordinator, StatsReply, StatsRequest, decoder, encode
 
 
 @pytest.fixture(scope="module")

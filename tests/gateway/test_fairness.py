@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from client.library import Client, InvalidRequest
+from pdserve_client.library import Client, InvalidRequest
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 KEY = "sesame"

@@ -5,7 +5,7 @@ coordinator reported for it; the hand-off bytes equal the coordinator's KV trans
 arithmetic of the split (clamps, colocated requests, forgotten ones) is checked on a fake clock."""
 import pytest
 
-from coordinator.client import Client
+from pdserve_client import Client
 from wire.phase_metrics import PhaseTracker
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model

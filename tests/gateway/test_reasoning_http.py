@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "pdserve" / "data" / "chatml_tools.jinja"

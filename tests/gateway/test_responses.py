@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from gateway.responses import ResponseObject, ResponseStore
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -10,7 +10,7 @@ from gateway.errors import ApiError
 from gateway.responses import ResponsesRequest, responses_bounds
 from gateway.schema import STRUCTURED_WRAPPER_BYTES, decode_body
 from runtime.errors import LimitExceededError
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from wire.limits import RequestLimits
 
 L = RequestLimits()

@@ -9,7 +9,7 @@ import json
 import msgspec
 import pytest
 
-from client.library import Result, StreamDelta
+from pdserve_client.library import Result, StreamDelta
 from gateway.format import ChatFormatter
 from gateway.reasoning import REASONING_PARSERS
 from gateway.responses import InputItem, ResponsesRequest, ResponseStore, Turn, input_messages

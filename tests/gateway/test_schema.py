@@ -9,8 +9,8 @@ from gateway.server import GatewayConfig, served_name
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, completion_inputs, completion_jobs, decode_body,
 )
-from wire.protocol import ChatMessage
-from runtime.errors import InvalidRequestError
+from pdserve_client.protocol import ChatMessage
+from pdserve_client.errors import InvalidRequestError
 from runtime.model_path import default_model_path
 
 

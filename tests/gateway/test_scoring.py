@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from client.library import Client
+from pdserve_client.library import Client
 from runtime.scoring import SCORE_CHUNK
 from runtime.tokenizer import load_tokenizer
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free

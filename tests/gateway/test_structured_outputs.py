@@ -211,7 +211,7 @@ def _spec_jobs(spec):
 def test_the_gateway_check_has_a_budget_and_a_cache(monkeypatch):
     from gateway import structured as gs
     from gateway.errors import ApiError
-    from runtime.params import StructuredOutput
+    from pdserve_client.params import StructuredOutput
 
     monkeypatch.setattr(gs, "_LANE", None)  # a fresh lane: its own cache and budget
     lane = gs._lane()

@@ -166,7 +166,7 @@ def test_forced_grammars_follow_vllm():
 def test_chat_formatter_splits_reasoning_then_finds_calls_streamed_and_whole():
     """The formatter (gateway/format.py) joins both: reasoning deltas first, then the calls found in
     the content after </think>, the last chunk ending "tool_calls"; the whole answer says the same."""
-    from client.library import Result, StreamDelta
+    from pdserve_client.library import Result, StreamDelta
     from gateway.format import ChatFormatter
     from gateway.reasoning import REASONING_PARSERS
 

@@ -19,7 +19,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from runtime.tokenizer import load_tokenizer
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -38,7 +38,7 @@ def native_cuda_check():
 
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.sampling import SamplingParams
+    from pdserve_client.params import SamplingParams
     from tests.helpers import save_tiny_model, write_gguf
 
     with tempfile.TemporaryDirectory() as d:

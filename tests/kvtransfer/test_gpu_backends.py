@@ -22,9 +22,8 @@ import pytest
 import torch
 import zmq
 
-from wire.protocol import (
-    Admit, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError, decoder, encode,
-)
+from wire.protocol import Admit, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError
+from pdserve_client.protocol import decoder, encode
 from kvtransfer import cuda_ipc, nccl
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
 from kvtransfer.pool import KVPool
@@ -32,7 +31,7 @@ from kvtransfer.transfer import KVReceiver, KVSender, choose_backend, gpu_backen
 from runtime.config import EngineConfig
 from runtime.errors import NotSupportedError
 from runtime.kv_cache import BlockManager
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, save_tiny_model, tiny_engine
 
 _REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import torch
 
 from kvtransfer.local import LocalKV
 from prefill.worker import PrefillWorker
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
 from wire.protocol import Abort, KVFailed, KVReady, Prefill, PrefillDone, WorkerError
 

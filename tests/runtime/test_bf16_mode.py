@@ -15,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, build_model
 from runtime.kv_cache import allocate_kv_cache
 from runtime.model import ForwardBatch
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.tokenizer import render_chat
 from runtime.weights import load_checkpoint
 

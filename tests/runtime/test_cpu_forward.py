@@ -12,7 +12,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import LOGIT_GAP_TOL, save_tiny_model
 
 pytestmark = pytest.mark.skipif(

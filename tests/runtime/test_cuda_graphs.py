@@ -9,7 +9,7 @@ from runtime import cuda_graphs
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import NotSupportedError
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_model
 
 

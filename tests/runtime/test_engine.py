@@ -5,9 +5,10 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.errors import InvalidRequestError, InvalidSamplingParams, PromptTooLongError
-from runtime.sampling import SamplingParams
-from runtime.sequence import FinishReason
+from pdserve_client.errors import InvalidRequestError, InvalidSamplingParams
+from runtime.errors import PromptTooLongError
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import FinishReason
 from tests.helpers import save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

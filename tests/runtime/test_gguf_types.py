@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import UnsupportedModelError
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.weights import gguf_dequantizable, load_checkpoint, supported_gguf_types, unpermute_qk
 from tests.helpers import assert_greedy_equal, hf_greedy
 

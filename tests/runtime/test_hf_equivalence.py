@@ -6,7 +6,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model
 
 CONFIGS = {

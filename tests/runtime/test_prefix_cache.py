@@ -13,7 +13,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.kv_cache import BlockManager
 from runtime.prefix_hash import ROOT_HASH, chain_hashes, new_secret
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import force_colliding_keys, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

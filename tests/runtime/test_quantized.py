@@ -32,7 +32,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_model
 from runtime.kv_cache import allocate_kv_cache
 from runtime.model import ForwardBatch
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.tokenizer import render_chat
 from tests.helpers import save_tiny_model, write_gguf
 from tests.kernels.variants import isa  # noqa: F401  (the fixture: a test taking it runs on every instruction-set variant)

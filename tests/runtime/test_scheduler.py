@@ -1,9 +1,10 @@
 """The scheduler as plain data, without a model: token budget and chunks, admission order,
 preemption of the newest sequence, sequences that can never fit; each ends with its blocks freed."""
 from runtime.kv_cache import BlockManager
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.scheduler import Scheduler
-from runtime.sequence import FinishReason, Sequence, SeqStatus
+from pdserve_client.protocol import FinishReason
+from runtime.sequence import Sequence, SeqStatus
 
 
 def seq(rid, n, max_tokens=4):

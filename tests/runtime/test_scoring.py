@@ -6,7 +6,7 @@ mode (handed out with the first token); the pool is whole at the end."""
 import pytest
 import torch
 
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.scoring import SCORE_CHUNK, score, score_reference
 from runtime.sequence import Sequence
 from runtime.scheduler import Scheduler

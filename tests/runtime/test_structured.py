@@ -16,9 +16,9 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.grammar_lane import LRU, CompileLane, CompilerBusy, GrammarTooComplex
-from runtime.params import SamplingParams, StructuredOutput
+from pdserve_client.params import SamplingParams, StructuredOutput
 from runtime.sampling import SamplingRow, sample
-from runtime.sequence import FinishReason
+from pdserve_client.protocol import FinishReason
 from runtime.structured import MAX_WHITESPACE, constrainer
 from tests.helpers import save_tiny_served_model
 

@@ -13,7 +13,7 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.engine import LLMEngine, build_model
 from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.kv_cache import allocate_kv_cache
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.weights import load_checkpoint
 from runtime.tp import StepPlan, batch_of, check_split, column_part, plan_of, row_part, vocab_part
 from tests.helpers import save_tiny_model, tiny_engine, write_gguf

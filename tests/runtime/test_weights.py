@@ -10,7 +10,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import ModelLoadError, UnsupportedModelError
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from runtime.weights import default_model_path, load_checkpoint
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model, write_gguf
 

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from client.library import Client, CoordinatorUnreachable, RequestTimeout
-from wire.security import InsecureBindError, check_bind, is_loopback, keygen
+from pdserve_client.library import Client, CoordinatorUnreachable, RequestTimeout
+from pdserve_client.keys import InsecureBindError
+from wire.security import check_bind, is_loopback, keygen
 from tests.helpers import free_port, save_tiny_served_model, start_cluster
 
 

@@ -10,9 +10,10 @@ import time
 import pytest
 import zmq
 
-from client.library import Client
+from pdserve_client.library import Client
 from wire import security
-from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Hello, Role, Welcome, decoder, encode
+from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Hello, Role, Welcome
+from pdserve_client.protocol import decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from client.library import AsyncClient, Client
+from pdserve_client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 

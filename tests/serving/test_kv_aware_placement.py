@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from client.library import AsyncClient, Client
+from pdserve_client.library import AsyncClient, Client
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 BLOCK = 8

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from tests.helpers import free_port, save_tiny_served_model
 
 

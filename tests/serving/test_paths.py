@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from client.library import AsyncClient, Client
+from pdserve_client.library import AsyncClient, Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 LOCAL_TOKENS = 32

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from client.library import Client
+from pdserve_client.library import Client
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.tokenizer import render_chat

@@ -8,10 +8,9 @@ import msgspec
 import pytest
 import zmq
 
-from client.library import Client, InvalidRequest, PromptTooLong
-from wire.protocol import (
-    PROTOCOL_VERSION, CoordinatorToClient, ErrorReply, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, decoder, encode,
-)
+from pdserve_client.library import Client, InvalidRequest, PromptTooLong
+from wire.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut
+from pdserve_client.protocol import CoordinatorToClient, ErrorReply, decoder, encode
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 

@@ -13,12 +13,12 @@ import zmq
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.sampling import SamplingParams
+from pdserve_client.params import SamplingParams
 from tests.helpers import free_port, save_tiny_model
 from wire.protocol import (
     PROTOCOL_VERSION, Generate, Heartbeat, Hello, Reject, Role, RoleSet, SetRole, Shutdown, TokenBatch, Welcome, WorkerToCoordinator,
-    decoder, encode,
 )
+from pdserve_client.protocol import decoder, encode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(5, 30))

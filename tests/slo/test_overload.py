@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from client.library import AsyncClient, Client, Overloaded
+from pdserve_client.library import AsyncClient, Client, Overloaded
 from tests.helpers import save_tiny_served_model, start_cluster
 
 PROMPT, OUTPUT = 64, 48

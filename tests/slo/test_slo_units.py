@@ -13,10 +13,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client.library import AsyncClient, Overloaded
-from wire.protocol import (
-    PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome, decoder, encode,
-)
+from pdserve_client.library import AsyncClient, Overloaded
+from wire.protocol import PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome
+from pdserve_client.protocol import decoder, encode
 from coordinator.placement import prefill_share
 from coordinator.server import Coordinator, CoordinatorConfig
 from coordinator.state import Phase

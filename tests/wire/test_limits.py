@@ -1,8 +1,8 @@
 """Request limits: an oversized GenerateRequest frame is refused from its msgpack lengths, before
 the coordinator decodes it; frames within the limits (or other messages) are left to the decoder."""
-from runtime.params import SamplingParams
+from pdserve_client.params import SamplingParams
 from wire.limits import RequestLimits
-from wire.protocol import AbortRequest, ChatMessage, GenerateRequest, encode
+from pdserve_client.protocol import AbortRequest, ChatMessage, GenerateRequest, encode
 
 
 def test_oversized_frames_are_found_without_decoding():

@@ -11,9 +11,9 @@ from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, decode_body, refuse_oversized, request_bounds, structured_bounds,
 )
 from runtime.errors import LimitExceededError
-from runtime.params import SamplingParams, StructuredOutput
+from pdserve_client.params import SamplingParams, StructuredOutput
 from wire.limits import FieldLimitExceeded, RequestLimits
-from wire.protocol import ChatMessage, GenerateRequest, encode
+from pdserve_client.protocol import ChatMessage, GenerateRequest, encode
 
 L = RequestLimits()
 
@@ -257,7 +257,7 @@ def test_the_stop_scan_does_not_count_whitespace_between_strings():
 
 
 def test_the_coordinator_bounds_tool_calls_and_a_grammar_marker(coordinator):
-    from wire.protocol import ToolCall
+    from pdserve_client.protocol import ToolCall
 
     many = [ChatMessage("assistant", "", [ToolCall("c", "f", "{}")] * (L.max_tool_calls + 1))]
     with pytest.raises(FieldLimitExceeded):

@@ -18,11 +18,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from wire.protocol import (
-    MAX_CONTROL_MESSAGE, AbortRequest, ChatMessage, CoordinatorToClient, Delta, ErrorReply, Final,
-    GenerateRequest, NodeReport, StatsReply, StatsRequest, StatusRequest, decoder, encode,
+from pdserve_client.protocol import (
+    MAX_CONTROL_MESSAGE, AbortRequest, ChatMessage, CoordinatorToClient, Delta, ErrorReply, Final, GenerateRequest, NodeReport, StatsReply,
+    StatsRequest, StatusRequest, decoder, encode,
 )
-from runtime.params import SamplingParams
+from pdserve_client.keys import client_options
+from pdserve_client.params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -202,8 +203,6 @@ def build_request(prompt, messages, token_ids, sampling: dict, request_id: str |
 
 def _socket(ctx, address: str, curve: dict | None, keys: str | None = None):
     if keys is not None:
-        from wire.security import client_options
-
         curve = {**client_options(keys), **(curve or {})}
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-from runtime.errors import InvalidSamplingParams
+from pdserve_client.errors import InvalidSamplingParams
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
