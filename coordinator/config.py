@@ -59,7 +59,7 @@ class CoordinatorConfig:
     # remote: the default until auto holds tests/slo/test_overload.py reliably
     paths: str = flag("remote", group="paths and roles", choices=PATHS, launch=True,
                       help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default until "
-                      "auto holds the overload test's targets reliably: docs/architecture.md, "Paths and roles"); auto: each request "
+                      "auto holds the overload test's targets reliably: docs/architecture.md, Paths and roles); auto: each request "
                       "prefilled on its decode worker (local) or on a prefill worker (remote): with SLO control the way "
                       "that meets its targets, local first where the two share a node's cores; without it local for "
                       "short prompts or a long prefill queue; local: always on the decode worker")
@@ -69,7 +69,7 @@ class CoordinatorConfig:
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
     planner: PlannerConfig | None = flag(None, group="paths and roles", pair=True, command_default=False, launch=True,
                                          help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short "
-                                         "of capacity (off by default until it holds the targets under overload: docs/architecture.md, "Paths and roles")")
+                                         "of capacity (off by default until it holds the targets under overload: docs/architecture.md, Paths and roles)")
     # the text of --chat-template (a file, or the template itself), used instead of the model's own (runtime/tokenizer.py)
     chat_template: str | None = flag(None, group="model and weights", launch=True,
                                      help="a Jinja chat template (a file, or the template itself) used instead of the model's own, e.g. one "
