@@ -30,7 +30,6 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
@@ -39,8 +38,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdserve_client.library import (
-    DEFAULT_ADDRESS, AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
+    AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
 )
+from gateway.config import GatewayConfig
 from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs,
@@ -50,20 +50,19 @@ from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
 from gateway.responses import ResponsesRoutes
 from gateway.scoring import echo_options
-from gateway.stream import STREAM_BUFFER_BYTES, ClientGone, EventStream, Fanout, unless_disconnected
+from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from gateway.slots import Slots
 from gateway.reasoning import REASONING_PARSERS
 from gateway.structured import check_jobs
-from gateway.tools import ToolConfig, tool_plan
+from gateway.tools import tool_plan
 from gateway.tokenize import TokenizerRoutes, package_version
-from pdserve_client.errors import InvalidRequestError
 from runtime.heap import freeze_startup_heap
 from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
 from runtime.tokenizer import load_tokenizer
 from wire import liveness
-from wire.limits import TRACE_HEADERS, RequestLimits
+from wire.limits import TRACE_HEADERS
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
@@ -74,35 +73,6 @@ DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
 _STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
 _CODE_STATUS = {"unknown_request": 503, "client_too_slow": 503}
-
-
-@dataclass
-class GatewayConfig:
-    coordinator: str = DEFAULT_ADDRESS
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None  # whose tokenizer to load; also names the served model
-    served_model_name: str | None = None
-    api_key: str | None = None
-    request_timeout_s: float = 600.0
-    retry_after_s: int = 1  # told to clients of a shed request (429)
-    stats_timeout_s: float = 2.0
-    keys: str | None = None  # CurveZMQ keys directory for the coordinator connection
-    max_inflight: int = 1024  # coordinator requests in flight for all HTTP requests (gateway/slots.py)
-    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
-    stream_buffer_bytes: int = STREAM_BUFFER_BYTES  # events one HTTP request may leave unread before its streams are aborted
-    tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
-    chat_template: str | None = None  # --chat-template's text, instead of the model's own (the coordinator renders with it too)
-
-    def __post_init__(self):
-        if not 0 <= self.port < 65536:
-            raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
-        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
-            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
-        if self.stream_buffer_bytes < 16 * 1024:
-            raise InvalidRequestError(f"stream_buffer_bytes must be >= 16 KiB, got {self.stream_buffer_bytes}")
-        if self.api_key == "":
-            raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
 
 
 def encode_json(obj, status: int = 200, headers: dict | None = None) -> Response:

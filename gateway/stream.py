@@ -22,12 +22,12 @@ import logging
 from starlette.responses import StreamingResponse
 
 from pdserve_client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
+from gateway.config import STREAM_BUFFER_BYTES
 from gateway.schema import Job
 from gateway.slots import Slots
 
 log = logging.getLogger("pdserve.gateway")
 
-STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
 EVENT_OVERHEAD = 256  # bytes counted per queued delta beyond its contents (the delta, its tuple, the queue slot)
 ITEM_BYTES = 32  # per token id or logprob held in a delta (a list slot and a Python number)
 TOP_BYTES = 128  # per (token id, logprob) pair of top_logprobs (a tuple and two numbers)

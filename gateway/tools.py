@@ -29,8 +29,9 @@ from typing import Literal
 
 import msgspec
 
+from gateway.config import ToolConfig
 from gateway.errors import bad_request
-from gateway.reasoning import REASONING_PARSERS, held_back
+from gateway.reasoning import held_back
 from gateway.tool_parsers import PARSERS, Parser, ParsedCall
 from pdserve_client.params import StructuredOutput
 
@@ -84,25 +85,6 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 
 
 # ------------------------------------------------------------------ the request
-
-
-@dataclass(frozen=True)
-class ToolConfig:
-    """The server's flags (vLLM's): --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser."""
-
-    auto_tool_choice: bool = False
-    tool_parser: str | None = None
-    reasoning_parser: str | None = None
-
-    def __post_init__(self):
-        from pdserve_client.errors import InvalidRequestError
-
-        if self.tool_parser is not None and self.tool_parser not in PARSERS:
-            raise InvalidRequestError(f"unknown tool call parser {self.tool_parser!r}; choose one of {', '.join(PARSERS)}")
-        if self.auto_tool_choice and self.tool_parser is None:
-            raise InvalidRequestError("--enable-auto-tool-choice requires --tool-call-parser")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise InvalidRequestError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The `pdserve` command line. The roles' flags are built from the config dataclasses that declare
-them (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits: pdserve/flags.py),
+them (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig,
+ToolConfig: pdserve/flags.py),
 each command's `--help` in sections by concern. Each sub-command imports its role lazily, so
 `pdserve --help` stays fast and the coordinator's commands never import the model code."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import click
 
 from coordinator.config import CoordinatorConfig
 from coordinator.planner import PlannerConfig
+from gateway.config import GatewayConfig, ToolConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
 from pdserve.launch import HANG_TIMEOUT_S, NodePlan
 from runtime.config import EngineConfig, WorkerConfig
@@ -30,6 +32,11 @@ CHAT_TEMPLATE = [s for s in COORDINATOR if s.name == "chat_template"]
 TRACING = [s for s in COORDINATOR if s.flag.group == "tracing" and s.flag.launch]
 # what `pdserve launch` passes to the coordinator as they are (tracing, limits and the chat template: below)
 COORDINATOR_LAUNCH = [s for s in COORDINATOR + PLANNER if s.flag.launch and s.flag.group in ("SLO", "paths and roles")]
+GATEWAY = specs(GatewayConfig)
+TOOLS = specs(ToolConfig)
+GATEWAY_LAUNCH = specs(GatewayConfig, launch_only=True) + specs(ToolConfig, launch_only=True)
+# what `pdserve launch` passes to the gateway as they are (its HTTP address, key and model name go through NodePlan)
+GATEWAY_PASSED = [s for s in GATEWAY_LAUNCH if s.field not in ("host", "port", "api_key", "served_model_name")]
 
 
 def _logging(verbose: bool) -> None:
@@ -176,37 +183,13 @@ def _chat_template(value):
         raise click.BadParameter(str(e)) from None
 
 
-def _tool_options(f):
-    """Tool calling and reasoning output on the gateway (gateway/tools.py), vLLM's flags."""
-    from gateway.reasoning import REASONING_PARSERS
-    from gateway.tool_parsers import PARSERS
-
-    opts = [
-        click.option("--enable-auto-tool-choice", is_flag=True, help='serve tool_choice "auto" (needs --tool-call-parser)'),
-        click.option("--tool-call-parser", default=None, type=click.Choice(sorted(PARSERS)),
-                     help="how the model writes tool calls, for tool_choice auto"),
-        click.option("--reasoning-parser", default=None, type=click.Choice(sorted(REASONING_PARSERS)),
-                     help="split the model's <think> block into reasoning_content"),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def _tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser):
-    from gateway.tools import ToolConfig
-    from pdserve_client.errors import PdserveError
-
+def _tool_config(values: dict) -> ToolConfig:
+    """Tool calling and reasoning output from their flags (gateway/config.py); --enable-auto-tool-choice
+    without --tool-call-parser is a usage error."""
     try:
-        return ToolConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+        return ToolConfig(**field_values(TOOLS, values))
     except PdserveError as e:
         raise click.UsageError(str(e)) from None
-
-
-def _tool_args(enable_auto_tool_choice, tool_call_parser, reasoning_parser) -> list[str]:
-    """The same options as flags, for the gateway `pdserve launch` starts."""
-    return ((["--enable-auto-tool-choice"] if enable_auto_tool_choice else []) + (["--tool-call-parser", tool_call_parser] if tool_call_parser else [])
-            + (["--reasoning-parser", reasoning_parser] if reasoning_parser else []))
 
 
 def _limits(values: dict) -> RequestLimits:
@@ -245,35 +228,16 @@ def coordinator(verbose, **values):
 
 
 @main.command()
-@click.option("--coordinator", "address", default=COORDINATOR_CLIENTS, show_default=True, help="coordinator client port")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--model", default=None, help="the served model, for its tokenizer and name (default: SmolLM2-135M-Instruct)")
-@click.option("--served-model-name", default=None, help="the name clients ask for (default: the model's file or directory name)")
-@click.option("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
-@click.option("--request-timeout", default=600.0, show_default=True, help="seconds one request may take")
-@options(KEYS)
-@click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
-              help="coordinator requests in flight for all HTTP requests (keep <= the coordinator's --max-client-requests); "
-                   "one HTTP request holds at most a fair share of them")
-@click.option("--stream-buffer-kb", default=None, type=click.IntRange(16),
-              help="KiB of events one HTTP request may leave unread, past which its streams are aborted (client_too_slow; default 4096)")
-@options(LIMITS)
-@_tool_options
-@options(CHAT_TEMPLATE)
+@options(GATEWAY + TOOLS + LIMITS + CHAT_TEMPLATE)
 @click.option("-v", "--verbose", is_flag=True)
-def gateway(address, host, port, model, served_model_name, api_key, request_timeout, keys, max_inflight, stream_buffer_kb,
-            enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template, verbose, **limits):
+def gateway(verbose, **values):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
-    from gateway.server import GatewayConfig, serve
+    from gateway.server import serve
 
     _logging(verbose)
+    limits, tools, chat_template = _limits(values), _tool_config(values), _chat_template(values["chat_template"])
     try:
-        cfg = GatewayConfig(address, host, port, model, served_model_name, api_key, request_timeout_s=request_timeout, keys=keys,
-                            max_inflight=max_inflight, limits=_limits(limits),
-                            tools=_tool_config(enable_auto_tool_choice, tool_call_parser, reasoning_parser),
-                            chat_template=_chat_template(chat_template),
-                            **({"stream_buffer_bytes": stream_buffer_kb * 1024} if stream_buffer_kb else {}))
+        cfg = GatewayConfig(**field_values(GATEWAY, values), limits=limits, tools=tools, chat_template=chat_template)
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     serve(cfg)
@@ -358,21 +322,15 @@ def stats(address, timeout, keys):
 @click.option("--decode-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the decode (or colocated) workers")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
-@click.option("--gateway/--no-gateway", default=True, show_default=True, help="the OpenAI HTTP gateway, beside the coordinator")
-@click.option("--http-host", default=NodePlan.http_host, show_default=True)
-@click.option("--http-port", default=NodePlan.http_port, show_default=True, type=int)
-@click.option("--api-key", default=None, help="the gateway requires `Authorization: Bearer KEY`")
-@click.option("--max-inflight", default=1024, show_default=True, type=click.IntRange(1),
-              help="the gateway's coordinator requests in flight, shared fairly between HTTP requests")
+@click.option("--gateway/--no-gateway", default=True, show_default=True, cls=GroupedOption, group="HTTP gateway",
+              help="the OpenAI HTTP gateway, beside the coordinator")
 @click.option("--hang-timeout-s", default=HANG_TIMEOUT_S, show_default=True, type=click.FloatRange(2.0),
               help="a role whose main loop has not run for this long is killed and restarted (keep it above the longest "
                    "engine step: raise it for a big model on the CPU or a larger --max-num-batched-tokens)")
-@click.option("--served-model-name", default=None, help="the model name the HTTP API answers to (default: the file or directory name)")
-@options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch])
-@_tool_options
+@options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch] + GATEWAY_LAUNCH)
 @options(ENGINE_LAUNCH, unset=True)
 def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threads, prefill_tp, decode_tp, log_dir, engine_arg, gateway,
-           http_host, http_port, api_key, max_inflight, hang_timeout_s, served_model_name, **values):
+           hang_timeout_s, **values):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, plan_from_toml
 
@@ -390,13 +348,13 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
     plan.engine_args += worker_args(values) + [a for arg in engine_arg for a in arg.split("=", 1)]
     plan.prefill_args += ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp else []
     plan.decode_args += ["--tensor-parallel-size", str(decode_tp)] if decode_tp else []
-    plan.served_model_name = served_model_name or plan.served_model_name
+    plan.served_model_name = values["served_model_name"] or plan.served_model_name
     plan.fixed_roles = fixed_roles or plan.fixed_roles
     _coordinator_and_gateway_args(plan, values)
-    plan.gateway_args += ["--max-inflight", str(max_inflight)]
     plan.keys = values["keys"] or plan.keys
     plan.insecure = values["insecure"] or plan.insecure
-    plan.gateway, plan.http_host, plan.http_port, plan.api_key = gateway and plan.coordinator, http_host, http_port, api_key
+    plan.gateway, plan.api_key = gateway and plan.coordinator, values["api_key"]
+    plan.http_host, plan.http_port = values["http_host"], values["http_port"]
     plan.hang_timeout_s = hang_timeout_s
 
     def ready(stats):
@@ -421,9 +379,8 @@ def _coordinator_and_gateway_args(plan: NodePlan, values: dict) -> None:
     _limits(values)
     plan.coordinator_args += as_args(LIMITS, values)
     plan.gateway_args += as_args(LIMITS, values)
-    tools = (values["enable_auto_tool_choice"], values["tool_call_parser"], values["reasoning_parser"])
-    _tool_config(*tools)
-    plan.gateway_args += _tool_args(*tools)
+    _tool_config(values)
+    plan.gateway_args += as_args(GATEWAY_PASSED, values)
     if values["chat_template"] is not None:
         _chat_template(values["chat_template"])
         plan.coordinator_args += as_args(CHAT_TEMPLATE, values)

@@ -56,11 +56,14 @@ class Spec:
 
 
 def specs(cls, launch_only: bool = False) -> list[Spec]:
-    """The flags `cls` declares, in field order (`launch_only`: those `pdserve launch` takes too)."""
+    """The flags `cls` declares, in field order (`launch_only`: those `pdserve launch` takes too,
+    under their launch names: `as_args` of those spells the launch's flag, not the role's)."""
     out = []
     for f in dataclasses.fields(cls):
         fl = f.metadata.get("flag")
         if fl is not None and (fl.launch or not launch_only):
+            if launch_only and fl.launch_name:
+                fl = dataclasses.replace(fl, name=fl.launch_name)
             kind = f.type.removesuffix(" | None")
             out.append(Spec(f.name, fl, kind, _command_default(f, fl, kind)))
     return out

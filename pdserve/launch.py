@@ -42,6 +42,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
+from gateway.config import GatewayConfig
 from runtime.errors import EX_CONFIG, ModelLoadError
 from pdserve_client.errors import InvalidRequestError
 from runtime.model_path import resolve_model_path
@@ -87,8 +88,8 @@ class NodePlan:
     coordinator_args: list[str] = field(default_factory=list)  # passed to the coordinator
     gateway_args: list[str] = field(default_factory=list)  # passed to the gateway (request limits)
     gateway: bool = False  # the OpenAI HTTP gateway (`pdserve launch` turns it on beside the coordinator)
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
+    http_host: str = GatewayConfig.host
+    http_port: int = GatewayConfig.port
     api_key: str | None = None
     keys: str | None = None  # CurveZMQ keys directory, passed to every role
     insecure: bool = False  # allow binds beyond loopback without keys

@@ -3,8 +3,9 @@ help text, `--help` group and default are written once: the default is the field
 where the commands differ from in-process use, `command_default` beside it).
 
 Lifecycle: `flag(...)` is called while a config class is defined (runtime/config.py,
-coordinator/config.py, wire/limits.py, coordinator/planner.py) and stores a frozen `Flag` in
-the field's metadata; pdserve/flags.py reads them to build the click options of every command.
+coordinator/config.py, wire/limits.py, coordinator/planner.py, gateway/config.py) and stores a
+frozen `Flag` in the field's metadata; pdserve/flags.py reads them to build the click options of
+every command.
 Nothing here imports click or torch: `pdserve --help` reads these without loading the engine.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 # --help's sections, in order (options of one command alone come first, under "Options")
 GROUPS = ("model and weights", "KV cache and transfer", "scheduling", "parallelism", "SLO", "paths and roles",
-          "request limits", "network", "security", "tracing")
+          "request limits", "network", "HTTP gateway", "security", "tracing")
 FIELD_DEFAULT = object()  # command_default: the field's own default
 COMPUTED = object()  # command_default: no fixed default, the command computes one at start (the help says how)
 
@@ -34,6 +35,7 @@ class Flag:
     existing_file: bool = False  # a path that must name a file that exists
     envvar: str | None = None
     launch: bool = False  # `pdserve launch` takes it too (and passes it on to the role that uses it)
+    launch_name: str = ""  # its name on `pdserve launch` where the role's own would be ambiguous there (--http-host)
 
     def __post_init__(self):
         if self.group not in GROUPS:

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gateway.server import GatewayConfig, served_name
+from gateway.config import GatewayConfig
+from gateway.server import served_name
 from gateway.schema import (
     ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, completion_inputs, completion_jobs, decode_body,
 )

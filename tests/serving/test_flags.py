@@ -12,21 +12,26 @@ from click.testing import CliRunner
 
 from coordinator.config import CoordinatorConfig
 from coordinator.planner import PlannerConfig
-from pdserve.cli import COORDINATOR_LAUNCH, ENGINE, main
-from pdserve.flags import GroupedOption, as_args, specs, worker_args
+from gateway.config import GatewayConfig, ToolConfig
+from pdserve.cli import COORDINATOR_LAUNCH, ENGINE, GATEWAY, GATEWAY_LAUNCH, GATEWAY_PASSED, main
+from pdserve.flags import GroupedOption, as_args, field_values, specs, worker_args
+from pdserve.launch import NodePlan
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.flags import FIELD_DEFAULT, GROUPS
 from wire.limits import RequestLimits
 
-CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits)
+CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig, ToolConfig)
 # command -> the config classes whose flags it takes (all of them, or only those marked launch)
 TAKES = {
     "worker": [(EngineConfig, False), (WorkerConfig, False)],
     "prefill": [(EngineConfig, False)],
     "decode": [(EngineConfig, False), (WorkerConfig, False)],
     "coordinator": [(CoordinatorConfig, False), (PlannerConfig, False), (RequestLimits, False)],
-    "launch": [(EngineConfig, True), (CoordinatorConfig, True), (PlannerConfig, True), (RequestLimits, True)],
+    "gateway": [(GatewayConfig, False), (ToolConfig, False), (RequestLimits, False)],
+    "launch": [(EngineConfig, True), (CoordinatorConfig, True), (PlannerConfig, True), (RequestLimits, True), (GatewayConfig, True),
+               (ToolConfig, True)],
 }
+COMMAND_OF = {EngineConfig: "worker", WorkerConfig: "worker", GatewayConfig: "gateway", ToolConfig: "gateway"}  # else: coordinator
 
 
 def params_named(command: click.Command, name: str) -> list[click.Parameter]:
@@ -54,7 +59,7 @@ def test_every_flag_appears_once_with_its_declared_default_and_help(command):
 def test_command_defaults_are_the_fields_defaults(cls):
     """Where a field's value is typed as it is, the option's default is the field's default."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    command = "worker" if cls in (EngineConfig, WorkerConfig) else "coordinator"
+    command = COMMAND_OF.get(cls, "coordinator")
     checked = 0
     for spec in specs(cls):
         fl, field = spec.flag, fields[spec.field]
@@ -105,6 +110,28 @@ def test_what_launch_passes_on_parses_to_the_same_values():
     values = {s.name: s.default for s in COORDINATOR_LAUNCH}
     values.update(slo=False, ttft_p99_ms=300.0, class_target=("1:900:90", "2:2000:200"), paths="auto", planner=True, planner_dwell_s=5.0)
     parsed = main.commands["coordinator"].make_context("coordinator", as_args(COORDINATOR_LAUNCH, values)).params
+    assert {k: parsed[k] for k in values} == values
+
+
+def test_the_gateway_command_with_no_flags_builds_the_default_config():
+    """Every flag of `pdserve gateway` left out gives GatewayConfig's own value (--stream-buffer-kb: KiB of a byte field)."""
+    parsed = main.commands["gateway"].make_context("gateway", []).params
+    assert GatewayConfig(**field_values(GATEWAY, parsed)) == GatewayConfig()
+    assert parsed["stream_buffer_kb"] * 1024 == GatewayConfig().stream_buffer_bytes and parsed["max_inflight"] == 1024
+    parsed = main.commands["gateway"].make_context("gateway", ["--stream-buffer-kb", "16", "--request-timeout", "5"]).params
+    assert GatewayConfig(**field_values(GATEWAY, parsed)) == GatewayConfig(stream_buffer_bytes=16 * 1024, request_timeout_s=5.0)
+
+
+def test_what_launch_passes_to_the_gateway_parses_to_the_same_values():
+    """launch's gateway flags: --http-host / --http-port are the gateway's --host / --port (through NodePlan),
+    the rest reach `pdserve gateway` as typed."""
+    launch = {p.name: p for p in main.commands["launch"].params}
+    gateway = {p.name: p for p in main.commands["gateway"].params}
+    assert launch["http_host"].default == gateway["host"].default == NodePlan.http_host == GatewayConfig.host
+    assert launch["http_port"].default == gateway["port"].default == NodePlan.http_port == GatewayConfig.port
+    assert {s.name for s in GATEWAY_LAUNCH} - {s.name for s in GATEWAY_PASSED} == {"http_host", "http_port", "api_key", "served_model_name"}
+    values = {"max_inflight": 8, "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+    parsed = main.commands["gateway"].make_context("gateway", as_args(GATEWAY_PASSED, values)).params
     assert {k: parsed[k] for k in values} == values
 
 

@@ -1,0 +1,77 @@
+"""The gateway's settings (`pdserve gateway`'s flags, and those `pdserve launch` passes on to it):
+GatewayConfig and its ToolConfig, validated when constructed; each field a flag sets declares
+that flag (runtime/flags.py), so pdserve/cli.py builds both commands' options from it.
+
+Lifecycle: built once from the command line (or by tests), handed to `Gateway`, then only read.
+Importing it loads neither starlette nor the model code (the CLI reads it for `--help`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tool_parsers import PARSERS
+from pdserve_client.errors import InvalidRequestError
+from pdserve_client.library import DEFAULT_ADDRESS
+from runtime.flags import flag, keys_flag
+from wire.limits import RequestLimits
+
+STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
+
+
+@dataclass(frozen=True)
+class ToolConfig:
+    """Tool calling and reasoning output (gateway/tools.py, gateway/reasoning.py): vLLM's flags."""
+
+    auto_tool_choice: bool = flag(False, group="HTTP gateway", name="enable_auto_tool_choice", launch=True,
+                                  help='serve tool_choice "auto" (needs --tool-call-parser)')
+    tool_parser: str | None = flag(None, group="HTTP gateway", name="tool_call_parser", choices=tuple(sorted(PARSERS)), launch=True,
+                                   help="how the model writes tool calls, for tool_choice auto")
+    reasoning_parser: str | None = flag(None, group="HTTP gateway", choices=tuple(sorted(REASONING_PARSERS)), launch=True,
+                                        help="split the model's <think> block into reasoning_content")
+
+    def __post_init__(self):
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise InvalidRequestError(f"unknown tool call parser {self.tool_parser!r}; choose one of {', '.join(PARSERS)}")
+        if self.auto_tool_choice and self.tool_parser is None:
+            raise InvalidRequestError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}")
+
+
+@dataclass
+class GatewayConfig:
+    coordinator: str = flag(DEFAULT_ADDRESS, group="network", help="the coordinator's client address (its --clients)")
+    # `pdserve launch` names the HTTP address --http-host / --http-port (its --clients and --workers are the coordinator's)
+    host: str = flag("127.0.0.1", group="HTTP gateway", launch_name="http_host", launch=True, help="the address the HTTP server binds")
+    port: int = flag(8000, group="HTTP gateway", launch_name="http_port", launch=True, help="the HTTP server's port")
+    model: str | None = flag(None, group="model and weights",  # whose tokenizer to load; also names the served model
+                             help="the served model, for its tokenizer and name (default: SmolLM2-135M-Instruct)")
+    served_model_name: str | None = flag(None, group="HTTP gateway", launch=True,
+                                         help="the model name the HTTP API answers to (default: the model's file or directory name)")
+    api_key: str | None = flag(None, group="security", launch=True, help="require `Authorization: Bearer KEY` on /v1 requests")
+    request_timeout_s: float = flag(600.0, group="HTTP gateway", name="request_timeout", help="seconds one request may take")
+    retry_after_s: int = 1  # told to clients of a shed request (429)
+    stats_timeout_s: float = 2.0
+    keys: str | None = keys_flag()  # CurveZMQ keys directory for the coordinator connection
+    # coordinator requests in flight for all HTTP requests (gateway/slots.py)
+    max_inflight: int = flag(1024, group="HTTP gateway", min=1, launch=True,
+                             help="coordinator requests in flight for all HTTP requests (keep <= the coordinator's "
+                             "--max-client-requests); one HTTP request holds at most a fair share of them")
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
+    # events one HTTP request may leave unread before its streams are aborted
+    stream_buffer_bytes: int = flag(STREAM_BUFFER_BYTES, group="HTTP gateway", name="stream_buffer_kb", scale=1024, min=16,
+                                    help="KiB of events one HTTP request may leave unread, past which its streams are aborted "
+                                    "(client_too_slow)")
+    tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
+    chat_template: str | None = None  # --chat-template's text, instead of the model's own (the coordinator renders with it too)
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
+        if self.request_timeout_s <= 0 or self.stats_timeout_s <= 0 or self.retry_after_s < 0 or self.max_inflight < 1:
+            raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
+        if self.stream_buffer_bytes < 16 * 1024:
+            raise InvalidRequestError(f"stream_buffer_bytes must be >= 16 KiB, got {self.stream_buffer_bytes}")
+        if self.api_key == "":
+            raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
