@@ -143,9 +143,11 @@ def test_engine_flags_of_launch_are_the_engines():
 
 
 def test_building_the_command_line_imports_no_torch():
+    """Nor starlette: the gateway's flags come from gateway/config.py, not its server."""
     code = ("import sys; from click.testing import CliRunner; from pdserve.cli import main\n"
-            "helps = [CliRunner().invoke(main, [c, '--help']).output for c in ('launch', 'worker', 'coordinator')]\n"
-            "print(all('--block-size' in h or '--ttft-p99-ms' in h for h in helps), 'torch' in sys.modules)")
+            "helps = [CliRunner().invoke(main, [c, '--help']).output for c in ('launch', 'worker', 'coordinator', 'gateway')]\n"
+            "print(all('--block-size' in h or '--ttft-p99-ms' in h or '--max-inflight' in h for h in helps), 'torch' in sys.modules,"
+            " 'starlette' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False"]
+    assert out.stdout.split() == ["True", "False", "False"]
