@@ -3,9 +3,9 @@
 libzmq bounds a peer's queue in messages (SNDHWM), not bytes, and says nothing of what it still
 holds. So each client's queued bytes are summed as they are sent, and some messages are sent
 zero-copy with a pyzmq MessageTracker, done once libzmq has released the frame; a client's queue
-is first in, first out, so everything sent before it is released too. A tracked send costs ~30 us
-more than a copied one (measured on this project's 2-core machine: 8-10 against 37-44 us), so not
-every per-token Delta is tracked: a checkpoint is put every CHECKPOINT_BYTES (a message that large
+is first in, first out, so everything sent before it is released too. A tracked send costs several
+times a copied one (docs/performance.md, "Figures behind design choices"), so not every per-token
+Delta is tracked: a checkpoint is put every CHECKPOINT_BYTES (a message that large
 is one itself), and on the last message before a client goes idle (no request in flight), so an
 idle client's account is known to be empty and is forgotten. What is queued is then known from
 above to within CHECKPOINT_BYTES. Each message counts MESSAGE_OVERHEAD bytes beyond its body
