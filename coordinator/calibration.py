@@ -79,12 +79,6 @@ class Calibration:
         self.tpot = ErrorTracker(cfg.window)
         self.paths: dict[str, tuple[ErrorTracker, ErrorTracker]] = {}
 
-    def record(self, predicted_ttft: float | None, ttft: float, predicted_tpot: float | None, tpot: float | None,
-               path: str | None = None, targets: SloTargets | None = None) -> None:
-        """One finished request's TTFT and TPOT errors (record_ttft and record_tpot at once)."""
-        self.record_ttft(predicted_ttft, ttft, path, targets)
-        self.record_tpot(predicted_tpot, tpot, path, targets)
-
     def record_ttft(self, predicted: float | None, observed: float | None, path: str | None = None,
                     targets: SloTargets | None = None) -> None:
         """A TTFT error, as soon as the first token is out (a request's end may be tens of seconds

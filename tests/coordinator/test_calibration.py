@@ -13,9 +13,9 @@ def fed(errors_ttft, errors_tpot=(), cfg=CalibrationConfig(min_samples=10)):
     """A calibration that saw requests predicted at 1 s / 0.1 s and observed (1 + e) times that."""
     c = Calibration(cfg)
     for e in errors_ttft:
-        c.record(1.0, 1.0 + e, None, None)
+        c.record_ttft(1.0, 1.0 + e)
     for e in errors_tpot:
-        c.record(None, 1.0, 0.1, 0.1 * (1 + e))
+        c.record_tpot(0.1, 0.1 * (1 + e))
     return c
 
 
@@ -73,12 +73,12 @@ def test_errors_of_short_predictions_are_measured_against_the_floor_share_of_the
     scale (floor 0.5 x target), not +150%; near the limit the plain relative error counts."""
     c = Calibration(CalibrationConfig(min_samples=10))
     for _ in range(20):
-        c.record(0.2, 0.5, None, None, targets=BASE)
+        c.record_ttft(0.2, 0.5, targets=BASE)
     assert c.summary(0.8, 0.9)["ttft"]["error"]["p99"] == pytest.approx(0.3)
     assert c.targets(BASE, 0.8, 0.9).ttft_s == pytest.approx(2.0 / 1.3)
     limit = c.targets(BASE, 0.8, 0.9).ttft_s
     assert limit + 0.3 * max(limit, 0.5 * BASE.ttft_s) <= BASE.ttft_s + 1e-9  # admitted at the limit, late by as much: on time
-    c.record(1.5, 1.8, None, None, targets=BASE)  # at or above the floor share: relative to the prediction
+    c.record_ttft(1.5, 1.8, targets=BASE)  # at or above the floor share: relative to the prediction
     assert c.ttft.errors[-1] == pytest.approx(0.2)
 
 

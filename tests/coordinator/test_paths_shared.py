@@ -113,10 +113,13 @@ def test_each_path_is_admitted_against_its_own_errors_once_it_has_enough():
     c = Calibration(CalibrationConfig(min_samples=10))
     base = SloTargets(2.0, 0.25)
     for _ in range(20):
-        c.record(1.0, 1.5, 0.1, 0.1, path="local")  # local's TTFT 50% late
-        c.record(1.0, 1.0, 0.1, 0.1, path="remote")  # remote's on time
+        c.record_ttft(1.0, 1.5, path="local")  # local's TTFT 50% late
+        c.record_tpot(0.1, 0.1, path="local")
+        c.record_ttft(1.0, 1.0, path="remote")  # remote's on time
+        c.record_tpot(0.1, 0.1, path="remote")
     for _ in range(5):
-        c.record(1.0, 1.0, 0.1, 0.1, path="other")  # too few of its own: the pooled errors
+        c.record_ttft(1.0, 1.0, path="other")  # too few of its own: the pooled errors
+        c.record_tpot(0.1, 0.1, path="other")
     assert c.targets(base, 0.8, 0.9, "local").ttft_s == pytest.approx(2.0 / 1.5)
     assert c.targets(base, 0.8, 0.9, "remote").ttft_s == pytest.approx(1.6)  # on time: the static headroom, never looser
     pooled = c.targets(base, 0.8, 0.9)
