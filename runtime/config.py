@@ -201,7 +201,8 @@ class EngineConfig:
     prefix_cache: bool = flag(True, group="KV cache and transfer", name="no_prefix_cache", launch=True,
                               help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)")
     tensor_parallel_size: int = flag(1, group="parallelism", aliases=("-tp",), min=1, launch=True,
-                                     help="rank processes a worker splits the model over (runtime.tp; CPU: gloo on loopback); "
+                                     help="rank processes a worker splits the model over (runtime.tp; CPU: gloo on loopback; CUDA: NCCL, "
+                                     "one GPU per rank from --device's on); "
                                      "`pdserve launch` also takes --prefill-tp / --decode-tp per side")
     pipeline_parallel_size: int = flag(1, group="parallelism", aliases=("-pp",), min=1, launch=True,
                                        help="only 1: pipeline parallelism is not supported")
@@ -240,8 +241,8 @@ class EngineConfig:
                                     "use --tensor-parallel-size")
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and not self.device.startswith("cpu"):
-            raise NotSupportedError(f"tensor parallelism on {self.device} (NCCL) is not supported; it runs on the CPU (gloo)")
+        if self.tensor_parallel_size > 1 and not self.device.startswith(("cpu", "cuda")):
+            raise NotSupportedError(f"tensor parallelism on {self.device} is not supported (cpu: gloo, cuda: NCCL)")
 
     @property
     def keep_quantized(self) -> bool:

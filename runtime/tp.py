@@ -3,23 +3,31 @@ rank group and the step plan rank 0 sends the other ranks.
 
 Lifecycle: a worker with `--tensor-parallel-size N` checks its model with `check_split` (heads,
 KV heads, the MLP width and, for GGUF blocks, the block boundaries must split N ways: a model
-that does not is refused at start; KV heads are never replicated), then each of its N rank
-processes opens a `RankGroup` (gloo over loopback, rendezvous on rank 0's TCPStore) and takes
+that does not is refused at start; KV heads are never replicated) and its devices with
+`rank_devices` (CPU: every rank on the CPU; CUDA: one GPU per rank, more ranks than visible GPUs
+refused at start), then each of its N rank processes opens a `RankGroup` (rendezvous on rank 0's
+TCPStore on loopback; its compute group gloo on the CPU, NCCL on CUDA: `compute_backend`) and takes
 its `shard(tensors, rank, n)` of the HF-named checkpoint tensors: Megatron's layout, column
 split (whole output rows) for q/k/v and gate/up, row split (whole GGUF blocks of the input dim)
 for o and down, the vocabulary split for the embedding and the LM head. Every step rank 0 sends
 the step's `StepPlan` (msgspec bytes broadcast over the plan group: no pickle) and every rank
 runs the same forward (runtime.tp_model); `StepPlan(stop=True)` ends the other ranks' loop.
 
-Two gloo groups share the store: `plan` waits without a deadline-worth timeout (an idle worker's
-ranks wait there for the next step), `compute` carries the forward's collectives with a short
-timeout, so a rank that stops answering mid-step fails its peers' collective instead of hanging
-them; a rank that dies closes its sockets and its peers' pending collective fails at once.
+Two groups share the store: `plan` (always gloo: the plan is bytes on the host) waits without a
+deadline-worth timeout (an idle worker's ranks wait there for the next step), `compute` carries
+the forward's collectives with a short timeout, so a rank that stops answering mid-step fails
+its peers' collective instead of hanging them; a rank that dies closes its sockets and its
+peers' pending collective fails at once.
+
+Which KV heads a rank holds is `kv_head_range`, the one mapping: the forward reads and writes
+those heads, and a hand-off between workers of different TP sizes follows `head_routes` (which
+rank of one sends which of its heads to which rank of the other; kvtransfer.heads).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -27,7 +35,8 @@ import torch.distributed as dist
 
 from kernels.quant import BLOCK, QTYPES, QuantTensor
 from runtime.config import ModelConfig
-from runtime.errors import UnsupportedModelError
+from pdserve_client.errors import InvalidRequestError
+from runtime.errors import NotSupportedError, UnsupportedModelError
 
 PLAN_TIMEOUT_S = 7 * 24 * 3600  # ranks idle between steps wait this long for rank 0's next plan
 COMPUTE_TIMEOUT_S = 10.0  # a collective inside a step: a peer silent this long has hung
@@ -50,6 +59,67 @@ def rank_config(cfg: ModelConfig, n: int) -> ModelConfig:
     check_split(cfg, n)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
                                intermediate_size=cfg.intermediate_size // n)
+
+
+def kv_head_range(num_kv_heads: int, rank: int, n: int) -> tuple[int, int]:
+    """The KV heads [start, end) (of the model's) that rank of n holds: its KV pool's, its forward's."""
+    if num_kv_heads % n:
+        raise UnsupportedModelError(f"{num_kv_heads} KV heads do not split {n} ways (KV heads are split, never replicated)")
+    per = num_kv_heads // n
+    return rank * per, (rank + 1) * per
+
+
+class HeadRoute(NamedTuple):
+    """One piece of a hand-off between a worker of TP src_n and one of TP dst_n: rank `src` of the
+    sender sends its heads `src_heads` (a slice of its own KV heads) into rank `dst`'s `dst_heads`."""
+
+    src: int
+    dst: int
+    src_heads: slice
+    dst_heads: slice
+
+
+def head_routes(num_kv_heads: int, src_n: int, dst_n: int) -> list[HeadRoute]:
+    """Each pair of ranks whose KV heads overlap, and the overlap: every head travels once, from
+    the rank that holds it to the rank that will (3 -> 1: three routes into rank 0; 1 -> 3: rank 0's
+    heads split three ways; equal sizes: rank r to rank r)."""
+    routes = []
+    for s in range(src_n):
+        s0, s1 = kv_head_range(num_kv_heads, s, src_n)
+        for d in range(dst_n):
+            d0, d1 = kv_head_range(num_kv_heads, d, dst_n)
+            lo, hi = max(s0, d0), min(s1, d1)
+            if lo < hi:
+                routes.append(HeadRoute(s, d, slice(lo - s0, hi - s0), slice(lo - d0, hi - d0)))
+    return routes
+
+
+def rank_devices(device: str, n: int, visible_gpus: int) -> list[str]:
+    """Each of a worker's n ranks' device: all on the CPU, or on CUDA one GPU per rank, rank r on
+    cuda:(k + r) for `--device cuda:k` (`cuda`: k = 0; CUDA_VISIBLE_DEVICES chooses which GPUs are
+    seen). More ranks than GPUs from k on is refused at start, before any rank starts."""
+    if device.startswith("cpu"):
+        return [device] * n
+    if not device.startswith("cuda"):
+        raise NotSupportedError(f"tensor parallelism on {device} is not supported (cpu: gloo, cuda: NCCL)")
+    base = device.partition(":")[2]
+    if base and not base.isdigit():
+        raise InvalidRequestError(f"device {device!r}: expected cuda or cuda:<index>")
+    base = int(base or 0)
+    if n > 1 and base + n > visible_gpus:
+        raise InvalidRequestError(
+            f"tensor parallel size {n} needs {n} GPUs (one per rank, cuda:{base} to cuda:{base + n - 1}) but this process sees "
+            f"{visible_gpus} (CUDA_VISIBLE_DEVICES chooses which; --device cuda:k starts at k)")
+    return [f"cuda:{base + r}" for r in range(n)]
+
+
+def compute_backend(device: str) -> str:
+    """The compute group's torch.distributed backend: gloo on the CPU, NCCL on CUDA."""
+    if not device.startswith("cuda"):
+        return "gloo"
+    if not dist.is_nccl_available():
+        raise NotSupportedError("tensor parallelism on CUDA needs NCCL, which this torch build lacks (a CUDA build of torch has it)")
+    return "nccl"
 
 
 def vocab_range(vocab: int, rank: int, n: int) -> tuple[int, int]:
@@ -149,10 +219,13 @@ def batch_of(plan: StepPlan, device="cpu"):
 
 
 class RankGroup:
-    """This rank's two gloo groups (plan, compute) over the TCPStore rank 0 serves on loopback."""
+    """This rank's two groups over the TCPStore rank 0 serves on loopback: plan (gloo) and compute
+    (gloo on the CPU, NCCL on `device` when it is a GPU: torch.cuda.set_device(device) first)."""
 
-    def __init__(self, rank: int, size: int, port: int = 0, compute_timeout_s: float = COMPUTE_TIMEOUT_S):
+    def __init__(self, rank: int, size: int, port: int = 0, compute_timeout_s: float = COMPUTE_TIMEOUT_S, device: str = "cpu"):
         self.rank, self.size = rank, size
+        self.device, self.backend = device, compute_backend(device)
+        self.compute_timeout_s = compute_timeout_s
         # rank 0 serves the store (port 0: any free port; `port` tells the others where)
         self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self.port = self.store.port
@@ -163,8 +236,20 @@ class RankGroup:
         """Join the groups (blocks until all ranks have called it)."""
         td = datetime.timedelta
         self.plan_group = dist.ProcessGroupGloo(dist.PrefixStore("plan", self.store), self.rank, self.size, td(seconds=PLAN_TIMEOUT_S))
-        self.compute = dist.ProcessGroupGloo(dist.PrefixStore("compute", self.store), self.rank, self.size, td(seconds=COMPUTE_TIMEOUT_S))
+        compute = dist.PrefixStore("compute", self.store)
+        if self.backend == "nccl":
+            self.compute = _nccl_group(compute, self.rank, self.size, td(seconds=self.compute_timeout_s), self.device)
+        else:
+            self.compute = dist.ProcessGroupGloo(compute, self.rank, self.size, td(seconds=self.compute_timeout_s))
         return self
+
+    def publish(self, key: str, value: bytes) -> None:
+        """Put bytes in the group's store for another rank (a rank's KV pool export for rank 0)."""
+        self.store.set(key, value)
+
+    def fetch(self, key: str) -> bytes:
+        """Wait (the store's 60 s at most) for what another rank published under key."""
+        return self.store.get(key)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.compute.allreduce([t]).wait()
@@ -191,3 +276,11 @@ class RankGroup:
         buf = torch.frombuffer(data, dtype=torch.uint8) if data is not None else torch.empty(int(size), dtype=torch.uint8)
         self.plan_group.broadcast([buf], opts).wait()
         return buf.numpy().tobytes()
+
+
+def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta, device: str):
+    """The compute group on NCCL (CUDA only: never called on the CPU, where the class is absent)."""
+    torch.cuda.set_device(device)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -11,6 +11,8 @@ attention over them, row-parallel o and one all-reduce; column-parallel gate/up,
 down and one all-reduce. The embedding and the LM head are split by vocabulary: partial
 embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
+On CUDA each rank runs on its own GPU (econf.device: runtime.tp.rank_devices), the all-reduces and
+the logits' gather are NCCL's, and GGUF blocks are dequantized (the Triton block kernel is TP 1's).
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model import RMSNorm
 from runtime.rope import RotaryEmbedding
-from runtime.tp import RankGroup, StepPlan, batch_of, plan_of, rank_config, shard, vocab_range
+from runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
 
 
-def _norm(w: torch.Tensor, eps: float, dtype) -> RMSNorm:
+def _norm(w: torch.Tensor, eps: float, dtype, device) -> RMSNorm:
     n = RMSNorm(w.shape[0], eps)
-    n.weight.data = w.to(dtype).contiguous()
+    n.weight.data = w.to(dtype).to(device).contiguous()
     return n
 
 
@@ -38,7 +40,7 @@ def _fused(parts: list):
 
 
 class _Layer:
-    def __init__(self, t: dict, i: int, cfg: ModelConfig, linear, dtype: torch.dtype):
+    def __init__(self, t: dict, i: int, cfg: ModelConfig, linear, dtype: torch.dtype, device):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         bias = torch.cat([t[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]) if a + "q_proj.bias" in t else None
@@ -46,8 +48,8 @@ class _Layer:
         self.o = linear(t[a + "o_proj.weight"], None)
         self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
         self.down = linear(t[p + "mlp.down_proj.weight"], None)
-        self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype)
-        self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype)
+        self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype, device)
+        self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype, device)
 
 
 class TPModel:
@@ -60,18 +62,17 @@ class TPModel:
 
         def linear(w, bias):
             w = w if isinstance(w, QuantTensor) else w.to(self.dtype).to(self.device)
-            return PackedLinear(w, None if bias is None else bias.to(self.dtype), kind, activations=econf.quant_activations)
+            return PackedLinear(w, None if bias is None else bias.to(self.dtype).to(self.device), kind, activations=econf.quant_activations)
 
-        self.layers = [_Layer(tensors, i, self.cfg, linear, self.dtype) for i in range(full.num_layers)]
+        self.layers = [_Layer(tensors, i, self.cfg, linear, self.dtype, self.device) for i in range(full.num_layers)]
         embed = tensors["model.embed_tokens.weight"]
-        self.embed = embed if isinstance(embed, QuantTensor) else embed.to(self.dtype)
+        self.embed = embed if isinstance(embed, QuantTensor) else embed.to(self.dtype).to(self.device)
         self.vocab_start, self.vocab_end = vocab_range(full.vocab_size, group.rank, group.size)
         self.lm_head = linear(embed if full.tie_embeddings else tensors["lm_head.weight"], None)
-        self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype)
-        self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling)
+        self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype, self.device)
+        self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling).to(self.device)
         self.scale = full.head_dim**-0.5
-        kvh = self.cfg.num_kv_heads
-        self.kv_heads = slice(group.rank * kvh, (group.rank + 1) * kvh)  # this rank's KV heads in a whole worker's pool
+        self.kv_heads = slice(*kv_head_range(full.num_kv_heads, group.rank, group.size))  # this rank's KV heads in a whole worker's pool
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (blocks count as blocks; the norms, which every rank holds whole, too)."""
@@ -152,11 +153,12 @@ class TPModel:
 
 def build_tp_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, group: RankGroup) -> TPModel:
     """This rank's model from the whole checkpoint's tensors (the rest is dropped by the caller);
-    GGUF blocks stay blocks where TP 1 would keep them (runtime.engine), else are dequantized."""
+    GGUF blocks stay blocks where TP 1 would keep them on the CPU (runtime.engine), else (and
+    always on CUDA) are dequantized."""
     from runtime.engine import _why_not_quantized
     from runtime.weights import dequantize_all
 
     part = shard(cfg, tensors, group.rank, group.size)
-    if any(isinstance(v, QuantTensor) for v in part.values()) and _why_not_quantized(econf):
+    if any(isinstance(v, QuantTensor) for v in part.values()) and (econf.device.startswith("cuda") or _why_not_quantized(econf)):
         part = dequantize_all(part)
     return TPModel(cfg, part, econf, group)

@@ -7,15 +7,18 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
 
 from kernels.quant import QuantTensor
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine import LLMEngine, build_model
+from pdserve_client.errors import InvalidRequestError
 from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.kv_cache import allocate_kv_cache
 from pdserve_client.params import SamplingParams
 from runtime.weights import load_checkpoint
-from runtime.tp import StepPlan, batch_of, check_split, column_part, plan_of, row_part, vocab_part
+from runtime.tp import (HeadRoute, StepPlan, batch_of, check_split, column_part, compute_backend, head_routes, kv_head_range, plan_of,
+                        rank_devices, row_part, vocab_part)
 from tests.helpers import save_tiny_model, tiny_engine, write_gguf
 from worker import tp_ranks
 
@@ -108,6 +111,60 @@ def test_plan_round_trip(tiny):
 def test_parallel_flags_refused_in_config():
     with pytest.raises(NotSupportedError, match="pipeline parallelism is not supported"):
         EngineConfig(pipeline_parallel_size=2)
-    with pytest.raises(NotSupportedError, match="NCCL.*not supported"):
-        EngineConfig(device="cuda", tensor_parallel_size=3)
+    with pytest.raises(NotSupportedError, match="tensor parallelism on mps is not supported"):
+        EngineConfig(device="mps", tensor_parallel_size=2)
+    assert EngineConfig(device="cuda", tensor_parallel_size=3).tensor_parallel_size == 3  # NCCL: GPUs are counted at start
     assert EngineConfig(tensor_parallel_size=3).summary(128, 4, 1024)["tensor_parallel_size"] == 3
+
+
+def test_head_routes_send_every_head_once():
+    """Which rank of one worker sends which of its KV heads to which rank of the other: the one
+    mapping (kv_head_range) the forward uses too."""
+    assert [kv_head_range(6, r, 3) for r in range(3)] == [(0, 2), (2, 4), (4, 6)]
+    s = slice
+    assert head_routes(3, 3, 1) == [HeadRoute(0, 0, s(0, 1), s(0, 1)), HeadRoute(1, 0, s(0, 1), s(1, 2)), HeadRoute(2, 0, s(0, 1), s(2, 3))]
+    assert head_routes(3, 1, 3) == [HeadRoute(0, 0, s(0, 1), s(0, 1)), HeadRoute(0, 1, s(1, 2), s(0, 1)), HeadRoute(0, 2, s(2, 3), s(0, 1))]
+    assert head_routes(6, 3, 3) == [HeadRoute(r, r, s(0, 2), s(0, 2)) for r in range(3)]
+    for kvh, src_n, dst_n in [(12, 2, 3), (12, 4, 6), (8, 8, 2), (4, 1, 1)]:  # sizes that do not divide each other too
+        got = {}
+        for r in head_routes(kvh, src_n, dst_n):
+            src0, dst0 = kv_head_range(kvh, r.src, src_n)[0], kv_head_range(kvh, r.dst, dst_n)[0]
+            heads = range(src0 + r.src_heads.start, src0 + r.src_heads.stop)
+            assert heads == range(dst0 + r.dst_heads.start, dst0 + r.dst_heads.stop)  # the same heads on both sides
+            for h in heads:
+                got[h] = got.get(h, 0) + 1
+        assert got == {h: 1 for h in range(kvh)}, (kvh, src_n, dst_n)
+    with pytest.raises(UnsupportedModelError, match="do not split 2 ways"):
+        head_routes(3, 1, 2)
+
+
+def test_rank_devices_and_refusals():
+    assert rank_devices("cpu", 3, 0) == ["cpu"] * 3
+    assert rank_devices("cuda", 3, 4) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert rank_devices("cuda:1", 2, 4) == ["cuda:1", "cuda:2"]
+    assert rank_devices("cuda:3", 1, 0) == ["cuda:3"]  # TP 1 counts nothing
+    with pytest.raises(InvalidRequestError, match="needs 3 GPUs .* sees 2"):
+        rank_devices("cuda", 3, 2)
+    with pytest.raises(InvalidRequestError, match=r"cuda:2 to cuda:3\) but this process sees 3"):
+        rank_devices("cuda:2", 2, 3)
+    with pytest.raises(InvalidRequestError, match="expected cuda or cuda:<index>"):
+        rank_devices("cuda:x", 2, 4)
+    with pytest.raises(NotSupportedError, match="tensor parallelism on mps"):
+        rank_devices("mps", 2, 0)
+    assert compute_backend("cpu") == "gloo"
+    if dist.is_nccl_available():
+        assert compute_backend("cuda:0") == "nccl"
+    else:  # a CPU build of torch
+        with pytest.raises(NotSupportedError, match="needs NCCL"):
+            compute_backend("cuda")
+
+
+def test_more_ranks_than_gpus_refused_before_any_rank_starts(monkeypatch):
+    assert tp_ranks.visible_gpus("cpu") == 0  # torch.cuda is not asked for a CPU worker
+    cfg = ModelConfig("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 128)
+    started = []
+    monkeypatch.setattr(tp_ranks.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(tp_ranks, "visible_gpus", lambda device: 1)
+    with pytest.raises(InvalidRequestError, match="tensor parallel size 2 needs 2 GPUs"):
+        tp_ranks.start(cfg, {}, EngineConfig(device="cuda", tensor_parallel_size=2, num_blocks=8), 8)
+    assert started == []
