@@ -9,7 +9,9 @@ mappings, `peers`: GPU peers) so that `KVSender.forget` drops it whatever the ba
 receiver side (transfer.KVReceiver) calls `check` on each KVReady before it is handed on,
 `arrived` as it hands it on (nccl posts its receives there) and `copy_in` on the thread owning
 the blocks. shm and tcp move CPU pools; cuda_ipc and nccl GPU pools through cupy, which they
-import only when used, so this module imports on machines with neither a GPU nor cupy.
+import only when used, so this module imports on machines with neither a GPU nor cupy. A pool is
+a tensor or, for a tensor-parallel GPU worker, kvtransfer.heads.HeadParts (one part per rank):
+every backend reads and writes through kvtransfer.heads, so pools of any TP sizes meet.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 
 from kvtransfer import cuda_ipc, nccl
 from kvtransfer.errors import KVTransferError
-from kvtransfer.pool import DTYPES, KVPool, copy_blocks
+from kvtransfer.heads import block_bytes, copy_heads, gather_layer, scatter_layer, settle
+from kvtransfer.pool import DTYPES, KVPool
 from runtime.errors import NotSupportedError
 from wire.protocol import KVAccept, KVConnect, KVReady
 from pdserve_client.protocol import encode
@@ -90,7 +93,7 @@ class Shm(KVBackend):
             if pool.kv_dtype not in DTYPES:
                 raise ValueError(f"unknown kv dtype {pool.kv_dtype!r}")
             mapped = sender.pools[pool.shm_path] = KVPool.attach(pool.shm_path, pool.kv_shape, DTYPES[pool.kv_dtype])
-        copy_blocks(mapped.tensor, src, src_ids, msg.block_ids)
+        copy_heads(mapped.tensor, src, src_ids, msg.block_ids)
         sock.send(encode(msg))
 
     def check(self, receiver, msg, frames) -> None:
@@ -98,8 +101,8 @@ class Shm(KVBackend):
 
 
 class Tcp(KVBackend):
-    """Anywhere: one zero-copy frame per layer after the header; the receiver copies the frames
-    into its granted blocks (GPU pools: through host memory)."""
+    """Anywhere: one zero-copy frame per layer (every head) after the header; the receiver copies
+    the frames into its granted blocks (GPU pools: through host memory; split pools: by heads)."""
 
     name = "tcp"
 
@@ -108,14 +111,14 @@ class Tcp(KVBackend):
 
     def send(self, sender, endpoint, pool, src, src_ids, msg, sock) -> None:
         idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-        frames = [src[layer].index_select(1, idx).contiguous().cpu() for layer in range(src.shape[0])]
+        frames = [gather_layer(src, layer, idx).contiguous().cpu() for layer in range(src.shape[0])]
         sock.send_multipart([encode(msg), *[f.view(torch.uint8).numpy() for f in frames]], copy=False)
 
     def check(self, receiver, msg, frames) -> None:
         pool = receiver.pool
         if len(frames) != pool.shape[0]:
             raise ValueError(f"{len(frames)} layer frames, expected {pool.shape[0]}")
-        want = 2 * len(msg.block_ids) * pool[0, 0, 0].numel() * pool.element_size()
+        want = len(msg.block_ids) * block_bytes(pool) // pool.shape[0]
         if any(len(f.buffer) != want for f in frames):
             raise ValueError("layer frame of the wrong size")
 
@@ -124,8 +127,8 @@ class Tcp(KVBackend):
         shape = (2, len(msg.block_ids), *pool.shape[3:])
         idx = torch.tensor(msg.block_ids, dtype=torch.int64, device=pool.device)
         for layer, f in enumerate(frames):
-            data = torch.frombuffer(f.buffer, dtype=pool.dtype).view(shape)
-            pool[layer].index_copy_(1, idx, data.to(pool.device))
+            scatter_layer(pool, layer, idx, torch.frombuffer(f.buffer, dtype=pool.dtype).view(shape))
+        settle(pool)
         return len(frames[0].buffer) * len(frames)
 
 

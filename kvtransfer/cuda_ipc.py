@@ -10,16 +10,23 @@ waits on it (bounded) and only then delivers KVReady, so the decode side never r
 before its bytes are in place. `IpcPeer.close` unmaps; `CudaKVPool.close` frees the allocation
 when the decode worker exits. cupy is imported inside functions only: this module imports, and
 its CPU paths run, on machines with neither a GPU nor cupy.
+
+Tensor-parallel GPU workers: each rank's pool is a CudaKVPool on its GPU holding its KV heads;
+rank 0 maps the others' (`map_export`) and its KVAccept lists every rank's export (`ipc_parts`).
+A prefill worker maps each part and copies each decode rank's heads straight from whichever of
+its own ranks' pools hold them (kvtransfer.heads.copy_heads), on a side stream per GPU involved.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from wire.protocol import KVAccept
 from kvtransfer.errors import KVTransferError, wait_done
-from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name
+from kvtransfer.heads import HeadParts, as_parts, copy_heads
+from kvtransfer.pool import DTYPES, KVPool, dtype_name
 from runtime.errors import NotSupportedError
 
 
@@ -128,49 +135,83 @@ class IpcPeer:
 
     @classmethod
     def open(cls, accept: KVAccept, timeout: float) -> "IpcPeer":
-        cupy = require_cupy()
-        if accept.kv_dtype not in DTYPES or not accept.ipc_handle:
-            raise KVTransferError(f"cuda_ipc: unusable pool export (dtype {accept.kv_dtype!r}, handle of {len(accept.ipc_handle)} bytes)")
-        device = local_device(accept.device)
-        dtype = DTYPES[accept.kv_dtype]
-        nbytes = _nbytes(accept.kv_shape, dtype)
-        with cupy.cuda.Device(device.index):
-            base = cupy.cuda.runtime.ipcOpenMemHandle(accept.ipc_handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
-        dst = _wrap(base + accept.ipc_offset, nbytes, None, device, accept.kv_shape, dtype)
+        """Map the pool an answer describes: its one allocation, or each rank's part (ipc_parts)."""
+        require_cupy()
+        parts = accept.ipc_parts or ([(accept.device, accept.ipc_handle, accept.ipc_offset)] if accept.ipc_handle else [])
+        if accept.kv_dtype not in DTYPES or not parts or len(accept.kv_shape) != 6 or accept.kv_shape[4] % len(parts):
+            raise KVTransferError(f"cuda_ipc: unusable pool export (dtype {accept.kv_dtype!r}, {len(parts)} parts)")
+        shape = [*accept.kv_shape[:4], accept.kv_shape[4] // len(parts), accept.kv_shape[5]]
+        mapped, closers = [], []
+        try:
+            for bus_id, handle, offset in parts:
+                tensor, closer = map_export(bus_id, handle, offset, shape, DTYPES[accept.kv_dtype])
+                mapped.append(tensor)
+                closers.append(closer)
+        except BaseException:
+            for closer in closers:
+                closer()
+            raise
 
         def close():
-            with cupy.cuda.Device(device.index):
-                cupy.cuda.runtime.ipcCloseMemHandle(base)
+            for closer in closers:
+                closer()
 
-        return cls(dst, timeout, close)
+        return cls(mapped[0] if len(mapped) == 1 else HeadParts(mapped), timeout, close)
 
-    def check(self, src: torch.Tensor) -> None:
+    def check(self, src) -> None:
         if src.shape[:2] != self.dst.shape[:2] or src.shape[3:] != self.dst.shape[3:] or src.dtype != self.dst.dtype:
             raise KVTransferError(f"pool {tuple(src.shape)} {src.dtype} cannot fill destination {tuple(self.dst.shape)} {self.dst.dtype}")
 
-    def send(self, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], deliver) -> None:
-        """Copy src's blocks into dst_ids, wait until they are in place, then deliver() the header."""
+    def send(self, src, src_ids: list[int], dst_ids: list[int], deliver) -> None:
+        """Copy src's blocks into dst_ids (each destination rank's heads from the source ranks that
+        hold them), wait until they are in place, then deliver() the header."""
         self.check(src)
         if not src.is_cuda:  # the CPU tests' stand-in for a mapped pool
-            copy_blocks(self.dst, src, src_ids, dst_ids)
+            copy_heads(self.dst, src, src_ids, dst_ids)
             deliver()
             return
-        stream = self.streams.get(src.device)
-        if stream is None:
-            stream = self.streams[src.device] = torch.cuda.Stream(src.device)
-        stream.wait_stream(torch.cuda.current_stream(src.device))  # the prefill forward that wrote src
-        with torch.cuda.stream(stream):
-            copy_blocks(self.dst, src, src_ids, dst_ids)
-            done = torch.cuda.Event()
-            done.record(stream)
-        wait_done(done, self.timeout, f"cuda_ipc copy of {len(src_ids)} blocks")
+        # every GPU a copy touches gets a side stream: a copy between GPUs runs on its source's,
+        # and one into a strided view of another GPU's part finishes on that GPU's current stream
+        devices = list(dict.fromkeys(p.device for p in (*as_parts(src), *as_parts(self.dst))))
+        streams = [self._stream(d) for d in devices]
+        with contextlib.ExitStack() as on:
+            for d, stream in zip(devices, streams):
+                stream.wait_stream(torch.cuda.current_stream(d))  # the prefill forward that wrote src
+                on.enter_context(torch.cuda.stream(stream))
+            copy_heads(self.dst, src, src_ids, dst_ids)
+            events = [torch.cuda.Event() for _ in streams]
+            for event, stream in zip(events, streams):
+                event.record(stream)
+        for event in events:
+            wait_done(event, self.timeout, f"cuda_ipc copy of {len(src_ids)} blocks")
         deliver()
+
+    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def close(self) -> None:
         self.dst = None
         if self.closer is not None:
             self.closer()
             self.closer = None
+
+
+def map_export(bus_id: str, handle: bytes, offset: int, shape, dtype: torch.dtype):
+    """(a tensor over another process's exported pool, its unmap function) on the GPU bus_id names."""
+    cupy = require_cupy()
+    device = local_device(bus_id)
+    with cupy.cuda.Device(device.index):
+        base = cupy.cuda.runtime.ipcOpenMemHandle(handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+    tensor = _wrap(base + offset, _nbytes(shape, dtype), None, device, shape, dtype)
+
+    def close():
+        with cupy.cuda.Device(device.index):
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+
+    return tensor, close
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

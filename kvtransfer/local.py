@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kvtransfer.pool import copy_blocks
+from kvtransfer.heads import block_bytes, copy_heads
 from kvtransfer.transfer import check_block_ids
 from wire.protocol import KVFailed, KVReady
 
@@ -37,8 +37,8 @@ class LocalKV:
             raise ConnectionRefusedError(f"no pool is registered at {endpoint!r}")
         check_block_ids(msg.block_ids, self.pools[endpoint].shape[2])
         t0 = time.perf_counter()
-        copy_blocks(self.pools[endpoint], src, src_ids, msg.block_ids)
-        nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)
+        copy_heads(self.pools[endpoint], src, src_ids, msg.block_ids)  # pools of any TP split (kvtransfer.heads)
+        nbytes = block_bytes(src) * len(src_ids)
         self.inboxes[endpoint].append((msg, []))
         self.bytes_sent += nbytes
         self.bytes_received += nbytes

@@ -15,6 +15,10 @@ either side aborts its communicator (which ends the other side's pending kernels
 KVTransferError; the worker frees the request's blocks on both sides, and the next hand-off builds
 a new communicator. `Transport` is the seam: `CupyTransport` is NCCL through cupy, and the CPU
 tests plug in a fake one through `join` and `unique_id`. cupy is imported inside functions only.
+A tensor-parallel GPU worker's pool (kvtransfer.heads.HeadParts) takes part through its rank 0:
+the sender gathers every head of a layer's blocks onto rank 0's GPU (kvtransfer.heads.gather_layer)
+and the receiver splits them into its ranks' parts (scatter_layer), so one communicator per pair
+of workers serves any TP sizes; the bytes pass through each side's rank 0 GPU.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Protocol
 import torch
 
 from kvtransfer.errors import KVTransferError, KVTransferTimeout, wait_done
+from kvtransfer.heads import gather_layer, scatter_layer, settle
 
 
 class Transport(Protocol):
@@ -187,7 +192,7 @@ class NcclSender:
         if list(src.shape[:2]) != d[:2] or list(src.shape[3:]) != d[3:]:
             raise KVTransferError(f"pool {tuple(src.shape)} cannot fill destination {tuple(d)}")
         idx = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-        bufs = [src[layer].index_select(1, idx) for layer in range(src.shape[0])]  # (2, n, bs, KVH, D) each
+        bufs = [gather_layer(src, layer, idx) for layer in range(src.shape[0])]  # (2, n, bs, KVH, D) each, rank 0's GPU
         try:
             self.transport.send(bufs)
             done = self.transport.record()
@@ -270,7 +275,8 @@ class NcclInbox:
             raise
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.pool.device)
         for layer, buf in enumerate(pending.bufs):
-            self.pool[layer].index_copy_(1, idx, buf)
+            scatter_layer(self.pool, layer, idx, buf)
+        settle(self.pool)
         pending.transport.release(pending.bufs)
         return sum(b.numel() * b.element_size() for b in pending.bufs)
 

@@ -39,6 +39,7 @@ from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
 from wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
 from kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
 from kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
+from kvtransfer.heads import block_bytes
 from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
 from runtime.errors import NotSupportedError
 
@@ -125,12 +126,13 @@ class KVSender:
             dest = self.dests[endpoint] = (pool, backend)
         return dest
 
-    def send(self, src: torch.Tensor, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
-        """Move src's blocks src_ids into the destination's msg.block_ids, then deliver msg. Returns bytes moved."""
+    def send(self, src, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
+        """Move src's blocks src_ids into the destination's msg.block_ids, then deliver msg. Returns bytes moved.
+        src: the pool, a tensor or a tensor-parallel GPU worker's kvtransfer.heads.HeadParts."""
         if len(src_ids) != len(msg.block_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")
         t0 = time.perf_counter()
-        nbytes = src[:, :, 0].numel() * src.element_size() * len(src_ids)
+        nbytes = block_bytes(src) * len(src_ids)
         try:
             pool, backend = self.destination(endpoint, src)
             check_block_ids(msg.block_ids, pool.kv_shape[2])
@@ -208,7 +210,7 @@ def describe(pool: torch.Tensor, ipc: KVAccept | None = None, shm_path: str = ""
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, pool: torch.Tensor, bind: str = "tcp://127.0.0.1:*", curve: dict | None = None,
                  ipc: KVAccept | None = None, timeout: float = 10.0, shm_path: str = ""):
-        self.pool = pool
+        self.pool = pool  # a tensor, or a tensor-parallel GPU worker's kvtransfer.heads.HeadParts
         self.ipc = ipc  # cuda_ipc: this pool's export (cuda_ipc.CudaKVPool.accept)
         self.shm_path = shm_path  # shm: the pool's file in /dev/shm ("" if private)
         self.nccl = None  # nccl.NcclInbox, made at the first nccl KVConnect
@@ -216,7 +218,7 @@ class KVReceiver:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 1000)  # bounded: a sender beyond it waits (TCP back-pressure), nothing is dropped
-        layer_bytes = pool[0].numel() * pool.element_size()
+        layer_bytes = block_bytes(pool) // pool.shape[0] * pool.shape[2]
         # a frame is a header (bounded by the coordinator below MAX_CONTROL_MESSAGE) or a layer's blocks
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(layer_bytes, MAX_CONTROL_MESSAGE))
         for opt, value in (curve or {}).items():  # CurveZMQ server options (wire.security.server_options)

@@ -245,6 +245,18 @@ def tiny_engine(model_dir, prefill_only: bool = False, **config):
     return LLMEngine(build_model(cfg, tensors, econf), None, econf, kv_cache=pool, prefill_only=prefill_only), pool
 
 
+def _call_in_module(test_file: str, call: str) -> str:
+    """Python source that loads test_file as a module (this checkout importable) and runs m.<call>."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return (
+        "import importlib.util, sys; sys.path.insert(0, %r);"
+        "spec = importlib.util.spec_from_file_location('child_of_test', %r);"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.%s"
+    ) % (str(repo), test_file, call)
+
+
 def run_native_cuda_check(test_file: str, timeout: float = 900) -> None:
     """Run `native_cuda_check()` of a test module in a fresh interpreter with Triton compiling for
     CUDA (TRITON_INTERPRET=0: this process already imported Triton in interpreter mode)."""
@@ -254,9 +266,33 @@ def run_native_cuda_check(test_file: str, timeout: float = 900) -> None:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    code = (
-        "import importlib.util, sys; sys.path.insert(0, %r);"
-        "spec = importlib.util.spec_from_file_location('native_check', %r);"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.native_cuda_check()"
-    ) % (str(repo), test_file)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
+    subprocess.run([sys.executable, "-c", _call_in_module(test_file, "native_cuda_check()")], check=True, cwd=repo,
+                   env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
+
+
+def run_in_child(test_file: str, fn: str, *args):
+    """fn(*args) (strings) of a test module in a process of its own, its stdout piped: GPU tests'
+    second process (a CUDA IPC peer), or one NCCL's watchdog may abort without taking pytest along."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.Popen([sys.executable, "-c", _call_in_module(test_file, f"{fn}(*sys.argv[1:])"), *map(str, args)],
+                            cwd=repo, stdout=subprocess.PIPE, text=True)
+
+
+def receive_handoff(receiver, timeout: float):
+    """Poll a KVReceiver until a KVReady arrives; copy its blocks in and return it (None: none came in time)."""
+    import time
+
+    from wire.protocol import KVReady
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if receiver.sock.poll(100):
+            got = receiver.recv()
+            if got is not None and isinstance(got[0], KVReady):
+                receiver.copy_in(*got)
+                return got[0]
+    return None

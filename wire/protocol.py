@@ -272,6 +272,10 @@ class KVAccept(_Msg):
     device: str = ""  # PCI bus id of the pool's GPU (device ordinals differ between processes)
     ipc_handle: bytes = b""  # cuda_ipc: the cudaIpcMemHandle_t of the pool's allocation
     ipc_offset: int = 0  # cuda_ipc: bytes from the allocation's base to the pool's first byte
+    # cuda_ipc, a tensor-parallel GPU worker's pool: (device, ipc_handle, ipc_offset) of each rank's
+    # part in rank order, rank r holding KV heads [r * kv_heads / N, (r + 1) * kv_heads / N); the
+    # fields above are then empty (kv_shape is the whole pool's)
+    ipc_parts: list[tuple[str, bytes, int]] = []
     error: str = ""
 
 

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -32,9 +31,8 @@ from runtime.config import EngineConfig
 from runtime.errors import NotSupportedError
 from runtime.kv_cache import BlockManager
 from pdserve_client.params import SamplingParams
-from tests.helpers import FakeLink, save_tiny_model, tiny_engine
+from tests.helpers import FakeLink, receive_handoff, run_in_child, save_tiny_model, tiny_engine
 
-_REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 16, 4, 2, 8)  # (layers, 2, num_blocks, block_size, KVH, D)
 
 
@@ -489,13 +487,8 @@ def test_successful_nccl_handoff_through_the_workers(pair, fake_nccl, tiny_kv_mo
 # ------------------------------------------------------------------ on a GPU
 
 
-def _run_child(fn: str, *args, timeout: float = 120) -> subprocess.Popen:
-    code = (
-        "import importlib.util, sys; sys.path.insert(0, %r);"
-        "spec = importlib.util.spec_from_file_location('gpu_backends_test', %r);"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.%s(*sys.argv[1:])"
-    ) % (str(_REPO), __file__, fn)
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=_REPO, stdout=subprocess.PIPE, text=True)
+def _run_child(fn: str, *args) -> subprocess.Popen:
+    return run_in_child(__file__, fn, *args)
 
 
 def ipc_receiver_child(out_path: str, device: str = "cuda:0", dtype: str = "bfloat16") -> None:
@@ -506,14 +499,9 @@ def ipc_receiver_child(out_path: str, device: str = "cuda:0", dtype: str = "bflo
     ctx = zmq.Context()
     receiver = KVReceiver(ctx, pool.tensor, ipc=pool.accept())
     print(receiver.endpoint, flush=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if receiver.sock.poll(100):
-            got = receiver.recv()
-            if got is not None and isinstance(got[0], KVReady):
-                receiver.copy_in(*got)
-                torch.save({"ids": got[0].block_ids, "blocks": pool.tensor[:, :, got[0].block_ids].cpu()}, out_path)
-                break
+    msg = receive_handoff(receiver, 60)
+    if msg is not None:
+        torch.save({"ids": msg.block_ids, "blocks": pool.tensor[:, :, msg.block_ids].cpu()}, out_path)
     receiver.close()
     ctx.destroy(linger=0)
 
@@ -556,14 +544,9 @@ def nccl_receiver_child(out_path: str) -> None:
     ctx = zmq.Context()
     receiver = KVReceiver(ctx, pool, timeout=30)
     print(receiver.endpoint, flush=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if receiver.sock.poll(100):
-            got = receiver.recv()
-            if got is not None and isinstance(got[0], KVReady):
-                receiver.copy_in(*got)
-                torch.save({"ids": got[0].block_ids, "blocks": pool[:, :, got[0].block_ids].cpu()}, out_path)
-                break
+    msg = receive_handoff(receiver, 90)
+    if msg is not None:
+        torch.save({"ids": msg.block_ids, "blocks": pool[:, :, msg.block_ids].cpu()}, out_path)
     receiver.close()
     ctx.destroy(linger=0)
 
