@@ -126,13 +126,14 @@ ALL_ROLES = [Role.PREFILL, Role.DECODE, Role.COLOCATED]
 class DecodeWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver, link, grant_timeout_s: float = 30.0,
                  closing: list | None = None, cores: CoreShare | StaticCores | None = None, sender=None,
-                 role: Role = Role.DECODE, batch_window_ms: float = 2.0):
+                 role: Role = Role.DECODE, batch_window_ms: float = 2.0, kv_pool=None):
         self.worker_id = worker_id
         self.role = Role(role)  # how it shares the node's cores and what it reports; it takes every kind of work whatever its role
         # the roles SetRole may give it: every one with a KV sender (Prefill hand-offs), else only its own
         self.roles = list(ALL_ROLES) if sender is not None else []
         self.sender = sender  # KVSender, or kvtransfer.local.LocalKV: Prefill hand-offs from this worker's pool
-        self.handoffs = Handoffs(engine, engine.runner.kv_cache, sender, link) if sender is not None else None
+        # kv_pool: what hand-offs read (worker.tp_ranks.handoff_pool; None: the engine's pool)
+        self.handoffs = Handoffs(engine, engine.runner.kv_cache if kv_pool is None else kv_pool, sender, link) if sender is not None else None
         self.batch_window = batch_window_ms / 1000  # the prefill role's batching window (as the prefill worker's)
         self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
         self.engine = engine
@@ -165,7 +166,7 @@ class DecodeWorker:
         model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
         num_blocks = pool.tensor.shape[2]
         engine = LLMEngine(model, None, engine_cfg, kv_cache=pool.tensor)
-        if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs:
+        if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs and ranks is None:  # a TP step broadcasts its plan: no graph
             cuda_graphs.enable(engine)
         log.info(
             "%s: KV pool %d blocks x %d tokens = %d tokens (%.1f MiB)%s", wid, num_blocks, engine_cfg.block_size,
@@ -177,15 +178,16 @@ class DecodeWorker:
         ctx = zmq.Context()
         secret = security.read_secret(wcfg.worker_secret_file)
         auth = security.start_authenticator(ctx, wcfg.keys, secret)
-        receiver = KVReceiver(ctx, pool.tensor, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS, secret),
-                              ipc=pool.accept() if isinstance(pool, CudaKVPool) else None, shm_path=pool.path)
+        kv = tp_ranks.handoff_pool(pool)  # on CUDA with TP n: every rank's part
+        receiver = KVReceiver(ctx, kv, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS, secret),
+                              ipc=pool.accept() if isinstance(pool, (CudaKVPool, tp_ranks.RankPools)) else None, shm_path=pool.path)
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, secret), backend=wcfg.kv_backend)  # as the prefill worker's
-        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, pool.tensor, profile, receiver.endpoint, ALL_ROLES))
+        link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, kv, profile, receiver.endpoint, ALL_ROLES))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
         closing += [ranks.close] if ranks is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
-                   cores, sender, role, wcfg.batch_window_ms)
+                   cores, sender, role, wcfg.batch_window_ms, kv)
 
     # ------------------------------------------------------------------ loop
 

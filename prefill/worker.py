@@ -76,8 +76,8 @@ class PrefillWorker:
             return KVPool(torch.zeros(shape, dtype=engine_cfg.torch_dtype, device=engine_cfg.device))
 
         model, kv, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)
-        pool = kv.tensor
-        engine = LLMEngine(model, None, engine_cfg, kv_cache=pool, prefill_only=True)
+        pool = tp_ranks.handoff_pool(kv)  # what hand-offs read: on CUDA with TP n, every rank's part
+        engine = LLMEngine(model, None, engine_cfg, kv_cache=kv.tensor, prefill_only=True)
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
         ctx = zmq.Context()

@@ -12,10 +12,18 @@ ways: a rank whose parent (rank 0) is gone exits at once (a watch thread; a coll
 dead peer fails at once too), and rank 0's watch stops the worker as SIGTERM does (its launcher
 restarts it) within `WATCH_S` of any other rank's exit. `Ranks.close()`, among what the worker
 closes, sends stop, waits for the ranks, kills what does not leave.
+
+On CUDA (NCCL; cupy needed) each rank runs on its own GPU (runtime.tp.rank_devices: more ranks
+than GPUs is refused before any rank starts) with a pool of its own KV heads on that GPU
+(cuda_ipc.CudaKVPool), whose CUDA IPC export it publishes in the group's store; rank 0 maps every
+other rank's pool and gives the worker `RankPools`: its own pool for its engine, and all of them
+(kvtransfer.heads.HeadParts) for hand-offs, which then move each rank's heads straight between
+GPUs (cuda_ipc) or through rank 0's GPU (nccl, tcp).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -27,11 +35,15 @@ import time
 import msgspec
 import torch
 
-from kvtransfer.pool import KVPool
+from kvtransfer import cuda_ipc
+from kvtransfer.heads import HeadParts
+from kvtransfer.pool import KVPool, dtype_name
 from runtime.config import EngineConfig, ModelConfig, WorkerConfig
 from runtime.engine import build_model
+from runtime.errors import NotSupportedError
 from runtime.kv_cache import allocate_kv_cache, kv_cache_shape
-from runtime.tp import RankGroup, check_split
+from runtime.tp import RankGroup, check_split, rank_devices
+from wire.protocol import KVAccept
 from runtime.tp_model import TPModel, build_tp_model
 from runtime.weights import load_checkpoint
 
@@ -50,7 +62,7 @@ class RankSpec(msgspec.Struct):
     engine: EngineConfig
     num_blocks: int
     threads: int | None = None
-    pool_path: str = ""  # the worker's whole KV pool in /dev/shm ("": a pool of this rank's own)
+    pool_path: str = ""  # the worker's whole KV pool in /dev/shm ("": a pool of this rank's own; on CUDA, exported)
 
 
 class Ranks:
@@ -96,10 +108,12 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
     allocates a pool of its own KV heads."""
     n = econf.tensor_parallel_size
     check_split(cfg, n)  # refused before any process starts
-    group = RankGroup(0, n)
+    devices = rank_devices(econf.device, n, visible_gpus(econf.device))
+    group = RankGroup(0, n, device=devices[0])
     procs = []
     for r in range(1, n):
-        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), econf, num_blocks, threads, pool_path)
+        rank_econf = econf if devices[r] == econf.device else dataclasses.replace(econf, device=devices[r])
+        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), rank_econf, num_blocks, threads, pool_path)
         procs.append(subprocess.Popen([sys.executable, "-m", "worker.tp_ranks", msgspec.json.encode(spec).decode()],
                                       cwd=_repo_root(), stdin=subprocess.DEVNULL))
     try:
@@ -115,12 +129,16 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
 def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     """A worker's (model, KV pool, Ranks or None): TP 1 builds runtime.model as before; TP n
     starts the other ranks over the whole pool, made shared (make_pool(shape, shared))."""
+    if econf.device.startswith("cuda:"):
+        torch.cuda.set_device(econf.device)  # kernels (Triton's too) launch on the current device: the worker's
     cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
     shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
     if econf.tensor_parallel_size == 1:
         model = build_model(cfg, tensors, econf, wcfg.model)
         return model, make_pool(shape, False), None
     check_split(cfg, econf.tensor_parallel_size)
+    if econf.device.startswith("cuda"):
+        return _load_on_gpus(cfg, tensors, econf, wcfg, shape[2])
     pool = make_pool(shape, True)
     threads = max(1, (wcfg.threads or torch.get_num_threads()) // econf.tensor_parallel_size)
     torch.set_num_threads(threads)
@@ -134,6 +152,86 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     log.info("tensor parallel: %d ranks, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
     ranks.watch(_stop_worker)
     return ranks.model, pool, ranks
+
+
+def visible_gpus(device: str) -> int:
+    """GPUs this process sees (0 for a CPU device: torch.cuda is not asked)."""
+    return torch.cuda.device_count() if device.startswith("cuda") else 0
+
+
+def _load_on_gpus(cfg: ModelConfig, tensors: dict, econf: EngineConfig, wcfg: WorkerConfig, num_blocks: int) -> tuple:
+    """load_model on CUDA: ranks 1..n-1 on their GPUs, rank 0's pool and a mapping of theirs."""
+    try:
+        cuda_ipc.require_cupy()  # the ranks' pools reach rank 0 (and hand-offs) over CUDA IPC
+    except NotSupportedError as e:
+        raise NotSupportedError(f"tensor parallelism on CUDA is not supported without cupy (its ranks share their KV pools "
+                                f"over CUDA IPC): {e}") from e
+    ranks = start(cfg, tensors, econf, num_blocks, wcfg.model)
+    del tensors
+    release_heap()
+    try:
+        own = cuda_ipc.CudaKVPool.create(kv_cache_shape(ranks.model.cfg, num_blocks, econf.block_size), econf.torch_dtype, ranks.model.device)
+        pool = RankPools.gather(own, ranks.model.group)
+    except BaseException:
+        ranks.close()
+        raise
+    log.info("tensor parallel on %d GPUs, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
+    ranks.watch(_stop_worker)
+    return ranks.model, pool, ranks
+
+
+class RankPools:
+    """Rank 0's KV pools on CUDA: `tensor`, its own (its engine's), and `parts`, every rank's in rank
+    order (its own, then the others' mapped over CUDA IPC): what hand-offs read and write."""
+
+    path = ""  # never in /dev/shm: shm does not apply
+
+    def __init__(self, own: cuda_ipc.CudaKVPool, exports: list[KVAccept], unmap: list):
+        self.own, self.exports, self.unmap = own, exports, unmap
+        self.tensor = own.tensor
+        self.parts = HeadParts([own.tensor] + [t for t, _ in unmap])
+
+    @classmethod
+    def gather(cls, own: cuda_ipc.CudaKVPool, group: RankGroup) -> "RankPools":
+        """Wait for ranks 1..n-1's exports (published in `follow`) and map them."""
+        exports, mapped = [own.accept()], []
+        try:
+            for r in range(1, group.size):
+                a = msgspec.msgpack.decode(group.fetch(export_key(r)), type=KVAccept)
+                exports.append(a)
+                mapped.append(cuda_ipc.map_export(a.device, a.ipc_handle, a.ipc_offset, a.kv_shape, cuda_ipc.DTYPES[a.kv_dtype]))
+        except BaseException:
+            for _, close in mapped:
+                close()
+            raise
+        return cls(own, exports, mapped)
+
+    @property
+    def nbytes(self) -> int:
+        return self.parts.nbytes
+
+    def accept(self, nonce: int = 0) -> KVAccept:
+        """The whole pool for KVReceiver: its shape with every head, each rank's export (ipc_parts)."""
+        return KVAccept(nonce, list(self.parts.shape), dtype_name(self.parts.dtype), device=self.exports[0].device,
+                        ipc_parts=[(a.device, a.ipc_handle, a.ipc_offset) for a in self.exports])
+
+    def close(self) -> None:
+        for _, close in self.unmap:
+            try:
+                close()
+            except Exception:  # an exporter already gone: its memory went with it
+                pass
+        self.unmap = []
+        self.own.close()
+
+
+def handoff_pool(pool):
+    """What a worker's hand-offs read and write: every rank's part on CUDA (RankPools), else the pool tensor."""
+    return pool.parts if isinstance(pool, RankPools) else pool.tensor
+
+
+def export_key(rank: int) -> str:
+    return f"kv-export/{rank}"
 
 
 def release_heap() -> None:
@@ -169,14 +267,18 @@ def follow(spec: RankSpec) -> None:
     _watch_parent(spec.parent)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    e = spec.engine
+    e = spec.engine  # its device: this rank's
     cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=e.keep_quantized)
-    group = RankGroup(spec.rank, spec.size, spec.port).connect()
+    group = RankGroup(spec.rank, spec.size, spec.port, device=e.device).connect()
     model = build_tp_model(cfg, tensors, e, group)
     del tensors
     release_heap()
     if spec.pool_path:
         kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size), e.torch_dtype).tensor
+    elif e.device.startswith("cuda"):  # its heads on its GPU, exported to rank 0
+        pool = cuda_ipc.CudaKVPool.create(kv_cache_shape(model.cfg, spec.num_blocks, e.block_size), e.torch_dtype, e.device)
+        group.publish(export_key(spec.rank), msgspec.msgpack.encode(pool.accept()))
+        kv = pool.tensor
     else:
         kv = allocate_kv_cache(model.cfg, spec.num_blocks, e.block_size, e.torch_dtype, e.device)
     model.follow(kv)
