@@ -131,13 +131,16 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     starts the other ranks over the whole pool, made shared (make_pool(shape, shared))."""
     if econf.device.startswith("cuda:"):
         torch.cuda.set_device(econf.device)  # kernels (Triton's too) launch on the current device: the worker's
+    on_gpus = econf.tensor_parallel_size > 1 and econf.device.startswith("cuda")
+    if on_gpus:
+        _require_cupy()  # refused before the checkpoint loads
     cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
     shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
     if econf.tensor_parallel_size == 1:
         model = build_model(cfg, tensors, econf, wcfg.model)
         return model, make_pool(shape, False), None
     check_split(cfg, econf.tensor_parallel_size)
-    if econf.device.startswith("cuda"):
+    if on_gpus:
         return _load_on_gpus(cfg, tensors, econf, wcfg, shape[2])
     pool = make_pool(shape, True)
     threads = max(1, (wcfg.threads or torch.get_num_threads()) // econf.tensor_parallel_size)
@@ -154,6 +157,14 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     return ranks.model, pool, ranks
 
 
+def _require_cupy() -> None:
+    try:
+        cuda_ipc.require_cupy()  # the ranks' pools reach rank 0 (and hand-offs) over CUDA IPC
+    except NotSupportedError as e:
+        raise NotSupportedError(f"tensor parallelism on CUDA is not supported without cupy (its ranks share their KV pools "
+                                f"over CUDA IPC): {e}") from e
+
+
 def visible_gpus(device: str) -> int:
     """GPUs this process sees (0 for a CPU device: torch.cuda is not asked)."""
     return torch.cuda.device_count() if device.startswith("cuda") else 0
@@ -161,11 +172,6 @@ def visible_gpus(device: str) -> int:
 
 def _load_on_gpus(cfg: ModelConfig, tensors: dict, econf: EngineConfig, wcfg: WorkerConfig, num_blocks: int) -> tuple:
     """load_model on CUDA: ranks 1..n-1 on their GPUs, rank 0's pool and a mapping of theirs."""
-    try:
-        cuda_ipc.require_cupy()  # the ranks' pools reach rank 0 (and hand-offs) over CUDA IPC
-    except NotSupportedError as e:
-        raise NotSupportedError(f"tensor parallelism on CUDA is not supported without cupy (its ranks share their KV pools "
-                                f"over CUDA IPC): {e}") from e
     ranks = start(cfg, tensors, econf, num_blocks, wcfg.model)
     del tensors
     release_heap()

@@ -178,13 +178,13 @@ def test_rank_pools_gather_and_export_every_part(fake_ipc_parts):
     assert closed == ["own"] and sorted(c for c in calls if c.startswith(b"closed:")) == sorted(b"closed:" + a.ipc_handle for a in accepts[1:])
 
 
-def test_tp_on_cuda_without_cupy_is_refused(monkeypatch, tiny):
+def test_tp_on_cuda_without_cupy_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     started = []
     monkeypatch.setattr(tp_ranks.subprocess, "Popen", lambda *a, **k: started.append(a))
     econf = EngineConfig(device="cuda", tensor_parallel_size=2, num_blocks=8)
     with pytest.raises(NotSupportedError, match="tensor parallelism on CUDA is not supported without cupy"):
-        tp_ranks.load_model(econf, WorkerConfig(model=str(tiny)), lambda shape, shared: pytest.fail("no pool before the refusal"))
+        tp_ranks.load_model(econf, WorkerConfig(), lambda shape, shared: pytest.fail("no pool before the refusal"))
     assert started == []
 
 
