@@ -126,7 +126,7 @@ class Coordinator:
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
-        self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
+        self.model_name = cfg.served_model_name or served_name(cfg.model)  # in its traces and stats
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.writers: dict[str, Writer] = {}  # iid -> its last Prefill's writer, until it reports PrefillDone
         self.handed_off: dict[str, Writer] = {}  # iid -> writer done, no token yet; oldest first (handoff_timeouts)
@@ -1059,6 +1059,7 @@ class Coordinator:
                 "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
             })
         return {
+            "model": self.model_name,
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
             "phases": self.phases.snapshot(),
