@@ -37,6 +37,7 @@ class ServedModel:
         self.created = int(time.time())
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None  # learnt from the coordinator's stats
+        self.model_context: int | None = None  # its files' context, while no worker has said max_model_len (/tokenize)
 
     async def stats(self, timeout: float) -> dict | None:
         """Its coordinator's stats, or None if it does not answer in time."""

@@ -98,7 +98,6 @@ class TokenizerRoutes:
     def __init__(self, gateway):
         self.gw = gateway
         self.version = package_version()
-        self.model_context: dict[str, int] = {}  # model name -> its own context, while no worker has said its max_model_len
 
     def routes(self) -> list[Route]:
         return [
@@ -150,9 +149,9 @@ class TokenizerRoutes:
             await m.stats(self.gw.cfg.stats_timeout_s)  # learns it from the workers
         if m.max_model_len is not None:
             return m.max_model_len
-        if m.name not in self.model_context:
-            self.model_context[m.name] = await asyncio.to_thread(model_context_len, m.root)
-        return self.model_context[m.name]
+        if m.model_context is None:
+            m.model_context = await asyncio.to_thread(model_context_len, m.root)
+        return m.model_context
 
     async def detokenize(self, request):
         req = await self.gw.decode(await self._body(request), DetokenizeRequest)
