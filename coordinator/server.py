@@ -535,6 +535,7 @@ class Coordinator:
         self.bound_tpot(d, st)
         d.reserved_blocks += need
         p.queued_tokens += backlog
+        p.note_placed(backlog, time.monotonic())  # its recent prompts: what it takes of a shared node (share_node)
         self.note_placed_prefix(st, p, d)
         d.requests.add(st.iid)
         p.requests.add(st.iid)

@@ -144,3 +144,22 @@ def test_a_decode_worker_with_a_full_batch_takes_no_local_prompt_under_slo_contr
     assert (c.path, c.reason, c.local.outcome, c.local.reason) == (Path.REMOTE, "only_remote", Outcome.SHED, ShedReason.TPOT)
     assert choose_path(req(64), [prefill()], [dataclasses.replace(full, max_seqs=9)], TARGETS).path is Path.LOCAL
     assert choose_path(req(64), [prefill()], [full], None).path is Path.LOCAL  # without targets: it queues there
+
+
+def test_a_pair_on_a_shared_node_predicts_tpot_stretched_by_what_its_prefill_worker_took_lately():
+    """The prompts placed on a node's prefill worker in the last ADMIT_WINDOW_S take that share of
+    the node's time from the decode worker's steps: its streams' TPOT stretches by 1 / (1 - share),
+    on both paths; on another node (or with no recent prompts) the plain step."""
+    from coordinator.placement import ADMIT_WINDOW_S, place_pair, predict_step
+    tokens = int(3 * M.tokens_per_second())  # about 3 s of prompts in the 10 s window
+    recent = dataclasses.replace(prefill("p0"), recent_prompt_tokens=tokens)
+    p, d = shared([recent], [decode("d0")], {"p0": "a", "d0": "a"})
+    share = tokens / M.tokens_per_second() / ADMIT_WINDOW_S
+    assert d[0].shared.prefill_share == pytest.approx(share)
+    loose = SloTargets(ttft_s=10.0, tpot_s=10.0)
+    assert place_pair(req(128), p, d, loose).predicted_tpot == pytest.approx(predict_step(d[0], 128) / (1 - share))
+    apart_p, apart_d = shared([recent], [decode("d0")], {"p0": "a", "d0": "b"})
+    assert place_pair(req(128), apart_p, apart_d, loose).predicted_tpot == pytest.approx(predict_step(decode("d0"), 128))
+    local = choose_path(req(128), p, d, loose).local
+    alone = choose_path(req(128), apart_p, apart_d, loose).local
+    assert local.predicted_tpot > alone.predicted_tpot  # LOCAL's streams wait for the node's prefills too
