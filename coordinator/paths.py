@@ -138,7 +138,7 @@ def share_node(prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot], no
         work = sum(p.queued_tokens / p.model.tokens_per_second() for p in busy)
         gap = min(stall_cap_s, turn + max(map(prefill_step, busy), default=0.0))
         share = sum(p.recent_prompt_tokens / p.model.tokens_per_second() for p in mates(d, prefills)) / ADMIT_WINDOW_S
-        out_d.append(dataclasses.replace(d, shared=SharedCores(work, gap, share)) if mates(d, prefills) else d)
+        out_d.append(dataclasses.replace(d, shared=SharedCores(work, gap, share, stall_cap_s)) if mates(d, prefills) else d)
     out_p = []
     for p in prefills:
         steps = [d.model.predict(d.requests, d.requests + min(d.queued_tokens, d.chunk_tokens), d.context_tokens)

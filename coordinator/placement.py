@@ -69,8 +69,10 @@ class SharedCores:
     # a decode worker: the share of the node's time its prefill workers' prompts took lately (the
     # prompt tokens placed on them over the last ADMIT_WINDOW_S at their measured rate): its steps
     # wait for those prefills, so its streams' TPOT stretches by 1 / (1 - share), as a colocated
-    # worker's does for its own prompts (`prefill_share`)
+    # worker's does for its own prompts (`prefill_share`), but by no more than `stall_s` a step:
+    # past its stall cap a decode worker steps whatever the prefill worker does (runtime/core_turns.py)
     prefill_share: float = 0.0
+    stall_s: float = 0.0
 
 
 def deferral(w: WorkerSnapshot, steps: int) -> float:
@@ -176,16 +178,20 @@ def predict_step(w: WorkerSnapshot, tokens: int) -> float:
     return w.model.predict(w.requests + 1, w.requests + 1, w.context_tokens + tokens) + RELAY_OVERHEAD_S / 3
 
 
-def node_prefill_share(w: WorkerSnapshot) -> float:
-    """The share of w's node's time its prefill workers took lately (0 alone on its cores)."""
-    return w.shared.prefill_share if w.shared is not None else 0.0
+def node_wait(w: WorkerSnapshot, step: float) -> float:
+    """What each `step` of decode worker w waits for its node's prefill workers: the stretch
+    1 / (1 - their recent share of the node's time), at most their stall bound a step; 0 alone on its cores."""
+    if w.shared is None or w.shared.prefill_share <= 0:
+        return 0.0
+    return min(step / (1 - min(MAX_SHARE, w.shared.prefill_share)) - step, w.shared.stall_s)
 
 
 def predict_pair_tpot(d: WorkerSnapshot, tokens: int) -> float:
-    """The TPOT of a pair's decode worker with one more sequence: its step, stretched by what the
-    prefill workers sharing its node's cores took of them lately (measured before this term: p99
-    TPOT at twice the predicted one on a 1 + 1 node under overload)."""
-    return predict_step(d, tokens) / (1 - min(MAX_SHARE, node_prefill_share(d)))
+    """The TPOT of a pair's decode worker with one more sequence: its step and what that step
+    waits for the prefill workers sharing its node's cores (node_wait; without it, p99 TPOT came
+    out at twice the prediction on a 1 + 1 node under overload)."""
+    step = predict_step(d, tokens)
+    return step + node_wait(d, step)
 
 
 def prefill_share(w: WorkerSnapshot, tokens: int) -> float:
@@ -250,8 +256,8 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
     for w in workers:
         step, prefill = predict_step(w, req.num_tokens), predict_prefill(w, req.num_tokens)
         ttft = req.waited_s + prefill + step + RELAY_OVERHEAD_S + deferral(w, local_steps(w, req.num_tokens))
-        busy = min(MAX_SHARE, prefill_share(w, req.num_tokens) + node_prefill_share(w))
-        tpot = step / (1 - busy) + prefill / max(1, min(req.max_tokens, 4096) - 1)
+        busy = min(MAX_SHARE, prefill_share(w, req.num_tokens))
+        tpot = step / (1 - busy) + node_wait(w, step) + prefill / max(1, min(req.max_tokens, 4096) - 1)
         if tpot > targets.tpot_s and w.requests:
             miss = shed(ShedReason.TPOT, f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
         elif ttft > targets.ttft_s:
