@@ -3,12 +3,13 @@
 
 Loads the default model (quantized, as a worker serves it) once, in this process, on --threads
 torch threads. For each back-end of --backends (kernels/backends.py names, forced on every linear
-layer, the LM head included), for each prompt length of --lens: the median of --repeats
+layer above --small-rows rows; c-int16 at fewer, e.g. the LM head's one row), for each prompt length of --lens: the median of --repeats
 prefills of one random prompt (a fresh KV pool each, the logits of the last row only, as the
 engine asks for them), then one more prefill with every section timed by wrappers around the
 calls runtime/cpu_forward.py makes: each linear layer by shape, attention, rope + KV write,
 RMSNorm, SiLU*mul, the embedding and the LM head (the logits); "other" is what is left of the
-forward. With --gate it also runs runtime/linear_plan.py's teacher-forced check of each reduced
+forward. The back-ends alternate call by call in the whole-prefill timing; --cpu-time (with
+--threads 1) times by the process's CPU time instead of the wall clock. With --gate it also runs runtime/linear_plan.py's teacher-forced check of each reduced
 back-end against the exact one over the shipped conversations (top-1 agreement, mean KL).
 
 Usage: .venv/bin/python -m benchmarks.prefill_profile [--threads 2] [--lens 128,512]
@@ -22,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.timing import median_seconds
+from benchmarks.isa import CLOCK, alternate
 from runtime import linear_plan
 from runtime.config import EngineConfig
 from runtime.engine import load_model
@@ -47,9 +48,9 @@ def prefill(model, ids: list[int]) -> torch.Tensor:
 
 def _timed(totals: dict, name: str, fn):
     def run(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         out = fn(*args, **kwargs)
-        totals[name] += time.perf_counter() - t0
+        totals[name] += CLOCK[0]() - t0
         return out
 
     return run
@@ -70,9 +71,9 @@ def sections(model, ids: list[int]) -> dict[str, float]:
         fast._attention = _timed(totals, "attention", fast._attention)
         for name, label in (("rms_norm", "RMSNorm (+ residual)"), ("rope_write_kv", "rope + KV write"), ("silu_mul", "SiLU * mul")):
             setattr(ops, name, _timed(totals, label, getattr(ops, name)))
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         prefill(model, ids)
-        totals["forward (whole)"] = time.perf_counter() - t0
+        totals["forward (whole)"] = CLOCK[0]() - t0
     finally:
         for layer, lins in wrapped_layers:
             for attr, lin in lins.items():
@@ -90,20 +91,39 @@ def main() -> None:
     ap.add_argument("--lens", default="128,512")
     ap.add_argument("--backends", default="c-int16,c-int8-vnni")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--small-rows", type=int, default=8, help="calls of up to this many rows run c-int16 under every back-end")
     ap.add_argument("--gate", action="store_true", help="also the teacher-forced check of each non-int16 back-end")
+    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time (with --threads 1: leaves out the "
+                    "time other processes of a shared machine held the core)")
     args = ap.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
     torch.set_num_threads(args.threads)
     _, model = load_model(None, EngineConfig())
     lins = linear_plan.linears(model.fast)
     g = torch.Generator().manual_seed(0)
     lens = [int(n) for n in args.lens.split(",")]
     prompts = {n: torch.randint(100, model.cfg.vocab_size - 100, (n,), generator=g).tolist() for n in lens}
-    for name in args.backends.split(","):
+    names = args.backends.split(",")
+
+    def plan(name: str) -> list[tuple[int, str]]:  # decode-sized calls (the LM head's one row) stay on c-int16, as the selector has them
+        return [(args.small_rows, "c-int16"), (1 << 62, name)]
+
+    def under(name: str, ids: list[int]):
+        def run():
+            for lin in lins:
+                lin.use(plan(name))
+            prefill(model, ids)
+        return run
+
+    with torch.inference_mode():  # whole prefills, the back-ends alternating call by call (a shared machine's noise hits each alike)
+        medians = {n: alternate({name: under(name, ids) for name in names}, args.repeats) for n, ids in prompts.items()}
+    for name in names:
         for lin in lins:
-            lin.use([(1 << 62, name)])
+            lin.use(plan(name))
         with torch.inference_mode():
             for n, ids in prompts.items():
-                s = median_seconds(lambda: prefill(model, ids), args.repeats, warmup=1)
+                s = medians[n][name] / 1e3
                 print(f"\n{name}: prefill of {n} tokens: {s * 1e3:.1f} ms median of {args.repeats} ({n / s:.0f} tok/s); one prefill by section:")
                 parts = sections(model, ids)
                 whole = parts.pop("forward (whole)")

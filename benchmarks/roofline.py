@@ -40,8 +40,9 @@ class MachineRates:
 
 def peak_rates(threads: int, seconds: float = 0.2, repeats: int = 3) -> tuple[dict[str, float], str] | None:
     """kind (fp32, int16, int8) -> G operations / s of kernels/csrc/peak_ops.c's multiply-add loop
-    on `threads` threads (the best of `repeats` runs of about `seconds`), and the variant that ran
-    it; None without the C kernels."""
+    on `threads` threads (the best of `repeats` runs of about `seconds` each, timed by the longest
+    thread's own CPU time: the hardware's rate even where others share the machine), and the
+    variant that ran it; None without the C kernels."""
     from kernels import cpu_native
 
     ops = cpu_native.native()
@@ -50,20 +51,10 @@ def peak_rates(threads: int, seconds: float = 0.2, repeats: int = 3) -> tuple[di
     rates = {}
     for kind in cpu_native.PEAK_KINDS:
         iters = 1 << 14
-        while True:  # grow the loop until one run takes a tenth of `seconds`, then size it to `seconds`
-            t0 = time.perf_counter()
-            ops.peak_ops(kind, iters, threads)
-            took = time.perf_counter() - t0
-            if took >= seconds / 10:
-                break
+        while (took := ops.peak_ops(kind, iters, threads)[1]) < seconds / 10:  # grow the loop to a tenth of `seconds` ...
             iters *= 4
-        iters = max(1, int(iters * seconds / took))
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            done = ops.peak_ops(kind, iters, threads)
-            best = min(best, time.perf_counter() - t0)
-        rates[kind] = done / best / 1e9
+        iters = max(1, int(iters * seconds / max(took, 1e-9)))  # ... then size it to `seconds`
+        rates[kind] = max(done / max(cpu_s, 1e-9) for done, cpu_s in (ops.peak_ops(kind, iters, threads) for _ in range(repeats))) / 1e9
     return rates, ops.isa
 
 
@@ -81,7 +72,7 @@ def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repea
         return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, mm, mm, peak_source="torch.mm (no C kernels: no peak loop)")
     rates, isa = peaks
     return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, mm, rates["fp32"], rates["int16"], rates["int8"],
-                        f"measured multiply-add loop, {isa} variant")
+                        f"FMA loop, {isa} variant, thread CPU time")
 
 
 # ------------------------------------------------------------------ decode step

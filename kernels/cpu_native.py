@@ -149,7 +149,7 @@ _SIGNATURES = {
     "pd_q_matmul": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]),
     "pd_f_matmul": (_I, [_P, _I64, _P, _I, _I, _I, _P, _I64]),
     "pd_q_gemm_i8": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64]),
-    "pd_peak_loop": (_I64, [_I, _I64, _I]),
+    "pd_peak_loop": (_I64, [_I, _I64, _I, _P]),
     "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]),
 }
 
@@ -309,10 +309,12 @@ class NativeOps:
         return _bound_linear("q_linear_i8_gemm", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k,
                                                                            out.data_ptr(), n))
 
-    def peak_ops(self, kind: str, iters: int, threads: int) -> int:
-        """Operations done by `iters` rounds of peak_ops.c's multiply-add loop on `threads` threads
-        (kind fp32, int16 or int8; 2 per product): divided by its seconds, the machine's peak."""
-        return self.lib.pd_peak_loop(PEAK_KINDS[kind], iters, threads)
+    def peak_ops(self, kind: str, iters: int, threads: int) -> tuple[int, float]:
+        """(operations, seconds) of `iters` rounds of peak_ops.c's multiply-add loop on `threads`
+        threads (kind fp32, int16 or int8; 2 operations per product), seconds the longest CPU
+        time a thread took: their ratio is the machine's peak."""
+        seconds = ctypes.c_double()
+        return self.lib.pd_peak_loop(PEAK_KINDS[kind], iters, threads, ctypes.byref(seconds)), seconds.value
 
     def f_linear(self, w: torch.Tensor):
         """x -> x @ w^T for a float32 (N, K) weight with contiguous rows, by the tiled kernel of

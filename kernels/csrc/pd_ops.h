@@ -45,8 +45,8 @@ int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes
 
 /* peak_ops.c: `iters` rounds of independent multiply-adds on `threads` threads (kind 0 fp32 FMA,
  * 1 int16 pairs, 2 int8 quads, at this variant's widest instruction); returns the operations done
- * (2 per product). */
-int64_t pd_peak_loop(int kind, int64_t iters, int threads);
+ * (2 per product) and, in *cpu_seconds (if not NULL), the longest CPU time a thread took. */
+int64_t pd_peak_loop(int kind, int64_t iters, int threads, double *cpu_seconds);
 
 /* step_ops.c: one quantized weight, N rows of K/32 GGUF blocks, row_bytes apart ... */
 typedef struct {

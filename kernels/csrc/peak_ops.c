@@ -2,45 +2,49 @@
  * every thread asked for, with nothing else in it (no loads, no stores), the instruction each
  * kind of product of the GEMMs in quant_ops.c uses at this library's instruction-set level.
  *
- * benchmarks/roofline.py times pd_peak_loop and divides the operations it reports by the
- * seconds: the compute ceiling of the roofline (the fp32 one for the float32 decode step; the
+ * benchmarks/roofline.py divides the operations pd_peak_loop reports by the longest CPU time one
+ * of its threads took (each thread's own clock: on a machine others share, the time the thread
+ * was not running does not count, so the figure is the hardware's, not what was left of it):
+ * the compute ceiling of the roofline (the fp32 one for the float32 decode step; the
  * int16 and int8 dot-product ones for the quantized GEMMs' integer products). Stateless.
  *
  * kind 0, fp32: vfmadd (avx512: 16 lanes, avx2: 8, baseline: scalar), 2 operations a lane;
  * kind 1, int16 pairs: vpdpwssd (avx512 VNNI, 32 products a zmm) or vpmaddwd + vpaddd (avx2);
  * kind 2, int8 quads: vpdpbusd (avx512 VNNI, 64 products a zmm) or vpmaddubsw + vpmaddwd +
  * vpaddd (avx2); an integer product and its add count 2 operations, as a float FMA's do.
- * PD_PEAK_CHAINS independent accumulators cover the multiply-add's latency (4 cycles, 2 a cycle).
+ * Twelve independent accumulators cover the multiply-add's latency (4 cycles, 2 a cycle).
  */
 #include <stdint.h>
+#include <time.h>
 
 #include "pd_ops.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
-#define PD_PEAK_CHAINS 12
-
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define PEAK_REG "+v"  /* any of the 32 vector registers */
 #elif defined(__AVX2__)
 #define PEAK_REG "+x"
 #endif
-/* PD_PEAK_CHAINS accumulators of type T stepped `iters` times; the asm keeps each step in the
- * loop (the compiler may not fold or drop it); the sum goes to a volatile `sink`. */
-#define PEAK_LOOP(T, zero, step, fold, lanes_ops)                              \
-    do {                                                                        \
-        T acc[PD_PEAK_CHAINS];                                                  \
-        for (int c = 0; c < PD_PEAK_CHAINS; c++) acc[c] = zero;                 \
-        for (int64_t i = 0; i < iters; i++)                                     \
-            for (int c = 0; c < PD_PEAK_CHAINS; c++) {                          \
-                acc[c] = step(acc[c]);                                          \
-                __asm__("" : PEAK_REG(acc[c]));                                 \
-            }                                                                   \
-        for (int c = 1; c < PD_PEAK_CHAINS; c++) acc[0] = fold(acc[0], acc[c]); \
-        sink = acc[0];                                                          \
-        (void)sink;                                                             \
-        ops = lanes_ops;                                                        \
+/* PD_PEAK_CHAINS (12) accumulators of type T, named so that they live in registers, stepped
+ * `iters` times; the asm keeps every step in the loop (the compiler may neither fold nor drop
+ * one); their sum goes to a volatile `sink`. */
+#define PD_PEAK_CHAINS 12
+#define PEAK_LOOP(T, zero, step, fold, lanes_ops)                                                                      \
+    do {                                                                                                                \
+        T a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero, a8 = zero, a9 = zero, \
+          a10 = zero, a11 = zero;                                                                                       \
+        for (int64_t i = 0; i < iters; i++) {                                                                           \
+            a0 = step(a0); a1 = step(a1); a2 = step(a2); a3 = step(a3); a4 = step(a4); a5 = step(a5);                   \
+            a6 = step(a6); a7 = step(a7); a8 = step(a8); a9 = step(a9); a10 = step(a10); a11 = step(a11);               \
+            __asm__("" : PEAK_REG(a0), PEAK_REG(a1), PEAK_REG(a2), PEAK_REG(a3), PEAK_REG(a4), PEAK_REG(a5),            \
+                    PEAK_REG(a6), PEAK_REG(a7), PEAK_REG(a8), PEAK_REG(a9), PEAK_REG(a10), PEAK_REG(a11));              \
+        }                                                                                                               \
+        sink = fold(fold(fold(fold(a0, a1), fold(a2, a3)), fold(fold(a4, a5), fold(a6, a7))),                          \
+                    fold(fold(a8, a9), fold(a10, a11)));                                                                \
+        (void)sink;                                                                                                     \
+        ops = lanes_ops;                                                                                                \
     } while (0)
 
 /* One thread's loop: `iters` rounds of PD_PEAK_CHAINS multiply-adds; returns the operations done. */
@@ -89,9 +93,21 @@ static int64_t peak_thread(int kind, int64_t iters) {
     return ops * PD_PEAK_CHAINS * iters;
 }
 
-int64_t pd_peak_loop(int kind, int64_t iters, int threads) {
+static double thread_cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int64_t pd_peak_loop(int kind, int64_t iters, int threads, double *cpu_seconds) {
     int64_t total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-    total += peak_thread(kind, iters);
+    double longest = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total) reduction(max : longest)
+    {
+        const double t0 = thread_cpu_seconds();
+        total += peak_thread(kind, iters);
+        longest = thread_cpu_seconds() - t0;
+    }
+    if (cpu_seconds) *cpu_seconds = longest;
     return total;
 }

@@ -538,9 +538,12 @@ static void q_gemm_unpack_panel(const uint8_t *w, int64_t row_bytes, int qt, int
                 _mm_storeu_si128((__m128i *)dst, _mm_and_si128(raw, mask));
                 _mm_storeu_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
             }
-            int32_t sum = 0;
-            for (int j = 0; j < 32; j++) sum += (int8_t)dst[j];
-            w0[i * nb + b] = -128 * sum;
+            /* the 32 codes' sum by vpsadbw (Q8_0's signed bytes offset to unsigned and back) */
+            const __m256i c = _mm256_loadu_si256((const __m256i *)dst);
+            const __m256i s = _mm256_sad_epu8(qt == QT_Q8_0 ? _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80)) : c, _mm256_setzero_si256());
+            __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t));
+            w0[i * nb + b] = -128 * (_mm_cvtsi128_si32(t) - (qt == QT_Q8_0 ? 32 * 128 : 0));
         }
 }
 
