@@ -34,6 +34,18 @@ PER_STEP = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
 CLOCK = [time.perf_counter]
 
 
+def parse_timed(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with --cpu-time added to `ap` and applied (CLOCK), and --threads (which `ap`
+    defines) set on torch."""
+    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time, not the wall clock: with --threads 1 "
+                    "this leaves out the time other processes of a shared machine held the core")
+    args = ap.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def alternate(fns: dict, repeats: int) -> dict:
     """Median milliseconds of each callable, called round-robin `repeats` times after one warm-up."""
     times = {name: [] for name in fns}
@@ -104,12 +116,7 @@ def main() -> None:
     ap.add_argument("--prompt-rows", default="128,512")
     ap.add_argument("--isas", default=None, help="comma-separated variants (default: every one this machine runs)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode, prompt, int8")
-    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time, not the wall clock: with --threads 1 "
-                    "this leaves out the time other processes of a shared machine held the core")
-    args = ap.parse_args()
-    if args.cpu_time:
-        CLOCK[0] = time.process_time
-    torch.set_num_threads(args.threads)
+    args = parse_timed(ap)
     isas = args.isas.split(",") if args.isas else [i for i in cpu_native.usable_isas() if i != "baseline"]
     ops = {isa: cpu_native.load(isa) for isa in isas}
     print(f"variants {isas}; CPU features {sorted(cpu_native.cpu_features())}; {args.threads} threads; medians of {args.repeats}")

@@ -18,12 +18,11 @@ Usage: .venv/bin/python -m benchmarks.prefill_profile [--threads 2] [--lens 128,
 from __future__ import annotations
 
 import argparse
-import time
 from collections import defaultdict
 
 import torch
 
-from benchmarks.isa import CLOCK, alternate
+from benchmarks.isa import CLOCK, alternate, parse_timed
 from runtime import linear_plan
 from runtime.config import EngineConfig
 from runtime.engine import load_model
@@ -93,12 +92,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small-rows", type=int, default=8, help="calls of up to this many rows run c-int16 under every back-end")
     ap.add_argument("--gate", action="store_true", help="also the teacher-forced check of each non-int16 back-end")
-    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time (with --threads 1: leaves out the "
-                    "time other processes of a shared machine held the core)")
-    args = ap.parse_args()
-    if args.cpu_time:
-        CLOCK[0] = time.process_time
-    torch.set_num_threads(args.threads)
+    args = parse_timed(ap)
     _, model = load_model(None, EngineConfig())
     lins = linear_plan.linears(model.fast)
     g = torch.Generator().manual_seed(0)

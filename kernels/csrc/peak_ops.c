@@ -22,10 +22,32 @@
 #include <immintrin.h>
 #endif
 
+/* Each level's vector types and steps: a constant operand is hoisted out of the loop unless the
+ * instruction takes the accumulator (vpdpwssd / vpdpbusd do; avx2's vpmaddwd is given it). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define PEAK_REG "+v"  /* any of the 32 vector registers */
+#define PEAK_LANES 16
+typedef __m512 peak_f;
+typedef __m512i peak_i;
+#define peak_set1_f _mm512_set1_ps
+#define peak_set1_i _mm512_set1_epi32
+#define peak_add_f _mm512_add_ps
+#define peak_add_i _mm512_add_epi32
+#define F_STEP(v) _mm512_fmadd_ps(v, a, b)
+#define I16_STEP(v) _mm512_dpwssd_epi32(v, w, x)
+#define I8_STEP(v) _mm512_dpbusd_epi32(v, w, x)
 #elif defined(__AVX2__)
 #define PEAK_REG "+x"
+#define PEAK_LANES 8
+typedef __m256 peak_f;
+typedef __m256i peak_i;
+#define peak_set1_f _mm256_set1_ps
+#define peak_set1_i _mm256_set1_epi32
+#define peak_add_f _mm256_add_ps
+#define peak_add_i _mm256_add_epi32
+#define F_STEP(v) _mm256_fmadd_ps(v, a, b)
+#define I16_STEP(v) _mm256_add_epi32(v, _mm256_madd_epi16(v, x))
+#define I8_STEP(v) _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), ones))
 #endif
 /* PD_PEAK_CHAINS (12) accumulators of type T, named so that they live in registers, stepped
  * `iters` times; the asm keeps every step in the loop (the compiler may neither fold nor drop
@@ -50,34 +72,17 @@
 /* One thread's loop: `iters` rounds of PD_PEAK_CHAINS multiply-adds; returns the operations done. */
 static int64_t peak_thread(int kind, int64_t iters) {
     int64_t ops = 0;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-    const __m512i w = _mm512_set1_epi32(0x01020304), x = _mm512_set1_epi32(0x05060708);
-#define F_STEP(v) _mm512_fmadd_ps(v, a, b)
-#define I16_STEP(v) _mm512_dpwssd_epi32(v, w, x)
-#define I8_STEP(v) _mm512_dpbusd_epi32(v, w, x)
+#ifdef PEAK_LANES
+    const peak_f a = peak_set1_f(0.999f), b = peak_set1_f(1e-3f);
+    const peak_i w = peak_set1_i(0x01020304), x = peak_set1_i(0x05060708), ones = peak_set1_i(0x00010001);
+    (void)w; (void)ones;  /* (avx512 multiplies w, avx2 the accumulator and its sums by ones) */
     if (kind == 0) {
-        volatile __m512 sink;
-        PEAK_LOOP(__m512, _mm512_setzero_ps(), F_STEP, _mm512_add_ps, 16 * 2);
+        volatile peak_f sink;
+        PEAK_LOOP(peak_f, peak_set1_f(0.0f), F_STEP, peak_add_f, PEAK_LANES * 2);
     } else {
-        volatile __m512i sink;
-        if (kind == 1) PEAK_LOOP(__m512i, _mm512_setzero_si512(), I16_STEP, _mm512_add_epi32, 32 * 2);
-        else PEAK_LOOP(__m512i, _mm512_setzero_si512(), I8_STEP, _mm512_add_epi32, 64 * 2);
-    }
-#elif defined(__AVX2__)
-    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
-    const __m256i w = _mm256_set1_epi32(0x01020304), x = _mm256_set1_epi32(0x05060708), ones = _mm256_set1_epi16(1);
-#define F_STEP(v) _mm256_fmadd_ps(v, a, b)
-    (void)w;  /* (the products take the accumulator itself: constant operands would be hoisted out of the loop) */
-#define I16_STEP(v) _mm256_add_epi32(v, _mm256_madd_epi16(v, x))
-#define I8_STEP(v) _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), ones))
-    if (kind == 0) {
-        volatile __m256 sink;
-        PEAK_LOOP(__m256, _mm256_setzero_ps(), F_STEP, _mm256_add_ps, 8 * 2);
-    } else {
-        volatile __m256i sink;
-        if (kind == 1) PEAK_LOOP(__m256i, _mm256_setzero_si256(), I16_STEP, _mm256_add_epi32, 16 * 2);
-        else PEAK_LOOP(__m256i, _mm256_setzero_si256(), I8_STEP, _mm256_add_epi32, 32 * 2);
+        volatile peak_i sink;
+        if (kind == 1) PEAK_LOOP(peak_i, peak_set1_i(0), I16_STEP, peak_add_i, PEAK_LANES * 4);  /* 2 pairs a lane */
+        else PEAK_LOOP(peak_i, peak_set1_i(0), I8_STEP, peak_add_i, PEAK_LANES * 8);  /* 4 quads a lane */
     }
 #else
     (void)kind;
