@@ -8,7 +8,9 @@ machine's noise lands on all of them alike; medians of --repeats rounds, millise
   batch-32 decode step) against oneDNN packed fp32 (what PackedLinear's onednn kind runs) and
   F.linear (MKL);
 - quantized GEMM (`pd_q_matmul`, Q4_1 weights, int16 activations: the engine's default) at
-  --prompt-rows rows (prefill chunks) against dequantised weights through F.linear (MKL) and oneDNN.
+  --prompt-rows rows (prefill chunks) against dequantised weights through F.linear (MKL) and oneDNN;
+- the int8-activation VNNI GEMM (back-end c-int8-vnni) against c-int16 and dequant-mkl at the
+  same rows, with the default model's weight types, and which of them kernels.select picks.
 The `step` line sums 30 layers and the LM head.
 
 Usage: .venv/bin/python -m benchmarks.isa [--threads 2] [--repeats 15] [--isas avx2,avx512]
@@ -32,6 +34,18 @@ PER_STEP = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
 CLOCK = [time.perf_counter]
 
 
+def parse_timed(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with --cpu-time added to `ap` and applied (CLOCK), and --threads (which `ap`
+    defines) set on torch."""
+    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time, not the wall clock: with --threads 1 "
+                    "this leaves out the time other processes of a shared machine held the core")
+    args = ap.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def alternate(fns: dict, repeats: int) -> dict:
     """Median milliseconds of each callable, called round-robin `repeats` times after one warm-up."""
     times = {name: [] for name in fns}
@@ -45,12 +59,37 @@ def alternate(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def random_q4_1(n: int, k: int, g: torch.Generator) -> QuantTensor:
-    nb, bb = k // 32, QTYPES["Q4_1"][1]
+def random_quant(n: int, k: int, g: torch.Generator, qtype: str = "Q4_1") -> QuantTensor:
+    """Random blocks of `qtype`: fp16 scales (and Q4_1 offsets) in +-0.01, random code bytes."""
+    nb, bb = k // 32, QTYPES[qtype][1]
+    heads = 2 if qtype == "Q4_1" else 1
     raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
-    dm = (torch.rand(n, nb, 2, generator=g) * 0.02 - 0.01).half().view(torch.uint8).view(n, nb, 4)
-    raw[..., :4] = dm
-    return QuantTensor(raw.view(n, nb * bb).contiguous(), "Q4_1", (n, k))
+    dm = (torch.rand(n, nb, heads, generator=g) * 0.02 - 0.01).half().view(torch.uint8).view(n, nb, 2 * heads)
+    raw[..., :2 * heads] = dm
+    return QuantTensor(raw.view(n, nb * bb).contiguous(), qtype, (n, k))
+
+
+def int8_prompt(rows_list: list[int], repeats: int) -> None:
+    """The default model's shapes and weight types (Q4_1 layers, Q8_0 LM head) at prompt row
+    counts: the int16 GEMM (c-int16) against the int8 VNNI one (c-int8-vnni) and dequantise +
+    MKL, as kernels.select binds them; medians (ms) and the selector's pick among the three
+    (kernels.select.choose: twin check, then the minimum of a few calls each)."""
+    from kernels import backends, select
+
+    g = torch.Generator().manual_seed(0)
+    names = ("c-int16", "c-int8-vnni", "dequant-mkl")
+    for rows in rows_list:
+        results = {}
+        for layer, (n, k) in SHAPES.items():
+            w, x = random_quant(n, k, g, "Q8_0" if layer == "lm_head" else "Q4_1"), torch.randn(rows, k, generator=g)
+            runs = {name: backends.BY_NAME[name].bind(w) for name in names}
+            results[layer] = alternate({name: (lambda f: lambda: f(x))(run) for name, run in runs.items() if run is not None}, repeats)
+            key = select.shape_key(w)
+            table = select.choose({key: w}, {key: [rows]}, {key: tuple(backends.BY_NAME[n] for n in names)}, lambda k, r: "c-int16")
+            results[layer]["selector"] = table.entries[key][0][1]
+        print(f"\nquantized prompt GEMM, {rows} rows (ms)\n{'layer':10s}" + "".join(f"{n:>14s}" for n in results["qkv"]))
+        for layer, row in results.items():
+            print(f"{layer:10s}" + "".join(f"{v:14.3f}" if isinstance(v, float) else f"{v:>14s}" for v in row.values()))
 
 
 def onednn(w: torch.Tensor, rows: int):
@@ -76,13 +115,8 @@ def main() -> None:
     ap.add_argument("--decode-rows", type=int, default=32)
     ap.add_argument("--prompt-rows", default="128,512")
     ap.add_argument("--isas", default=None, help="comma-separated variants (default: every one this machine runs)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode, prompt")
-    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time, not the wall clock: with --threads 1 "
-                    "this leaves out the time other processes of a shared machine held the core")
-    args = ap.parse_args()
-    if args.cpu_time:
-        CLOCK[0] = time.process_time
-    torch.set_num_threads(args.threads)
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode, prompt, int8")
+    args = parse_timed(ap)
     isas = args.isas.split(",") if args.isas else [i for i in cpu_native.usable_isas() if i != "baseline"]
     ops = {isa: cpu_native.load(isa) for isa in isas}
     print(f"variants {isas}; CPU features {sorted(cpu_native.cpu_features())}; {args.threads} threads; medians of {args.repeats}")
@@ -101,12 +135,14 @@ def main() -> None:
             for layer, (n, k) in SHAPES.items():
                 if layer == "lm_head":
                     continue  # a prompt takes the LM head at its last rows only
-                w, x = random_q4_1(n, k, g), torch.randn(rows, k, generator=g)
+                w, x = random_quant(n, k, g), torch.randn(rows, k, generator=g)
                 wf = w.dequantize()
                 fns = {f"C {isa} i16": (lambda f: lambda: f(x))(op.q_linear(w, "int16")) for isa, op in ops.items()}
                 fns.update({"deq+F.linear": lambda: F.linear(x, wf), "deq+oneDNN": (lambda f: lambda: f(x))(onednn(wf, rows))})
                 results[layer] = alternate(fns, args.repeats)
             report(f"Q4_1 prompt GEMM, {rows} rows (ms; the F.linear / oneDNN columns exclude dequantising)", results)
+    if "int8" not in args.skip:
+        int8_prompt(list(map(int, args.prompt_rows.split(","))), args.repeats)
 
 
 if __name__ == "__main__":

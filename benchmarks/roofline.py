@@ -3,10 +3,13 @@
 Lifecycle: everything runs in this process on `threads` torch threads (the decode worker's
 share of the cores). `machine_rates` measures the two ceilings once: memory bandwidth from a
 copy larger than the last-level cache (STREAM's convention: bytes read + bytes written per
-second) and the fp32 matmul rate.
+second) and the arithmetic peak (`peak_rates`: a tight loop of independent multiply-adds on
+every thread, kernels/csrc/peak_ops.c, at the widest instruction the loaded C variant has:
+fp32 FMA, and the int16 / int8 dot products the quantized GEMMs use), plus torch's fp32 matmul
+rate for reference (our GEMMs beat it, so it is no ceiling: dividing by it gave 134%).
 `decode_roofline` loads the model into an `LLMEngine`, prefills `batch` prompts, times decode
 steps (schedule + forward + sample, as the decode worker runs them) and compares the median
-step with the larger of bytes moved / bandwidth and FLOPs / matmul rate, both computed from
+step with the larger of bytes moved / bandwidth and FLOPs / fp32 peak, both computed from
 the model config (`step_cost`). `kv_handoff` moves one prompt's blocks between two pools with
 the real `KVSender`/`KVReceiver` (shm: straight into the destination's shared pool; tcp: frames
 over loopback) until the receiver has them in place, and compares with a plain copy of the
@@ -28,10 +31,34 @@ from benchmarks.timing import median_seconds
 class MachineRates:
     threads: int
     copy_gbps: float  # GB/s of memory traffic in a large copy: read + written bytes (STREAM "Copy")
-    matmul_gflops: float  # fp32
+    matmul_gflops: float  # fp32 torch.mm (MKL), for reference
+    peak_gflops: float  # fp32 FMA peak (the compute ceiling); torch.mm's rate where the C kernels are off
+    int16_gops: float | None = None  # int16 dot-product peak (2 operations per product); None without the C kernels
+    int8_gops: float | None = None  # int8 dot-product peak
+    peak_source: str = ""  # how peak_gflops was had
 
 
-def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repeats: int = 5) -> MachineRates:
+def peak_rates(threads: int, seconds: float = 0.2, repeats: int = 3) -> tuple[dict[str, float], str] | None:
+    """kind (fp32, int16, int8) -> G operations / s of kernels/csrc/peak_ops.c's multiply-add loop
+    on `threads` threads (the best of `repeats` runs of about `seconds` each, timed by the longest
+    thread's own CPU time: the hardware's rate even where others share the machine), and the
+    variant that ran it; None without the C kernels."""
+    from kernels import cpu_native
+
+    ops = cpu_native.native()
+    if ops is None:
+        return None
+    rates = {}
+    for kind in cpu_native.PEAK_KINDS:
+        iters = 1 << 14
+        while (took := ops.peak_ops(kind, iters, threads)[1]) < seconds / 10:  # grow the loop to a tenth of `seconds` ...
+            iters *= 4
+        iters = max(1, int(iters * seconds / max(took, 1e-9)))  # ... then size it to `seconds`
+        rates[kind] = max(done / max(cpu_s, 1e-9) for done, cpu_s in (ops.peak_ops(kind, iters, threads) for _ in range(repeats))) / 1e9
+    return rates, ops.isa
+
+
+def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repeats: int = 5, peak_s: float = 0.2) -> MachineRates:
     torch.set_num_threads(threads)
     n = copy_mib * 2**20 // 4
     src, dst = torch.rand(n), torch.empty(n)
@@ -39,7 +66,13 @@ def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repea
     del src, dst
     a, b = torch.rand(matmul_n, matmul_n), torch.rand(matmul_n, matmul_n)
     mm_s = median_seconds(lambda: torch.mm(a, b), repeats, warmup=1)
-    return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, 2 * matmul_n**3 / mm_s / 1e9)
+    mm = 2 * matmul_n**3 / mm_s / 1e9
+    peaks = peak_rates(threads, peak_s)
+    if peaks is None:
+        return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, mm, mm, peak_source="torch.mm (no C kernels: no peak loop)")
+    rates, isa = peaks
+    return MachineRates(threads, 2 * n * 4 / copy_s / 1e9, mm, rates["fp32"], rates["int16"], rates["int8"],
+                        f"FMA loop, {isa} variant, thread CPU time")
 
 
 # ------------------------------------------------------------------ decode step
@@ -84,7 +117,7 @@ class Roofline:
 
     @property
     def compute_s(self) -> float:
-        return self.cost.flops / (self.rates.matmul_gflops * 1e9)
+        return self.cost.flops / (self.rates.peak_gflops * 1e9)
 
     @property
     def bound_s(self) -> float:
@@ -134,11 +167,16 @@ def format_roofline(r: Roofline) -> str:
         f"{' Decode step roofline ':=^56}",
         f"{'Threads (decode worker share):':<44} {m.threads}",
         f"{'Memory bandwidth, copy read+write (GB/s):':<44} {m.copy_gbps:.1f}",
-        f"{'fp32 matmul (GFLOP/s):':<44} {m.matmul_gflops:.1f}",
+        f"{'fp32 peak, FMA loop (GFLOP/s):':<44} {m.peak_gflops:.1f} ({m.peak_source})",
+        f"{'int16 / int8 dot-product peak (GOP/s):':<44} " + (f"{m.int16_gops:.1f} / {m.int8_gops:.1f}" if m.int16_gops else "n/a"),
+        f"{'fp32 torch.mm, for reference (GFLOP/s):':<44} {m.matmul_gflops:.1f}",
         f"{'Batch x mean context (tokens):':<44} {r.batch} x {r.context:.0f}",
         f"{'Bytes moved per step (MB):':<44} {r.cost.bytes / 1e6:.1f}",
         f"{'FLOPs per step (GFLOP):':<44} {r.cost.flops / 1e9:.2f}",
         f"{'Memory bound / compute bound (ms):':<44} {r.memory_s * 1e3:.1f} / {r.compute_s * 1e3:.1f}",
+        f"{'Same FLOPs at the int16 / int8 peak (ms):':<44} "
+        + (f"{r.cost.flops / m.int16_gops / 1e6:.1f} / {r.cost.flops / m.int8_gops / 1e6:.1f} (the quantized path's integer products)"
+           if m.int16_gops else "n/a"),
         f"{'Measured step, median (ms):':<44} {r.step_s * 1e3:.1f}",
         f"{'Fraction of roofline:':<44} {r.fraction:.1%} (goal >= 60%: {'met' if r.fraction >= 0.6 else 'MISSED'})",
         f"{'Decode throughput at this batch (tok/s):':<44} {r.batch / r.step_s:.0f}",

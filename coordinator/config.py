@@ -53,7 +53,7 @@ class CoordinatorConfig:
                                             help="export a span per request (a child per phase) to this OTLP collector, e.g. http://127.0.0.1:4317")
     otlp_traces_protocol: str = flag("grpc", group="tracing", choices=("grpc", "http/protobuf"), envvar="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                                      launch=True, help="OTLP transport of --otlp-traces-endpoint")
-    served_model_name: str | None = flag(None, group="tracing", help="the model's name in the traces (default: the file or directory name)")
+    served_model_name: str | None = flag(None, group="tracing", help="the model's name in the traces and stats (default: the file or directory name)")
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     worker_secret_file: str | None = secret_flag()  # without keys: workers must present this per-launch secret (wire/security.py)
     # remote: the default until auto holds tests/slo/test_overload.py reliably

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from coordinator.placement import (
-    WAIT, Decision, Outcome, RequestView, SharedCores, ShedReason, WorkerSnapshot, decode_blocks, place_colocated, place_pair, shed,
+    ADMIT_WINDOW_S, WAIT, Decision, Outcome, RequestView, SharedCores, ShedReason, WorkerSnapshot, decode_blocks, place_colocated, place_pair, shed,
 )
 from coordinator.slo import SloTargets
 from runtime.core_turns import turn_after
@@ -137,7 +137,8 @@ def share_node(prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot], no
         busy = [p for p in mates(d, prefills) if p.queued_tokens]
         work = sum(p.queued_tokens / p.model.tokens_per_second() for p in busy)
         gap = min(stall_cap_s, turn + max(map(prefill_step, busy), default=0.0))
-        out_d.append(dataclasses.replace(d, shared=SharedCores(work, gap)) if mates(d, prefills) else d)
+        share = sum(p.recent_prompt_tokens / p.model.tokens_per_second() for p in mates(d, prefills)) / ADMIT_WINDOW_S
+        out_d.append(dataclasses.replace(d, shared=SharedCores(work, gap, share, stall_cap_s)) if mates(d, prefills) else d)
     out_p = []
     for p in prefills:
         steps = [d.model.predict(d.requests, d.requests + min(d.queued_tokens, d.chunk_tokens), d.context_tokens)

@@ -17,7 +17,8 @@ so a shared system prompt does not pull every stream onto one worker.
 
 The predictions (docs/operations.md, "Latency targets"): TTFT = waited + the prefill worker's backlog and
 this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
-measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence. A colocated
+measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence, stretched on a
+node shared with prefill workers by the share of its time their prompts took lately. A colocated
 worker runs prompts in the streams' steps, so its TPOT is stretched by the share of its time
 prompts placed on it lately took, plus the backlog spread over this request's output tokens.
 Workers of two roles sharing a node's cores (`SharedCores`, filled by coordinator/paths.py
@@ -65,6 +66,13 @@ class SharedCores:
 
     work_s: float = 0.0
     turn_s: float = 0.0
+    # a decode worker: the share of the node's time its prefill workers' prompts took lately (the
+    # prompt tokens placed on them over the last ADMIT_WINDOW_S at their measured rate): its steps
+    # wait for those prefills, so its streams' TPOT stretches by 1 / (1 - share), as a colocated
+    # worker's does for its own prompts (`prefill_share`), but by no more than `stall_s` a step:
+    # past its stall cap a decode worker steps whatever the prefill worker does (runtime/core_turns.py)
+    prefill_share: float = 0.0
+    stall_s: float = 0.0
 
 
 def deferral(w: WorkerSnapshot, steps: int) -> float:
@@ -166,8 +174,24 @@ def pick_decode(fits: list[WorkerSnapshot], tokens: int) -> WorkerSnapshot:
 
 
 def predict_step(w: WorkerSnapshot, tokens: int) -> float:
-    """A decode step of w with one more sequence of `tokens` tokens (the TPOT of a pair)."""
+    """A decode step of w with one more sequence of `tokens` tokens."""
     return w.model.predict(w.requests + 1, w.requests + 1, w.context_tokens + tokens) + RELAY_OVERHEAD_S / 3
+
+
+def node_wait(w: WorkerSnapshot, step: float) -> float:
+    """What each `step` of decode worker w waits for its node's prefill workers: the stretch
+    1 / (1 - their recent share of the node's time), at most their stall bound a step; 0 alone on its cores."""
+    if w.shared is None or w.shared.prefill_share <= 0:
+        return 0.0
+    return min(step / (1 - min(MAX_SHARE, w.shared.prefill_share)) - step, w.shared.stall_s)
+
+
+def predict_pair_tpot(d: WorkerSnapshot, tokens: int) -> float:
+    """The TPOT of a pair's decode worker with one more sequence: its step and what that step
+    waits for the prefill workers sharing its node's cores (node_wait; without it, p99 TPOT came
+    out at twice the prediction on a 1 + 1 node under overload)."""
+    step = predict_step(d, tokens)
+    return step + node_wait(d, step)
 
 
 def prefill_share(w: WorkerSnapshot, tokens: int) -> float:
@@ -199,7 +223,7 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     prefill_s = {p.worker_id: predict_remote_prefill(p, req.num_tokens) for p in prefills}
     p = min(prefills, key=lambda w: (prefill_s[w.worker_id], w.queued_tokens, w.requests))
     ttft = req.waited_s + prefill_s[p.worker_id] + RELAY_OVERHEAD_S
-    tpot = {d.worker_id: predict_step(d, req.num_tokens) for d in fits}
+    tpot = {d.worker_id: predict_pair_tpot(d, req.num_tokens) for d in fits}
     open_ = [d for d in fits if tpot[d.worker_id] <= targets.tpot_s or not d.requests]
     if open_:
         d = pick_decode(open_, req.num_tokens)
@@ -213,7 +237,7 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     # when others finish, which this model predicts poorly (measured: p99 TTFT 3-5x target).
     if not fits:
         return shed(ShedReason.NO_KV_ROOM, "decode full: no KV room")
-    best = min(predict_step(d, req.num_tokens) for d in decodes)
+    best = min(predict_pair_tpot(d, req.num_tokens) for d in decodes)
     return shed(ShedReason.TPOT, f"decode full: predicted TPOT {best * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
 
 
@@ -233,7 +257,7 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
         step, prefill = predict_step(w, req.num_tokens), predict_prefill(w, req.num_tokens)
         ttft = req.waited_s + prefill + step + RELAY_OVERHEAD_S + deferral(w, local_steps(w, req.num_tokens))
         busy = min(MAX_SHARE, prefill_share(w, req.num_tokens))
-        tpot = step / (1 - busy) + prefill / max(1, min(req.max_tokens, 4096) - 1)
+        tpot = step / (1 - busy) + node_wait(w, step) + prefill / max(1, min(req.max_tokens, 4096) - 1)
         if tpot > targets.tpot_s and w.requests:
             miss = shed(ShedReason.TPOT, f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
         elif ttft > targets.ttft_s:

@@ -126,7 +126,7 @@ class Coordinator:
         self.pending: list[str] = []  # waiting for decode room; served earliest deadline first
         self.phases = PhaseTracker()  # per-phase time of each request (wire/phase_metrics.py)
         self.tracer = RequestTracer.otlp(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol) if cfg.otlp_traces_endpoint else None
-        self.model_name = (cfg.served_model_name or served_name(cfg.model)) if self.tracer else ""
+        self.model_name = cfg.served_model_name or served_name(cfg.model)  # in its traces and stats
         self.admitting: dict[str, float] = {}  # iid -> when its Admit went out; oldest first (admission_timeouts)
         self.writers: dict[str, Writer] = {}  # iid -> its last Prefill's writer, until it reports PrefillDone
         self.handed_off: dict[str, Writer] = {}  # iid -> writer done, no token yet; oldest first (handoff_timeouts)
@@ -532,8 +532,10 @@ class Coordinator:
         st.prefill, st.decode, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, need, backlog
         self.move(st, Phase.ADMITTING)
         st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot
+        self.bound_tpot(d, st)
         d.reserved_blocks += need
         p.queued_tokens += backlog
+        p.note_placed(backlog, time.monotonic())  # its recent prompts: what it takes of a shared node (share_node)
         self.note_placed_prefix(st, p, d)
         d.requests.add(st.iid)
         p.requests.add(st.iid)
@@ -555,11 +557,26 @@ class Coordinator:
         w.reserved_blocks += st.reserved
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
             st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot
+            self.bound_tpot(w, st)
         w.queued_tokens += st.backlog  # until its first token (on_token)
         self.note_placed_prefix(st, w)
         w.note_placed(st.num_tokens, now)
         w.requests.add(st.iid)
         self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
+
+    def bound_tpot(self, w: WorkerState, st: RequestState) -> None:
+        """st joins w's batch predicted at st.predicted_tpot "with one more": the TPOT every stream
+        already there is now predicted to stay under. A stream's TPOT error is judged against the
+        highest such bound of its life (calibration): against its own prediction alone, a stream
+        admitted into a small batch that later admissions grew (up to the admission limit, under
+        overload) reads as under-predicted, and that error tightened the limit for nothing."""
+        if st.predicted_tpot is None:
+            return
+        st.tpot_bound = st.predicted_tpot
+        for iid in w.requests:
+            other = self.requests.get(iid)
+            if other is not None and other is not st and other.decode == w.hello.worker_id and other.tpot_bound is not None:
+                other.tpot_bound = max(other.tpot_bound, st.predicted_tpot)
 
     def admission_targets(self, st: RequestState, path: Path) -> SloTargets:
         """st's targets less the headroom (`path`'s own once its errors are known): what a
@@ -1022,7 +1039,7 @@ class Coordinator:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
             targets = self.request_targets(st)
-            self.calibration.record_tpot(st.predicted_tpot, tpot, st.path.get("path"), targets)
+            self.calibration.record_tpot(st.tpot_bound, tpot, st.path.get("path"), targets)
             if self.planner is not None:
                 self.tally.served(ttft, tpot, targets)
         self.send_client(st.client, Final(
@@ -1059,6 +1076,7 @@ class Coordinator:
                 "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
             })
         return {
+            "model": self.model_name,
             "workers": workers,
             "kv_transfer": {"bytes": self.kv["bytes"], "seconds": self.kv["seconds"], "handoffs": self.kv["handoffs"]},
             "phases": self.phases.snapshot(),

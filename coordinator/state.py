@@ -155,6 +155,9 @@ class RequestState:
     backlog: int = 0  # prompt tokens it adds to its prefill (or colocated) worker's queue until handed off (first token)
     predicted_ttft: float | None = None
     predicted_tpot: float | None = None
+    # the highest TPOT admission predicted for its decode worker's batch while it was in it (its own
+    # prediction, then each later admission's "with one more"): what its observed TPOT is judged against
+    tpot_bound: float | None = None
     path: dict = field(default_factory=dict)  # the path chosen at its last placement and both ways' predictions (PathChoice.attributes)
     prefill_end: float = 0.0  # REMOTE: when its prefill worker began sending its KV (PrefillDone less its kv_seconds)
     first_token_at: float = 0.0  # REMOTE: when its first token came, until its hand-off is measured (Coordinator.note_handoff)

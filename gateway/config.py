@@ -1,5 +1,6 @@
 """The gateway's settings (`pdserve gateway`'s flags, and those `pdserve launch` passes on to it):
-GatewayConfig and its ToolConfig, validated when constructed; each field a flag sets declares
+GatewayConfig, its ToolConfig and the ModelRoute of each model served besides the first,
+validated when constructed; each field a flag sets declares
 that flag (runtime/flags.py), so pdserve/cli.py builds both commands' options from it.
 
 Lifecycle: built once from the command line (or by tests), handed to `Gateway`, then only read.
@@ -17,6 +18,29 @@ from runtime.flags import flag, keys_flag
 from wire.limits import RequestLimits
 
 STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """A model behind the gateway besides the first (`--more-model NAME=PATH@COORDINATOR`):
+    requests whose `model` is `name` go to the coordinator at `coordinator`; `path` holds its
+    tokenizer and context length (gateway/models.py)."""
+
+    name: str
+    path: str
+    coordinator: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "ModelRoute":
+        """NAME=PATH@COORDINATOR (the name ends at the first '=', the address starts after the last '@')."""
+        name, _, rest = spec.partition("=")
+        path, at, coordinator = rest.rpartition("@")
+        if not (name and path and at and coordinator):
+            raise InvalidRequestError(f"--more-model wants NAME=PATH@COORDINATOR, got {spec!r}")
+        return cls(name, path, coordinator)
+
+    def spec(self) -> str:
+        return f"{self.name}={self.path}@{self.coordinator}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,10 @@ class GatewayConfig:
                                     help="KiB of events one HTTP request may leave unread, past which its streams are aborted "
                                     "(client_too_slow)")
     tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
+    # the models served besides the first (--model, --served-model-name, --coordinator): `pdserve launch --model` twice or more
+    more_models: tuple[ModelRoute, ...] = flag(factory=tuple, group="HTTP gateway", name="more_model", multiple=True,
+                                                help="NAME=PATH@COORDINATOR: also serve model NAME (its tokenizer and context from PATH) "
+                                                "through the coordinator at COORDINATOR; repeatable")
     chat_template: str | None = None  # --chat-template's text, instead of the model's own (the coordinator renders with it too)
 
     def __post_init__(self):

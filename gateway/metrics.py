@@ -4,13 +4,18 @@ over. The exposition passes `promtool check metrics`: no `_created` series, and 
 sliding-window percentiles are gauges named per percentile (`..._p99_seconds`), not `quantile`
 labels, which only a summary may carry.
 
+Every series carries the `model_name` label of the served model it belongs to (a gateway may serve
+several, each behind its own coordinator: gateway/models.py).
+
 Lifecycle: one `GatewayMetrics` per gateway, with its own registry. As each request ends the
-gateway observes it: `observe(result)` feeds the TTFT, TPOT, inter-token and end-to-end
-histograms and the token and finish-reason counters; `error(code)` and `aborted()` count the
-other endings. The cluster's state (queues, running batches, KV cache usage, KV bytes and
-seconds transferred, the paths requests took, the latency model's prediction error and admission
-headroom, the planner's role changes) lives in the coordinator: `render(stats)` takes the stats snapshot the
-gateway just fetched, and a collector turns it into gauges and counters during that scrape.
+gateway observes it through its model's view (`of(model)`): `observe(result)` feeds the TTFT,
+TPOT, inter-token and end-to-end histograms and the token and finish-reason counters;
+`error(code)` and `aborted()` count the other endings. The cluster's state (queues, running
+batches, KV cache usage, KV bytes and seconds transferred, the paths requests took, the latency
+model's prediction error and admission headroom, the planner's role changes) lives in each
+model's coordinator: `render(*stats)` takes the stats snapshots the gateway just fetched (one per
+model, in the models' order), and a collector turns them into gauges and counters during that
+scrape, each family once with every model's samples.
 """
 from __future__ import annotations
 
@@ -37,11 +42,11 @@ def percentile_gauges(name: str, doc: str, labels: list[str], unit: str = "") ->
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, *models: str):
         disable_created_metrics()  # process-wide, as vLLM does: no `<counter>_created` series beside each counter and histogram
-        self.model = model_name
+        self.models = models
         self.registry = CollectorRegistry(auto_describe=True)
-        self.cluster = ClusterCollector(model_name)
+        self.cluster = ClusterCollector(models)
         self.registry.register(self.cluster)
         m, r = ["model_name"], self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, as the gateway sees it", m, registry=r, buckets=TTFT_BUCKETS)
@@ -55,46 +60,81 @@ class GatewayMetrics:
         self.finished = Counter("pdserve_request_success", "Requests that ended, by finish reason", m + ["finished_reason"], registry=r)
         self.errors = Counter("pdserve_request_errors", "Requests that failed, by error type", m + ["error_type"], registry=r)
 
+    def of(self, model: str) -> "ModelMetrics":
+        """What one model's requests are counted through."""
+        return ModelMetrics(self, model)
+
+    def error(self, code: str, model: str | None = None) -> None:
+        """A request that failed before its model was known counts under the first model."""
+        self.errors.labels(model or self.models[0], code).inc()
+
+    def render(self, *stats: dict | None) -> bytes:
+        self.cluster.snapshots = stats
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """The request metrics of one served model (what a Fanout observes as its requests end)."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str):
+        self.metrics, self.model = metrics, model
+
     def observe(self, r: Result) -> None:
+        g, m = self.metrics, self.model
         ttft = r.client_ttft if r.client_ttft is not None else r.ttft
-        self.finished.labels(self.model, r.finish_reason or "unknown").inc()
-        self.prompt_tokens.labels(self.model).inc(r.prompt_tokens)
-        self.generation_tokens.labels(self.model).inc(r.completion_tokens)
-        self.prompt_len.labels(self.model).observe(r.prompt_tokens)
-        self.output_len.labels(self.model).observe(r.completion_tokens)
-        self.e2e.labels(self.model).observe(r.latency)
+        g.finished.labels(m, r.finish_reason or "unknown").inc()
+        g.prompt_tokens.labels(m).inc(r.prompt_tokens)
+        g.generation_tokens.labels(m).inc(r.completion_tokens)
+        g.prompt_len.labels(m).observe(r.prompt_tokens)
+        g.output_len.labels(m).observe(r.completion_tokens)
+        g.e2e.labels(m).observe(r.latency)
         if r.completion_tokens:
-            self.ttft.labels(self.model).observe(ttft)
+            g.ttft.labels(m).observe(ttft)
         if r.completion_tokens > 1:
-            self.tpot.labels(self.model).observe(max(0.0, r.latency - ttft) / (r.completion_tokens - 1))
-        itl = self.itl.labels(self.model)
+            g.tpot.labels(m).observe(max(0.0, r.latency - ttft) / (r.completion_tokens - 1))
+        itl = g.itl.labels(m)
         for a, b in zip(r.token_times, r.token_times[1:]):
             itl.observe(b - a)
 
     def error(self, code: str) -> None:
-        self.errors.labels(self.model, code).inc()
+        self.metrics.error(code, self.model)
 
     def aborted(self) -> None:
-        self.finished.labels(self.model, "abort").inc()
-
-    def render(self, stats: dict | None) -> bytes:
-        self.cluster.snapshot = stats
-        return generate_latest(self.registry)
+        self.metrics.finished.labels(self.model, "abort").inc()
 
 
 class ClusterCollector(Collector):
-    """Gauges and counters mirrored from the coordinator's stats (None: it did not answer)."""
+    """Gauges and counters mirrored from each model's coordinator stats (None: it did not answer),
+    each family once with the samples of every model (promtool refuses a family written twice)."""
 
-    def __init__(self, model_name: str):
-        self.model = model_name
-        self.snapshot: dict | None = None
+    def __init__(self, models: tuple[str, ...]):
+        self.models = models
+        self.snapshots: tuple[dict | None, ...] = ()
 
     def describe(self):
         return []  # the families depend on the snapshot; described at collection
 
     def collect(self):
-        s = self.snapshot
-        yield GaugeMetricFamily("pdserve_coordinator_up", "1 if the coordinator answered this scrape", 1.0 if s is not None else 0.0)
+        merged = {}
+        for model, s in zip(self.models, self.snapshots):
+            for fam in CoordinatorFamilies(model).families(s):
+                if fam.name in merged:
+                    merged[fam.name].samples += fam.samples
+                else:
+                    merged[fam.name] = fam
+        yield from merged.values()
+
+
+class CoordinatorFamilies:
+    """One model's coordinator stats as Prometheus families, each sample labelled with the model."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def families(self, s: dict | None):
+        up = GaugeMetricFamily("pdserve_coordinator_up", "1 if the model's coordinator answered this scrape", labels=["model_name"])
+        up.add_metric([self.model], 1.0 if s is not None else 0.0)
+        yield up
         if s is None:
             return
         yield from self._workers(s.get("workers", []))

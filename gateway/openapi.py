@@ -23,8 +23,9 @@ from gateway.tokenize import (
 
 
 class Health(msgspec.Struct, omit_defaults=True):
-    """GET /health: "ready" (200) while a prefill+decode pair or a colocated worker is registered,
-    else "unavailable" (503) with the reason."""
+    """GET /health: "ready" (200) while a prefill+decode pair or a colocated worker is registered
+    (with several models: for each model, the workers counted over all), else "unavailable" (503)
+    with the reason."""
 
     status: Literal["ready", "unavailable"]
     workers: dict[str, int] = {}

@@ -524,7 +524,7 @@ class ResponsesRoutes:
         gw = self.gw
         gw.authorize(request)
         req = await gw.decode_request(request, ResponsesRequest)
-        gw.check_model(req.model)
+        m = gw.model(request, req.model)
         refuse_unsupported(req)
         trace = gw.check_limits(request, req)
         history = []
@@ -536,11 +536,11 @@ class ResponsesRoutes:
         chat = chat_request(req, history)
         request_bounds(chat, gw.cfg.limits)  # the whole conversation, with what it continues
         plan, reasoning = tool_plan(chat, gw.cfg.tools), REASONING_PARSERS.get(gw.cfg.tools.reasoning_parser)
-        jobs = chat_jobs(chat, await gw.context_len(), plan, reasoning)
+        jobs = chat_jobs(chat, await m.context_len(gw.cfg.stats_timeout_s), plan, reasoning)
         structured_bounds(jobs, gw.cfg.limits)
         await check_jobs(jobs)
-        turn = Turn(req, history, gw.name, self.store, ChatFormatter("", 0, gw.name, gw.text, plan, reasoning))
-        return await gw.run(request, chat, jobs, turn, trace, events=self.events)
+        turn = Turn(req, history, m.name, self.store, ChatFormatter("", 0, m.name, m.text, plan, reasoning))
+        return await gw.run(request, m, chat, jobs, turn, trace, events=self.events)
 
     async def events(self, fanout, turn: Turn, jobs: list[Job], include_usage: bool):
         for ev in turn.opening():
@@ -553,7 +553,7 @@ class ResponsesRoutes:
                 yield ev
         except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)
             err = self.gw.api_error(e)
-            self.gw.metrics.error(err.code)
+            fanout.metrics.error(err.code)
             yield turn.error(err)
 
     async def retrieve(self, request) -> Response:

@@ -1,19 +1,20 @@
 """The OpenAI-compatible HTTP gateway (`pdserve gateway`): an ASGI app (starlette, served by
 uvicorn on uvloop) in front of the coordinator.
 
-Lifecycle: at start the gateway loads the model's tokenizer (token text for logprobs and the
-vocabulary size; never the weights); the app's lifespan opens one `AsyncClient` to the
-coordinator, which every HTTP request shares, and closes it at shutdown. A completion request
-is authorized (bearer key, when one is set), decoded and checked (gateway/schema.py) into one job
-per choice; a `Fanout` runs the jobs on the coordinator (gateway/stream.py) and the results
-return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway/format.py).
+Lifecycle: at start the gateway loads each served model's tokenizer (token text for logprobs and
+the vocabulary size; never the weights); the app's lifespan opens one `AsyncClient` to each
+model's coordinator, which every HTTP request for that model shares, and closes them at shutdown
+(gateway/models.py: several models behind one gateway, routed by the request's `model`). A
+completion request is authorized (bearer key, when one is set), decoded and checked
+(gateway/schema.py) into one job per choice; a `Fanout` runs the jobs on its model's coordinator
+(gateway/stream.py) and the results return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway/format.py).
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
 workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
-freed. /metrics wants the API key when one is set and asks the coordinator for its stats on
+freed. /metrics wants the API key when one is set and asks every coordinator for its stats on
 every call; /health never wants it and answers from a readiness summary that a task of the
 lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
-probes cost the coordinator one stats build a second. /openapi.json describes every route
+probes cost each coordinator one stats build a second. /openapi.json describes every route
 (gateway/openapi.py). /v1/responses runs through the same chat path (gateway/responses.py lends
 its routes and its event stream to `run`); echo and prompt logprobs on /v1/completions are
 gateway/scoring.py's. Every field of a request is checked against the table of bounds
@@ -37,14 +38,12 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdserve_client.library import (
-    AsyncClient, ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost,
-)
+from pdserve_client.library import ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost
 from gateway.config import GatewayConfig
-from gateway.format import ChatFormatter, CompletionFormatter, TokenText, usage
+from gateway.format import ChatFormatter, CompletionFormatter, usage
+from gateway.models import ServedModel, ServedModels
 from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, chat_jobs, completion_jobs,
-    bounded, structured_bounds,
+    ApiError, ChatCompletionRequest, CompletionRequest, ModelList, chat_jobs, completion_jobs, bounded, structured_bounds,
 )
 from gateway.openapi import Health, openapi
 from gateway.parse_lane import ParseLane
@@ -59,8 +58,7 @@ from gateway.structured import check_jobs
 from gateway.tools import tool_plan
 from gateway.tokenize import TokenizerRoutes, package_version
 from runtime.heap import freeze_startup_heap
-from runtime.model_path import resolve_model_path, served_name  # noqa: F401 (served_name re-exported)
-from runtime.tokenizer import load_tokenizer
+from runtime.model_path import served_name  # noqa: F401 (served_name re-exported)
 from wire import liveness
 from wire.limits import TRACE_HEADERS
 
@@ -69,7 +67,6 @@ KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())
 HEALTH_EVERY_S = 1.0  # how often /health's summary is refreshed from the coordinator's stats while ready
 HEALTH_NOT_READY_EVERY_S = 0.2  # and while not ready (a node coming up is seen ready within this)
 
-DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
 # Coordinator error classes -> HTTP status; the first match wins (PromptTooLong is an InvalidRequest).
 _STATUS = ((InvalidRequest, 400), (Overloaded, 429), (NoWorkers, 503), (WorkerLost, 503), (RequestTimeout, 504))
 _CODE_STATUS = {"unknown_request": 503, "client_too_slow": 503}
@@ -86,17 +83,8 @@ def sse(obj) -> bytes:
 class Gateway:
     def __init__(self, cfg: GatewayConfig, tokenizer=None):
         self.cfg = cfg
-        self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        if cfg.chat_template is not None:
-            self.tok.chat_template = cfg.chat_template  # /tokenize counts what the coordinator renders
-        self.name = cfg.served_model_name or served_name(cfg.model)
-        self.root = str(cfg.model) if cfg.model else str(resolve_model_path(None))
-        self.names = {self.name, self.root}
-        self.text = TokenText(self.tok)
-        self.metrics = GatewayMetrics(self.name)
-        self.created = int(time.time())
-        self.max_model_len: int | None = None  # learnt from the coordinator's stats
-        self.client: AsyncClient | None = None
+        self.models = ServedModels(cfg, tokenizer)
+        self.metrics = GatewayMetrics(*(m.name for m in self.models.all))
         self.slots = Slots(cfg.max_inflight)
         self.parse_lane = ParseLane(cfg.limits)  # large bodies are decoded in its child process
         self.readiness = Health("unavailable", reason="the coordinator has not answered yet")  # what /health answers
@@ -106,7 +94,7 @@ class Gateway:
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
@@ -118,8 +106,8 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.client = AsyncClient(self.cfg.coordinator, timeout=self.cfg.request_timeout_s, keys=self.cfg.keys)
-        self.readiness = readiness(await self.stats())  # the first probe already has an answer (at most stats_timeout_s)
+        self.models.open(self.cfg.request_timeout_s, self.cfg.keys)
+        self.readiness = self.ready(await self.stats())  # the first probe already has an answer (at most stats_timeout_s)
         tasks = [asyncio.ensure_future(self.watch_health()),
                  asyncio.ensure_future(liveness.beat())]  # the launcher's hang check (wire/liveness.py)
         try:
@@ -128,7 +116,7 @@ class Gateway:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.client.close()
+            await self.models.close()
             self.parse_lane.close()
 
     # ------------------------------------------------------------------ checks and errors
@@ -140,9 +128,11 @@ class Gateway:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
             raise ApiError(401, "missing or incorrect API key: send the header `Authorization: Bearer KEY`", "invalid_api_key")
 
-    def check_model(self, model: str) -> None:
-        if model not in self.names:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.", "model_not_found", "model")
+    def model(self, request, name: str | None) -> ServedModel:
+        """The served model a request names (None: the first), remembered for its error count; 404 model_not_found."""
+        m = self.models.get(name)
+        request.state.model_name = m.name
+        return m
 
     async def decode_request(self, request, kind):
         return await self.decode(await read_body(request), kind)
@@ -171,7 +161,7 @@ class Gateway:
         return ApiError(status, getattr(e, "message", str(e)), e.code, headers=headers)
 
     async def on_api_error(self, request, e: ApiError) -> Response:
-        self.metrics.error(e.code)
+        self.metrics.error(e.code, getattr(request.state, "model_name", None))
         return encode_json(e.body(), e.status, e.headers)
 
     async def on_http_error(self, request, e: HTTPException) -> Response:
@@ -182,38 +172,34 @@ class Gateway:
     async def completions(self, request) -> Response:
         self.authorize(request)
         req = await self.decode_request(request, CompletionRequest)
-        self.check_model(req.model)
+        m = self.model(request, req.model)
         trace = self.check_limits(request, req)
-        jobs = completion_jobs(req, len(self.tok), self.max_model_len)
+        jobs = completion_jobs(req, len(m.tok), m.max_model_len)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, echo_options(req), jobs)
-        return await self.run(request, req, jobs, fmt, trace)
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), m.name, m.text, echo_options(req), jobs)
+        return await self.run(request, m, req, jobs, fmt, trace)
 
     async def chat_completions(self, request) -> Response:
         self.authorize(request)
         req = await self.decode_request(request, ChatCompletionRequest)
-        self.check_model(req.model)
+        m = self.model(request, req.model)
         trace = self.check_limits(request, req)
         plan, reasoning = tool_plan(req, self.cfg.tools), REASONING_PARSERS.get(self.cfg.tools.reasoning_parser)
-        jobs = chat_jobs(req, await self.context_len(), plan, reasoning)
+        jobs = chat_jobs(req, await m.context_len(self.cfg.stats_timeout_s), plan, reasoning)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name, self.text, plan, reasoning)
-        return await self.run(request, req, jobs, fmt, trace)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), m.name, m.text, plan, reasoning)
+        return await self.run(request, m, req, jobs, fmt, trace)
 
-    async def context_len(self) -> int:
-        """Tokens a chat without max_tokens may use: the workers stop at the end of the context."""
-        if self.max_model_len is None:
-            await self.stats()
-        return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
-
-    async def run(self, request, req, jobs, fmt, trace: dict, events=None) -> Response:
-        """events: what streams the fan-out's deltas (default: Gateway.events' chat and completion chunks)."""
+    async def run(self, request, m: ServedModel, req, jobs, fmt, trace: dict, events=None) -> Response:
+        """Run the jobs on model m's coordinator. events: what streams the fan-out's deltas (default:
+        Gateway.events' chat and completion chunks)."""
         for job in jobs if trace else ():  # the coordinator's span joins the client's trace
             job.inputs = {**job.inputs, "trace_headers": trace}
         try:
-            fanout = Fanout(self.client, jobs, fmt.id, self.metrics, self.cfg.request_timeout_s, self.slots, self.cfg.stream_buffer_bytes)
+            fanout = Fanout(m.client, jobs, fmt.id, self.metrics.of(m.name), self.cfg.request_timeout_s, self.slots,
+                            self.cfg.stream_buffer_bytes)
         except ClientError as e:  # every slot is held: 429
             raise self.api_error(e) from None
         streaming = False
@@ -244,42 +230,45 @@ class Gateway:
                 yield sse(fmt.usage_chunk(usage(jobs, [fanout.results[j.index] for j in jobs])))
         except Exception as e:  # headers are sent: the error travels as an event (the openai client raises it)
             err = self.api_error(e)
-            self.metrics.error(err.code)
+            fanout.metrics.error(err.code)
             yield sse(err.body())
         yield b"data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ models, health, metrics
 
-    async def models(self, request) -> Response:
+    async def list_models(self, request) -> Response:
         self.authorize(request)
-        return encode_json(ModelList([Model(self.name, self.created, self.root, self.max_model_len)]))
+        return encode_json(ModelList([m.card() for m in self.models.all]))
 
-    async def stats(self) -> dict | None:
-        """The coordinator's stats, or None if it does not answer in time."""
-        try:
-            s = await self.client.stats(timeout=self.cfg.stats_timeout_s)
-        except (asyncio.TimeoutError, ClientError):
-            return None
-        lens = [w["max_model_len"] for w in s.get("workers", []) if w.get("max_model_len")]
-        if lens:
-            self.max_model_len = min(lens)
-        return s
+    async def stats(self) -> list[dict | None]:
+        """Every model's coordinator stats, in the models' order (None: that one did not answer in time)."""
+        return await self.models.stats(self.cfg.stats_timeout_s)
 
     async def watch_health(self) -> None:
         """Refresh the summary /health answers, for as long as the app runs."""
         while True:
             await asyncio.sleep(HEALTH_EVERY_S if self.readiness.status == "ready" else HEALTH_NOT_READY_EVERY_S)
-            self.readiness = readiness(await self.stats())
+            self.readiness = self.ready(await self.stats())
 
     async def health(self, request) -> Response:
         return encode_json(self.readiness, 200 if self.readiness.status == "ready" else 503)
 
     async def prometheus(self, request) -> Response:
         self.authorize(request)  # /health stays open (probes); /metrics shows traffic, so it wants the key when one is set
-        return Response(self.metrics.render(await self.stats()), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(*await self.stats()), media_type=CONTENT_TYPE)
 
     async def openapi(self, request) -> Response:
         return Response(self.openapi_doc, media_type="application/json")
+
+    def ready(self, stats: list[dict | None]) -> Health:
+        """/health's answer from every model's stats: ready while each model can serve, the workers
+        counted over all of them; unavailable names the models that cannot."""
+        if len(stats) == 1:
+            return readiness(stats[0])
+        each = [readiness(s) for s in stats]
+        workers = dict(sum((collections.Counter(h.workers) for h in each), collections.Counter()))
+        down = [f"{m.name}: {h.reason}" for m, h in zip(self.models.all, each) if h.status != "ready"]
+        return Health("unavailable", workers, "; ".join(down)) if down else Health("ready", workers)
 
 
 def readiness(stats: dict | None) -> Health:

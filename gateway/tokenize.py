@@ -98,7 +98,6 @@ class TokenizerRoutes:
     def __init__(self, gateway):
         self.gw = gateway
         self.version = package_version()
-        self.model_context: int | None = None  # the model's own context, while no worker has said its max_model_len
 
     def routes(self) -> list[Route]:
         return [
@@ -111,35 +110,30 @@ class TokenizerRoutes:
         self.gw.authorize(request)
         return await read_body(request)
 
-    def _model(self, model: str | None) -> None:
-        if model is not None:
-            self.gw.check_model(model)
-
     async def tokenize(self, request):
         body = await self._body(request)
         req = await self.gw.decode(body, "tokenize")  # the chat or the completion shape, bounded (gateway/parse_lane.py)
-        self._model(req.model)
+        m = self.gw.model(request, req.model)
         if isinstance(req, TokenizeChatRequest):
             if req.add_generation_prompt and req.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
             if not req.messages:
                 raise bad_request("messages must not be empty", "messages")
             messages = [template_message(m) for m in map(chat_message, req.messages)]
-            work = asyncio.to_thread(self._chat_ids, req, messages)
+            work = asyncio.to_thread(self._chat_ids, m.tok, req, messages)
         else:
-            work = asyncio.to_thread(self._prompt_ids, req)
+            work = asyncio.to_thread(self._prompt_ids, m.tok, req)
         try:
             ids = await unless_disconnected(request.receive, work)  # a client gone: its queued work is cancelled
         except ClientGone:
             return Response(status_code=400)  # never sent: nobody is listening
-        strs = self.gw.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return _json(TokenizeResponse(len(ids), await self._max_model_len(), ids, strs))
+        strs = m.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), await self._max_model_len(m), ids, strs))
 
-    def _prompt_ids(self, req: TokenizeCompletionRequest) -> list[int]:
-        return list(self.gw.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    def _prompt_ids(self, tok, req: TokenizeCompletionRequest) -> list[int]:
+        return list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
-    def _chat_ids(self, req: TokenizeChatRequest, messages: list[dict]) -> list[int]:
-        tok = self.gw.tok
+    def _chat_ids(self, tok, req: TokenizeChatRequest, messages: list[dict]) -> list[int]:
         if tok.chat_template is None:
             raise bad_request("this model has no chat template; tokenize a plain prompt instead", "messages")
         try:
@@ -150,23 +144,23 @@ class TokenizerRoutes:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from None
         return list(tok.encode(text, add_special_tokens=req.add_special_tokens))
 
-    async def _max_model_len(self) -> int:
-        if self.gw.max_model_len is None:
-            await self.gw.stats()  # learns it from the workers
-        if self.gw.max_model_len is not None:
-            return self.gw.max_model_len
-        if self.model_context is None:
-            self.model_context = await asyncio.to_thread(model_context_len, self.gw.cfg.model)
-        return self.model_context
+    async def _max_model_len(self, m) -> int:
+        if m.max_model_len is None:
+            await m.stats(self.gw.cfg.stats_timeout_s)  # learns it from the workers
+        if m.max_model_len is not None:
+            return m.max_model_len
+        if m.model_context is None:
+            m.model_context = await asyncio.to_thread(model_context_len, m.root)
+        return m.model_context
 
     async def detokenize(self, request):
         req = await self.gw.decode(await self._body(request), DetokenizeRequest)
-        self._model(req.model)
-        vocab = len(self.gw.tok)
+        m = self.gw.model(request, req.model)
+        vocab = len(m.tok)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
-        text = await asyncio.to_thread(self.gw.tok.decode, req.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = await asyncio.to_thread(m.tok.decode, req.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return _json(DetokenizeResponse(text))
 
     async def version_info(self, request):

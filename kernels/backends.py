@@ -19,7 +19,9 @@ Names, as `--linear-backend` takes them:
   computes bf16 natively (avx512_bf16 or amx_bf16 in /proc/cpuinfo);
 - `int8pack`: `torch._weight_int8pack_mm`, W rounded to int8 per output channel;
 - quantized weights: `c-float`, `c-int16`, `c-int8` (kernels.quant.bound_matmul, activations
-  kept float or rounded per 32-wide block), `dequant-mkl` (dequantize, then F.linear; what
+  kept float or rounded per 32-wide block), `c-int8-vnni` (the int8 rounding at any row count,
+  by the AVX-512 VNNI GEMM quant_ops.c pd_q_gemm_i8: binds only where the loaded C variant is
+  avx512, so a CPU without VNNI never runs it), `dequant-mkl` (dequantize, then F.linear; what
   kernels.quant.matmul does above the C kernel's rows) and `int4pack`
   (`torch._weight_int4pack_mm_for_cpu`; Q4_0 / Q4_1 blocks map onto its groups exactly).
 """
@@ -157,6 +159,11 @@ def _quant_twin(activations: str):
     return lambda x, w: quant.matmul_int_twin(x, w, activations)
 
 
+def _bind_int8_gemm(w):
+    ops = _native()
+    return None if ops is None else ops.q_linear_i8_gemm(w)
+
+
 def _bind_dequant(w):
     ops = _native()
     return _with_out(lambda x: F.linear(x, w.dequantize() if ops is None else ops.q_dequant(w)))
@@ -197,11 +204,14 @@ QUANT = (
     Backend("c-float", "exact", quant.kernel_rows("float"), EXACT_TOL, _bind_quant("float"), _quant_twin("float")),
     Backend("c-int16", "int16", ANY_ROWS, EXACT_TOL, _bind_quant("int16"), _quant_twin("int16")),
     Backend("c-int8", "int8", quant.DIRECT_INT_ROWS["int8"], EXACT_TOL, _bind_quant("int8"), _quant_twin("int8")),
+    Backend("c-int8-vnni", "int8", ANY_ROWS, EXACT_TOL, _bind_int8_gemm, _quant_twin("int8")),
     Backend("dequant-mkl", "exact", ANY_ROWS, EXACT_TOL, _bind_dequant, _quant_twin("float")),
     Backend("int4pack", "exact", ANY_ROWS, EXACT_TOL, _bind_int4pack, _quant_twin("float")),
 )
 
 BY_NAME = {b.name: b for b in FLOAT + QUANT}
+# the C back-ends that compute each --quant-activations mode's products (kernels.quant.matmul_int_twin)
+ACTIVATION_BACKENDS = {"float": ("c-float",), "int16": ("c-int16",), "int8": ("c-int8", "c-int8-vnni")}
 
 
 def for_weight(weight) -> tuple[Backend, ...]:

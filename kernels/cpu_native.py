@@ -148,11 +148,16 @@ _SIGNATURES = {
     "pd_q_dequant": (None, [_P, _I64, _I, _I, _P, _I, _P]),
     "pd_q_matmul": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]),
     "pd_f_matmul": (_I, [_P, _I64, _P, _I, _I, _I, _P, _I64]),
+    "pd_q_gemm_i8": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64]),
+    "pd_peak_loop": (_I64, [_I, _I64, _I, _P]),
     "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]),
 }
 
 
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
+
+
+PEAK_KINDS = {"fp32": 0, "int16": 1, "int8": 2}  # peak_ops.c kinds
 
 
 def activation_mode(activations: str) -> int:
@@ -293,6 +298,23 @@ class NativeOps:
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
         i8 = activation_mode(activations)
         return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
+
+    def q_linear_i8_gemm(self, w):
+        """x -> x @ w^T for a kernels.quant.QuantTensor w at any row count, activations rounded to
+        int8 per 32-wide block (kernels.quant.matmul_int_twin "int8"), by the AVX-512 VNNI GEMM
+        (quant_ops.c pd_q_gemm_i8, vpdpbusd); None where this variant does not build it."""
+        fn, wp, stride, qt, (n, k) = self.lib.pd_q_gemm_i8, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
+        if fn(None, k, wp, stride, qt, 0, n, k, None, n) == 2:  # no rows: 0 where the kernel is built
+            return None
+        return _bound_linear("q_linear_i8_gemm", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k,
+                                                                           out.data_ptr(), n))
+
+    def peak_ops(self, kind: str, iters: int, threads: int) -> tuple[int, float]:
+        """(operations, seconds) of `iters` rounds of peak_ops.c's multiply-add loop on `threads`
+        threads (kind fp32, int16 or int8; 2 operations per product), seconds the longest CPU
+        time a thread took: their ratio is the machine's peak."""
+        seconds = ctypes.c_double()
+        return self.lib.pd_peak_loop(PEAK_KINDS[kind], iters, threads, ctypes.byref(seconds)), seconds.value
 
     def f_linear(self, w: torch.Tensor):
         """x -> x @ w^T for a float32 (N, K) weight with contiguous rows, by the tiled kernel of

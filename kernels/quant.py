@@ -28,7 +28,7 @@ BLOCK = 32
 DIRECT_ROWS = 128  # float / int8 activations: up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
 ANY_ROWS = 1 << 62
 # rows up to which the C kernel rounds activations to integers (quant_ops.c): int8 in small decode
-# steps only; int16 at every row count (above 7 rows, q_gemm_i16: 1.1-1.2x dequantize + MKL at
+# steps only; int16 at every row count (above 7 rows, quant_ops.c q_gemm: 1.1-1.2x dequantize + MKL at
 # prompt sizes, 1.3-1.5x the float tiled kernel at 32-64 rows)
 DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
 

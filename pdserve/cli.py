@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -14,7 +15,7 @@ import click
 
 from coordinator.config import CoordinatorConfig
 from coordinator.planner import PlannerConfig
-from gateway.config import GatewayConfig, ToolConfig
+from gateway.config import GatewayConfig, ModelRoute, ToolConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
 from pdserve.launch import HANG_TIMEOUT_S, NodePlan
 from runtime.config import EngineConfig, WorkerConfig
@@ -28,6 +29,7 @@ COORDINATOR = specs(CoordinatorConfig)
 PLANNER = specs(PlannerConfig)
 LIMITS = specs(RequestLimits)
 KEYS = [s for s in WORKER if s.name == "keys"]  # the clients' --keys: the roles' own
+[MODEL] = [s for s in WORKER if s.name == "model"]  # `pdserve launch` takes it repeated, as PATH[=NAME]
 CHAT_TEMPLATE = [s for s in COORDINATOR if s.name == "chat_template"]
 TRACING = [s for s in COORDINATOR if s.flag.group == "tracing" and s.flag.launch]
 # what `pdserve launch` passes to the coordinator as they are (tracing, limits and the chat template: below)
@@ -237,7 +239,8 @@ def gateway(verbose, **values):
     _logging(verbose)
     limits, tools, chat_template = _limits(values), _tool_config(values), _chat_template(values["chat_template"])
     try:
-        cfg = GatewayConfig(**field_values(GATEWAY, values), limits=limits, tools=tools, chat_template=chat_template)
+        cfg = GatewayConfig(**field_values(GATEWAY, values), limits=limits, tools=tools, chat_template=chat_template,
+                            more_models=tuple(map(ModelRoute.parse, values["more_model"])))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
     serve(cfg)
@@ -327,22 +330,31 @@ def stats(address, timeout, keys):
 @click.option("--hang-timeout-s", default=HANG_TIMEOUT_S, show_default=True, type=click.FloatRange(2.0),
               help="a role whose main loop has not run for this long is killed and restarted (keep it above the longest "
                    "engine step: raise it for a big model on the CPU or a larger --max-num-batched-tokens)")
-@options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch] + GATEWAY_LAUNCH)
+@click.option("--model", "models", multiple=True, metavar="PATH[=NAME]", cls=GroupedOption, group=MODEL.flag.group,
+              help=f"{MODEL.flag.help}; =NAME: the name clients send as `model` (as --served-model-name). Repeat it to serve several "
+                   "models behind one gateway, each with its own coordinator (model i on the --clients and --workers ports + 2i) and "
+                   "the same workers as the first")
+@options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch and s is not MODEL] + GATEWAY_LAUNCH)
 @options(ENGINE_LAUNCH, unset=True)
 def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threads, prefill_tp, decode_tp, log_dir, engine_arg, gateway,
-           hang_timeout_s, **values):
+           hang_timeout_s, models, **values):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
     from pdserve.launch import Launcher, plan_from_toml
 
+    (model, name), *more = [_model_and_name(m) for m in models] or [(None, None)]
+    if name and values["served_model_name"]:
+        raise click.BadParameter("name the first model once: --model PATH=NAME or --served-model-name NAME")
     try:
         if config_path:
             if not node:
                 raise click.BadParameter("--config needs --node NAME")
+            if more:
+                raise click.BadParameter("several models with --config are not supported: launch each model's cluster on its own")
             plan = plan_from_toml(config_path, node)
         else:
             counts = dict(prefill=0, decode=0, colocated=1) if colocated else dict(prefill=n_prefill, decode=n_decode)
-            plan = NodePlan(**counts, model=values["model"], kv_backend=values["kv_backend"], threads=threads, client_addr=values["clients"],
-                            worker_addr=values["workers"])
+            plan = NodePlan(**counts, model=model, kv_backend=values["kv_backend"], threads=threads, client_addr=values["clients"],
+                            worker_addr=values["workers"], served_model_name=name, more_models=more)
     except PdserveError as e:
         raise click.ClickException(str(e)) from e
     plan.engine_args += worker_args(values) + [a for arg in engine_arg for a in arg.split("=", 1)]
@@ -360,11 +372,20 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
         click.echo(f"pdserve ready: clients -> {plan.client_addr}; workers: {workers}", err=True)
+        for m, name in zip(plan.models[1:], launcher.served_names()[1:]):
+            click.echo(f"model {name}: clients -> {m.client_addr}; workers: {', '.join(sorted(launcher.worker_ids(m)))}", err=True)
         if plan.gateway:
             click.echo(f"OpenAI API -> {plan.http_url}/v1 (metrics at {plan.http_url}/metrics)", err=True)
         click.echo("stop with Ctrl-C", err=True)
 
-    sys.exit(Launcher(plan, log_dir, _usage_error).run_forever(ready))
+    launcher = Launcher(plan, log_dir, _usage_error)
+    sys.exit(launcher.run_forever(ready))
+
+
+def _model_and_name(spec: str) -> tuple[str, str | None]:
+    """--model PATH[=NAME] as (PATH, NAME or None); a path that exists is a path, '=' and all."""
+    path, sep, name = spec.rpartition("=")
+    return (spec, None) if not sep or os.path.exists(spec) else (path, name or None)
 
 
 def _coordinator_and_gateway_args(plan: NodePlan, values: dict) -> None:
@@ -375,7 +396,6 @@ def _coordinator_and_gateway_args(plan: NodePlan, values: dict) -> None:
     _check_tracing(values["otlp_traces_endpoint"], values["otlp_traces_protocol"])
     if values["otlp_traces_endpoint"]:
         plan.coordinator_args += as_args(TRACING, values)
-        plan.coordinator_args += ["--served-model-name", plan.served_model_name] if plan.served_model_name else []
     _limits(values)
     plan.coordinator_args += as_args(LIMITS, values)
     plan.gateway_args += as_args(LIMITS, values)

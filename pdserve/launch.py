@@ -27,6 +27,10 @@ SIGKILL after a grace period, and every shared-memory KV pool a child left is un
 Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
 per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
 coordinator and the workers (restarted ones too); it is removed at stop.
+Several models (`--model PATH[=NAME]` repeated) run as one coordinator per model, each with the
+same worker layout and its own ports (the first model's --clients and --workers ports, plus 2 for
+each model after it), and one gateway that routes each request to its model's coordinator by its
+`model` field (gateway/models.py); the node's workers of every model share its cores.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from dataclasses import dataclass, field
 from gateway.config import GatewayConfig
 from runtime.errors import EX_CONFIG, ModelLoadError
 from pdserve_client.errors import InvalidRequestError
-from runtime.model_path import resolve_model_path
+from runtime.model_path import served_name
 from wire.liveness import LIVENESS_ENV
 
 RESTART_BACKOFF_S = 1.0  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
@@ -58,6 +62,8 @@ HANG_TIMEOUT_S = 60.0
 HANG_KILL_GRACE_S = 5.0  # a hung child's SIGTERM -> SIGKILL
 USAGE_EXIT = 2  # click's UsageError.exit_code: a flag value the role's config rejects
 REPORT_S = 2.0  # NodeReport period (restart counts in `pdserve stats`; a restarted coordinator learns them again)
+ROLES = ("prefill", "decode", "colocated")
+PORTS_PER_MODEL = 2  # model i's coordinator listens on the first model's client and worker ports + 2i
 
 
 class ConfigError(RuntimeError):
@@ -67,6 +73,27 @@ class ConfigError(RuntimeError):
 def backoff(crashes: int) -> float:
     """The delay before a restart after `crashes` exits in a row soon after their start."""
     return min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** max(0, crashes - 1))
+
+
+def port_plus(addr: str, k: int) -> str:
+    """A tcp address with its port k higher."""
+    head, _, port = addr.rpartition(":")
+    if not (addr.startswith("tcp://") and port.isdigit()):
+        raise ConfigError(f"several models need tcp://HOST:PORT coordinator addresses (each model's ports follow), got {addr!r}")
+    return f"{head}:{int(port) + k}"
+
+
+@dataclass
+class ModelPlan:
+    """One model of a launch: its weights (None: the default model), the name clients send as
+    `model` (None: its file or directory's name), and its coordinator's addresses. `prefix` starts
+    its roles' names and worker ids: "" for the first model (as with one model), "model1-" ..."""
+
+    path: str | None
+    name: str | None
+    client_addr: str
+    worker_addr: str
+    prefix: str = ""
 
 
 @dataclass
@@ -94,6 +121,7 @@ class NodePlan:
     keys: str | None = None  # CurveZMQ keys directory, passed to every role
     insecure: bool = False  # allow binds beyond loopback without keys
     served_model_name: str | None = None  # the gateway's model name
+    more_models: list[tuple[str, str | None]] = field(default_factory=list)  # (path, name or None) of each model after the first
     worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
     hang_timeout_s: float = HANG_TIMEOUT_S  # a child whose loop has not run for this long is killed and restarted
     # False: every worker is `pdserve worker --role ROLE` (decode/worker.py), which the coordinator may move to another
@@ -106,7 +134,16 @@ class NodePlan:
 
     @property
     def num_workers(self) -> int:
+        """Workers of each model."""
         return self.prefill + self.decode + self.colocated
+
+    @property
+    def models(self) -> list[ModelPlan]:
+        """Every model this node serves: the first on client_addr / worker_addr, model i on their ports + 2i."""
+        first = ModelPlan(self.model, self.served_model_name, self.client_addr, self.worker_addr)
+        return [first] + [ModelPlan(path, name, port_plus(self.client_addr, PORTS_PER_MODEL * i),
+                                    port_plus(self.worker_addr, PORTS_PER_MODEL * i), f"model{i}-")
+                          for i, (path, name) in enumerate(self.more_models, 1)]
 
     @property
     def http_url(self) -> str:
@@ -194,6 +231,7 @@ class Launcher:
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
         self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
         self.alive_dir: str | None = None  # the children's liveness files
+        self.next_report = 0.0  # when the next NodeReport is due (tend)
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -221,25 +259,33 @@ class Launcher:
         child.started = time.monotonic()
         child.restart_at = child.alive_mtime = child.kill_at = None
 
+    def served_names(self) -> list[str]:
+        """Each model's name as clients send it; ConfigError if a model path is missing or two
+        models share a name."""
+        try:
+            names = [m.name or served_name(m.path) for m in self.plan.models]
+        except ModelLoadError as e:  # missing, or the default model not installed
+            raise ConfigError(str(e)) from None
+        if len(set(names)) < len(names):
+            raise ConfigError(f"two models are named alike ({', '.join(names)}): name each one with --model PATH=NAME")
+        return names
+
     def validate(self) -> None:
-        """ConfigError if the model path is missing or a child's flags do not parse (`usage_error`:
+        """ConfigError if a model path is missing or a child's flags do not parse (`usage_error`:
         the CLI parses them with the role's own command, without running it)."""
         if self.plan.coordinator or self.plan.num_workers:
-            try:
-                resolve_model_path(self.plan.model)
-            except ModelLoadError as e:  # missing, or the default model not installed
-                raise ConfigError(str(e)) from None
+            self.served_names()
         for child in self.children:
             error = self.usage_error and self.usage_error(child.args[0], child.args[1:])
             if error:
                 raise ConfigError(f"{child.name}: {error}")
 
-    def _worker_args(self) -> list[str]:
+    def _worker_args(self, m: ModelPlan) -> list[str]:
         p = self.plan
-        args = ["--coordinator", p.worker_addr, *p.engine_args]
-        if p.model:
-            args += ["--model", p.model]
-        threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers))
+        args = ["--coordinator", m.worker_addr, *p.engine_args]
+        if m.path:
+            args += ["--model", m.path]
+        threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers * len(p.models)))
         return args + ["--threads", str(threads)] + p.security_args + self._secret_args()
 
     def _role_command(self, role: str) -> list[str]:
@@ -261,7 +307,19 @@ class Launcher:
         args = ["gateway", "--coordinator", p.client_addr, "--host", p.http_host, "--port", str(p.http_port)]
         args += ["--model", p.model] if p.model else []
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
+        more = zip(p.models[1:], self.served_names()[1:])
+        args += [a for m, name in more for a in ("--more-model", f"{name}={m.path}@{m.client_addr}")]
         return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
+
+    def _coordinator_args(self, m: ModelPlan) -> list[str]:
+        p = self.plan
+        args = ["coordinator", "--clients", m.client_addr, "--workers", m.worker_addr] + (["--model", m.path] if m.path else [])
+        args += ["--served-model-name", m.name] if m.name else []  # its traces' and stats' name
+        return args + p.coordinator_args + p.security_args + self._secret_args()
+
+    def worker_ids(self, m: ModelPlan) -> set[str]:
+        """The ids of model m's workers on this node."""
+        return {f"{self.plan.name}-{m.prefix}{role}-{i}" for role in ROLES for i in range(getattr(self.plan, role))}
 
     def start(self) -> None:
         """Check the configuration (ConfigError), then start every role: the coordinator first."""
@@ -271,52 +329,64 @@ class Launcher:
             from wire.security import write_secret
 
             self.secret_file = write_secret()
-        if p.coordinator:
-            args = ["coordinator", "--clients", p.client_addr, "--workers", p.worker_addr]
-            self._spawn("coordinator", args + (["--model", p.model] if p.model else []) + p.coordinator_args + p.security_args
-                        + self._secret_args())
+        for m in p.models if p.coordinator else ():
+            self._spawn(m.prefix + "coordinator", self._coordinator_args(m))
         if p.gateway:
             self._spawn("gateway", self._gateway_args())
-        common = self._worker_args()
         # Without --threads the node's workers share its cores by who is busy (runtime.cores).
         if p.threads is None and p.num_workers:
             from runtime.cores import create_share  # here: the launcher itself does not need torch
 
-            self.core_share = create_share(p.num_workers)
-        slots = iter(range(p.num_workers))
+            self.core_share = create_share(p.num_workers * len(p.models))
+        slots = iter(range(p.num_workers * len(p.models)))
 
         def share() -> list[str]:
             return ["--core-share", f"{self.core_share}:{next(slots)}"] if self.core_share else []
 
-        for role in ("prefill", "decode", "colocated"):
-            for i in range(getattr(p, role)):
-                self._spawn(f"{role}-{i}", [*self._role_command(role), "--worker-id", f"{p.name}-{role}-{i}", *common, *share(),
-                                            *(p.prefill_args if role == "prefill" else p.decode_args)])
+        for m in p.models:
+            common = self._worker_args(m)
+            for role in ROLES:
+                for i in range(getattr(p, role)):
+                    self._spawn(f"{m.prefix}{role}-{i}", [*self._role_command(role), "--worker-id", f"{p.name}-{m.prefix}{role}-{i}",
+                                                          *common, *share(), *(p.prefill_args if role == "prefill" else p.decode_args)])
         self.validate()
         for child in self.children:
             self._start_child(child)
 
-    def wait_ready(self, timeout: float = 300.0) -> dict:
-        """Block until this node's workers are registered with the coordinator; returns its stats."""
-        from pdserve_client.library import Client, ClientError
+    def clients(self) -> list:
+        """A client to each model's coordinator (the caller closes them)."""
+        from pdserve_client.library import Client
 
+        return [Client(m.client_addr, timeout=2.0, keys=self.plan.keys) for m in self.plan.models]
+
+    def wait_ready(self, timeout: float = 300.0) -> dict:
+        """Block until this node's workers are registered with their coordinators; returns the first model's stats."""
         deadline = time.monotonic() + timeout
-        mine = {f"{self.plan.name}-{role}-{i}" for role, n in (("prefill", self.plan.prefill), ("decode", self.plan.decode),
-                                                              ("colocated", self.plan.colocated)) for i in range(n)}
-        missing, next_report = mine, 0.0
-        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
-            while time.monotonic() < deadline:
-                next_report = self.tend(client, next_report)  # a role crash-looping meanwhile shows in stats
-                try:
-                    stats = client.stats(timeout=1.0)
-                except ClientError:
-                    continue
-                missing = mine - {w["id"] for w in stats["workers"]}
-                if not missing:
-                    if self.plan.gateway:
-                        self.wait_gateway(deadline)
-                    return stats
-                time.sleep(0.2)
+        clients = self.clients()
+        try:
+            ready = [self._wait_workers(m, client, clients, deadline, timeout) for m, client in zip(self.plan.models, clients)]
+        finally:
+            for c in clients:
+                c.close()
+        if self.plan.gateway:
+            self.wait_gateway(deadline)
+        return ready[0]
+
+    def _wait_workers(self, m: ModelPlan, client, clients: list, deadline: float, timeout: float) -> dict:
+        """Model m's coordinator's stats once its workers on this node are registered."""
+        from pdserve_client.library import ClientError
+
+        missing = mine = self.worker_ids(m)
+        while time.monotonic() < deadline:
+            self.tend(clients)  # a role crash-looping meanwhile shows in stats
+            try:
+                stats = client.stats(timeout=1.0)
+            except ClientError:
+                continue
+            missing = mine - {w["id"] for w in stats["workers"]}
+            if not missing:
+                return stats
+            time.sleep(0.2)
         raise TimeoutError(f"workers not registered after {timeout:.0f}s: {', '.join(sorted(missing)) or 'no coordinator answer'}")
 
     def wait_gateway(self, deadline: float) -> None:
@@ -403,22 +473,22 @@ class Launcher:
             return ""
         return "; the end of its log:\n" + "\n".join(f"  {line}" for line in tail)
 
-    def tend(self, client, next_report: float) -> float:
-        """check_children, and a NodeReport after a restart or at next_report; returns the next report's time."""
-        if (self.check_children() or time.monotonic() >= next_report) and client is not None:
-            self.report(client)
-            return time.monotonic() + REPORT_S
-        return next_report
+    def tend(self, clients: list) -> None:
+        """check_children, and a NodeReport after a restart or every REPORT_S."""
+        if (self.check_children() or time.monotonic() >= self.next_report) and clients:
+            self.report(clients)
+            self.next_report = time.monotonic() + REPORT_S
 
-    def report(self, client) -> None:
-        """Tell the coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
+    def report(self, clients: list) -> None:
+        """Tell each model's coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
         from pdserve_client.library import ClientError
 
-        try:
-            client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
-                               {c.name: c.last_exit for c in self.children if c.last_exit})
-        except ClientError:
-            pass  # the coordinator is down (or restarting): the next report gets through
+        for client in clients:
+            try:
+                client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
+                                   {c.name: c.last_exit for c in self.children if c.last_exit})
+            except ClientError:
+                pass  # the coordinator is down (or restarting): the next report gets through
 
     def stop(self, grace: float = 10.0) -> None:
         self.stopping = True
@@ -465,16 +535,11 @@ class Launcher:
 
     def supervise(self, stop: list) -> None:
         """Restart exited roles and report restart counts until `stop` holds something."""
-        client = None
-        if self.plan.coordinator or self.plan.num_workers:
-            from pdserve_client.library import Client
-
-            client = Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys)
+        clients = self.clients() if self.plan.coordinator or self.plan.num_workers else []
         try:
-            next_report = 0.0
             while not stop:
-                next_report = self.tend(client, next_report)
+                self.tend(clients)
                 time.sleep(0.2)
         finally:
-            if client is not None:
-                client.close()
+            for c in clients:
+                c.close()

@@ -125,7 +125,7 @@ class ModelConfig:
 # (tests/serving/test_engine_flags.py checks they agree)
 QUANT_ACTIVATIONS = ("float", "int16", "int8")  # how a small decode batch meets quantized weights
 LINEAR_BACKENDS = ("auto", "auto-reduced", "rules", "c", "onednn", "mkl", "onednn-bf16", "int8pack",  # --linear-backend
-                   "c-float", "c-int16", "c-int8", "dequant-mkl", "int4pack")  # (runtime.linear_plan)
+                   "c-float", "c-int16", "c-int8", "c-int8-vnni", "dequant-mkl", "int4pack")  # (runtime.linear_plan)
 KV_BACKENDS = ("auto", "shm", "tcp", "cuda_ipc", "nccl")  # --kv-backend (kvtransfer)
 AUTO_KV_CACHE_MB = 2048  # the workers' KV budget unless --kv-cache-mb is given (vLLM's CPU peer here runs with 2 GiB)
 

@@ -13,7 +13,7 @@ Lifecycle: `apply(model, econf, source)` runs once after the fast path is built
   of the shipped conversations (pdserve/data/prompts.jsonl, user and assistant turns under the
   chat template) with mean KL <= MAX_KL;
 - a back-end name (`c`, `onednn`, `mkl`, `onednn-bf16`, `int8pack`; quantized weights: `c-float`,
-  `c-int16`, `c-int8`, `dequant-mkl`, `int4pack`): that one at every row count it takes.
+  `c-int16`, `c-int8`, `c-int8-vnni`, `dequant-mkl`, `int4pack`): that one at every row count it takes.
 The table and the teacher-forced results are cached (kernels.select.cached): a start-up that
 finds them measures nothing. The table is logged and kept on `model.fast.linear_table` for the
 worker's Hello (`pdserve stats`).
@@ -61,7 +61,7 @@ def _buckets(lin, lm_head: bool, econf) -> list[int]:
 def _eligible(b: backends.Backend, activations: str, reduced: set[str]) -> bool:
     if b.precision == "exact":
         return True
-    return b.name == f"c-{activations}" or b.precision in reduced
+    return b.name in backends.ACTIVATION_BACKENDS[activations] or b.precision in reduced
 
 
 def apply(model, econf, source=None) -> "select.Table | None":
@@ -123,11 +123,14 @@ def _measured(reps: dict, acts: str, reduced: set[str]) -> "select.Table":
 
 def gate(model, econf, source, reps: dict) -> set[str]:
     """The reduced precisions that pass the teacher-forced check (cached per model and machine)."""
-    families = {}
+    families = {}  # precision -> the back-end that stands for it: the one that takes the most rows (checked at whole prompts)
     for key, (lin, _) in reps.items():
         for b in backends.for_weight(lin.weight):
-            if b.precision not in ("exact", "int16") and b.name != f"c-{econf.quant_activations}" and b.bind(lin.weight) is not None:
-                families.setdefault(b.precision, b.name)  # one back-end stands for its precision
+            if b.precision in ("exact", "int16") or b.name in backends.ACTIVATION_BACKENDS[econf.quant_activations]:
+                continue
+            held = families.get(b.precision)
+            if (held is None or b.max_rows > backends.BY_NAME[held].max_rows) and b.bind(lin.weight) is not None:
+                families[b.precision] = b.name
     passed = set()
     for precision, name in sorted(families.items()):
         parts = {"gate": name, "model": str(source), "shapes": sorted(reps), "min_top1": MIN_TOP1, "max_kl": MAX_KL}

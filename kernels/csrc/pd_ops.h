@@ -38,6 +38,16 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
                 int64_t os, int activations);
 int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os);
 
+/* The int8-activation GEMM (ACT_INT8 products, any row count) on AVX-512 VNNI (vpdpbusd);
+ * returns 2 where not built (the avx2 and baseline variants: callers never offer it there). */
+int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
+                 int64_t os);
+
+/* peak_ops.c: `iters` rounds of independent multiply-adds on `threads` threads (kind 0 fp32 FMA,
+ * 1 int16 pairs, 2 int8 quads, at this variant's widest instruction); returns the operations done
+ * (2 per product) and, in *cpu_seconds (if not NULL), the longest CPU time a thread took. */
+int64_t pd_peak_loop(int kind, int64_t iters, int threads, double *cpu_seconds);
+
 /* step_ops.c: one quantized weight, N rows of K/32 GGUF blocks, row_bytes apart ... */
 typedef struct {
     const uint8_t *w;

@@ -21,12 +21,14 @@
  *                  Q8_1) with maddubs, faster again but measurably less accurate. The integer
  *                  paths' exact twin is kernels/quant.py matmul_int_twin;
  *                  ACT_INT16 and more than Q_DIRECT_INT16_ROWS rows (batched decode steps and
- *                  prompts): the same integer products as a GEMM (q_gemm_i16: activations
+ *                  prompts): the same integer products as a GEMM (q_gemm: activations
  *                  repacked once a call, weight codes widened to int16 a panel at a time);
  *                  other larger M: tiles of Q_TILE weight rows are dequantised into a per-thread
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
  *                  call (measured 15-35% faster than oneDNN's packed float32 at 8-64 rows).
+ *   pd_q_gemm_i8   ACT_INT8's rounding at any row count, as a GEMM on vpdpbusd (the same tiling
+ *                  as the int16 one, int8 codes); AVX-512 VNNI only: the other variants return 2.
  * Instruction sets (kernels/native_build.py compiles this file once per level): the avx2 variant
  * is what is described above; the avx512 one replaces the int16 GEMM's micro-tile (vpdpwssd, 32
  * activation rows x 6 weight rows) and the tiled kernel's (12 weight rows x 32 rows of x, the whole
@@ -327,23 +329,39 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
 }
 #endif
 
-/* int16 GEMM (ACT_INT16, more than Q_DIRECT_INT16_ROWS rows: batched decode steps and prompts).
- * The products are q_direct_i16's (exact int32 block sums of codes times int16 activations,
- * each scaled by d * dx in float, plus m * sum(x)), with lanes over activation rows instead of
- * weight rows so that only the activations are repacked (once a call; a tile's rows are 16
- * 32-bit pairs apart) and weight codes are unpacked in place into int16 rows, one panel of
- * Q_GEMM_NP weight rows per thread task, then broadcast two codes at a time. A micro-tile is 16
- * activation rows by Q_GEMM_NR weight rows: 2 * NR int32 accumulators for a block, folded into
- * 2 * NR float accumulators after each block. Rows past M are zero codes with zero scales. */
+/* Integer GEMMs (more rows than the direct paths: batched decode steps and prompts), two kinds of
+ * activation codes over the same tiling:
+ * - int16 (ACT_INT16, more than Q_DIRECT_INT16_ROWS rows; q_gemm(.., 0)): q_direct_i16's
+ *   products, exact int32 block sums of codes times int16 activations;
+ * - int8 (pd_q_gemm_i8, AVX-512 VNNI only; q_gemm(.., 1)): activations rounded to int8 per block
+ *   as q8_activations does (the direct int8 path's rounding), products by vpdpbusd, which takes
+ *   an unsigned byte times a signed one, four pairs a lane, 64 products an instruction (twice
+ *   vpdpwssd's 32). The activation is the unsigned operand, offset by 128 (xq + 128 in 1..255:
+ *   the byte xq ^ 0x80) and the weight code the signed one (Q8_0's codes as they are, Q4's
+ *   nibbles 0..15), so that the weight quad is the broadcast memory operand; the offset's share,
+ *   128 * sum(codes of the weight block), is the int32 accumulator's start value, computed once
+ *   per panel (ggml instead flips signs, abs(w) times sign(x, w), which costs two instructions
+ *   per weight vector that a GEMM would pay for every activation tile). The block sum is exact:
+ *   |sum| <= 32 * 255 * 128 < 2^24, so its float conversion is exact too.
+ * Both: each block sum scaled by d * dx in float, plus m * sum(x) (kernels/quant.py
+ * matmul_int_twin), with lanes over activation rows instead of weight rows so that only the
+ * activations are repacked (once a call; a tile's rows are a block's 32-bit words, 16 int16
+ * pairs or 8 int8 quads, apart) and weight codes are unpacked in place into int16 / int8 rows,
+ * one panel of Q_GEMM_NP weight rows per thread task, then broadcast one 32-bit word at a time.
+ * A micro-tile is Q_GEMM_MT activation rows by Q_GEMM_NR weight rows: 2 * NR int32 accumulators
+ * for a block, folded into 2 * NR float accumulators after each block. Rows past M are zero
+ * codes with zero scales. */
 #ifdef __AVX512VNNI__
-/* AVX-512 VNNI: vpdpwssd multiplies and adds the int16 pairs in one instruction (the same exact
- * int32 sums as madd_epi16 + add_epi32), sixteen lanes wide, the weight pair broadcast from
- * memory; 6 weight rows x 32 activation rows: 12 int32 + 12 float accumulators. */
+/* AVX-512 VNNI: vpdpwssd / vpdpbusd multiply and add the pairs / quads in one instruction (the
+ * same exact int32 sums as madd_epi16 + add_epi32), sixteen lanes wide, the weight word broadcast
+ * from memory; 6 weight rows x 32 activation rows: 12 int32 + 12 float accumulators. */
 #define Q_GEMM_MT 32  /* activation rows in a tile (two 16-lane vectors) */
 #define Q_GEMM_NR 6   /* weight rows in a micro-tile */
+#define Q_GEMM_I8 1   /* the int8 kind is built */
 #else
 #define Q_GEMM_MT 16  /* activation rows in a tile (two 8-lane vectors) */
 #define Q_GEMM_NR 4   /* weight rows in a micro-tile */
+#define Q_GEMM_I8 0   /* no vpdpbusd: pd_q_gemm_i8 returns 2 and q_gemm(.., 1) is never called */
 #endif
 #define Q_GEMM_NP 48  /* weight rows in a panel (a multiple of Q_GEMM_NR) */
 
@@ -366,31 +384,35 @@ static inline void transpose8_epi32(const __m256i r[8], __m256i c[8]) {
     }
 }
 
-/* Tiles of Q_GEMM_MT rows: per tile and block, codes as [16 pairs][MT rows] 32-bit words, then the
- * rows' scales dx and block sums, [MT] each. */
-static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp, float *dxp, float *sump) {
-    const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
+/* Tiles of Q_GEMM_MT rows: per tile and block, codes as [P words][MT rows] (P = 16 int16 pairs,
+ * or 8 quads of int8 codes offset by 128), then the rows' scales dx and block sums, [MT] each. */
+static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp, float *dxp, float *sump, int i8) {
+    const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT, P = i8 ? 8 : 16;
 #pragma omp parallel for schedule(static) if (tiles > 1)
     for (int t = 0; t < tiles; t++) {
         for (int b = 0; b < nb; b++) {
-            /* the tile's 16 rows of this block as int16 codes (16 32-bit pairs a row), then
-             * transposed eight rows by eight pairs at a time into [pair][row] */
-            int16_t codes[Q_GEMM_MT][32] __attribute__((aligned(32)));
-            int32_t *dst = xp + ((int64_t)t * nb + b) * 16 * Q_GEMM_MT;
+            /* the tile's rows of this block as codes (P 32-bit words a row), then transposed
+             * eight rows by eight words at a time into [word][row] */
+            uint8_t codes[Q_GEMM_MT][64] __attribute__((aligned(32)));
+            int32_t *dst = xp + ((int64_t)t * nb + b) * P * Q_GEMM_MT;
             float *dxd = dxp + ((int64_t)t * nb + b) * Q_GEMM_MT, *sd = sump + ((int64_t)t * nb + b) * Q_GEMM_MT;
             for (int i = 0; i < Q_GEMM_MT; i++) {
                 const int r = t * Q_GEMM_MT + i;
-                if (r < M) {
-                    q16_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, codes[i], dxd + i, sd + i);
-                } else {
-                    memset(codes[i], 0, sizeof codes[i]);
+                if (r >= M) {
+                    memset(codes[i], i8 ? 0x80 : 0, sizeof codes[i]);  /* code 0 (int8: offset by 128) */
                     dxd[i] = sd[i] = 0.0f;
+                } else if (i8) {
+                    q8_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, (int8_t *)codes[i], dxd + i, sd + i);
+                    const __m256i c = _mm256_load_si256((const __m256i *)codes[i]);
+                    _mm256_store_si256((__m256i *)codes[i], _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80)));
+                } else {
+                    q16_activations(x + (int64_t)r * xs + b * 32, xs, 1, 32, (int16_t *)codes[i], dxd + i, sd + i);
                 }
             }
             for (int h = 0; h < Q_GEMM_MT / 8; h++)
-                for (int g = 0; g < 2; g++) {
+                for (int g = 0; g < P / 8; g++) {
                     __m256i rows[8], cols[8];
-                    for (int i = 0; i < 8; i++) rows[i] = _mm256_load_si256((const __m256i *)(codes[8 * h + i] + 16 * g));
+                    for (int i = 0; i < 8; i++) rows[i] = _mm256_load_si256((const __m256i *)(codes[8 * h + i] + 32 * g));
                     transpose8_epi32(rows, cols);
                     for (int p = 0; p < 8; p++) _mm256_store_si256((__m256i *)(dst + (8 * g + p) * Q_GEMM_MT + 8 * h), cols[p]);
                 }
@@ -398,10 +420,10 @@ static void q_gemm_pack_x(const float *x, int64_t xs, int M, int K, int32_t *xp,
     }
 }
 
-/* The micro-tile's vectors: QL lanes of int32 / float, and the pair products added in (avx512:
- * vpdpwssd; avx2: madd_epi16 + add_epi32; the same exact int32 sums). QV_PIN keeps a value in a
- * register: GCC reloaded the x vectors for every weight row (10-14% slower) and reassociated the
- * sums, spilling every product. */
+/* The micro-tile's vectors: QL lanes of int32 / float, and the pair / quad products added in
+ * (avx512: vpdpwssd / vpdpbusd; avx2: madd_epi16 + add_epi32, the same exact int32 sums, and no
+ * int8 kind). QV_PIN keeps a value in a register: GCC reloaded the x vectors for every weight row
+ * (10-14% slower) and reassociated the sums, spilling every product. */
 #ifdef __AVX512VNNI__
 #define QL 16
 typedef __m512 qv_f;
@@ -411,6 +433,7 @@ typedef __m512i qv_i;
 #define qv_load_i(p) _mm512_load_si512((const void *)(p))
 #define qv_set1_i _mm512_set1_epi32
 #define qv_dot_pairs(acc, w, x) _mm512_dpwssd_epi32(acc, x, w)
+#define qv_dot_quads(acc, w, x) _mm512_dpbusd_epi32(acc, x, w)  /* x unsigned, w signed */
 #define qv_load_f _mm512_load_ps
 #define qv_store_f _mm512_storeu_ps
 #define qv_set1_f _mm512_set1_ps
@@ -427,6 +450,7 @@ typedef __m256i qv_i;
 #define qv_load_i(p) _mm256_load_si256((const __m256i *)(p))
 #define qv_set1_i _mm256_set1_epi32
 #define qv_dot_pairs(acc, w, x) _mm256_add_epi32(_mm256_madd_epi16(w, x), acc)
+#define qv_dot_quads(acc, w, x) (acc)  /* never reached: Q_GEMM_I8 is 0 here */
 #define qv_load_f _mm256_load_ps
 #define qv_store_f _mm256_storeu_ps
 #define qv_set1_f _mm256_set1_ps
@@ -437,21 +461,24 @@ typedef __m256i qv_i;
 #endif
 
 /* One micro-tile: the first QL * V (constant, 1 or 2) rows of an activation tile (packed) times
- * weight rows wc[0..NR) (int16 codes, K each), scales d / offsets m [NR][nb]; the QL*V x NR
+ * weight rows wc[0..NR) (codes, int16 or, I8, int8: K each), scales d / offsets m [NR][nb] and,
+ * I8, the accumulators' start values w0 [NR][nb] (-128 * the block's code sum); the QL*V x NR
  * results go to res[NR][MT]. V = 1 for a last tile of at most QL rows. */
 static inline __attribute__((always_inline)) void q_gemm_tile(
-    const int32_t *xp, const float *dxp, const float *sump, const int16_t *wc, const float *wd, const float *wm,
-    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V) {
+    const int32_t *xp, const float *dxp, const float *sump, const uint8_t *wc, const float *wd, const float *wm, const int32_t *w0,
+    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V, const int I8) {
+    const int P = I8 ? 8 : 16;  /* 32-bit words in a block */
+    const int64_t row = (int64_t)K * (I8 ? 1 : 2);  /* bytes of a weight row's codes */
     qv_f f[Q_GEMM_NR][2];
     for (int j = 0; j < Q_GEMM_NR; j++)
         for (int v = 0; v < V; v++) f[j][v] = qv_zero_f();
     for (int b = 0; b < nb; b++) {
-        const int32_t *xb = xp + (int64_t)b * 16 * Q_GEMM_MT;
+        const int32_t *xb = xp + (int64_t)b * P * Q_GEMM_MT;
         qv_i a[Q_GEMM_NR][2];
         for (int j = 0; j < Q_GEMM_NR; j++)
-            for (int v = 0; v < V; v++) a[j][v] = qv_zero_i();
+            for (int v = 0; v < V; v++) a[j][v] = I8 ? qv_set1_i(w0[j * nb + b]) : qv_zero_i();
 #pragma GCC unroll 16
-        for (int p = 0; p < 16; p++) {
+        for (int p = 0; p < P; p++) {
             qv_i xv[2];
             for (int v = 0; v < V; v++) {
                 xv[v] = qv_load_i(xb + p * Q_GEMM_MT + QL * v);
@@ -459,11 +486,11 @@ static inline __attribute__((always_inline)) void q_gemm_tile(
             }
 #pragma GCC unroll 8
             for (int j = 0; j < Q_GEMM_NR; j++) {
-                int32_t pair;
-                memcpy(&pair, wc + (int64_t)j * K + b * 32 + 2 * p, 4);
-                const qv_i w = qv_set1_i(pair);
+                int32_t word;
+                memcpy(&word, wc + j * row + b * 4 * P + 4 * p, 4);
+                const qv_i w = qv_set1_i(word);
                 for (int v = 0; v < V; v++) {
-                    a[j][v] = qv_dot_pairs(a[j][v], w, xv[v]);
+                    a[j][v] = I8 ? qv_dot_quads(a[j][v], w, xv[v]) : qv_dot_pairs(a[j][v], w, xv[v]);
                     QV_PIN(a[j][v]);
                 }
             }
@@ -482,46 +509,82 @@ static inline __attribute__((always_inline)) void q_gemm_tile(
         for (int v = 0; v < V; v++) qv_store_f(res[j] + QL * v, f[j][v]);
 }
 
-static int q_gemm_i16(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
-                      float *out, int64_t os) {
-    const int nb = K / 32, bb = q_block_bytes(qt), tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT;
+/* A panel's weight rows n0.. (np of them, the rest of Q_GEMM_NP zeros) unpacked: codes (int16, or
+ * I8 int8: K a row), d and m ([row][nb]) and, I8, -128 * each block's code sum (w0). */
+static void q_gemm_unpack_panel(const uint8_t *w, int64_t row_bytes, int qt, int K, int n0, int np, uint8_t *wc, float *wd, float *wm,
+                                int32_t *w0, int i8) {
+    const int nb = K / 32, bb = q_block_bytes(qt), cb = i8 ? 32 : 64;  /* code bytes a block */
+    for (int i = 0; i < Q_GEMM_NP; i++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *dst = wc + ((int64_t)i * nb + b) * cb;
+            if (i >= np) {
+                memset(dst, 0, cb);
+                wd[i * nb + b] = wm[i * nb + b] = 0.0f;
+                if (i8) w0[i * nb + b] = 0;
+                continue;
+            }
+            const uint8_t *q = q_block_head(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * bb, qt, wd + i * nb + b, wm + i * nb + b);
+            if (!i8) {
+                __m256i c0, c1;
+                q_codes_i16(q, qt, &c0, &c1);
+                _mm256_storeu_si256((__m256i *)dst, c0);
+                _mm256_storeu_si256((__m256i *)(dst + 32), c1);
+                continue;
+            }
+            if (qt == QT_Q8_0) {
+                memcpy(dst, q, 32);
+            } else {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+                _mm_storeu_si128((__m128i *)dst, _mm_and_si128(raw, mask));
+                _mm_storeu_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+            }
+            /* the 32 codes' sum by vpsadbw (Q8_0's signed bytes offset to unsigned and back) */
+            const __m256i c = _mm256_loadu_si256((const __m256i *)dst);
+            const __m256i s = _mm256_sad_epu8(qt == QT_Q8_0 ? _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80)) : c, _mm256_setzero_si256());
+            __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t));
+            w0[i * nb + b] = -128 * (_mm_cvtsi128_si32(t) - (qt == QT_Q8_0 ? 32 * 128 : 0));
+        }
+}
+
+/* out (M, N) = x @ W^T by the integer GEMM of kind i8 (0: int16 codes, 1: int8, Q_GEMM_I8 builds only). */
+static int q_gemm(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out, int64_t os,
+                  int i8) {
+    const int nb = K / 32, tiles = (M + Q_GEMM_MT - 1) / Q_GEMM_MT, P = i8 ? 8 : 16;
     const int panels = (N + Q_GEMM_NP - 1) / Q_GEMM_NP;
-    const size_t words = (size_t)tiles * nb * 16 * Q_GEMM_MT, scales = (size_t)tiles * nb * Q_GEMM_MT;
+    const size_t words = (size_t)tiles * nb * P * Q_GEMM_MT, scales = (size_t)tiles * nb * Q_GEMM_MT;
     int32_t *xp = (int32_t *)aligned_alloc(64, (words + 2 * scales) * 4);
     if (!xp) return 1;
     float *dxp = (float *)(xp + words), *sump = dxp + scales;
-    q_gemm_pack_x(x, xs, M, K, xp, dxp, sump);
+    q_gemm_pack_x(x, xs, M, K, xp, dxp, sump, i8);
     int failed = 0;
 #pragma omp parallel for schedule(static) reduction(| : failed)
     for (int pn = 0; pn < panels; pn++) {
-        /* the panel's codes (int16, K per row), then d and m ([row][nb]); rows past N are zeros */
-        float *scratch = q_scratch((size_t)Q_GEMM_NP * K / 2 + 2 * Q_GEMM_NP * nb);
+        /* the panel's codes (K * P / 8 floats' room a row), then d, m and the int8 start values ([row][nb]) */
+        float *scratch = q_scratch((size_t)Q_GEMM_NP * K * P / 32 + 3 * Q_GEMM_NP * nb);
         if (!scratch) { failed = 1; continue; }
-        int16_t *wc = (int16_t *)scratch;
-        float *wd = scratch + (size_t)Q_GEMM_NP * K / 2, *wm = wd + Q_GEMM_NP * nb;
+        uint8_t *wc = (uint8_t *)scratch;
+        float *wd = scratch + (size_t)Q_GEMM_NP * K * P / 32, *wm = wd + Q_GEMM_NP * nb;
+        int32_t *w0 = (int32_t *)(wm + Q_GEMM_NP * nb);
         const int n0 = pn * Q_GEMM_NP, np = N - n0 < Q_GEMM_NP ? N - n0 : Q_GEMM_NP;
-        for (int i = 0; i < Q_GEMM_NP; i++)
-            for (int b = 0; b < nb; b++) {
-                int16_t *dst = wc + (int64_t)i * K + b * 32;
-                if (i >= np) {
-                    memset(dst, 0, 64);
-                    wd[i * nb + b] = wm[i * nb + b] = 0.0f;
-                    continue;
-                }
-                const uint8_t *q = q_block_head(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * bb, qt, wd + i * nb + b, wm + i * nb + b);
-                __m256i w0, w1;
-                q_codes_i16(q, qt, &w0, &w1);
-                _mm256_storeu_si256((__m256i *)dst, w0);
-                _mm256_storeu_si256((__m256i *)(dst + 16), w1);
-            }
+        const int64_t row = (int64_t)K * (i8 ? 1 : 2);
+        q_gemm_unpack_panel(w, row_bytes, qt, K, n0, np, wc, wd, wm, w0, i8);
         for (int t = 0; t < tiles; t++) {
             const int m0 = t * Q_GEMM_MT, mr = M - m0 < Q_GEMM_MT ? M - m0 : Q_GEMM_MT;
-            const int32_t *xt = xp + (int64_t)t * nb * 16 * Q_GEMM_MT;
+            const int32_t *xt = xp + (int64_t)t * nb * P * Q_GEMM_MT;
             const float *dxt = dxp + (int64_t)t * nb * Q_GEMM_MT, *st = sump + (int64_t)t * nb * Q_GEMM_MT;
             for (int j0 = 0; j0 < np; j0 += Q_GEMM_NR) {
                 float res[Q_GEMM_NR][Q_GEMM_MT];
-                if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 2);
-                else q_gemm_tile(xt, dxt, st, wc + (int64_t)j0 * K, wd + j0 * nb, wm + j0 * nb, nb, K, qt, res, 1);
+                const uint8_t *wj = wc + j0 * row;
+                const float *dj = wd + j0 * nb, *mj = wm + j0 * nb;
+                const int32_t *zj = w0 + j0 * nb;
+                if (Q_GEMM_I8 && i8) {  /* (the compiler drops these where the int8 kind is not built) */
+                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 1);
+                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 1);
+                } else {
+                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 0);
+                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 0);
+                }
                 const int nr = np - j0 < Q_GEMM_NR ? np - j0 : Q_GEMM_NR;
                 for (int r = 0; r < mr; r++)
                     for (int j = 0; j < nr; j++) out[(int64_t)(m0 + r) * os + n0 + j0 + j] = res[j][r];
@@ -858,7 +921,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         free(xq);
         return 0;
     }
-    if (activations == ACT_INT16) return q_gemm_i16(x, xs, w, row_bytes, qt, M, N, K, out, os);
+    if (activations == ACT_INT16) return q_gemm(x, xs, w, row_bytes, qt, M, N, K, out, os, 0);
     return tiled_matmul(x, xs, M, N, K, out, os, NULL, w, row_bytes, qt);
 #else
     /* No AVX2 (the baseline variant): a weight row at a time in plain C. The integer modes round
@@ -888,5 +951,20 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
     }
     free(xq);
     return failed;
+#endif
+}
+
+/* out (M, N) = x @ W^T, activations rounded to int8 per 32-wide block (q8_activations; the twin:
+ * kernels/quant.py matmul_int_twin "int8"), at any row count by the int8 GEMM (q_gemm(.., 1),
+ * vpdpbusd). Returns 1 if memory could not be allocated, 2 where it is not built (no AVX-512 VNNI
+ * in this variant: kernels/backends.py then never offers it). */
+int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
+                 int64_t os) {
+#if defined(__AVX2__) && Q_GEMM_I8
+    if (M <= 0) return 0;  /* (and how a caller asks whether the kernel is built) */
+    return q_gemm(x, xs, w, row_bytes, qt, M, N, K, out, os, 1);
+#else
+    (void)x; (void)xs; (void)w; (void)row_bytes; (void)qt; (void)M; (void)N; (void)K; (void)out; (void)os;
+    return 2;
 #endif
 }

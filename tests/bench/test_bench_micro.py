@@ -32,11 +32,15 @@ def test_step_cost_by_hand():
 
 
 def test_decode_roofline_runs_and_reports(model_dir):
-    rates = machine_rates(1, copy_mib=16, matmul_n=256, repeats=2)
-    assert rates.copy_gbps > 0 and rates.matmul_gflops > 0
+    rates = machine_rates(1, copy_mib=16, matmul_n=256, repeats=2, peak_s=0.02)
+    assert rates.copy_gbps > 0 and rates.matmul_gflops > 0 and rates.peak_gflops > 0
+    # the compute ceiling is the measured FMA peak (torch.mm's rate only without the C kernels)
+    assert (rates.int16_gops is None) == rates.peak_source.startswith("torch.mm")
+    assert rates.int16_gops is None or (rates.int16_gops > 0 and rates.int8_gops > 0)
     r = decode_roofline(str(model_dir), 1, batch=4, prompt_len=16, steps=4, rates=rates)
     assert r.step_s > 0 and r.context == pytest.approx(16 + 1 + 3 + 1.5)
     assert r.bound_s == max(r.memory_s, r.compute_s) and r.fraction == pytest.approx(r.bound_s / r.step_s)
+    assert r.compute_s == pytest.approx(r.cost.flops / (rates.peak_gflops * 1e9))
     assert "Fraction of roofline:" in format_roofline(r)
 
 

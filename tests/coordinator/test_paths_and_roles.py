@@ -112,6 +112,24 @@ def test_with_slo_a_request_is_placed_with_both_predictions_and_feeds_the_calibr
     assert cal["paths"][st.path["path"]]["ttft"]["error"]["count"] == 1  # and its path's own record
 
 
+def test_a_streams_tpot_error_is_judged_against_the_highest_tpot_its_batch_was_admitted_at(closing):
+    """Two streams on one decode worker: the second is admitted "with one more", so the first's
+    TPOT is bounded by that prediction, not its own smaller one (a batch grown by later admissions
+    is not the latency model's error); the second's bound is its own prediction."""
+    c = coordinator([("d", Role.DECODE, [])], paths="local")
+    closing(c)
+    w = c.workers["d"]
+    w.model.add([(s, s + t, ctx, 0.01 * s + 0.0005 * t) for s in (1, 2, 4, 8) for t in (0, 128) for ctx in (100, 1000)])
+    first, second = start(c, "a", 20, max_tokens=8), start(c, "b", 20, max_tokens=8)
+    a, b = c.requests[first], c.requests[second]
+    assert b.predicted_tpot > a.predicted_tpot  # one more stream in the batch: a longer step
+    assert a.tpot_bound == b.predicted_tpot and b.tpot_bound == b.predicted_tpot
+    finish(c, "d", first, tokens=3)
+    observed = (a.token_times[-1] - a.token_times[0]) / (len(a.token_times) - 1)
+    least = c.calibration.cfg.floor * c.request_targets(a).tpot_s
+    assert c.calibration.tpot.errors[-1] == pytest.approx((observed - b.predicted_tpot) / max(b.predicted_tpot, least))
+
+
 def test_workers_of_one_launch_share_cores_and_a_prompt_that_can_stay_local_does(closing):
     """A prompt of 500 tokens beside a busy decode worker: apart (no core share named in the
     Hellos) the idle prefill worker's headroom wins; sharing a launch's cores, the decode worker

@@ -31,7 +31,7 @@ def test_a_decode_worker_sees_its_own_nodes_busy_prefill_workers_only():
     assert d[0].shared.turn_s == pytest.approx(CAP)  # a prefill step of 2000 tokens is longer than the cap: the cap
     assert d[1].shared is None  # another node: its cores are its own
     idle_p, idle_d = shared([prefill("p0")], [decode("d0")], {"p0": "a", "d0": "a"})
-    assert idle_d[0].shared == SharedCores(0.0, pytest.approx(0.1))  # nothing to defer to: no wait
+    assert idle_d[0].shared == SharedCores(0.0, pytest.approx(0.1), 0.0, CAP)  # nothing to defer to: no wait
 
 
 def test_a_prefill_worker_yields_its_nodes_decode_streams_their_turns():
@@ -144,3 +144,26 @@ def test_a_decode_worker_with_a_full_batch_takes_no_local_prompt_under_slo_contr
     assert (c.path, c.reason, c.local.outcome, c.local.reason) == (Path.REMOTE, "only_remote", Outcome.SHED, ShedReason.TPOT)
     assert choose_path(req(64), [prefill()], [dataclasses.replace(full, max_seqs=9)], TARGETS).path is Path.LOCAL
     assert choose_path(req(64), [prefill()], [full], None).path is Path.LOCAL  # without targets: it queues there
+
+
+def test_a_pair_on_a_shared_node_predicts_tpot_stretched_by_what_its_prefill_worker_took_lately():
+    """The prompts placed on a node's prefill worker in the last ADMIT_WINDOW_S take that share of
+    the node's time from the decode worker's steps: its streams' TPOT stretches by 1 / (1 - share),
+    by no more than the stall cap a step, on both paths; on another node (or with no recent
+    prompts) the plain step."""
+    from coordinator.placement import ADMIT_WINDOW_S, place_pair, predict_step
+    tokens = int(3 * M.tokens_per_second())  # about 3 s of prompts in the 10 s window
+    recent = dataclasses.replace(prefill("p0"), recent_prompt_tokens=tokens)
+    p, d = shared([recent], [decode("d0")], {"p0": "a", "d0": "a"})
+    share = tokens / M.tokens_per_second() / ADMIT_WINDOW_S
+    assert d[0].shared.prefill_share == pytest.approx(share) and d[0].shared.stall_s == CAP
+    loose = SloTargets(ttft_s=10.0, tpot_s=10.0)
+    step = predict_step(d[0], 128)
+    assert place_pair(req(128), p, d, loose).predicted_tpot == pytest.approx(step + min(step / (1 - share) - step, CAP))
+    busier = dataclasses.replace(d[0], shared=dataclasses.replace(d[0].shared, prefill_share=0.9))
+    assert place_pair(req(128), p, [busier], loose).predicted_tpot == pytest.approx(step + CAP)  # a step waits no more than the cap
+    apart_p, apart_d = shared([recent], [decode("d0")], {"p0": "a", "d0": "b"})
+    assert place_pair(req(128), apart_p, apart_d, loose).predicted_tpot == pytest.approx(predict_step(decode("d0"), 128))
+    local = choose_path(req(128), p, d, loose).local
+    alone = choose_path(req(128), apart_p, apart_d, loose).local
+    assert local.predicted_tpot > alone.predicted_tpot  # LOCAL's streams wait for the node's prefills too

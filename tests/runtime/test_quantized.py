@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
+from kernels import backends, cpu_native
 from kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_model
@@ -79,6 +79,31 @@ def test_matmul_paths_equal_their_twins(qtype, rows, isa):  # noqa: F811
         plain = matmul_twin(x, w)
         err = float((got_int - plain).abs().max()) / float(plain.abs().max())
         assert err <= (1e-4 if kind == "int16" else 3e-2), (kind, err)
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_int8_vnni_gemm_equals_its_twin_and_runs_only_where_built(qtype, isa):  # noqa: F811
+    """pd_q_gemm_i8 (vpdpbusd, activations offset by 128, the weight sums' correction): only the
+    avx512 variant builds it; elsewhere the c-int8-vnni back-end does not bind, so the selector
+    never offers it. Where built it equals matmul_int_twin "int8" at row counts with ragged
+    tiles (32 rows a tile, 16 a vector), over 101 weight rows (panels of 48, micro-tiles of 6:
+    ragged both), with a zero block, a row's extremes and, in Q8_0, the code -128."""
+    w = random_quant(qtype, 101, 192, seed=7)
+    if qtype == "Q8_0":
+        w.raw[::3, 2] = 0x80  # code -128 (the int8 range's end; gguf writes -127..127)
+    bound = backends.BY_NAME["c-int8-vnni"].bind(w)
+    assert (cpu_native.native().q_linear_i8_gemm(w) is None) == (bound is None) == (isa != "avx512")
+    if bound is None:
+        return
+    g = torch.Generator().manual_seed(11)
+    for rows in (1, 4, 15, 16, 17, 33, 64, 130):
+        x = torch.randn(rows, 256, generator=g)[:, :192]  # rows strided wider than K
+        x[0, 32:64] = 0.0
+        x[-1, 5] = 40.0
+        got, ref = bound(x), matmul_int_twin(x, w, "int8")
+        assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), rows
+    few = torch.randn(3, 192, generator=g)  # the direct int8 path rounds the same way
+    assert torch.allclose(bound(few), matmul(few, w, activations="int8"), rtol=0, atol=1e-5 * float(matmul(few, w).abs().max()))
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
