@@ -1085,6 +1085,7 @@ class Coordinator:
             "nodes": self.nodes,
             "active_requests": len(self.requests),
             "pending": len(self.pending),
+            "cold_start_s": self.cfg.cold_start_s,
             "loads": dict(zip(("prefill", "decode"), self.phase_loads(time.monotonic()))),  # > 1: the phase is short (planner.phase_loads)
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
             "calibration": self.calibration.summary(self.cfg.ttft_headroom, self.cfg.tpot_headroom),

@@ -9,7 +9,8 @@ line the launcher builds, its own signals, torch threads and shared-memory pool)
 a hang is restarted on its node by the supervision `pdserve launch` already has. Ray restarts the
 actor (max_restarts=-1), and so its worker under the same worker id, when the actor dies or its
 node is lost; the coordinator drops the silent worker and places its requests again, as for any
-dead worker. The per-launch worker secret and the CurveZMQ keys travel as actor arguments: each
+dead worker. The per-launch worker secret and the CurveZMQ keys travel as actor arguments (msgspec
+JSON bytes; Ray's own control plane pickles its actor class and calls, inside the cluster): each
 actor writes them into private files on its own node, never a path another node cannot see.
 
 Lifecycle: connect to Ray -> start the coordinator (and gateway) with a Launcher of no workers
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 
+import msgspec
 import ray
 
 from pdserve.launch import Launcher, NodePlan
@@ -76,15 +78,27 @@ def _read_tree(root: str) -> dict[str, bytes]:
     return out
 
 
+class ActorArgs(msgspec.Struct):
+    """What a worker actor is started with, as msgspec JSON bytes (Ray carries them opaque: no
+    pickle of ours on its wire): its one-worker plan, the launch's secret and keys directory."""
+
+    plan: NodePlan
+    secret: str | None
+    keys: dict[str, bytes] | None
+    log_dir: str | None
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class WorkerActor:
     """One worker on whichever node Ray placed it: a Launcher of that one worker, supervising it
     from a thread of this actor (its child dies with this process: PDEATHSIG)."""
 
-    def __init__(self, plan: NodePlan, secret: str | None, keys: dict[str, bytes] | None, log_dir: str | None):
-        self.node_id = ray.get_runtime_context().get_node_id()
+    def __init__(self, args: bytes):
         from wire.security import is_loopback, write_secret
 
+        a = msgspec.json.decode(args, type=ActorArgs)
+        plan, secret, keys, log_dir = a.plan, a.secret, a.keys, a.log_dir
+        self.node_id = ray.get_runtime_context().get_node_id()
         here = "127.0.0.1" if is_loopback(plan.worker_addr) else ray.util.get_node_ip_address()  # its KV port, where decode workers reach it
         plan = dataclasses.replace(plan, kv_bind_host=here, keys=_write_tree(keys) if keys else None)
         self.launcher = Launcher(plan, log_dir and os.path.join(log_dir, plan.name))  # every actor's child is `ROLE-0`
@@ -101,10 +115,10 @@ class WorkerActor:
             self.error = f"{type(e).__name__}: {e}"
             print(f"pdserve ray worker {self.launcher.plan.name}: {self.error}", file=sys.stderr, flush=True)
 
-    def where(self) -> dict:
-        """Its node, its worker's pid, and the error that stopped it (None while it serves)."""
+    def where(self) -> bytes:
+        """JSON: its node, its worker's pid, and the error that stopped it (null while it serves)."""
         procs = self.launcher.procs
-        return {"node_id": self.node_id, "pid": procs[0][1].pid if procs else None, "error": self.error}
+        return msgspec.json.encode({"node_id": self.node_id, "pid": procs[0][1].pid if procs else None, "error": self.error})
 
     def stop(self) -> None:
         self.stopped.append(1)
@@ -160,7 +174,8 @@ class RayLaunch:
                                    threads=self.plan.threads or max(1, int(self.cfg.num_cpus)),
                                    **{r: int(r == role) for r in ROLES})
         actor = WorkerActor.options(name=actor_name(self.plan.worker_addr, name), num_cpus=self.cfg.num_cpus,
-                                    num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(plan, self.secret, self.keys, self.log_dir)
+                                    num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(
+                                        msgspec.json.encode(ActorArgs(plan, self.secret, self.keys, self.log_dir)))
         rep = Replica(name, role, actor, time.monotonic())
         self.replicas.append(rep)
         print(f"pdserve launch: ray: adding {role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)

@@ -3,12 +3,13 @@ loopback: a head node without CPUs, two nodes of one CPU each), run as a user ru
 a subprocess), with the tiny random model, every role allowed down to zero and decode up to two:
 the roles land on different nodes; removing a node with streams in flight leaves every stream
 completed identically (or ended with a typed error), none hung, and the lost worker back on the
-remaining node within 60 s; a burst that queues scales decode up; idleness takes every worker
-away, a request whose TTFT target is under the cold start is refused 503 `cold_start` with
-Retry-After, and the next one waits for the cold start and is served identically. One cluster and
+remaining node within 60 s; idleness takes every worker away, a request whose TTFT target is
+under the cold start is refused 503 `cold_start` with Retry-After, and the next one waits for
+the cold start and is served identically; a burst that queues then scales decode from one to two. One cluster and
 one launch for the module; skipped where ray is not installed (the `ray` extra)."""
 import asyncio
 import importlib.util
+import json
 import time
 
 import httpx
@@ -24,8 +25,10 @@ from tests.helpers import save_tiny_served_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'pdserve[ray]')")
 
-MAX_TOKENS = 300  # run_and_kill's streams (tests/faults/test_worker_death.py)
+MAX_TOKENS = 150  # each stream; run_and_kill (tests/faults/test_worker_death.py) starts 8
 OBJECT_STORE = 80 * 2**20  # per node: Ray's smallest, the workers pass nothing through it
+NODE = dict(num_cpus=1, object_store_memory=OBJECT_STORE)  # (Ray binds its own ports on the node address it finds)
+BURST_TOKENS = 400
 DOWNSCALE_S = 6.0
 COLD_START_S = 20.0
 # a lost node is declared dead after 3 missed 1 s health checks (Ray's default: 5 of 3 s)
@@ -37,11 +40,10 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False, object_store_memory=OBJECT_STORE,
-                                                          _system_config=FAST_FAILURE))
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE})
     try:
         for _ in range(2):
-            c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+            c.add_node(**NODE)
         c.wait_for_nodes()
         ray.init(address=c.address, namespace="pdserve", log_to_driver=False)  # to ask the actors where they run
         yield c
@@ -68,7 +70,7 @@ def node(cluster, model_dir, tmp_path_factory):
     n = Node(model_dir, tmp_path_factory.mktemp("ray"), "--ray", cluster.address, "--ray-num-cpus", "0.25",
              "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
              "--cold-start-s", str(COLD_START_S), "--ttft-p99-ms", "60000", "--class-target", "1:1000:500", "--max-client-priority", "1",
-             "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=2")
+             "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=1")
     try:
         n.wait_workers(2)
         yield n
@@ -86,7 +88,7 @@ def placement(node) -> dict:
     for name in ray.util.list_named_actors():
         if name.startswith(node.workers + "/"):
             try:
-                where = ray.get(ray.get_actor(name).where.remote(), timeout=10)
+                where = json.loads(ray.get(ray.get_actor(name).where.remote(), timeout=10))
             except (ValueError, ray.exceptions.RayError):  # removed meanwhile, or restarting after its node was lost
                 continue
             wid = next((w for w in workers if w.startswith(name.rsplit("/", 1)[1] + "-")), None)
@@ -110,7 +112,7 @@ def roles(node) -> set[str]:
 def test_roles_land_on_different_nodes(node, cluster):
     where = placement(node)
     assert len(where) == 2, where
-    workers = {n.unique_id for n in cluster.worker_nodes}
+    workers = {n.node_id for n in cluster.worker_nodes}
     assert set(where.values()) == workers, (where, workers)  # one on each node (SPREAD), none on the CPU-less head
 
 
@@ -122,49 +124,24 @@ def test_losing_a_node_mid_stream_every_stream_completes_or_fails_typed(node, cl
         where = placement(node)
         victim = next(nid for wid, nid in where.items() if "-decode-" in wid)
         decode_node["id"] = victim
-        cluster.remove_node(next(n for n in cluster.worker_nodes if n.unique_id == victim), allow_graceful=False)
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == victim), allow_graceful=False)
 
     try:
-        outs = asyncio.run(run_and_kill(node.clients, remove_decode_node, 100, max_tokens=MAX_TOKENS, timeout=120))
+        outs = asyncio.run(run_and_kill(node.clients, remove_decode_node, 80, max_tokens=MAX_TOKENS, timeout=120))
         completed = check_outcomes(outs, expected, 90)
         assert completed >= 1, outs
-        survivor = next(n.unique_id for n in cluster.worker_nodes)
+        survivor = next(n.node_id for n in cluster.worker_nodes)
         poll("a decode worker back on the remaining node", lambda: survivor in {nid for wid, nid in placement(node).items() if "-decode-" in wid}, 60)
         with Client(node.clients, timeout=60) as c:
             assert c.generate(token_ids=prompts(2)[1], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[1]
     finally:
-        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)  # the next tests have two nodes again
+        cluster.add_node(**NODE)  # the next tests have two nodes again
         cluster.wait_for_nodes()
-
-
-def test_a_burst_scales_decode_up(node, expected):
-    async def burst():
-        from pdserve_client.library import AsyncClient
-
-        async with AsyncClient(node.clients, timeout=180) as c:
-            return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts(8)))
-
-    seen = []
-
-    def decodes():
-        with Client(node.clients, timeout=5) as c:
-            seen.append(sum(w["role"] == "decode" for w in c.stats()["workers"]))
-        return seen[-1] >= 2
-
-    import threading
-
-    results = []
-    t = threading.Thread(target=lambda: results.append(asyncio.run(burst())))
-    t.start()
-    try:
-        poll("two decode workers during the burst", decodes, 120)  # 8 requests, 2 sequences a worker: its queue says short
-    finally:
-        t.join(200)
-    assert not t.is_alive() and [r.token_ids for r in results[0]] == expected
 
 
 def test_idle_scales_to_zero_then_a_request_waits_for_a_cold_start(node, expected, model_dir):
     poll("no worker left", lambda: not roles(node), DOWNSCALE_S * 3 + 30)
+    assert httpx.get(f"{node.http}/health", timeout=10).json()["status"] == "ready"  # workers start on demand
     with Client(node.clients, timeout=60) as c:
         with pytest.raises(NoWorkers) as e:  # class 1's TTFT target (1 s) is under the cold start: refused, retry after it
             c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=4, priority=1)
@@ -176,3 +153,36 @@ def test_idle_scales_to_zero_then_a_request_waits_for_a_cold_start(node, expecte
         got = c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         assert got.token_ids == expected[0]
         assert c.stats()["requests"]["cold_start_waits"] >= 1
+
+
+def test_a_burst_scales_decode_up(node):
+    async def burst():
+        from pdserve_client.library import AsyncClient
+
+        async with AsyncClient(node.clients, timeout=180) as c:  # long enough (~10 s on one worker) for the 1 s ticks to see it
+            return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
+                                          for p in prompts(8) * 3))
+
+    poll("at most one decode worker", lambda: decode_count(node) <= 1, DOWNSCALE_S * 3 + 30)
+    seen = []
+
+    def decodes():
+        assert t.is_alive() or results, "the burst ended with an exception (above)"
+        seen.append(decode_count(node))
+        return seen[-1] >= 2
+
+    import threading
+
+    results = []
+    t = threading.Thread(target=lambda: results.append(asyncio.run(burst())))
+    t.start()
+    try:
+        poll(f"two decode workers during the burst (decode workers seen: {seen})", decodes, 90)  # 8 requests, 1 sequence a worker: its queue says short
+    finally:
+        t.join(200)
+    assert not t.is_alive() and [r.completion_tokens for r in results[0]] == [BURST_TOKENS] * 24
+
+
+def decode_count(node) -> int:
+    with Client(node.clients, timeout=5) as c:
+        return sum(w["role"] == "decode" for w in c.stats()["workers"])
