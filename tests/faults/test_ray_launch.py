@@ -10,18 +10,18 @@ one launch for the module; skipped where ray is not installed (the `ray` extra).
 import asyncio
 import importlib.util
 import json
-import time
+import threading
 
 import httpx
 import pytest
 
-from pdserve_client.library import Client, NoWorkers
+from pdserve_client.library import AsyncClient, Client, NoWorkers
 from pdserve_client.params import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
-from tests.helpers import save_tiny_served_model
+from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'pdserve[ray]')")
 
@@ -134,6 +134,7 @@ def test_losing_a_node_mid_stream_every_stream_completes_or_fails_typed(node, cl
         poll("a decode worker back on the remaining node", lambda: survivor in {nid for wid, nid in placement(node).items() if "-decode-" in wid}, 60)
         with Client(node.clients, timeout=60) as c:
             assert c.generate(token_ids=prompts(2)[1], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[1]
+            wait_all_blocks_free(c, timeout=5)
     finally:
         cluster.add_node(**NODE)  # the next tests have two nodes again
         cluster.wait_for_nodes()
@@ -157,8 +158,6 @@ def test_idle_scales_to_zero_then_a_request_waits_for_a_cold_start(node, expecte
 
 def test_a_burst_scales_decode_up(node):
     async def burst():
-        from pdserve_client.library import AsyncClient
-
         async with AsyncClient(node.clients, timeout=180) as c:  # long enough (~10 s on one worker) for the 1 s ticks to see it
             return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
                                           for p in prompts(8) * 3))
@@ -171,16 +170,16 @@ def test_a_burst_scales_decode_up(node):
         seen.append(decode_count(node))
         return seen[-1] >= 2
 
-    import threading
-
     results = []
     t = threading.Thread(target=lambda: results.append(asyncio.run(burst())))
     t.start()
     try:
-        poll(f"two decode workers during the burst (decode workers seen: {seen})", decodes, 90)  # 8 requests, 1 sequence a worker: its queue says short
+        poll("two decode workers during the burst", decodes, 90)  # 24 requests, 1 sequence a worker: its queue says short
     finally:
         t.join(200)
     assert not t.is_alive() and [r.completion_tokens for r in results[0]] == [BURST_TOKENS] * 24
+    with Client(node.clients, timeout=10) as c:
+        wait_all_blocks_free(c, timeout=5)  # before the idle workers go (DOWNSCALE_S)
 
 
 def decode_count(node) -> int:
