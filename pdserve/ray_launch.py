@@ -157,9 +157,12 @@ class RayLaunch:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None, **private)
 
     def start(self) -> None:
-        """The coordinator and gateway here, then the initial workers (ConfigError if a role cannot start)."""
+        """Join the cluster, start the coordinator and gateway here, then the initial workers (ConfigError if a role cannot start)."""
         from wire.security import read_secret
 
+        handler = signal.getsignal(signal.SIGTERM)
+        self.connect()
+        signal.signal(signal.SIGTERM, handler)  # ray.init sets its own: SIGTERM stops the launch as Ctrl-C does
         self.local.start()
         self.secret = read_secret(self.local.secret_file)
         self.keys = _read_tree(self.plan.keys) if self.plan.keys else None
@@ -209,17 +212,30 @@ class RayLaunch:
             self.remove(rep)
         return next_report
 
-    def wait_ready(self, client, timeout: float = 300.0) -> dict:
+    def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until the initial workers are registered (and the gateway answers); returns the stats."""
+        from pdserve_client.library import Client
+
         stats = self.local.wait_ready(timeout)
         deadline, next_report = time.monotonic() + timeout, 0.0
-        while any(r.registered is None for r in self.replicas):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers not registered after {timeout:.0f}s: "
-                                   + ", ".join(r.worker_id for r in self.replicas if r.registered is None))
-            next_report = self.tick(client, next_report)
-            time.sleep(0.2)
-        return client.stats(timeout=2.0) if self.replicas else stats
+        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
+            while any(r.registered is None for r in self.replicas):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers not registered after {timeout:.0f}s: "
+                                       + ", ".join(r.worker_id for r in self.replicas if r.registered is None))
+                next_report = self.tick(client, next_report)
+                time.sleep(0.2)
+            return client.stats(timeout=2.0) if self.replicas else stats
+
+    def supervise(self, stop: list) -> None:
+        """The autoscaler's loop, until `stop` holds something."""
+        from pdserve_client.library import Client
+
+        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
+            next_report = 0.0
+            while not stop:
+                next_report = self.tick(client, next_report)
+                time.sleep(TICK_S)
 
     def stop(self) -> None:
         stop_actors(self.replicas)
@@ -228,31 +244,8 @@ class RayLaunch:
         ray.shutdown()
 
     def run_forever(self, on_ready=None) -> int:
-        from pdserve_client.library import Client
-
-        stop = []
-        try:
-            self.connect()
-            for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
-                signal.signal(sig, lambda *_: stop.append(1))
-            self.start()
-            with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
-                try:
-                    stats = self.wait_ready(client)
-                    if on_ready:
-                        on_ready(stats)
-                except TimeoutError as e:
-                    print(f"pdserve launch: {e}; serving with the roles that are up", file=sys.stderr, flush=True)
-                next_report = 0.0
-                while not stop:
-                    next_report = self.tick(client, next_report)
-                    time.sleep(TICK_S)
-            return 0
-        except RuntimeError as e:  # ConfigError
-            print(f"pdserve launch: {e}\npdserve launch: stopping", file=sys.stderr)
-            return 1
-        finally:
-            self.stop()
+        """Launcher's lifecycle (signals, start, ready, supervise, stop; 1 on a configuration error) with these steps."""
+        return Launcher.run_forever(self, on_ready)
 
 
 def stop_actors(replicas: list[Replica]) -> None:
