@@ -65,6 +65,11 @@ class CoordinatorConfig:
                       "short prompts or a long prefill queue; local: always on the decode worker")
     local_prefill_tokens: int = flag(PathRule.local_tokens, group="paths and roles", min=0, launch=True,
                                      help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally")
+    # > 0: workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request that finds none waits for one
+    cold_start_s: float = flag(0.0, group="paths and roles", min=0, launch=True,
+                               help="seconds a worker takes to start when none runs (workers started on demand: --ray with "
+                               "--min-replicas 0); a request that finds no worker waits for one if this fits its TTFT target, "
+                               "else it is refused with 503 cold_start and Retry-After; 0: refused at once (no_workers)")
     # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
     # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
     planner: PlannerConfig | None = flag(None, group="paths and roles", pair=True, command_default=False, launch=True,

@@ -19,6 +19,7 @@ class Count(enum.StrEnum):
     """Counters of a fixed name (their value is the name shown)."""
 
     REQUESTS = "requests"  # started: tokenized and checked, given an id
+    COLD_START_WAITS = "cold_start_waits"  # held while no worker ran, for one expected within --cold-start-s
     RETRIES = "retries"  # placed again after a lost worker or an unanswered Admit
     ADMISSION_TIMEOUTS = "admission_timeouts"
     LOST_HANDOFFS = "lost_handoffs"  # a hand-off done whose decode worker never started the request

@@ -446,6 +446,9 @@ class Coordinator:
             if any(w.role != Role.PREFILL for w in self.workers.values()):
                 self.park(st)  # its decode workers are all changing role: one takes work again soon
                 return
+            if self.cfg.cold_start_s > 0:
+                self.hold_for_cold_start(st, parked)
+                return
             self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
             return
         if prefills and decodes and self.cfg.paths != "local" and self.wait_for_twin(st, decodes[0].hello.block_size):
@@ -471,6 +474,20 @@ class Coordinator:
                 self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
             else:
                 self.generate_on(st, self.workers[decision.worker], decision, now)
+
+    def hold_for_cold_start(self, st: RequestState, parked: bool) -> None:
+        """No worker can decode st, and one is expected within `cold_start_s` (an orchestrator starts
+        workers on demand: `pdserve launch --ray` with --min-replicas 0, or a restarting worker): st
+        waits for it (parked, up to pending_timeout_s) if that fits its TTFT target, else it is
+        refused at once with `cold_start` and the time to retry after (the gateway's 503 Retry-After)."""
+        budget = self.request_targets(st).ttft_s
+        if parked or self.cfg.cold_start_s <= budget:
+            if not parked:
+                self.counts.add(Count.COLD_START_WAITS)
+            self.park(st)
+            return
+        self.error(st.iid, "cold_start", f"no worker is running; one starts in about {self.cfg.cold_start_s:g} s, over this "
+                   f"request's TTFT target of {budget:g} s: retry after that", retry_after_s=self.cfg.cold_start_s)
 
     def choose(self, req: RequestView, prefills: list[WorkerState], decodes: list[WorkerState], st: RequestState,
                now: float) -> PathChoice:
@@ -629,7 +646,8 @@ class Coordinator:
             if st.iid not in self.requests:
                 continue  # ended meanwhile: its client went away (drop_client)
             if now - st.arrival > self.cfg.pending_timeout_s:
-                self.error(st.iid, "overloaded", "no decode worker had room for this request in time")
+                self.error(st.iid, "overloaded", "no decode worker had room for this request in time" if self.workers else
+                           f"no worker started within {self.cfg.pending_timeout_s:g} s")
                 continue
             self.move(st, Phase.NEW)
             st.attempts -= 1  # waiting for room is not a new attempt
@@ -1050,12 +1068,12 @@ class Coordinator:
             end = st.arrival + times[-1] if times and reason != FinishReason.ABORT else ended
             self.tracer.ended(st, reason.name.lower(), split, self.model_name, end=end)
 
-    def error(self, iid: str, code: str, message: str) -> None:
+    def error(self, iid: str, code: str, message: str, retry_after_s: float = 0.0) -> None:
         st = self.close(iid)
         if st is None:
             return
         self.counts.error(code)
-        self.send_client(st.client, ErrorReply(st.client_rid, code, message))
+        self.send_client(st.client, ErrorReply(st.client_rid, code, message, retry_after_s))
         if self.tracer is not None:
             self.tracer.ended(st, "error", None, self.model_name, f"{code}: {message}")
 
@@ -1085,6 +1103,8 @@ class Coordinator:
             "nodes": self.nodes,
             "active_requests": len(self.requests),
             "pending": len(self.pending),
+            "cold_start_s": self.cfg.cold_start_s,
+            "loads": dict(zip(("prefill", "decode"), self.phase_loads(time.monotonic()))),  # > 1: the phase is short (planner.phase_loads)
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
             "calibration": self.calibration.summary(self.cfg.ttft_headroom, self.cfg.tpot_headroom),
             "handoff": self.handoff_times.summary(),

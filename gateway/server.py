@@ -10,7 +10,7 @@ completion request is authorized (bearer key, when one is set), decoded and chec
 (gateway/stream.py) and the results return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway/format.py).
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
 longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
-workers. A client that disconnects aborts its coordinator requests, so their KV blocks are
+workers (with Retry-After while one starts: cold_start). A client that disconnects aborts its coordinator requests, so their KV blocks are
 freed. /metrics wants the API key when one is set and asks every coordinator for its stats on
 every call; /health never wants it and answers from a readiness summary that a task of the
 lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
@@ -29,6 +29,7 @@ import collections
 import contextlib
 import hmac
 import logging
+import math
 import time
 import uuid
 
@@ -157,7 +158,8 @@ class Gateway:
         if not isinstance(e, ClientError):
             return ApiError(500, "internal error in the gateway", "internal_error")
         status = next((s for cls, s in _STATUS if isinstance(e, cls)), _CODE_STATUS.get(e.code, 500))
-        headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 429 else None
+        retry_after = math.ceil(getattr(e, "retry_after_s", 0.0)) or (self.cfg.retry_after_s if status == 429 else 0)
+        headers = {"Retry-After": str(retry_after)} if retry_after else None
         return ApiError(status, getattr(e, "message", str(e)), e.code, headers=headers)
 
     async def on_api_error(self, request, e: ApiError) -> Response:
@@ -277,6 +279,8 @@ def readiness(stats: dict | None) -> Health:
         return Health("unavailable", reason="the coordinator does not answer")
     roles = collections.Counter(w["role"] for w in stats.get("workers", []))
     if roles["colocated"] > 0 or (roles["prefill"] > 0 and roles["decode"] > 0):
+        return Health("ready", dict(roles))
+    if stats.get("cold_start_s"):  # workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request brings one
         return Health("ready", dict(roles))
     return Health("unavailable", dict(roles), "no prefill+decode pair or colocated worker is registered")
 

@@ -1,6 +1,6 @@
 """The `pdserve` command line. The roles' flags are built from the config dataclasses that declare
 them (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig,
-ToolConfig: pdserve/flags.py),
+ToolConfig, RayConfig: pdserve/flags.py),
 each command's `--help` in sections by concern. Each sub-command imports its role lazily, so
 `pdserve --help` stays fast and the coordinator's commands never import the model code."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from coordinator.planner import PlannerConfig
 from gateway.config import GatewayConfig, ModelRoute, ToolConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
 from pdserve.launch import HANG_TIMEOUT_S, NodePlan
+from pdserve.ray_config import RayConfig
 from runtime.config import EngineConfig, WorkerConfig
 from pdserve_client.errors import PdserveError
 from wire.limits import RequestLimits
@@ -34,6 +35,7 @@ CHAT_TEMPLATE = [s for s in COORDINATOR if s.name == "chat_template"]
 TRACING = [s for s in COORDINATOR if s.flag.group == "tracing" and s.flag.launch]
 # what `pdserve launch` passes to the coordinator as they are (tracing, limits and the chat template: below)
 COORDINATOR_LAUNCH = [s for s in COORDINATOR + PLANNER if s.flag.launch and s.flag.group in ("SLO", "paths and roles")]
+RAY = specs(RayConfig)  # `pdserve launch --ray`: its own flags (pdserve/ray_config.py)
 GATEWAY = specs(GatewayConfig)
 TOOLS = specs(ToolConfig)
 GATEWAY_LAUNCH = specs(GatewayConfig, launch_only=True) + specs(ToolConfig, launch_only=True)
@@ -336,10 +338,12 @@ def stats(address, timeout, keys):
                    "the same workers as the first")
 @options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch and s is not MODEL] + GATEWAY_LAUNCH)
 @options(ENGINE_LAUNCH, unset=True)
+@options(RAY)
 def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threads, prefill_tp, decode_tp, log_dir, engine_arg, gateway,
            hang_timeout_s, models, **values):
-    """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait."""
-    from pdserve.launch import Launcher, plan_from_toml
+    """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait (--ray: the workers
+    as actors of a Ray cluster, their counts following the traffic)."""
+    from pdserve.launch import plan_from_toml
 
     (model, name), *more = [_model_and_name(m) for m in models] or [(None, None)]
     if name and values["served_model_name"]:
@@ -378,14 +382,32 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
             click.echo(f"OpenAI API -> {plan.http_url}/v1 (metrics at {plan.http_url}/metrics)", err=True)
         click.echo("stop with Ctrl-C", err=True)
 
-    launcher = Launcher(plan, log_dir, _usage_error)
-    sys.exit(launcher.run_forever(ready))
+    sys.exit(_launcher(plan, log_dir, values).run_forever(ready))
 
 
 def _model_and_name(spec: str) -> tuple[str, str | None]:
     """--model PATH[=NAME] as (PATH, NAME or None); a path that exists is a path, '=' and all."""
     path, sep, name = spec.rpartition("=")
     return (spec, None) if not sep or os.path.exists(spec) else (path, name or None)
+def _launcher(plan: NodePlan, log_dir, values: dict):
+    """The node's Launcher, or with --ray the Ray launch (pdserve/ray_launch.py: ray is imported only then)."""
+    from pdserve.launch import Launcher
+
+    cfg = RayConfig(**field_values(RAY, values), min_replicas=values["min_replicas"], max_replicas=values["max_replicas"])
+    if cfg.address is None:
+        if cfg.min_replicas or cfg.max_replicas:
+            raise click.UsageError("--min-replicas and --max-replicas need --ray (without it the counts are fixed)")
+        return Launcher(plan, log_dir, _usage_error)
+    if plan.more_models:
+        raise click.UsageError("--ray with several --model is not supported (one model per Ray launch)")
+    try:
+        from pdserve.ray_launch import RayLaunch
+    except ImportError as e:
+        raise click.UsageError(f"--ray needs Ray: pip install 'pdserve[ray]' ({e})") from None
+    try:
+        return RayLaunch(plan, cfg, log_dir, _usage_error)
+    except PdserveError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _coordinator_and_gateway_args(plan: NodePlan, values: dict) -> None:

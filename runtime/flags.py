@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 # --help's sections, in order (options of one command alone come first, under "Options")
 GROUPS = ("model and weights", "KV cache and transfer", "scheduling", "parallelism", "SLO", "paths and roles",
-          "request limits", "network", "HTTP gateway", "security", "tracing")
+          "request limits", "network", "HTTP gateway", "Ray cluster", "security", "tracing")
 FIELD_DEFAULT = object()  # command_default: the field's own default
 COMPUTED = object()  # command_default: no fixed default, the command computes one at start (the help says how)
 

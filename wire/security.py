@@ -85,12 +85,13 @@ def worker_options(keys: str | None, secret: str | None = None) -> dict:
     return client_options(keys, WORKER)
 
 
-def write_secret() -> str:
-    """A fresh per-launch secret in a new 0600 file (in a 0700 directory); returns its path."""
+def write_secret(value: str | None = None) -> str:
+    """A per-launch secret (fresh, or `value`: one a launcher handed over) in a new 0600 file (in a
+    0700 directory); returns its path."""
     path = os.path.join(tempfile.mkdtemp(prefix="pdserve-"), "worker-secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
+        f.write(value or secrets.token_urlsafe(32))
     return path
 
 

@@ -58,10 +58,11 @@ def _send_now(sock, data: bytes):
 class RequestError(ClientError):
     """The coordinator or a worker refused or ended the request; `code` says why."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after_s: float = 0.0):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # > 0: when a retry can succeed (ErrorReply.retry_after_s)
 
 
 class InvalidRequest(RequestError):
@@ -94,7 +95,7 @@ class ClientTooSlow(RequestError):
 
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
-    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
+    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "cold_start": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
     "unknown_request": RequestLost, "client_too_slow": ClientTooSlow,
 }
@@ -102,7 +103,7 @@ PROBE_S = 2.0  # silence after which a waiting client asks whether its request i
 
 
 def request_error(reply: ErrorReply) -> RequestError:
-    return _ERRORS.get(reply.code, RequestError)(reply.code, reply.message)
+    return _ERRORS.get(reply.code, RequestError)(reply.code, reply.message, reply.retry_after_s)
 
 
 @dataclass

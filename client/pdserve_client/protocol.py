@@ -106,6 +106,7 @@ class ErrorReply(Message):
     request_id: str
     code: str  # pdserve_client.errors / the engine's runtime.errors code: invalid_request, prompt_too_long, no_workers, ...
     message: str
+    retry_after_s: float = 0.0  # > 0: when a retry can succeed (cold_start: a worker is starting)
 
 
 class StatsReply(Message):

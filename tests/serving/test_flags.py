@@ -16,11 +16,12 @@ from gateway.config import GatewayConfig, ToolConfig
 from pdserve.cli import COORDINATOR_LAUNCH, ENGINE, GATEWAY, GATEWAY_LAUNCH, GATEWAY_PASSED, main
 from pdserve.flags import GroupedOption, as_args, field_values, specs, worker_args
 from pdserve.launch import NodePlan
+from pdserve.ray_config import RayConfig
 from runtime.config import EngineConfig, WorkerConfig
 from runtime.flags import FIELD_DEFAULT, GROUPS
 from wire.limits import RequestLimits
 
-CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig, ToolConfig)
+CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig, ToolConfig, RayConfig)
 # command -> the config classes whose flags it takes (all of them, or only those marked launch)
 TAKES = {
     "worker": [(EngineConfig, False), (WorkerConfig, False)],
@@ -29,9 +30,9 @@ TAKES = {
     "coordinator": [(CoordinatorConfig, False), (PlannerConfig, False), (RequestLimits, False)],
     "gateway": [(GatewayConfig, False), (ToolConfig, False), (RequestLimits, False)],
     "launch": [(EngineConfig, True), (CoordinatorConfig, True), (PlannerConfig, True), (RequestLimits, True), (GatewayConfig, True),
-               (ToolConfig, True)],
+               (ToolConfig, True), (RayConfig, False)],
 }
-COMMAND_OF = {EngineConfig: "worker", WorkerConfig: "worker", GatewayConfig: "gateway", ToolConfig: "gateway"}  # else: coordinator
+COMMAND_OF = {EngineConfig: "worker", WorkerConfig: "worker", GatewayConfig: "gateway", ToolConfig: "gateway", RayConfig: "launch"}  # else: coordinator
 
 
 def params_named(command: click.Command, name: str) -> list[click.Parameter]:
@@ -143,11 +144,11 @@ def test_engine_flags_of_launch_are_the_engines():
 
 
 def test_building_the_command_line_imports_no_torch():
-    """Nor starlette: the gateway's flags come from gateway/config.py, not its server."""
+    """Nor starlette: the gateway's flags come from gateway/config.py, not its server; nor ray (only `launch --ray` loads it)."""
     code = ("import sys; from click.testing import CliRunner; from pdserve.cli import main\n"
             "helps = [CliRunner().invoke(main, [c, '--help']).output for c in ('launch', 'worker', 'coordinator', 'gateway')]\n"
             "print(all('--block-size' in h or '--ttft-p99-ms' in h or '--max-inflight' in h for h in helps), 'torch' in sys.modules,"
-            " 'starlette' in sys.modules)")
+            " 'starlette' in sys.modules, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False", "False"]
+    assert out.stdout.split() == ["True", "False", "False", "False"]

@@ -1,0 +1,124 @@
+"""The flags of `pdserve launch --ray` (its workers as Ray actors, their counts following the
+traffic), declared on one dataclass as every role's flags are (runtime/flags.py), the per-role
+replica limits read from them, and the autoscaler's decisions. Nothing here imports ray:
+`pdserve launch --help` and a launch without --ray never load it (pdserve/ray_launch.py does,
+once --ray is given), and the decisions are tested without a cluster.
+
+Lifecycle: a RayConfig is built once by `pdserve launch` from its flags; `replica_limits` checks
+the --min-replicas / --max-replicas values against the roles the launch runs (a bad one is a
+usage error before anything starts). pdserve/ray_launch.py then keeps one `Replica` per worker
+actor and hands the coordinator's stats to `Autoscaler.decide` every tick.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve_client.errors import InvalidRequestError
+from runtime.flags import flag
+
+ROLES = ("prefill", "decode", "colocated")
+GROUP = "Ray cluster"
+
+
+@dataclass
+class RayConfig:
+    address: str | None = flag(None, group=GROUP, name="ray",
+                               help="run the workers as Ray actors on this Ray cluster (ADDRESS as `ray.init` takes it; auto: the "
+                                    "cluster `ray start` runs on this machine, else a private one started here); the coordinator "
+                                    "and the gateway run on this node (docs/operations.md, Ray)")
+    num_cpus: float = flag(1.0, group=GROUP, name="ray_num_cpus", min=0,
+                           help="with --ray: CPUs Ray reserves for each worker (it places workers where these are free)")
+    num_gpus: float = flag(0.0, group=GROUP, name="ray_num_gpus", min=0, help="with --ray: GPUs Ray reserves for each worker")
+    min_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
+                               help="with --ray: the fewest workers of a role, N (every role) or ROLE=N (0: none while idle, "
+                                    "the next request waits for a cold start; default: the launch's count)")
+    max_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
+                               help="with --ray: the most workers of a role, N (every role) or ROLE=N; above the launch's "
+                                    "count, workers are added while the role is short (default: the launch's count)")
+    downscale_delay_s: float = flag(600.0, group=GROUP, min=0,
+                                    help="with --ray: a worker idle this long is removed while its role has more than "
+                                         "--min-replicas (Ray Serve's default)")
+
+    def replica_limits(self, counts: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """role -> (min, max) for the roles this launch runs (`counts`: its --prefill/--decode/--colocated
+        counts, which stand where no limit is given); InvalidRequestError for a bad value."""
+        lo, hi = _per_role(self.min_replicas, "--min-replicas"), _per_role(self.max_replicas, "--max-replicas")
+        out = {}
+        for role, n in counts.items():
+            mn = lo.get(role, lo.get("", n))
+            mx = hi.get(role, hi.get("", max(n, mn)))
+            if mx < max(mn, 1):
+                raise InvalidRequestError(f"--max-replicas of {role} is {mx}: it must be >= 1 and >= --min-replicas ({mn})")
+            out[role] = (mn, mx)
+        return out
+
+
+def _per_role(values: tuple, name: str) -> dict[str, int]:
+    """`N` (key "") or `ROLE=N` values by role."""
+    out = {}
+    for value in values:
+        role, _, n = value.rpartition("=")
+        if role not in ("", *ROLES) or not n.isdigit():
+            raise InvalidRequestError(f"{name} wants N or ROLE=N (ROLE: {', '.join(ROLES)}), got {value!r}")
+        out[role] = int(n)
+    return out
+
+
+@dataclass
+class Replica:
+    name: str  # its NodePlan name: its worker id is f"{name}-{role}-0"
+    role: str
+    actor: object
+    asked: float  # when it was asked for (monotonic)
+    registered: float | None = None  # when its worker first appeared in the coordinator's stats
+    idle_since: float | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.name}-{self.role}-0"
+
+
+@dataclass
+class Autoscaler:
+    """Decides, from one stats document, which role gets a worker more and which replica goes."""
+
+    limits: dict[str, tuple[int, int]]  # role -> (min, max)
+    downscale_delay_s: float
+    serving: set[str]  # the roles a request needs (the launch's): each comes back from zero with the first request
+    cold_refusals: int = 0  # error:cold_start counted so far
+
+    def short(self, stats: dict, role: str, workers: list[dict]) -> str | None:
+        """Why `role` needs a worker more (None: it does not)."""
+        load = stats.get("loads", {}).get("prefill" if role == "prefill" else "decode", 0.0)
+        if load > 1.0:
+            return f"its phase load is {load:.2f} (> 1: the predicted wait is over the target)"
+        queued = sum(w["queue"] for w in workers)
+        if queued:
+            return f"{queued} requests are queued on its workers"
+        if role != "prefill" and stats.get("pending"):
+            return f"{stats['pending']} requests wait for a worker with room"
+        refused = stats.get("requests", {}).get("error:cold_start", 0) - self.cold_refusals
+        if not workers and role in self.serving and (refused or stats.get("pending")):
+            return f"it has no worker and requests wait ({stats.get('pending', 0)}) or were refused ({refused}: cold_start)"
+        return None
+
+    def decide(self, stats: dict, replicas: list[Replica], now: float) -> tuple[list[tuple[str, str]], list[Replica]]:
+        """([(role, why)] to add, [replica] to remove); marks registrations and idle clocks."""
+        by_id = {w["id"]: w for w in stats.get("workers", [])}
+        add, remove = [], []
+        for role, (lo, hi) in self.limits.items():
+            mine = [r for r in replicas if r.role == role]
+            for r in mine:
+                w = by_id.get(r.worker_id)
+                if w is not None and r.registered is None:
+                    r.registered = now
+                busy = w is None or w["inflight"] or w["queue"] or w["running"]
+                r.idle_since = None if busy else (r.idle_since or now)
+            why = self.short(stats, role, [by_id[r.worker_id] for r in mine if r.worker_id in by_id])
+            if why and len(mine) < hi and all(r.registered is not None for r in mine):
+                add.append((role, why))
+            elif not why and len(mine) > lo:
+                idle = [r for r in mine if r.idle_since is not None and now - r.idle_since >= self.downscale_delay_s]
+                remove += sorted(idle, key=lambda r: r.idle_since)[:1]
+        self.cold_refusals = stats.get("requests", {}).get("error:cold_start", 0)
+        return add, remove

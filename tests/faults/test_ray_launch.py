@@ -1,0 +1,187 @@
+"""`pdserve launch --ray` on a local multi-node Ray cluster (`ray.cluster_utils.Cluster` on
+loopback: a head node without CPUs, two nodes of one CPU each), run as a user runs it (the CLI in
+a subprocess), with the tiny random model, every role allowed down to zero and decode up to two:
+the roles land on different nodes; removing a node with streams in flight leaves every stream
+completed identically (or ended with a typed error), none hung, and the lost worker back on the
+remaining node within 60 s; idleness takes every worker away, a request whose TTFT target is
+under the cold start is refused 503 `cold_start` with Retry-After, and the next one waits for
+the cold start and is served identically; a burst that queues then scales decode from one to two. One cluster and
+one launch for the module; skipped where ray is not installed (the `ray` extra)."""
+import asyncio
+import importlib.util
+import json
+import threading
+
+import httpx
+import pytest
+
+from pdserve_client.library import AsyncClient, Client, NoWorkers
+from pdserve_client.params import SamplingParams
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from tests.faults.test_supervised_launch import Node, poll
+from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
+from tests.helpers import save_tiny_served_model, wait_all_blocks_free
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'pdserve[ray]')")
+
+MAX_TOKENS = 150  # each stream; run_and_kill (tests/faults/test_worker_death.py) starts 8
+OBJECT_STORE = 80 * 2**20  # per node: Ray's smallest, the workers pass nothing through it
+NODE = dict(num_cpus=1, object_store_memory=OBJECT_STORE)  # (Ray binds its own ports on the node address it finds)
+BURST_TOKENS = 400
+DOWNSCALE_S = 6.0
+COLD_START_S = 20.0
+# a lost node is declared dead after 3 missed 1 s health checks (Ray's default: 5 of 3 s)
+FAST_FAILURE = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE})
+    try:
+        for _ in range(2):
+            c.add_node(**NODE)
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="pdserve", log_to_driver=False)  # to ask the actors where they run
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("served")
+    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
+    return d
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=1024), progress=False, tokenizer=False)
+    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def node(cluster, model_dir, tmp_path_factory):
+    n = Node(model_dir, tmp_path_factory.mktemp("ray"), "--ray", cluster.address, "--ray-num-cpus", "0.25",
+             "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
+             "--cold-start-s", str(COLD_START_S), "--ttft-p99-ms", "60000", "--class-target", "1:1000:500", "--max-client-priority", "1",
+             "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=1")
+    try:
+        n.wait_workers(2)
+        yield n
+    finally:
+        assert n.stop() == 0, n.stderr()
+
+
+def placement(node) -> dict:
+    """worker id -> the Ray node id its actor runs on, for the workers registered now."""
+    import ray
+
+    with Client(node.clients, timeout=5) as c:
+        workers = {w["id"]: w["role"] for w in c.stats()["workers"]}
+    out = {}
+    for name in ray.util.list_named_actors():
+        if name.startswith(node.workers + "/"):
+            try:
+                where = json.loads(ray.get(ray.get_actor(name).where.remote(), timeout=10))
+            except (ValueError, ray.exceptions.RayError):  # removed meanwhile, or restarting after its node was lost
+                continue
+            wid = next((w for w in workers if w.startswith(name.rsplit("/", 1)[1] + "-")), None)
+            if wid is not None:
+                out[wid] = where["node_id"]
+    return out
+
+
+def warm(node, expected) -> None:
+    """A request served (after a cold start if the workers were idle away), so that both roles run."""
+    with Client(node.clients, timeout=120) as c:
+        assert c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[0]
+    poll("a prefill and a decode worker", lambda: {"prefill", "decode"} <= roles(node), 60)
+
+
+def roles(node) -> set[str]:
+    with Client(node.clients, timeout=5) as c:
+        return {w["role"] for w in c.stats()["workers"]}
+
+
+def test_roles_land_on_different_nodes(node, cluster):
+    where = placement(node)
+    assert len(where) == 2, where
+    workers = {n.node_id for n in cluster.worker_nodes}
+    assert set(where.values()) == workers, (where, workers)  # one on each node (SPREAD), none on the CPU-less head
+
+
+def test_losing_a_node_mid_stream_every_stream_completes_or_fails_typed(node, cluster, expected):
+    warm(node, expected)
+    decode_node = {}
+
+    def remove_decode_node():
+        where = placement(node)
+        victim = next(nid for wid, nid in where.items() if "-decode-" in wid)
+        decode_node["id"] = victim
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == victim), allow_graceful=False)
+
+    try:
+        outs = asyncio.run(run_and_kill(node.clients, remove_decode_node, 80, max_tokens=MAX_TOKENS, timeout=120))
+        completed = check_outcomes(outs, expected, 90)
+        assert completed >= 1, outs
+        survivor = next(n.node_id for n in cluster.worker_nodes)
+        poll("a decode worker back on the remaining node", lambda: survivor in {nid for wid, nid in placement(node).items() if "-decode-" in wid}, 60)
+        with Client(node.clients, timeout=60) as c:
+            assert c.generate(token_ids=prompts(2)[1], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[1]
+            wait_all_blocks_free(c, timeout=5)
+    finally:
+        cluster.add_node(**NODE)  # the next tests have two nodes again
+        cluster.wait_for_nodes()
+
+
+def test_idle_scales_to_zero_then_a_request_waits_for_a_cold_start(node, expected, model_dir):
+    poll("no worker left", lambda: not roles(node), DOWNSCALE_S * 3 + 30)
+    assert httpx.get(f"{node.http}/health", timeout=10).json()["status"] == "ready"  # workers start on demand
+    with Client(node.clients, timeout=60) as c:
+        with pytest.raises(NoWorkers) as e:  # class 1's TTFT target (1 s) is under the cold start: refused, retry after it
+            c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=4, priority=1)
+        assert e.value.code == "cold_start" and e.value.retry_after_s == COLD_START_S
+    r = httpx.post(f"{node.http}/v1/completions", json={"model": model_dir.name, "prompt": "hi", "max_tokens": 2, "priority": 1}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "cold_start", r.text
+    assert r.headers["retry-after"] == f"{COLD_START_S:g}"
+    with Client(node.clients, timeout=120) as c:
+        got = c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert got.token_ids == expected[0]
+        assert c.stats()["requests"]["cold_start_waits"] >= 1
+
+
+def test_a_burst_scales_decode_up(node):
+    async def burst():
+        async with AsyncClient(node.clients, timeout=180) as c:  # long enough (~10 s on one worker) for the 1 s ticks to see it
+            return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
+                                          for p in prompts(8) * 3))
+
+    poll("at most one decode worker", lambda: decode_count(node) <= 1, DOWNSCALE_S * 3 + 30)
+    seen = []
+
+    def decodes():
+        assert t.is_alive() or results, "the burst ended with an exception (above)"
+        seen.append(decode_count(node))
+        return seen[-1] >= 2
+
+    results = []
+    t = threading.Thread(target=lambda: results.append(asyncio.run(burst())))
+    t.start()
+    try:
+        poll("two decode workers during the burst", decodes, 90)  # 24 requests, 1 sequence a worker: its queue says short
+    finally:
+        t.join(200)
+    assert not t.is_alive() and [r.completion_tokens for r in results[0]] == [BURST_TOKENS] * 24
+    with Client(node.clients, timeout=10) as c:
+        wait_all_blocks_free(c, timeout=5)  # before the idle workers go (DOWNSCALE_S)
+
+
+def decode_count(node) -> int:
+    with Client(node.clients, timeout=5) as c:
+        return sum(w["role"] == "decode" for w in c.stats()["workers"])
