@@ -373,16 +373,18 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
     plan.http_host, plan.http_port = values["http_host"], values["http_port"]
     plan.hang_timeout_s = hang_timeout_s
 
+    launcher = _launcher(plan, log_dir, values)
+
     def ready(stats):
         workers = ", ".join(f"{w['id']} ({w['role']}, {w['total_blocks']} blocks)" for w in (stats or {}).get("workers", []))
         click.echo(f"pdserve ready: clients -> {plan.client_addr}; workers: {workers}", err=True)
-        for m, name in zip(plan.models[1:], launcher.served_names()[1:]):
+        for m, name in zip(plan.models[1:], launcher.served_names()[1:] if plan.more_models else []):
             click.echo(f"model {name}: clients -> {m.client_addr}; workers: {', '.join(sorted(launcher.worker_ids(m)))}", err=True)
         if plan.gateway:
             click.echo(f"OpenAI API -> {plan.http_url}/v1 (metrics at {plan.http_url}/metrics)", err=True)
         click.echo("stop with Ctrl-C", err=True)
 
-    sys.exit(_launcher(plan, log_dir, values).run_forever(ready))
+    sys.exit(launcher.run_forever(ready))
 
 
 def _model_and_name(spec: str) -> tuple[str, str | None]:

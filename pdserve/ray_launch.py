@@ -190,15 +190,15 @@ class RayLaunch:
         self.replicas.remove(rep)
         stop_actors([rep])
 
-    def tick(self, client, next_report: float) -> float:
+    def tick(self, client) -> None:
         """One pass: the local roles tended, registrations noted, the autoscaler's decisions made."""
         from pdserve_client.library import ClientError
 
-        next_report = self.local.tend(client, next_report)
+        self.local.tend([client])
         try:
             stats = client.stats(timeout=2.0)
         except ClientError:
-            return next_report  # the coordinator restarts: next tick
+            return  # the coordinator restarts: next tick
         now = time.monotonic()
         was = {r.name for r in self.replicas if r.registered is None}
         add, remove = self.scaler.decide(stats, self.replicas, now)
@@ -210,20 +210,19 @@ class RayLaunch:
             self.add(role, why)
         for rep in remove:
             self.remove(rep)
-        return next_report
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until the initial workers are registered (and the gateway answers); returns the stats."""
         from pdserve_client.library import Client
 
         stats = self.local.wait_ready(timeout)
-        deadline, next_report = time.monotonic() + timeout, 0.0
+        deadline = time.monotonic() + timeout
         with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
             while any(r.registered is None for r in self.replicas):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"workers not registered after {timeout:.0f}s: "
                                        + ", ".join(r.worker_id for r in self.replicas if r.registered is None))
-                next_report = self.tick(client, next_report)
+                self.tick(client)
                 time.sleep(0.2)
             return client.stats(timeout=2.0) if self.replicas else stats
 
@@ -232,9 +231,8 @@ class RayLaunch:
         from pdserve_client.library import Client
 
         with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
-            next_report = 0.0
             while not stop:
-                next_report = self.tick(client, next_report)
+                self.tick(client)
                 time.sleep(TICK_S)
 
     def stop(self) -> None:
