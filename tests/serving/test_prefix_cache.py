@@ -17,6 +17,9 @@ from tests.gateway.helpers import scrape, value
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 BLOCK = 8
+# --heartbeat-s 0.1 (as tests/serving/test_robustness.py): every check here ends in wait_all_blocks_free,
+# which waits for two heartbeats after it starts; the cache's behaviour does not depend on their period
+ENGINE = ["--num-blocks", "128", "--block-size", str(BLOCK), "--heartbeat-s", "0.1"]
 SYSTEM = [100 + (j * 37) % 3000 for j in range(45)]  # 5 full blocks and a part
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -60,7 +63,7 @@ def block_bytes(model_dir) -> int:
 
 def cache_cluster(model_dir, log_dir, mode):
     kwargs = dict(colocated=1, prefill=0, decode=0, gateway=True, http_port=free_port()) if mode == "colocated" else dict(prefill=1, decode=1, kv_backend=mode)
-    return start_cluster(model_dir, log_dir, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK)], **kwargs)
+    return start_cluster(model_dir, log_dir, engine_args=ENGINE, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,7 @@ def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, r
 
 def test_no_prefix_cache_sends_every_block(model_dir, reference, tmp_path):
     first, prompts, want = reference
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK), "--no-prefix-cache"])
+    launcher = start_cluster(model_dir, tmp_path, engine_args=[*ENGINE, "--no-prefix-cache"])
     try:
         addr = launcher.plan.client_addr
         assert [r.token_ids for r in asyncio.run(run_all(addr, first_wave() + prompts))] == first + want
