@@ -140,6 +140,11 @@ def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
     tok.save_pretrained(str(path))
 
 
+def stream_prompts(n: int) -> list[list[int]]:
+    """n distinct prompts of 12, 13, ... token ids: the streams the worker-kill tests run (tests/faults/conftest.py)."""
+    return [[100 + 17 * i + j for j in range(12 + i)] for i in range(n)]
+
+
 def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), prefill_args=(),
                   coordinator_args=(), keys=None, timeout=120.0, **plan):
     """A coordinator and workers as real processes on loopback; returns the started Launcher.

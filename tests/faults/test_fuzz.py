@@ -54,7 +54,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), engine_args=["--kv-cache-mb", "8"])
+    # --heartbeat-s 0.1 (as tests/serving/test_robustness.py): each check_healthy waits for two fresh
+    # heartbeats twice (wait_all_blocks_free); the fuzz is about the wire, not the heartbeat's period
+    launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), engine_args=["--kv-cache-mb", "8", "--heartbeat-s", "0.1"])
     yield launcher
     launcher.stop()
 

@@ -25,11 +25,8 @@ import zmq
 
 from pdserve_client.library import Client, ClientError, RequestError, RequestLost
 from kvtransfer.pool import host_identity
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from pdserve_client.params import SamplingParams
 from tests.faults.test_worker_death import run_and_kill
-from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
+from tests.helpers import free_port, stream_prompts as prompts, wait_all_blocks_free
 from wire import security
 from wire.liveness import LIVENESS_ENV
 from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, Welcome
@@ -39,20 +36,14 @@ MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
-    return d
-
-
-def prompts(n):
-    return [[100 + 17 * i + j for j in range(12 + i)] for i in range(n)]
+def model_dir(kill_model_dir):
+    return kill_model_dir
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=1024), progress=False, tokenizer=False)
-    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+def expected(kill_expected):
+    """The single-process greedy tokens of prompts(8) (tests/faults/conftest.py, shared with test_worker_death.py)."""
+    return [e[:MAX_TOKENS] for e in kill_expected]
 
 
 class Node:
@@ -277,10 +268,12 @@ def test_a_hung_worker_is_killed_and_restarted(model_dir, tmp_path):
     node = Node(model_dir, tmp_path, "--hang-timeout-s", str(HANG_TIMEOUT_S), "--engine-arg=--kv-cache-mb=16")
     try:
         stats = node.wait_workers(2)
-        for role in ("coordinator", "gateway", "prefill", "decode"):  # each role's loop touches its file (or it is not watched)
-            path = liveness_file(node.child(role))
-            first = poll(f"{role}'s liveness file", lambda: os.path.exists(path) and os.stat(path).st_mtime_ns, 10)
-            poll(f"{role}'s next touch", lambda: os.stat(path).st_mtime_ns != first, 5)
+        # each role's loop touches its file (or it is not watched): all four watched at once
+        paths = {role: liveness_file(node.child(role)) for role in ("coordinator", "gateway", "prefill", "decode")}
+        first = {role: poll(f"{role}'s liveness file", lambda: os.path.exists(path) and os.stat(path).st_mtime_ns, 10)
+                 for role, path in paths.items()}
+        for role, path in paths.items():
+            poll(f"{role}'s next touch", lambda: os.stat(path).st_mtime_ns != first[role], 5)
         victim = next(w for w in stats["workers"] if w["role"] == "decode")
         os.kill(victim["pid"], signal.SIGSTOP)  # its loop stops; the process lives
         stopped_at = time.monotonic()

@@ -12,29 +12,20 @@ import time
 import pytest
 
 from pdserve_client.library import AsyncClient, Client, RequestError, RequestLost
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from pdserve_client.params import SamplingParams
-from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
+from tests.helpers import start_cluster, stream_prompts as prompts, wait_all_blocks_free
 
 MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
-    return d
-
-
-def prompts(n):
-    return [[100 + 17 * i + j for j in range(12 + i)] for i in range(n)]
+def model_dir(kill_model_dir):
+    return kill_model_dir
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=1024), progress=False, tokenizer=False)
-    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+def expected(kill_expected):
+    """The single-process greedy tokens of prompts(8) (tests/faults/conftest.py, shared with test_supervised_launch.py)."""
+    return [e[:MAX_TOKENS] for e in kill_expected]
 
 
 def proc(launcher, name):

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve_client.library import Client
 from gateway.responses import ResponseObject, ResponseStore
-from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
+from tests.helpers import wait_all_blocks_free
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
@@ -26,15 +26,10 @@ GREEDY = dict(temperature=0, max_output_tokens=12)
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # vLLM's extra: the tiny random model ends compact JSON in time
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def service(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, max_position_embeddings=1024)
-    counts = dict(prefill=0, decode=0, colocated=1) if request.param == "colocated" else dict(prefill=1, decode=1)
-    launcher = start_cluster(d, tmp_path_factory.mktemp("logs"), gateway=True, http_port=free_port(),
-                             engine_args=["--kv-cache-mb", "32"], coordinator_args=["--no-slo"], **counts)
-    yield launcher
-    launcher.stop()
+@pytest.fixture
+def service(kind_service):
+    """tests/gateway/conftest.py's service (a pair, then a colocated worker), shared with test_scoring.py."""
+    return kind_service
 
 
 @pytest.fixture

@@ -13,26 +13,20 @@ import torch
 from pdserve_client.library import Client
 from runtime.scoring import SCORE_CHUNK
 from runtime.tokenizer import load_tokenizer
-from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
+from tests.helpers import wait_all_blocks_free
 
 ATOL = 1e-4  # float32 fast path against transformers' float32 forward (seen: ~1e-5)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, max_position_embeddings=1024)
-    return d
+def model_dir(served_1024):
+    return served_1024
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def service(request, model_dir, tmp_path_factory):
-    counts = dict(prefill=0, decode=0, colocated=1) if request.param == "colocated" else dict(prefill=1, decode=1)
-    launcher = start_cluster(model_dir, tmp_path_factory.mktemp("logs"), gateway=True, http_port=free_port(),
-                             engine_args=["--kv-cache-mb", "32"], coordinator_args=["--no-slo"], **counts)
-    launcher.kind = request.param
-    yield launcher
-    launcher.stop()
+@pytest.fixture
+def service(kind_service):
+    """tests/gateway/conftest.py's service (a pair, then a colocated worker), shared with test_responses.py."""
+    return kind_service
 
 
 @pytest.fixture(scope="module")

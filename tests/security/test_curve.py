@@ -1,16 +1,24 @@
 """Security of the ZeroMQ sockets: binding beyond loopback needs CurveZMQ keys (or an explicit
 --insecure); with keys, a client or worker without the right key can neither submit nor
-register, while holders of the keys work as usual."""
+register, while holders of the keys work as usual; at the worker port, a client keypair is refused
+and the worker keypair registers (the keyed half of tests/security/test_worker_auth.py, here to
+share this module's keyed cluster)."""
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdserve_client.library import Client, CoordinatorUnreachable, RequestTimeout
 from pdserve_client.keys import InsecureBindError
+from wire import security
 from wire.security import check_bind, is_loopback, keygen
-from tests.helpers import free_port, save_tiny_served_model, start_cluster
+from tests.gateway.helpers import poll
+from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
+from tests.security.test_worker_auth import registered, say_hello
+from wire.liveness import LIVENESS_ENV
 
 
 def test_loopback_rule():
@@ -50,28 +58,51 @@ def test_holders_of_the_keys_work(secured):
 
 def test_client_without_the_right_key_cannot_submit(secured):
     launcher, _, _, root = secured
-    with Client(launcher.plan.client_addr, timeout=3) as c:  # no keys at all
-        with pytest.raises((RequestTimeout, CoordinatorUnreachable)):
-            c.generate(token_ids=[1, 2, 3], max_tokens=2)
     wrong = keygen(str(root / "wrong-client"))
-    with Client(launcher.plan.client_addr, keys=str(wrong), timeout=3) as c:  # keys of another cluster
-        with pytest.raises((RequestTimeout, CoordinatorUnreachable)):
-            c.generate(token_ids=[1, 2, 3], max_tokens=2)
+
+    def refused(keys) -> bool:
+        with Client(launcher.plan.client_addr, keys=keys, timeout=3) as c:
+            with pytest.raises((RequestTimeout, CoordinatorUnreachable)):
+                c.generate(token_ids=[1, 2, 3], max_tokens=2)
+        return True
+
+    with ThreadPoolExecutor(2) as pool:  # no keys at all, and the keys of another cluster: both waits at once
+        assert all(pool.map(refused, [None, str(wrong)]))
 
 
-def test_worker_without_the_right_key_cannot_register(secured):
+def test_worker_without_the_right_key_cannot_register(secured, tmp_path):
     launcher, keys, model, root = secured
     wrong = keygen(str(root / "wrong-worker"))
+    alive = tmp_path / "intruder.alive"  # its loop touches this once it runs: its link says Hello from then on
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "decode", "--coordinator", launcher.plan.worker_addr, "--model", str(model),
                              "--worker-id", "intruder", "--kv-cache-mb", "8", "--threads", "1", "--keys", str(wrong)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, LIVENESS_ENV: str(alive)})
     try:
         with Client(launcher.plan.client_addr, keys=str(keys), timeout=10) as c:
-            deadline = time.monotonic() + 12  # the worker loads in a few seconds, then says Hello every 0.2 s
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 120
+            while not alive.exists():  # loading
+                assert proc.poll() is None and time.monotonic() < deadline, "the intruder's loop never ran"
+                time.sleep(0.05)
+            watch = time.monotonic() + 3  # 15 Hellos (one every 0.2 s): a welcome would show at once
+            while time.monotonic() < watch:
                 assert proc.poll() is None
                 assert "intruder" not in {w["id"] for w in c.stats()["workers"]}
-                time.sleep(0.5)
+                time.sleep(0.1)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_client_key_is_refused_at_the_worker_port(secured):
+    """A client keypair is refused at the worker port; the worker keypair registers there (the
+    workers' side of tests/security/test_worker_auth.py, on this module's keyed cluster)."""
+    launcher, keys, model, _ = secured
+    addr = launcher.plan.worker_addr
+    assert not say_hello(addr, security.client_options(str(keys)), "client-as-worker", 3.0)
+    with Client(launcher.plan.client_addr, keys=str(keys), timeout=30) as c:
+        assert "client-as-worker" not in registered(c)
+    assert say_hello(addr, security.worker_options(str(keys)), "keyed-worker", 5.0, str(model))
+    with Client(launcher.plan.client_addr, keys=str(keys), timeout=30) as c:
+        poll(lambda: "keyed-worker" not in registered(c), timeout=15)
+        assert c.generate(token_ids=[5, 6, 7], temperature=0, max_tokens=3, ignore_eos=True).completion_tokens == 3
+        assert wait_all_blocks_free(c, timeout=10)["active_requests"] == 0

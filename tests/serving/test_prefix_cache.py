@@ -17,6 +17,9 @@ from tests.gateway.helpers import scrape, value
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 BLOCK = 8
+# --heartbeat-s 0.1 (as tests/serving/test_robustness.py): every check here ends in wait_all_blocks_free,
+# which waits for two heartbeats after it starts; the cache's behaviour does not depend on their period
+ENGINE = ["--num-blocks", "128", "--block-size", str(BLOCK), "--heartbeat-s", "0.1"]
 SYSTEM = [100 + (j * 37) % 3000 for j in range(45)]  # 5 full blocks and a part
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -58,11 +61,23 @@ def block_bytes(model_dir) -> int:
     return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4  # float32
 
 
-@pytest.mark.parametrize("mode", ["shm", "tcp", "colocated"])
-def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, mode):
-    first, prompts, want = reference
+def cache_cluster(model_dir, log_dir, mode):
     kwargs = dict(colocated=1, prefill=0, decode=0, gateway=True, http_port=free_port()) if mode == "colocated" else dict(prefill=1, decode=1, kv_backend=mode)
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK)], **kwargs)
+    return start_cluster(model_dir, log_dir, engine_args=ENGINE, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def shm_cluster(model_dir, tmp_path_factory):
+    """The shm pair, shared by the shm case below and the n-choices test (which counts from its own start)."""
+    launcher = cache_cluster(model_dir, tmp_path_factory.mktemp("shm"), "shm")
+    yield launcher
+    launcher.stop()
+
+
+@pytest.mark.parametrize("mode", ["shm", "tcp", "colocated"])
+def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, request, mode):
+    first, prompts, want = reference
+    launcher = request.getfixturevalue("shm_cluster") if mode == "shm" else cache_cluster(model_dir, tmp_path, mode)
     try:
         addr = launcher.plan.client_addr
         assert [r.token_ids for r in asyncio.run(run_all(addr, first_wave()))] == first
@@ -90,12 +105,13 @@ def test_prefix_cache_equal_tokens_fewer_bytes(model_dir, reference, tmp_path, m
         full = sum(-(-len(p) // BLOCK) for p in prompts) * block_bytes(model_dir)  # what every block of every prompt weighs
         assert 0 < sent <= full - len(prompts) * (system_tokens // BLOCK) * block_bytes(model_dir), (sent, full)
     finally:
-        launcher.stop()
+        if mode != "shm":
+            launcher.stop()
 
 
 def test_no_prefix_cache_sends_every_block(model_dir, reference, tmp_path):
     first, prompts, want = reference
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK), "--no-prefix-cache"])
+    launcher = start_cluster(model_dir, tmp_path, engine_args=[*ENGINE, "--no-prefix-cache"])
     try:
         addr = launcher.plan.client_addr
         assert [r.token_ids for r in asyncio.run(run_all(addr, first_wave() + prompts))] == first + want
@@ -109,21 +125,21 @@ def test_no_prefix_cache_sends_every_block(model_dir, reference, tmp_path):
         launcher.stop()
 
 
-def test_n_choices_share_the_prompt_on_the_decode_worker(model_dir, tmp_path):
+def test_n_choices_share_the_prompt_on_the_decode_worker(model_dir, shm_cluster):
     """3 choices of one fresh prompt at once: the first is prefilled and handed off whole, the
     other two wait for it and then move only the last partial block (the decode worker shares
-    the full ones); all three get the single-process runtime's greedy tokens."""
+    the full ones); all three get the single-process runtime's greedy tokens. On the shm pair the
+    module shares: the prompt's blocks are new to it, and hits and bytes are counted from here."""
     prompt = [3000 + (j * 29) % 2000 for j in range(45)]  # 5 full blocks and a part
     eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=64, block_size=BLOCK, prefix_cache=False), progress=False, tokenizer=False)
     want = eng.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
-    launcher = start_cluster(model_dir, tmp_path, engine_args=["--num-blocks", "128", "--block-size", str(BLOCK)], kv_backend="shm")
-    try:
-        results = asyncio.run(run_all(launcher.plan.client_addr, [prompt] * 3))
-        assert [r.token_ids for r in results] == [want] * 3
-        with Client(launcher.plan.client_addr) as c:
-            stats = wait_all_blocks_free(c)
-        decode = next(w for w in stats["workers"] if w["role"] == "decode")
-        assert decode["prefix_cache"]["hits"] == 2 * 5 * BLOCK, json.dumps(stats)
-        assert stats["kv_transfer"]["bytes"] == (6 + 1 + 1) * block_bytes(model_dir)  # one whole prompt, then its last block twice
-    finally:
-        launcher.stop()
+    decode_hits = lambda stats: next(w for w in stats["workers"] if w["role"] == "decode")["prefix_cache"]["hits"]  # noqa: E731
+    with Client(shm_cluster.plan.client_addr) as c:
+        before = wait_all_blocks_free(c)
+    results = asyncio.run(run_all(shm_cluster.plan.client_addr, [prompt] * 3))
+    assert [r.token_ids for r in results] == [want] * 3
+    with Client(shm_cluster.plan.client_addr) as c:
+        stats = wait_all_blocks_free(c)
+    assert decode_hits(stats) - decode_hits(before) == 2 * 5 * BLOCK, json.dumps(stats)
+    # one whole prompt, then its last block twice
+    assert stats["kv_transfer"]["bytes"] - before["kv_transfer"]["bytes"] == (6 + 1 + 1) * block_bytes(model_dir)
