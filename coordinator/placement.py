@@ -46,7 +46,7 @@ class WorkerSnapshot:
     queued_tokens: int = 0  # prefill and colocated: prompt tokens placed and not yet through their first step
     requests: int = 0  # requests placed on it
     context_tokens: int = 0  # their tokens (prompt + output so far): the decode step's context
-    recent_prompt_tokens: int = 0  # colocated: prompt tokens placed in the last ADMIT_WINDOW_S
+    recent_prompt_tokens: int = 0  # prompt tokens placed on it in the last ADMIT_WINDOW_S (colocated, LOCAL, prefill)
     cached_tokens: int = 0  # of the request being placed: leading tokens it is expected to hold (prefix cache)
     shortest_output: int = 0  # the smallest max_tokens of the requests placed on it (0: none or unknown)
     # on a node whose workers of the other role share its cores (runtime/cores.py): what they take

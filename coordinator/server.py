@@ -587,9 +587,9 @@ class Coordinator:
         highest such bound of its life (calibration): against its own prediction alone, a stream
         admitted into a small batch that later admissions grew (up to the admission limit, under
         overload) reads as under-predicted, and that error tightened the limit for nothing."""
+        st.tpot_bound = st.predicted_tpot  # none from an earlier placement carries over
         if st.predicted_tpot is None:
             return
-        st.tpot_bound = st.predicted_tpot
         for iid in w.requests:
             other = self.requests.get(iid)
             if other is not None and other is not st and other.decode == w.hello.worker_id and other.tpot_bound is not None:

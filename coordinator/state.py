@@ -111,7 +111,8 @@ class WorkerState:
         return free - self.reserved_blocks
 
     def note_placed(self, tokens: int, now: float) -> None:
-        """Record a prompt placed on this (colocated) worker, keeping only the last ADMIT_WINDOW_S."""
+        """Record a prompt placed on this worker (colocated, a decode worker's LOCAL prompt, or a
+        prefill worker's: what it takes of a shared node), keeping only the last ADMIT_WINDOW_S."""
         self.admitted.append((now, tokens))
         self.admitted_tokens += tokens
         self.recent_prompt_tokens(now)

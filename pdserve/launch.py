@@ -141,9 +141,14 @@ class NodePlan:
     def models(self) -> list[ModelPlan]:
         """Every model this node serves: the first on client_addr / worker_addr, model i on their ports + 2i."""
         first = ModelPlan(self.model, self.served_model_name, self.client_addr, self.worker_addr)
-        return [first] + [ModelPlan(path, name, port_plus(self.client_addr, PORTS_PER_MODEL * i),
-                                    port_plus(self.worker_addr, PORTS_PER_MODEL * i), f"model{i}-")
-                          for i, (path, name) in enumerate(self.more_models, 1)]
+        plans = [first] + [ModelPlan(path, name, port_plus(self.client_addr, PORTS_PER_MODEL * i),
+                                     port_plus(self.worker_addr, PORTS_PER_MODEL * i), f"model{i}-")
+                           for i, (path, name) in enumerate(self.more_models, 1)]
+        addrs = [a for m in plans for a in (m.client_addr, m.worker_addr)]
+        if len(set(addrs)) < len(addrs):
+            raise ConfigError(f"the models' coordinator addresses collide ({', '.join(addrs)}): model i takes the --clients "
+                              f"and --workers ports + {PORTS_PER_MODEL}i, so neither may be the other's + {PORTS_PER_MODEL}i")
+        return plans
 
     @property
     def http_url(self) -> str:

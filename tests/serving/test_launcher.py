@@ -126,3 +126,15 @@ def test_workers_start_as_workers_that_can_change_role_unless_fixed():
             assert args[:len(want)] == want and ("--colocated" in args) == (fixed and role == "colocated")
             assert _usage_error(args[0], args[1:]) is None, args
         assert ("--kv-backend" in launcher._role_command("decode")) == (not fixed)  # a decode worker may become a prefill one
+
+
+def test_several_models_whose_derived_ports_collide_are_refused():
+    """Model i takes the --clients and --workers ports + 2i: a --workers port two above --clients
+    would be model 1's clients port, refused before anything starts."""
+    from pdserve.launch import ConfigError, NodePlan
+
+    plan = NodePlan(client_addr="tcp://127.0.0.1:6000", worker_addr="tcp://127.0.0.1:6002", more_models=[("/m", None)])
+    with pytest.raises(ConfigError, match="collide"):
+        plan.models
+    ok = NodePlan(client_addr="tcp://127.0.0.1:6000", worker_addr="tcp://127.0.0.1:6001", more_models=[("/m", None)])
+    assert [m.client_addr for m in ok.models] == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6002"]
