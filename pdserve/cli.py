@@ -400,8 +400,6 @@ def _launcher(plan: NodePlan, log_dir, values: dict):
         if cfg.min_replicas or cfg.max_replicas:
             raise click.UsageError("--min-replicas and --max-replicas need --ray (without it the counts are fixed)")
         return Launcher(plan, log_dir, _usage_error)
-    if plan.more_models:
-        raise click.UsageError("--ray with several --model is not supported (one model per Ray launch)")
     try:
         from pdserve.ray_launch import RayLaunch
     except ImportError as e:

@@ -30,11 +30,11 @@ class RayConfig:
                            help="with --ray: CPUs Ray reserves for each worker (it places workers where these are free)")
     num_gpus: float = flag(0.0, group=GROUP, name="ray_num_gpus", min=0, help="with --ray: GPUs Ray reserves for each worker")
     min_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
-                               help="with --ray: the fewest workers of a role, N (every role) or ROLE=N (0: none while idle, "
-                                    "the next request waits for a cold start; default: the launch's count)")
+                               help="with --ray: the fewest workers of a role (of each model), N (every role) or ROLE=N (0: none "
+                                    "while idle, the next request waits for a cold start; default: the launch's count)")
     max_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
-                               help="with --ray: the most workers of a role, N (every role) or ROLE=N; above the launch's "
-                                    "count, workers are added while the role is short (default: the launch's count)")
+                               help="with --ray: the most workers of a role (of each model), N (every role) or ROLE=N; above the "
+                                    "launch's count, workers are added while the role is short (default: the launch's count)")
     downscale_delay_s: float = flag(600.0, group=GROUP, min=0,
                                     help="with --ray: a worker idle this long is removed while its role has more than "
                                          "--min-replicas (Ray Serve's default)")

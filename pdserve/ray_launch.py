@@ -13,15 +13,18 @@ dead worker. The per-launch worker secret and the CurveZMQ keys travel as actor 
 JSON bytes; Ray's own control plane pickles its actor class and calls, inside the cluster): each
 actor writes them into private files on its own node, never a path another node cannot see.
 
-Lifecycle: connect to Ray -> start the coordinator (and gateway) with a Launcher of no workers
-(the secret it writes is read here to hand on) -> start the initial workers (the launch's counts,
-within the limits) and wait until they are registered -> every TICK_S: tend the local roles
-(restarts), read the coordinator's stats, and `Autoscaler.decide` (a role whose phase load is
+Lifecycle: connect to Ray -> start the coordinators (one per model, pdserve/launch.py's
+`NodePlan.models`) and the gateway with a Launcher of no workers (the secret it writes is read
+here to hand on) -> start each model's initial workers (the launch's counts, within the limits),
+each actor's worker pointed at its model's coordinator and path, and wait until they are
+registered -> every TICK_S: tend the local roles (restarts), and for each model (a `ModelPool`:
+its actors and its own Autoscaler, the same --min-replicas/--max-replicas for every model) read
+its coordinator's stats and `Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its
 workers or waiting for a worker, gets one more worker, one at a time; a worker idle for
 --downscale-delay-s is removed while its role has more than its minimum) -> on SIGINT/SIGTERM
 stop every actor's worker (SIGTERM), then the local roles, and leave the cluster.
-With --min-replicas 0 the coordinator runs with --cold-start-s (coordinator/server.py
+With --min-replicas 0 every model's coordinator runs with --cold-start-s (coordinator/server.py
 hold_for_cold_start): a request that finds no worker waits for the one the autoscaler starts.
 Not built: tensor parallel workers under --ray (their ranks would need a placement group) and a
 cluster TOML with --ray; both are refused with "not supported".
@@ -40,7 +43,7 @@ import time
 import msgspec
 import ray
 
-from pdserve.launch import Launcher, NodePlan
+from pdserve.launch import Launcher, ModelPlan, NodePlan
 from pdserve.ray_config import ROLES, Autoscaler, RayConfig, Replica
 from runtime.errors import NotSupportedError
 
@@ -127,23 +130,38 @@ class WorkerActor:
             shutil.rmtree(self.launcher.plan.keys, ignore_errors=True)
 
 
+@dataclasses.dataclass
+class ModelPool:
+    """One model's worker actors and its autoscaler (each model's coordinator has its own stats)."""
+
+    model: ModelPlan
+    scaler: Autoscaler
+    replicas: list[Replica] = dataclasses.field(default_factory=list)
+
+
 class RayLaunch:
-    """The driver: the local roles, the worker actors (`Replica`s) and the autoscaler's loop."""
+    """The driver: the local roles, each model's worker actors (`Replica`s) and the autoscaler's loop."""
 
     def __init__(self, plan: NodePlan, cfg: RayConfig, log_dir: str | None = None, usage_error=None):
         check_supported(plan)
         counts = {role: getattr(plan, role) for role in ROLES if getattr(plan, role) or role in _limited_roles(cfg)}
         self.plan, self.cfg, self.log_dir = plan, cfg, log_dir
-        self.scaler = Autoscaler(cfg.replica_limits(counts), cfg.downscale_delay_s, {role for role, n in counts.items() if n})
-        self.initial = {role: min(max(n, self.scaler.limits[role][0]), self.scaler.limits[role][1]) for role, n in counts.items()}
+        limits = cfg.replica_limits(counts)  # the same for every model
+        serving = {role for role, n in counts.items() if n}
+        self.pools = [ModelPool(m, Autoscaler(limits, cfg.downscale_delay_s, serving)) for m in plan.models]
+        self.initial = {role: min(max(n, limits[role][0]), limits[role][1]) for role, n in counts.items()}
         local = dataclasses.replace(plan, prefill=0, decode=0, colocated=0)
-        if any(lo == 0 for lo, _ in self.scaler.limits.values()):
+        if any(lo == 0 for lo, _ in limits.values()):
             local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
-        self.replicas: list[Replica] = []
         self.serial = 0
         self.secret: str | None = None
         self.keys: dict[str, bytes] | None = None
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """Every model's worker actors."""
+        return [r for pool in self.pools for r in pool.replicas]
 
     def connect(self) -> None:
         address = self.cfg.address
@@ -157,7 +175,8 @@ class RayLaunch:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None, **private)
 
     def start(self) -> None:
-        """Join the cluster, start the coordinator and gateway here, then the initial workers (ConfigError if a role cannot start)."""
+        """Join the cluster, start every model's coordinator and the gateway here, then each model's initial workers (ConfigError
+        if a role cannot start)."""
         from wire.security import read_secret
 
         handler = signal.getsignal(signal.SIGTERM)
@@ -166,78 +185,100 @@ class RayLaunch:
         self.local.start()
         self.secret = read_secret(self.local.secret_file)
         self.keys = _read_tree(self.plan.keys) if self.plan.keys else None
-        for role, n in self.initial.items():
-            for _ in range(n):
-                self.add(role, "the launch's count")
+        for pool in self.pools:
+            for role, n in self.initial.items():
+                for _ in range(n):
+                    self.add(pool, role, "the launch's count")
 
-    def add(self, role: str, why: str) -> Replica:
+    def add(self, pool: ModelPool, role: str, why: str) -> Replica:
+        """A worker actor of `role` for the pool's model: its one-worker plan points at that model's coordinator and path."""
         self.serial += 1
-        name = f"ray{self.serial}"
+        m = pool.model
+        name = f"{m.prefix}ray{self.serial}"
         plan = dataclasses.replace(self.plan, coordinator=False, gateway=False, worker_secret=False, name=name, keys=None,
-                                   threads=self.plan.threads or max(1, int(self.cfg.num_cpus)),
+                                   model=m.path, served_model_name=m.name, client_addr=m.client_addr, worker_addr=m.worker_addr,
+                                   more_models=[], threads=self.plan.threads or max(1, int(self.cfg.num_cpus)),
                                    **{r: int(r == role) for r in ROLES})
-        actor = WorkerActor.options(name=actor_name(self.plan.worker_addr, name), num_cpus=self.cfg.num_cpus,
+        actor = WorkerActor.options(name=actor_name(m.worker_addr, name), num_cpus=self.cfg.num_cpus,
                                     num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(
                                         msgspec.json.encode(ActorArgs(plan, self.secret, self.keys, self.log_dir)))
         rep = Replica(name, role, actor, time.monotonic())
-        self.replicas.append(rep)
+        pool.replicas.append(rep)
         print(f"pdserve launch: ray: adding {role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
         return rep
 
-    def remove(self, rep: Replica) -> None:
+    def remove(self, pool: ModelPool, rep: Replica) -> None:
         print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: idle for {self.cfg.downscale_delay_s:g} s",
               file=sys.stderr, flush=True)
-        self.replicas.remove(rep)
+        pool.replicas.remove(rep)
         stop_actors([rep])
 
-    def tick(self, client) -> None:
-        """One pass: the local roles tended, registrations noted, the autoscaler's decisions made."""
+    def tick(self, clients: list) -> None:
+        """One pass: the local roles tended; for each model (`clients`: one per model's coordinator), registrations noted
+        and its autoscaler's decisions made."""
         from pdserve_client.library import ClientError
 
-        self.local.tend([client])
-        try:
-            stats = client.stats(timeout=2.0)
-        except ClientError:
-            return  # the coordinator restarts: next tick
-        now = time.monotonic()
-        was = {r.name for r in self.replicas if r.registered is None}
-        add, remove = self.scaler.decide(stats, self.replicas, now)
-        for r in self.replicas:
+        self.local.tend(clients)
+        for pool, client in zip(self.pools, clients):
+            try:
+                stats = client.stats(timeout=2.0)
+            except ClientError:
+                continue  # this coordinator restarts: next tick
+            self.scale(pool, stats)
+
+    def scale(self, pool: ModelPool, stats: dict) -> None:
+        """One model's autoscaler on its coordinator's stats: registrations logged, workers added and removed."""
+        was = {r.name for r in pool.replicas if r.registered is None}
+        add, remove = pool.scaler.decide(stats, pool.replicas, time.monotonic())
+        for r in pool.replicas:
             if r.name in was and r.registered is not None:
                 print(f"pdserve launch: ray: {r.role} worker {r.worker_id} registered {r.registered - r.asked:.1f} s after it was "
                       f"asked for", file=sys.stderr, flush=True)
         for role, why in add:
-            self.add(role, why)
+            self.add(pool, role, why)
         for rep in remove:
-            self.remove(rep)
+            self.remove(pool, rep)
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until the initial workers are registered (and the gateway answers); returns the stats."""
-        from pdserve_client.library import Client
-
         stats = self.local.wait_ready(timeout)
         deadline = time.monotonic() + timeout
-        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
+        clients = self.local.clients()
+        try:
             while any(r.registered is None for r in self.replicas):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"workers not registered after {timeout:.0f}s: "
                                        + ", ".join(r.worker_id for r in self.replicas if r.registered is None))
-                self.tick(client)
+                self.tick(clients)
                 time.sleep(0.2)
-            return client.stats(timeout=2.0) if self.replicas else stats
+            return clients[0].stats(timeout=2.0) if self.replicas else stats
+        finally:
+            for c in clients:
+                c.close()
 
     def supervise(self, stop: list) -> None:
         """The autoscaler's loop, until `stop` holds something."""
-        from pdserve_client.library import Client
-
-        with Client(self.plan.client_addr, timeout=2.0, keys=self.plan.keys) as client:
+        clients = self.local.clients()
+        try:
             while not stop:
-                self.tick(client)
+                self.tick(clients)
                 time.sleep(TICK_S)
+        finally:
+            for c in clients:
+                c.close()
+
+    def served_names(self) -> list[str]:
+        """Each model's name as clients send it (the ready line's)."""
+        return self.local.served_names()
+
+    def worker_ids(self, m: ModelPlan) -> set[str]:
+        """The ids of model m's workers (its actors') now (the ready line's)."""
+        return {r.worker_id for pool in self.pools if pool.model == m for r in pool.replicas}
 
     def stop(self) -> None:
         stop_actors(self.replicas)
-        self.replicas.clear()
+        for pool in self.pools:
+            pool.replicas.clear()
         self.local.stop()
         ray.shutdown()
 

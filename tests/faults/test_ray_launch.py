@@ -5,8 +5,11 @@ the roles land on different nodes; removing a node with streams in flight leaves
 completed identically (or ended with a typed error), none hung, and the lost worker back on the
 remaining node within 60 s; idleness takes every worker away, a request whose TTFT target is
 under the cold start is refused 503 `cold_start` with Retry-After, and the next one waits for
-the cold start and is served identically; a burst that queues then scales decode from one to two. One cluster and
-one launch for the module; skipped where ray is not installed (the `ray` extra)."""
+the cold start and is served identically; a burst that queues then scales decode from one to two. The launch serves a
+second tiny model (`beta`, another seed) behind the same gateway, under the same limits: idle since the launch, it is
+at zero workers, and its next request is served after a cold start; both models answer through the gateway as the
+in-process runtime does on each. One cluster and one launch for the module; skipped where ray is not installed (the
+`ray` extra)."""
 import asyncio
 import importlib.util
 import json
@@ -15,10 +18,13 @@ import threading
 import httpx
 import pytest
 
+from gateway.format import TokenText
+from pdserve.launch import PORTS_PER_MODEL, port_plus
 from pdserve_client.library import AsyncClient, Client, NoWorkers
 from pdserve_client.params import SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.tokenizer import load_tokenizer
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
@@ -31,6 +37,7 @@ NODE = dict(num_cpus=1, object_store_memory=OBJECT_STORE)  # (Ray binds its own 
 BURST_TOKENS = 400
 DOWNSCALE_S = 6.0
 COLD_START_S = 20.0
+BETA, BETA_TOKENS = "beta", 16  # the second model's name, and its answer's length
 # a lost node is declared dead after 3 missed 1 s health checks (Ray's default: 5 of 3 s)
 FAST_FAILURE = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
 
@@ -60,15 +67,27 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
+def beta_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp(BETA)
+    save_tiny_served_model(d, seed=1)
+    return d
+
+
+def greedy(model_dir, n: int, max_tokens: int) -> list[list[int]]:
+    """The in-process runtime's greedy token ids for prompts(n) on that model."""
     eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=1024), progress=False, tokenizer=False)
-    return [c.token_ids for c in eng.generate(prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    return [c.token_ids for c in eng.generate(prompts(n), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))]
 
 
 @pytest.fixture(scope="module")
-def node(cluster, model_dir, tmp_path_factory):
-    n = Node(model_dir, tmp_path_factory.mktemp("ray"), "--ray", cluster.address, "--ray-num-cpus", "0.25",
-             "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
+def expected(model_dir):
+    return greedy(model_dir, 8, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def node(cluster, model_dir, beta_dir, tmp_path_factory):
+    n = Node(model_dir, tmp_path_factory.mktemp("ray"), "--model", f"{beta_dir}={BETA}", "--ray", cluster.address,
+             "--ray-num-cpus", "0.25", "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
              "--cold-start-s", str(COLD_START_S), "--ttft-p99-ms", "60000", "--class-target", "1:1000:500", "--max-client-priority", "1",
              "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=1")
     try:
@@ -185,3 +204,24 @@ def test_a_burst_scales_decode_up(node):
 def decode_count(node) -> int:
     with Client(node.clients, timeout=5) as c:
         return sum(w["role"] == "decode" for w in c.stats()["workers"])
+
+
+def test_a_second_model_idle_at_zero_answers_after_its_cold_start(node, model_dir, beta_dir, expected):
+    """beta (min 0 as every model here) has been idle since the launch: no worker; its request waits for a cold start."""
+    beta = port_plus(node.clients, PORTS_PER_MODEL)
+    with Client(beta, timeout=10) as c:
+        poll("beta at zero workers", lambda: not c.stats()["workers"], DOWNSCALE_S * 3 + 30)
+    want = greedy(beta_dir, 1, BETA_TOKENS)[0]
+    assert want != expected[0][:BETA_TOKENS]  # the models differ: an answer from the wrong one would show
+    text = TokenText(load_tokenizer(str(model_dir)))  # both models have the default model's tokenizer
+    for name, ids in ((model_dir.name, expected[0]), (BETA, want)):  # the first while the burst's workers are up
+        r = httpx.post(f"{node.http}/v1/completions", json={"model": name, "prompt": prompts(1)[0], "max_tokens": len(ids),
+                                                            "temperature": 0, "ignore_eos": True, "logprobs": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == name and r.json()["choices"][0]["logprobs"]["tokens"] == [text(t) for t in ids], name
+    with Client(beta, timeout=10) as c:
+        stats = wait_all_blocks_free(c, timeout=5)
+        assert stats["requests"]["cold_start_waits"] >= 1 and stats["workers"], stats["requests"]
+        assert all(w["id"].startswith("model1-ray") for w in stats["workers"]), stats["workers"]  # beta's actors, not alpha's
+    with Client(node.clients, timeout=10) as c:
+        wait_all_blocks_free(c, timeout=5)
