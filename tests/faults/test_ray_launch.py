@@ -86,8 +86,9 @@ def expected(model_dir):
 
 @pytest.fixture(scope="module")
 def node(cluster, model_dir, beta_dir, tmp_path_factory):
+    # 1/8 CPU a worker: the one node left after a loss holds both models' workers (up to 3 + 2)
     n = Node(model_dir, tmp_path_factory.mktemp("ray"), "--model", f"{beta_dir}={BETA}", "--ray", cluster.address,
-             "--ray-num-cpus", "0.25", "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
+             "--ray-num-cpus", "0.125", "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
              "--cold-start-s", str(COLD_START_S), "--ttft-p99-ms", "60000", "--class-target", "1:1000:500", "--max-client-priority", "1",
              "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=1")
     try:
