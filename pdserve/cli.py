@@ -17,7 +17,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.planner import PlannerConfig
 from gateway.config import GatewayConfig, ModelRoute, ToolConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
-from pdserve.launch import HANG_TIMEOUT_S, NodePlan
+from pdserve.launch import HANG_TIMEOUT_S, ConfigError, NodePlan
 from pdserve.ray_config import RayConfig
 from runtime.config import EngineConfig, WorkerConfig
 from pdserve_client.errors import PdserveError
@@ -406,7 +406,7 @@ def _launcher(plan: NodePlan, log_dir, values: dict):
         raise click.UsageError(f"--ray needs Ray: pip install 'pdserve[ray]' ({e})") from None
     try:
         return RayLaunch(plan, cfg, log_dir, _usage_error)
-    except PdserveError as e:
+    except (PdserveError, ConfigError) as e:  # ConfigError: the models' ports collide
         raise click.UsageError(str(e)) from None
 
 
