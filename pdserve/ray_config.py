@@ -86,6 +86,9 @@ class Autoscaler:
     downscale_delay_s: float
     serving: set[str]  # the roles a request needs (the launch's): each comes back from zero with the first request
     cold_refusals: int = 0  # error:cold_start counted so far
+    # a replica whose worker has not registered this long after it was asked for (its actor pending for resources, or
+    # its worker unable to start on its node) is given up: removed, so that its role can grow again
+    register_timeout_s: float = 300.0
 
     def short(self, stats: dict, role: str, workers: list[dict]) -> str | None:
         """Why `role` needs a worker more (None: it does not)."""
@@ -107,7 +110,9 @@ class Autoscaler:
         by_id = {w["id"]: w for w in stats.get("workers", [])}
         add, remove = [], []
         for role, (lo, hi) in self.limits.items():
-            mine = [r for r in replicas if r.role == role]
+            stale = [r for r in replicas if r.role == role and r.registered is None and now - r.asked > self.register_timeout_s]
+            remove += stale
+            mine = [r for r in replicas if r.role == role and r not in stale]
             for r in mine:
                 w = by_id.get(r.worker_id)
                 if w is not None and r.registered is None:

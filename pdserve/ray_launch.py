@@ -43,7 +43,7 @@ import time
 import msgspec
 import ray
 
-from pdserve.launch import Launcher, ModelPlan, NodePlan
+from pdserve.launch import ConfigError, Launcher, ModelPlan, NodePlan
 from pdserve.ray_config import ROLES, Autoscaler, RayConfig, Replica
 from runtime.errors import NotSupportedError
 
@@ -172,7 +172,10 @@ class RayLaunch:
             except ConnectionError:  # no cluster on this machine: a private one
                 address = None
         private = {"include_dashboard": False, "object_store_memory": PRIVATE_OBJECT_STORE} if address is None else {}
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None, **private)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None, **private)
+        except (ConnectionError, ValueError) as e:  # an address nothing answers at, or not an address
+            raise ConfigError(f"--ray {self.cfg.address}: {e}") from None
 
     def start(self) -> None:
         """Join the cluster, start every model's coordinator and the gateway here, then each model's initial workers (ConfigError
@@ -208,8 +211,9 @@ class RayLaunch:
         return rep
 
     def remove(self, pool: ModelPool, rep: Replica) -> None:
-        print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: idle for {self.cfg.downscale_delay_s:g} s",
-              file=sys.stderr, flush=True)
+        why = (f"idle for {self.cfg.downscale_delay_s:g} s" if rep.registered is not None else
+               f"not registered {pool.scaler.register_timeout_s:g} s after it was asked for (its actor's log says why)")
+        print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
         pool.replicas.remove(rep)
         stop_actors([rep])
 
@@ -316,7 +320,7 @@ def check_supported(plan: NodePlan) -> None:
     """NotSupportedError for what --ray does not run yet."""
     args = plan.engine_args + plan.prefill_args + plan.decode_args
     for i, a in enumerate(args[:-1]):
-        if a == "--tensor-parallel-size" and int(args[i + 1]) > 1:
+        if a == "--tensor-parallel-size" and args[i + 1].isdigit() and int(args[i + 1]) > 1:  # a bad value: the worker's own flag check
             raise NotSupportedError("tensor parallel workers under --ray are not supported (their ranks would need a Ray "
                                     "placement group); run them with `pdserve launch` on their node")
     if not plan.coordinator:

@@ -84,3 +84,14 @@ def test_the_kuberay_example_parses_and_its_launch_command_line_parses():
     [command] = [c["command"] for c in doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"] if "command" in c]
     assert command[:2] == ["pdserve", "launch"]
     main.commands["launch"].make_context("pdserve launch", command[2:])  # a flag it does not take raises
+
+
+def test_a_replica_that_never_registers_is_given_up_and_its_role_grows_again():
+    """An actor pending for resources, or a worker that cannot start on its node, never registers:
+    past register_timeout_s it is removed, and a short role may ask for another worker again."""
+    scaler = Autoscaler({"decode": (1, 3)}, 10.0, {"decode"}, register_timeout_s=60.0)
+    reps = [Replica("ray1", "decode", None, 0.0), Replica("ray2", "decode", None, 5.0)]
+    busy = stats(worker("ray1-decode-0", inflight=2, queue=3))
+    assert scaler.decide(busy, reps, 30.0) == ([], [])  # ray2 still starting: no third one meanwhile
+    add, remove = scaler.decide(busy, reps, 70.0)
+    assert remove == [reps[1]] and [role for role, _ in add] == ["decode"]
