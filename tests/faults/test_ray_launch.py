@@ -60,10 +60,9 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("served")
-    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
-    return d
+def model_dir(kill_model_dir):
+    """The fault tests' tiny model (tests/faults/conftest.py)."""
+    return kill_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +79,9 @@ def greedy(model_dir, n: int, max_tokens: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    return greedy(model_dir, 8, MAX_TOKENS)
+def expected(kill_expected):
+    """Greedy tokens of prompts(8) on model_dir, MAX_TOKENS each (a prefix of the shared reference's)."""
+    return [t[:MAX_TOKENS] for t in kill_expected]
 
 
 @pytest.fixture(scope="module")
