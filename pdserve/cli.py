@@ -391,6 +391,8 @@ def _model_and_name(spec: str) -> tuple[str, str | None]:
     """--model PATH[=NAME] as (PATH, NAME or None); a path that exists is a path, '=' and all."""
     path, sep, name = spec.rpartition("=")
     return (spec, None) if not sep or os.path.exists(spec) else (path, name or None)
+
+
 def _launcher(plan: NodePlan, log_dir, values: dict):
     """The node's Launcher, or with --ray the Ray launch (pdserve/ray_launch.py: ray is imported only then)."""
     from pdserve.launch import Launcher

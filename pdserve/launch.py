@@ -46,7 +46,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ModelRoute
 from runtime.errors import EX_CONFIG, ModelLoadError
 from pdserve_client.errors import InvalidRequestError
 from runtime.model_path import served_name
@@ -313,7 +313,7 @@ class Launcher:
         args += ["--model", p.model] if p.model else []
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
         more = zip(p.models[1:], self.served_names()[1:])
-        args += [a for m, name in more for a in ("--more-model", f"{name}={m.path}@{m.client_addr}")]
+        args += [a for m, name in more for a in ("--more-model", ModelRoute(name, m.path, m.client_addr).spec())]
         return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
 
     def _coordinator_args(self, m: ModelPlan) -> list[str]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.launch import ROLES
 from pdserve_client.errors import InvalidRequestError
 from runtime.flags import flag
 
-ROLES = ("prefill", "decode", "colocated")
 GROUP = "Ray cluster"
 
 

@@ -43,8 +43,8 @@ import time
 import msgspec
 import ray
 
-from pdserve.launch import ConfigError, Launcher, ModelPlan, NodePlan
-from pdserve.ray_config import ROLES, Autoscaler, RayConfig, Replica
+from pdserve.launch import ROLES, ConfigError, Launcher, ModelPlan, NodePlan
+from pdserve.ray_config import Autoscaler, RayConfig, Replica
 from runtime.errors import NotSupportedError
 
 TICK_S = 1.0  # the autoscaler's period
