@@ -39,6 +39,10 @@ class RayConfig:
                                     help="with --ray: a worker idle this long is removed while its role has more than "
                                          "--min-replicas (Ray Serve's default)")
 
+    def named_roles(self) -> set[str]:
+        """Roles --min-replicas / --max-replicas name (ROLE=N): a role the launch starts none of may still scale."""
+        return (set(_per_role(self.min_replicas, "--min-replicas")) | set(_per_role(self.max_replicas, "--max-replicas"))) - {""}
+
     def replica_limits(self, counts: dict[str, int]) -> dict[str, tuple[int, int]]:
         """role -> (min, max) for the roles this launch runs (`counts`: its --prefill/--decode/--colocated
         counts, which stand where no limit is given); InvalidRequestError for a bad value."""

@@ -144,7 +144,7 @@ class RayLaunch:
 
     def __init__(self, plan: NodePlan, cfg: RayConfig, log_dir: str | None = None, usage_error=None):
         check_supported(plan)
-        counts = {role: getattr(plan, role) for role in ROLES if getattr(plan, role) or role in _limited_roles(cfg)}
+        counts = {role: getattr(plan, role) for role in ROLES if getattr(plan, role) or role in cfg.named_roles()}
         self.plan, self.cfg, self.log_dir = plan, cfg, log_dir
         limits = cfg.replica_limits(counts)  # the same for every model
         serving = {role for role, n in counts.items() if n}
@@ -309,11 +309,6 @@ def with_cold_start(args: list[str]) -> list[str]:
             return args
         args = args[:i] + args[i + 2:]
     return [*args, "--cold-start-s", f"{DEFAULT_COLD_START_S:g}"]
-
-
-def _limited_roles(cfg: RayConfig) -> set[str]:
-    """Roles named in --min-replicas / --max-replicas (a role the launch starts none of may still scale)."""
-    return {v.rpartition("=")[0] for v in (*cfg.min_replicas, *cfg.max_replicas)} - {""}
 
 
 def check_supported(plan: NodePlan) -> None:

@@ -95,3 +95,8 @@ def test_a_replica_that_never_registers_is_given_up_and_its_role_grows_again():
     assert scaler.decide(busy, reps, 30.0) == ([], [])  # ray2 still starting: no third one meanwhile
     add, remove = scaler.decide(busy, reps, 70.0)
     assert remove == [reps[1]] and [role for role, _ in add] == ["decode"]
+
+
+def test_the_roles_the_limits_name():
+    assert RayConfig(min_replicas=("0", "prefill=1"), max_replicas=("decode=3",)).named_roles() == {"prefill", "decode"}
+    assert RayConfig(max_replicas=("2",)).named_roles() == set()
