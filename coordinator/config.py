@@ -56,13 +56,12 @@ class CoordinatorConfig:
     served_model_name: str | None = flag(None, group="tracing", help="the model's name in the traces and stats (default: the file or directory name)")
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
     worker_secret_file: str | None = secret_flag()  # without keys: workers must present this per-launch secret (wire/security.py)
-    # remote: the default until auto holds tests/slo/test_overload.py reliably
-    paths: str = flag("remote", group="paths and roles", choices=PATHS, launch=True,
-                      help="remote: every request of a (prefill, decode) pair is prefilled on a prefill worker (the default until "
-                      "auto holds the overload test's targets reliably: docs/architecture.md, Paths and roles); auto: each request "
-                      "prefilled on its decode worker (local) or on a prefill worker (remote): with SLO control the way "
-                      "that meets its targets, local first where the two share a node's cores; without it local for "
-                      "short prompts or a long prefill queue; local: always on the decode worker")
+    paths: str = flag("auto", group="paths and roles", choices=PATHS, launch=True,
+                      help="auto: each request prefilled on its decode worker (local) or on a prefill worker (remote): with "
+                      "SLO control the way that meets its targets, local first where the two share a node's cores (what "
+                      "local refuses there, remote refuses too); without it local for short prompts or a long prefill "
+                      "queue; remote: every request of a (prefill, decode) pair is prefilled on a prefill worker; local: "
+                      "always on the decode worker")
     local_prefill_tokens: int = flag(PathRule.local_tokens, group="paths and roles", min=0, launch=True,
                                      help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally")
     # > 0: workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request that finds none waits for one

@@ -178,6 +178,11 @@ def predict_step(w: WorkerSnapshot, tokens: int) -> float:
     return w.model.predict(w.requests + 1, w.requests + 1, w.context_tokens + tokens) + RELAY_OVERHEAD_S / 3
 
 
+def full_batch(w: WorkerSnapshot) -> bool:
+    """Whether w runs as many sequences as one of its steps takes (max_num_seqs; unknown: never full)."""
+    return bool(w.max_seqs) and w.requests >= w.max_seqs
+
+
 def node_wait(w: WorkerSnapshot, step: float) -> float:
     """What each `step` of decode worker w waits for its node's prefill workers: the stretch
     1 / (1 - their recent share of the node's time), at most their stall bound a step; 0 alone on its cores."""
@@ -187,11 +192,14 @@ def node_wait(w: WorkerSnapshot, step: float) -> float:
 
 
 def predict_pair_tpot(d: WorkerSnapshot, tokens: int) -> float:
-    """The TPOT of a pair's decode worker with one more sequence: its step and what that step
-    waits for the prefill workers sharing its node's cores (node_wait; without it, p99 TPOT came
-    out at twice the prediction on a 1 + 1 node under overload)."""
+    """The TPOT of a pair's decode worker with one more sequence: its step, stretched by the
+    prompts it prefilled itself lately (LOCAL ones, `--paths auto`: its streams wait for them as
+    a colocated worker's do; without it a REMOTE admission saw a decode worker full of local
+    prompts as free, and took what LOCAL had refused), and what that step waits for the prefill
+    workers sharing its node's cores (node_wait; without it, p99 TPOT came out at twice the
+    prediction on a 1 + 1 node under overload)."""
     step = predict_step(d, tokens)
-    return step + node_wait(d, step)
+    return step / (1 - min(MAX_SHARE, prefill_share(d, tokens))) + node_wait(d, step)
 
 
 def prefill_share(w: WorkerSnapshot, tokens: int) -> float:
@@ -224,7 +232,9 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     p = min(prefills, key=lambda w: (prefill_s[w.worker_id], w.queued_tokens, w.requests))
     ttft = req.waited_s + prefill_s[p.worker_id] + RELAY_OVERHEAD_S
     tpot = {d.worker_id: predict_pair_tpot(d, req.num_tokens) for d in fits}
-    open_ = [d for d in fits if tpot[d.worker_id] <= targets.tpot_s or not d.requests]
+    # a full batch (max_seqs) is not open: the hand-off would wait there for a stream to end, which no
+    # prediction covers (as LOCAL's, coordinator/paths.py local_candidates)
+    open_ = [d for d in fits if (tpot[d.worker_id] <= targets.tpot_s and not full_batch(d)) or not d.requests]
     if open_:
         d = pick_decode(open_, req.num_tokens)
         ttft += max(0.0, tpot[d.worker_id] + d.handoff_s)  # its first step after the KV lands, as measured (HandoffTimes)
@@ -237,6 +247,8 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     # when others finish, which this model predicts poorly (measured: p99 TTFT 3-5x target).
     if not fits:
         return shed(ShedReason.NO_KV_ROOM, "decode full: no KV room")
+    if all(full_batch(d) for d in fits):
+        return shed(ShedReason.TPOT, f"decode full: every decode worker with room runs its max_num_seqs ({fits[0].max_seqs}) sequences")
     best = min(predict_pair_tpot(d, req.num_tokens) for d in decodes)
     return shed(ShedReason.TPOT, f"decode full: predicted TPOT {best * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
 

@@ -159,6 +159,10 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
         # keep the old 512 MiB, which start faster
         engine_args = ["--kv-cache-mb", "512", *engine_args]
 
+    if prefill and not any(a == "--paths" or a.startswith("--paths=") for a in coordinator_args):
+        # a pair's hand-off is what these clusters exercise: they pin it (the default, auto, prefills
+        # short prompts on the decode worker); tests of the path choice pass --paths themselves
+        coordinator_args = ["--paths", "remote", *coordinator_args]
     plan = NodePlan(
         prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,
         client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",

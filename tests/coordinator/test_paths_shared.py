@@ -138,10 +138,11 @@ def test_local_targets_apart_from_remote_ones_decide_the_path():
 
 
 def test_a_decode_worker_with_a_full_batch_takes_no_local_prompt_under_slo_control():
-    """Its prompt would wait for a stream to end: the pair serves it, or it is shed."""
+    """Its prompt would wait for a stream to end, on either path: shed."""
     full = dataclasses.replace(decode(requests=8), max_seqs=8)
     c = choose_path(req(64), [prefill()], [full], TARGETS)
-    assert (c.path, c.reason, c.local.outcome, c.local.reason) == (Path.REMOTE, "only_remote", Outcome.SHED, ShedReason.TPOT)
+    assert (c.path, c.reason, c.local.outcome, c.local.reason) == (None, "neither", Outcome.SHED, ShedReason.TPOT)
+    assert c.remote.outcome is Outcome.SHED and "max_num_seqs" in c.remote.detail
     assert choose_path(req(64), [prefill()], [dataclasses.replace(full, max_seqs=9)], TARGETS).path is Path.LOCAL
     assert choose_path(req(64), [prefill()], [full], None).path is Path.LOCAL  # without targets: it queues there
 
@@ -167,3 +168,32 @@ def test_a_pair_on_a_shared_node_predicts_tpot_stretched_by_what_its_prefill_wor
     local = choose_path(req(128), p, d, loose).local
     alone = choose_path(req(128), apart_p, apart_d, loose).local
     assert local.predicted_tpot > alone.predicted_tpot  # LOCAL's streams wait for the node's prefills too
+
+
+def test_a_pair_predicts_tpot_stretched_by_the_local_prompts_its_decode_worker_took_lately():
+    """With --paths auto a decode worker also prefills LOCAL prompts in its steps: a REMOTE
+    admission into it sees its streams stretched by them as LOCAL does, so where LOCAL refuses a
+    prompt for TPOT, REMOTE does too (it took what LOCAL refused, and its prefill stretched every stream)."""
+    from coordinator.placement import place_pair, predict_step, prefill_share
+    busy = dataclasses.replace(decode("d0", requests=8, context=2000), recent_prompt_tokens=int(5 * M.tokens_per_second()))
+    step = predict_step(busy, 128)
+    loose = SloTargets(ttft_s=10.0, tpot_s=10.0)
+    share = prefill_share(busy, 128)
+    assert 0.3 < share < 0.9
+    assert place_pair(req(128), [prefill()], [busy], loose).predicted_tpot == pytest.approx(step / (1 - share))
+    idle = dataclasses.replace(busy, recent_prompt_tokens=0)
+    assert place_pair(req(128), [prefill()], [idle], loose).predicted_tpot == pytest.approx(step)
+    tight = SloTargets(ttft_s=10.0, tpot_s=(step + step / (1 - share)) / 2)  # the plain step meets it, the stretched one not
+    c = choose_path(req(128), [prefill()], [busy], tight)
+    assert c.path is None and c.remote.reason is ShedReason.TPOT and c.local.outcome is Outcome.SHED
+
+
+def test_a_pair_takes_no_decode_worker_with_a_full_batch_under_slo_control():
+    """The hand-off would wait there for a stream to end, unpredicted: shed (or, parked, wait)."""
+    from coordinator.placement import WAIT, place_pair
+    full = dataclasses.replace(decode(requests=8), max_seqs=8)
+    d = place_pair(req(64), [prefill()], [full], TARGETS)
+    assert (d.outcome, d.reason) == (Outcome.SHED, ShedReason.TPOT) and "max_num_seqs (8)" in d.detail
+    assert place_pair(dataclasses.replace(req(64), parked=True), [prefill()], [full], TARGETS) is WAIT
+    assert place_pair(req(64), [prefill()], [dataclasses.replace(full, max_seqs=9)], TARGETS).outcome is Outcome.PLACED
+    assert place_pair(req(64), [prefill()], [full], None).outcome is Outcome.PLACED  # without targets: it queues there
