@@ -12,7 +12,8 @@ other (each waits for all its requests; the queue is empty when the next begins)
 - `disagg`: `pdserve launch --ttft-p99-ms T --tpot-p99-ms P` (its default topology, 1 prefill +
   1 decode, SLO control on), through the CLI as a user runs it (`servers.launch_pdserve`);
 - `colocated`: the same with `--colocated`;
-- `auto` (only with --rows): the default launch with `--paths auto`, each request's path chosen.
+- `remote`, `auto` (only with --rows): the default launch with `--paths remote` (every prompt on the
+  prefill worker, the default before 2026-12-02) or `--paths auto` (the default, spelled out).
 --extra-launch-arg adds flags to both pdserve rows. Every request goes through the same OpenAI
 streaming client (`/v1/completions`). Per (row, rate) a `cells.Cell`: requests sent, served, shed
 (HTTP 429: refused by admission control), failed otherwise, goodput (served requests/s within
@@ -37,10 +38,10 @@ from benchmarks.machine import cpu_line, load_line
 from benchmarks.servers import PEERS, Workload, add_server_flags, extra_launch_args, launch_pdserve, peer_row, report_errors
 
 ROWS = ("vllm", "disagg", "colocated")  # the rows of a run without --rows
-ALL_ROWS = ("vllm", "disagg", "auto", "colocated")  # auto: the default launch with each request's path chosen (--paths auto)
-ROW_NAMES = {"vllm": PEERS["vllm"].name, "disagg": "pdserve default 1P+1D", "auto": "pdserve 1P+1D paths auto",
-             "colocated": "pdserve --colocated"}
-ROW_LAUNCH = {"disagg": [], "auto": ["--paths", "auto"], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
+ALL_ROWS = ("vllm", "disagg", "remote", "auto", "colocated")  # remote, auto: the default launch with --paths remote / auto
+ROW_NAMES = {"vllm": PEERS["vllm"].name, "disagg": "pdserve default 1P+1D", "remote": "pdserve 1P+1D paths remote",
+             "auto": "pdserve 1P+1D paths auto", "colocated": "pdserve --colocated"}
+ROW_LAUNCH = {"disagg": [], "remote": ["--paths", "remote"], "auto": ["--paths", "auto"], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -115,11 +115,12 @@ def test_one_overload_run_end_to_end(model_dir, tmp_path, capsys):
     assert run["ttft_p99_ms"] > 0 and run["tpot_p99_ms"] > 0
 
 
-def test_the_auto_row_is_the_default_launch_with_paths_auto_and_runs_only_when_asked():
-    args = gp.build_parser().parse_args(["--rows", "disagg,auto,colocated"])
-    assert gp.parse_rows(args.rows) == ["disagg", "auto", "colocated"]
-    assert gp.parse_rows(gp.build_parser().parse_args([]).rows) == list(gp.ROWS) and "auto" not in gp.ROWS
-    assert gp.pdserve_flags(args, "auto")[:2] == ["--paths", "auto"]
-    table = {"disagg": [cell(4, 3.0)], "auto": [cell(4, 3.5)], "colocated": [cell(4, 3.4)]}
+def test_the_remote_and_auto_rows_fix_the_default_launchs_path_and_run_only_when_asked():
+    args = gp.build_parser().parse_args(["--rows", "disagg,remote,auto,colocated"])
+    assert gp.parse_rows(args.rows) == ["disagg", "remote", "auto", "colocated"]
+    assert gp.parse_rows(gp.build_parser().parse_args([]).rows) == list(gp.ROWS) and not {"remote", "auto"} & set(gp.ROWS)
+    assert gp.pdserve_flags(args, "auto")[:2] == ["--paths", "auto"] and gp.pdserve_flags(args, "remote")[:2] == ["--paths", "remote"]
+    table = {"disagg": [cell(4, 3.0)], "remote": [cell(4, 2.9)], "auto": [cell(4, 3.5)], "colocated": [cell(4, 3.4)]}
     text = gp.format_table(table)
-    assert text.index("pdserve default 1P+1D") < text.index("pdserve 1P+1D paths auto") < text.index("pdserve --colocated")
+    assert (text.index("pdserve default 1P+1D") < text.index("pdserve 1P+1D paths remote") < text.index("pdserve 1P+1D paths auto")
+            < text.index("pdserve --colocated"))
