@@ -155,6 +155,7 @@ class DecodeWorker:
         if wcfg.threads:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
+        cores.size_alone()
         wid = process.worker_id(role, wcfg)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
 

@@ -67,6 +67,7 @@ class PrefillWorker:
         if wcfg.threads:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
+        cores.size_alone()
         wid = process.worker_id(Role.PREFILL, wcfg)
         structured.configure(model=wcfg.model)  # its tokenizer is loaded on the first structured request
 

@@ -21,7 +21,7 @@ a static 1 + 1 split doubled a burst's prefill time).
 Lifecycle: the launcher calls `create_share(n_workers)` once (a file of one byte per worker in
 /dev/shm) and hands worker i the spec "PATH:i" (`--core-share`); it unlinks the file when it
 stops. A worker builds `CoreShare.open(spec, cores)`, calls `busy()` before each step it is
-about to run and `idle()` before it waits for work, runs its start-up profile in `alone()`
+about to run and `idle()` before it waits for work (`size_alone()` first, before its model loads), runs its start-up profile in `alone()`
 (one worker's profile at a time), and `close()` (idle) on exit. A worker
 started without a spec gets `StaticCores`, whose calls do nothing: it keeps the thread count it
 was given. A worker killed while busy leaves
@@ -86,6 +86,15 @@ class CoreShare:
         if not path or not slot.isdigit():
             raise ValueError(f"--core-share must be PATH:SLOT, got {spec!r}")
         return cls(path, int(slot), cores or os.cpu_count() or 1)
+
+    def size_alone(self) -> None:
+        """Before the model loads: torch's threads = every core, what this worker runs on when it
+        is the node's only busy one (most of its steps), so that its linear back-ends are chosen
+        (kernels/select.py: the table is measured and cached per thread count) for that count,
+        not for the --threads share the launcher passes (measured: the decode worker of a 1 + 1
+        launch chose its table at 1 thread, and its steps then ran on 2)."""
+        torch.set_num_threads(self.cores)
+        self.threads = self.cores
 
     def busy_workers(self) -> int:
         flags = self.flags[:]
@@ -179,6 +188,9 @@ class CoreShare:
 
 class StaticCores:
     """The no-op share of a worker started without --core-share."""
+
+    def size_alone(self) -> None:
+        pass
 
     def busy(self, prefill: bool = False) -> int:
         return torch.get_num_threads()
