@@ -22,7 +22,8 @@ worker (HandoffTimes, coordinator/calibration.py). Each way is held to its own a
 With targets (SLO control), a way must meet them (the targets given are already less the
 admission headroom); of two that do, LOCAL when its decode worker shares its node's cores with the
 prefill workers (the prompt takes the same cores either way: a 1 + 1 node then serves as one
-colocated worker with every core, and the prefill worker takes what LOCAL cannot), else the one
+colocated worker with every core, and the prefill worker takes what LOCAL cannot take at all:
+what LOCAL refuses for its targets there, REMOTE refuses too, `local_refusal_binds`), else the one
 with the most headroom = min over TTFT and TPOT of (target - predicted) / target, REMOTE only by a
 margin (`PathRule.remote_margin`). Without targets, Dynamo's conditional disaggregation: LOCAL when
 the prompt's uncached tokens are few (`PathRule.local_tokens`) or the prefill queue is long
