@@ -85,7 +85,8 @@ threads = 1
     procs = {}
     for h in ("c", "p", "d"):
         procs[h] = subprocess.Popen(["ip", "netns", "exec", names[h], sys.executable, "-m", "pdserve", "launch", "--config", str(cfg),
-                                     "--node", h, "--no-gateway", "--log-dir", str(tmp_path / h)])
+                                     "--node", h, "--no-gateway", "--log-dir", str(tmp_path / h),
+                                     "--paths", "remote"])  # every prompt crosses hosts (auto would prefill these short ones on d)
     address = f"tcp://{SUBNET}.1:7555"
     try:
         with Client(address, keys=str(keys), timeout=30) as c:

@@ -107,7 +107,7 @@ def test_colocated_tp3_equals_tp1_and_survives_a_killed_rank(model, expected, tm
 @pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(3, 1, "tcp"), (1, 3, "shm"), (3, 3, "shm")])
 def test_handoff_across_tp_sizes(model, expected, tmp_path, prefill_tp, decode_tp, backend):
     node = Node(model, tmp_path, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--kv-backend", backend,
-                "--fixed-roles", POOL)
+                "--fixed-roles", "--paths", "remote", POOL)  # every prompt handed off (auto would prefill them on the decode worker)
     try:
         stats = node.wait_workers(2)
         assert {w["role"]: w["engine"]["tensor_parallel_size"] for w in stats["workers"]} == {"prefill": prefill_tp, "decode": decode_tp}

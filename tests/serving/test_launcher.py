@@ -95,7 +95,8 @@ host = "127.0.0.1"
 decode = 1
 threads = 1
 """)
-    a = pdserve("launch", "--config", str(cfg), "--node", "a", "--log-dir", str(tmp_path / "a"), "--http-port", str(free_port()))
+    a = pdserve("launch", "--config", str(cfg), "--node", "a", "--log-dir", str(tmp_path / "a"), "--http-port", str(free_port()),
+                "--paths", "remote")  # the prompt is handed off across the nodes (auto would prefill this short one on b)
     b = pdserve("launch", "--config", str(cfg), "--node", "b", "--log-dir", str(tmp_path / "b"))
     try:
         stats = wait_ready(a, f"tcp://127.0.0.1:{cport}", 2)
