@@ -100,8 +100,10 @@ def plan_gpus(workers: list[tuple[str, list[str]]], visible: int, base: int = 0)
     """Each worker's `--device cuda:K`, for those of `workers` ((name, command line), in start
     order) whose device is `cuda` without an index: GPUs of their own, one per tensor-parallel
     rank, in order from cuda:`base` on (a worker's ranks then take K, K+1, ...: runtime.tp.rank_devices).
-    A worker on `cuda:K` was placed by hand and is left alone. ConfigError, before anything starts,
-    when they need more GPUs than the `visible` ones."""
+    A worker on `cuda:K` was placed by hand and is left alone. Where the `visible` GPUs are too few
+    for one set each, every worker starts at cuda:`base` and they share them (the default 1 + 1
+    launch on a one-GPU machine, as vLLM's users run one); ConfigError, before anything starts,
+    when one worker's ranks need more GPUs than there are from `base` on."""
     spans, at = {}, base  # name -> (its first GPU, its GPU count)
     for name, args in workers:
         if flag_value(args, ("--device",)) != "cuda":
@@ -110,10 +112,14 @@ def plan_gpus(workers: list[tuple[str, list[str]]], visible: int, base: int = 0)
         spans[name] = (at, int(tp) if tp.isdigit() else 1)  # a bad size: the worker's own flag check says so
         at += spans[name][1]
     if spans and at > visible:
-        which = ", ".join(f"{name}: cuda:{k}" + (f"-{k + n - 1}" if n > 1 else "") for name, (k, n) in spans.items())
-        raise ConfigError(f"the workers on --device cuda need {at - base} GPUs ({which}) but this node sees {visible} "
-                          f"(CUDA_VISIBLE_DEVICES chooses which; --base-gpu-id {base} is the first one used; --device cuda:K "
-                          "starts every worker at cuda:K, sharing GPUs)")
+        widest = max(n for _, n in spans.values())
+        if widest > visible - base:
+            which = ", ".join(f"{name}: {n} GPU{'s' if n > 1 else ''}" for name, (_, n) in spans.items())
+            raise ConfigError(f"a worker on --device cuda needs {widest} GPUs from cuda:{base} on ({which}) but this node "
+                              f"sees {visible} (CUDA_VISIBLE_DEVICES chooses which; --base-gpu-id {base} is the first one used)")
+        print(f"pdserve launch: the workers on --device cuda need {at - base} GPUs for one set each, this node sees {visible}: "
+              f"they share them from cuda:{base} on", file=sys.stderr, flush=True)
+        return {name: f"cuda:{base}" for name in spans}
     return {name: f"cuda:{k}" for name, (k, _) in spans.items()}
 
 
