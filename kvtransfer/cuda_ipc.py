@@ -81,10 +81,12 @@ def _index(device: torch.device) -> int:
 def _wrap(ptr: int, nbytes: int, owner, device: torch.device, shape, dtype: torch.dtype) -> torch.Tensor:
     """A torch view (shape, dtype) of nbytes of device memory at ptr; `owner` stays alive with it."""
     cupy = require_cupy()
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=_index(device))
-    flat = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
-    # cupy has no bfloat16: share bytes through DLPack, then reinterpret in torch.
-    return torch.from_dlpack(flat).view(dtype).view(shape)
+    index = _index(device)
+    with cupy.cuda.Device(index):  # the DLPack hand-over orders cupy's stream of this GPU, whatever GPU is current
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=index)
+        flat = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+        # cupy has no bfloat16: share bytes through DLPack, then reinterpret in torch.
+        return torch.from_dlpack(flat).view(dtype).view(shape)
 
 
 class CudaKVPool:

@@ -325,6 +325,10 @@ def stats(address, timeout, keys):
 @click.option("--threads", default=None, type=int, help="torch threads per worker (default: cores / workers)")
 @click.option("--prefill-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the prefill workers")
 @click.option("--decode-tp", default=None, type=click.IntRange(1), help="tensor parallel size of the decode (or colocated) workers")
+@click.option("--base-gpu-id", default=0, show_default=True, type=click.IntRange(0),
+              help="with --device cuda each worker takes GPUs of its own (one per tensor-parallel rank), prefill workers first, "
+                   "then decode and colocated ones, from this GPU on (SGLang's flag; CUDA_VISIBLE_DEVICES chooses the GPUs seen; "
+                   "too few stops the launch before anything starts; --device cuda:K places every worker on cuda:K by hand)")
 @click.option("--log-dir", default=None, help="write each process's log here instead of the terminal")
 @click.option("--engine-arg", multiple=True, help="extra flag for every worker, e.g. --engine-arg=--kv-cache-mb=256")
 @click.option("--gateway/--no-gateway", default=True, show_default=True, cls=GroupedOption, group="HTTP gateway",
@@ -339,8 +343,8 @@ def stats(address, timeout, keys):
 @options([s for s in WORKER + COORDINATOR + PLANNER + LIMITS if s.flag.launch and s is not MODEL] + GATEWAY_LAUNCH)
 @options(ENGINE_LAUNCH, unset=True)
 @options(RAY)
-def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threads, prefill_tp, decode_tp, log_dir, engine_arg, gateway,
-           hang_timeout_s, models, **values):
+def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threads, prefill_tp, decode_tp, base_gpu_id, log_dir, engine_arg,
+           gateway, hang_timeout_s, models, **values):
     """Start every role of this node (default: coordinator + 1 prefill + 1 decode) and wait (--ray: the workers
     as actors of a Ray cluster, their counts following the traffic)."""
     from pdserve.launch import plan_from_toml
@@ -364,6 +368,7 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
     plan.engine_args += worker_args(values) + [a for arg in engine_arg for a in arg.split("=", 1)]
     plan.prefill_args += ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp else []
     plan.decode_args += ["--tensor-parallel-size", str(decode_tp)] if decode_tp else []
+    plan.base_gpu_id = base_gpu_id or plan.base_gpu_id
     plan.served_model_name = values["served_model_name"] or plan.served_model_name
     plan.fixed_roles = fixed_roles or plan.fixed_roles
     _coordinator_and_gateway_args(plan, values)

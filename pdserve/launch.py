@@ -63,6 +63,8 @@ HANG_KILL_GRACE_S = 5.0  # a hung child's SIGTERM -> SIGKILL
 USAGE_EXIT = 2  # click's UsageError.exit_code: a flag value the role's config rejects
 REPORT_S = 2.0  # NodeReport period (restart counts in `pdserve stats`; a restarted coordinator learns them again)
 ROLES = ("prefill", "decode", "colocated")
+WORKER_COMMANDS = ("worker", "prefill", "decode")  # the `pdserve COMMAND` of a worker child
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
 PORTS_PER_MODEL = 2  # model i's coordinator listens on the first model's client and worker ports + 2i
 
 
@@ -81,6 +83,51 @@ def port_plus(addr: str, k: int) -> str:
     if not (addr.startswith("tcp://") and port.isdigit()):
         raise ConfigError(f"several models need tcp://HOST:PORT coordinator addresses (each model's ports follow), got {addr!r}")
     return f"{head}:{int(port) + k}"
+
+
+def flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
+    """The value the last of `names` gives in a command line (`--flag value` or `--flag=value`),
+    as click reads a repeated option; None if none is there."""
+    value = None
+    for i, a in enumerate(args):
+        name, eq, given = a.partition("=")
+        if name in names:
+            value = given if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def plan_gpus(workers: list[tuple[str, list[str]]], visible: int, base: int = 0) -> dict[str, str]:
+    """Each worker's `--device cuda:K`, for those of `workers` ((name, command line), in start
+    order) whose device is `cuda` without an index: GPUs of their own, one per tensor-parallel
+    rank, in order from cuda:`base` on (a worker's ranks then take K, K+1, ...: runtime.tp.rank_devices).
+    A worker on `cuda:K` was placed by hand and is left alone. Where the `visible` GPUs are too few
+    for one set each, every worker starts at cuda:`base` and they share them (the default 1 + 1
+    launch on a one-GPU machine, as vLLM's users run one); ConfigError, before anything starts,
+    when one worker's ranks need more GPUs than there are from `base` on."""
+    spans, at = {}, base  # name -> (its first GPU, its GPU count)
+    for name, args in workers:
+        if flag_value(args, ("--device",)) != "cuda":
+            continue
+        tp = flag_value(args, TP_FLAGS) or "1"
+        spans[name] = (at, int(tp) if tp.isdigit() else 1)  # a bad size: the worker's own flag check says so
+        at += spans[name][1]
+    if spans and at > visible:
+        widest = max(n for _, n in spans.values())
+        if widest > visible - base:
+            which = ", ".join(f"{name}: {n} GPU{'s' if n > 1 else ''}" for name, (_, n) in spans.items())
+            raise ConfigError(f"a worker on --device cuda needs {widest} GPUs from cuda:{base} on ({which}) but this node "
+                              f"sees {visible} (CUDA_VISIBLE_DEVICES chooses which; --base-gpu-id {base} is the first one used)")
+        print(f"pdserve launch: the workers on --device cuda need {at - base} GPUs for one set each, this node sees {visible}: "
+              f"they share them from cuda:{base} on", file=sys.stderr, flush=True)
+        return {name: f"cuda:{base}" for name in spans}
+    return {name: f"cuda:{k}" for name, (k, _) in spans.items()}
+
+
+def visible_gpus() -> int:
+    """The GPUs this node's workers will see (CUDA_VISIBLE_DEVICES applies)."""
+    import torch  # only for workers on CUDA: the launcher itself does not need torch
+
+    return torch.cuda.device_count()
 
 
 @dataclass
@@ -127,6 +174,7 @@ class NodePlan:
     # False: every worker is `pdserve worker --role ROLE` (decode/worker.py), which the coordinator may move to another
     # role; True: dedicated prefill workers (`pdserve prefill`, private pool) and `pdserve decode` workers
     fixed_roles: bool = False
+    base_gpu_id: int = 0  # workers on `--device cuda` take GPUs of their own from this one on (plan_gpus; SGLang's flag)
 
     @property
     def security_args(self) -> list[str]:
@@ -158,7 +206,8 @@ class NodePlan:
 
 def plan_from_toml(path: str, node: str) -> NodePlan:
     """Cluster file: [cluster] (coordinator_host, client_port, worker_port, model, dtype,
-    kv_backend, kv_cache_mb, fixed_roles) and [nodes.NAME] (host, coordinator, prefill, decode, colocated)."""
+    kv_backend, kv_cache_mb, fixed_roles) and [nodes.NAME] (host, coordinator, prefill, decode, colocated,
+    base_gpu_id)."""
     with open(path, "rb") as f:
         doc = tomllib.load(f)
     cluster = doc.get("cluster", {})
@@ -177,6 +226,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         client_addr=f"tcp://{host}:{cluster.get('client_port', 5555)}",
         worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", worker_secret=False,  # workers of other nodes: keys
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
+        base_gpu_id=int(n.get("base_gpu_id", 0)),
         engine_args=engine_args, threads=n.get("threads"), name=node,
         keys=cluster.get("keys"), insecure=bool(cluster.get("insecure", False)), fixed_roles=bool(cluster.get("fixed_roles", False)),
     )
@@ -355,8 +405,20 @@ class Launcher:
                     self._spawn(f"{m.prefix}{role}-{i}", [*self._role_command(role), "--worker-id", f"{p.name}-{m.prefix}{role}-{i}",
                                                           *common, *share(), *(p.prefill_args if role == "prefill" else p.decode_args)])
         self.validate()
+        self.place_gpus()
         for child in self.children:
             self._start_child(child)
+
+    def place_gpus(self) -> None:
+        """Give each worker on `--device cuda` GPUs of its own (plan_gpus): prefill workers first,
+        then decode and colocated ones, model after model; ConfigError if the node has too few."""
+        workers = [c for c in self.children if c.args[0] in WORKER_COMMANDS]
+        if not any(flag_value(c.args, ("--device",)) == "cuda" for c in workers):
+            return
+        devices = plan_gpus([(c.name, c.args) for c in workers], visible_gpus(), self.plan.base_gpu_id)
+        for c in workers:
+            if c.name in devices:
+                c.args = [*c.args, "--device", devices[c.name]]  # the last --device is the one a worker takes
 
     def clients(self) -> list:
         """A client to each model's coordinator (the caller closes them)."""

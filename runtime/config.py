@@ -161,7 +161,8 @@ class EngineConfig:
     num_blocks: int | None = flag(None, group="KV cache and transfer", help="KV pool size in blocks (overrides --kv-cache-mb)")
     # in-process default; the worker commands size it with auto_kv_cache_mb()
     kv_cache_bytes: int = flag(512 * 2**20, group="KV cache and transfer", name="kv_cache_mb", scale=2**20, command_default=COMPUTED,
-                               launch=True, help=f"KV pool memory budget per worker, MiB (default: {AUTO_KV_CACHE_MB}, or less on a small "
+                               launch=True, help=f"KV pool memory budget per worker, MiB (per GPU for a tensor-parallel worker on CUDA: "
+                               f"each rank's pool of its KV heads; default: {AUTO_KV_CACHE_MB}, or less on a small "
                                "machine: at most a quarter of the available memory and half of /dev/shm's free space)")
     max_num_seqs: int = flag(64, group="scheduling", launch=True, help="sequences one worker runs at once")
     max_num_batched_tokens: int = flag(2048, group="scheduling", aliases=("--max-batched-tokens",), launch=True,
@@ -197,7 +198,7 @@ class EngineConfig:
                                   "products; faster, approximate)")
     gpu_memory_utilization: float | None = flag(None, group="KV cache and transfer", launch=True,
                                                 help="CUDA only: size the KV pool so that this share of the GPU's memory is used "
-                                                "(instead of --kv-cache-mb)")
+                                                "(instead of --kv-cache-mb; per GPU: with tensor parallelism, of each rank's GPU)")
     prefix_cache: bool = flag(True, group="KV cache and transfer", name="no_prefix_cache", launch=True,
                               help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)")
     tensor_parallel_size: int = flag(1, group="parallelism", aliases=("-tp",), min=1, launch=True,
@@ -256,7 +257,12 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     def blocks_for_budget(self, model: ModelConfig) -> int:
-        """Number of KV blocks that fit in kv_cache_bytes (all layers, K and V)."""
+        """Number of KV blocks (all layers, K and V) one KV pool holding `model`'s KV heads gets:
+        num_blocks, or what kv_cache_bytes buys, or with gpu_memory_utilization what the device
+        has left (call it once the weights are there). The budget is per pool: a TP 1 worker's; a
+        CPU tensor-parallel worker's one pool of every head, which its ranks share (the budget is
+        the worker's); on CUDA each rank's pool of its KV heads on its GPU (pass
+        runtime.tp.rank_config; the budget is per GPU, as vLLM's gpu_memory_utilization)."""
         if self.num_blocks is not None:
             return self.num_blocks
         itemsize = self.torch_dtype.itemsize

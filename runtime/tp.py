@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import NamedTuple
 
 import msgspec
@@ -251,6 +252,15 @@ class RankGroup:
         """Wait (the store's 60 s at most) for what another rank published under key."""
         return self.store.get(key)
 
+    def agree_min(self, value: int) -> int:
+        """The least of every rank's value (all ranks call it at the same point, before the first
+        plan): on CUDA the KV blocks each rank's own budget buys, so that one block id is a block on every rank."""
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.plan_group.allreduce([t], opts).wait()
+        return int(t)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.compute.allreduce([t]).wait()
         return t
@@ -279,8 +289,16 @@ class RankGroup:
 
 
 def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta, device: str):
-    """The compute group on NCCL (CUDA only: never called on the CPU, where the class is absent)."""
-    torch.cuda.set_device(device)
+    """The compute group on NCCL (CUDA only: never called on the CPU, where the class is absent).
+
+    An NCCL collective whose peer is gone does not fail: its kernel waits on the GPU, and `wait()`
+    only orders the current stream after it. What ends it is torch's watchdog thread: a collective
+    older than `timeout` makes it take the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
+    torch's default since 2.2, set here so that an inherited setting cannot turn it off), so no
+    rank waits in a collective longer than COMPUTE_TIMEOUT_S. A rank that dies is noticed sooner
+    by the processes' own watches (worker.tp_ranks)."""
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"  # read when the group is made
+    torch.cuda.set_device(device)  # lazy init binds the communicator to the current device
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -68,7 +68,8 @@ class TPModel:
         embed = tensors["model.embed_tokens.weight"]
         self.embed = embed if isinstance(embed, QuantTensor) else embed.to(self.dtype).to(self.device)
         self.vocab_start, self.vocab_end = vocab_range(full.vocab_size, group.rank, group.size)
-        self.lm_head = linear(embed if full.tie_embeddings else tensors["lm_head.weight"], None)
+        # tied: the LM head reads the embedding's own device copy (a second .to(device) would copy it again)
+        self.lm_head = linear(self.embed if full.tie_embeddings else tensors["lm_head.weight"], None)
         self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype, self.device)
         self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling).to(self.device)
         self.scale = full.head_dim**-0.5
@@ -80,7 +81,7 @@ class TPModel:
             return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
 
         lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
-        embed = 0 if self.full.tie_embeddings else size(self.embed)
+        embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
         norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm))]
         return embed + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
 
@@ -146,6 +147,8 @@ class TPModel:
     def _logits(self, part: torch.Tensor) -> torch.Tensor:
         """(N, vocab / N) on each rank -> (N, vocab): every rank's columns, padded to one width."""
         per = -(-self.full.vocab_size // self.group.size)
+        if part.shape[0] == 0:  # a step that samples nothing (a prompt's middle chunk): every rank runs the same plan, none gathers
+            return part.new_empty(0, self.full.vocab_size)
         if part.shape[1] < per:
             part = F.pad(part, (0, per - part.shape[1]))
         return torch.cat(self.group.all_gather(part), dim=1)[:, :self.full.vocab_size]

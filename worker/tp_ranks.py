@@ -8,14 +8,17 @@ of the model (runtime.tp_model), whose every forward first broadcasts the step's
 other rank loads the checkpoint, keeps its shard, maps the worker's pool (the same blocks; each
 rank reads and writes its own KV heads, so one block id means the same tokens on every rank and
 a hand-off moves whole blocks whatever the TP sizes) and follows rank 0's plans. Liveness both
-ways: a rank whose parent (rank 0) is gone exits at once (a watch thread; a collective with a
-dead peer fails at once too), and rank 0's watch stops the worker as SIGTERM does (its launcher
-restarts it) within `WATCH_S` of any other rank's exit. `Ranks.close()`, among what the worker
-closes, sends stop, waits for the ranks, kills what does not leave.
+ways: a rank whose parent (rank 0) is gone exits at once (a watch thread, and the kernel's
+PDEATHSIG for a stopped one; a gloo collective with a dead peer fails at once too), and rank 0's
+watch stops the worker as SIGTERM does (its launcher restarts it) within `WATCH_S` of any other
+rank's exit, or, if the worker has not begun closing STOP_GRACE_S later (its step waits in an NCCL
+collective for the dead rank), ends it at once. `Ranks.close()`, among what the worker closes,
+sends stop, waits for the ranks, kills what does not leave.
 
 On CUDA (NCCL; cupy needed) each rank runs on its own GPU (runtime.tp.rank_devices: more ranks
 than GPUs is refused before any rank starts) with a pool of its own KV heads on that GPU
-(cuda_ipc.CudaKVPool), whose CUDA IPC export it publishes in the group's store; rank 0 maps every
+(cuda_ipc.CudaKVPool; the KV budget is per GPU, every rank gets the blocks the least of their
+budgets buys: `rank_pool`), whose CUDA IPC export it publishes in the group's store; rank 0 maps every
 other rank's pool and gives the worker `RankPools`: its own pool for its engine, and all of them
 (kvtransfer.heads.HeadParts) for hand-offs, which then move each rank's heads straight between
 GPUs (cuda_ipc) or through rank 0's GPU (nccl, tcp).
@@ -51,6 +54,7 @@ log = logging.getLogger("pdserve.tp")
 
 WATCH_S = 0.2  # how often each side checks that the other ranks live
 CLOSE_S = 5.0  # ranks still running this long after stop are killed
+STOP_GRACE_S = 2.0  # a worker told to stop because a rank died exits at once if it has not begun closing by then
 
 
 class RankSpec(msgspec.Struct):
@@ -60,7 +64,7 @@ class RankSpec(msgspec.Struct):
     parent: int  # rank 0's pid: this rank exits when it is gone
     model: str | None
     engine: EngineConfig
-    num_blocks: int
+    num_blocks: int  # the pool's blocks; on CUDA (0) each rank's budget buys its own and all take the least (rank_pool)
     threads: int | None = None
     pool_path: str = ""  # the worker's whole KV pool in /dev/shm ("": a pool of this rank's own; on CUDA, exported)
 
@@ -83,6 +87,22 @@ class Ranks:
                 time.sleep(WATCH_S)
 
         threading.Thread(target=loop, name="tp-watch", daemon=True).start()
+
+    def stop_worker(self, why: str) -> None:
+        """Another rank died: stop this worker as SIGTERM does (its loop ends, its pool is
+        unlinked; its launcher restarts it). A worker that has not begun closing STOP_GRACE_S later
+        is waiting in a collective that will never end (NCCL waits for the dead rank on the GPU and
+        the host in a sync no signal interrupts; torch's watchdog would end it only after the
+        compute timeout): it exits at once, its step's tokens unsent (its launcher unlinks its pool)."""
+        log.error("%s: stopping the worker", why)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while not self.closing and time.monotonic() < deadline:
+            time.sleep(WATCH_S)
+        if not self.closing:
+            log.error("the worker did not stop within %g s (a collective waits for the dead rank): exiting now", STOP_GRACE_S)
+            logging.shutdown()
+            os._exit(1)
 
     def close(self) -> None:
         self.closing = True
@@ -115,7 +135,7 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
         rank_econf = econf if devices[r] == econf.device else dataclasses.replace(econf, device=devices[r])
         spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), rank_econf, num_blocks, threads, pool_path)
         procs.append(subprocess.Popen([sys.executable, "-m", "worker.tp_ranks", msgspec.json.encode(spec).decode()],
-                                      cwd=_repo_root(), stdin=subprocess.DEVNULL))
+                                      cwd=_repo_root(), stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
     try:
         group.connect()
         built = build_tp_model(cfg, tensors, econf, group)
@@ -128,20 +148,22 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
 
 def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     """A worker's (model, KV pool, Ranks or None): TP 1 builds runtime.model as before; TP n
-    starts the other ranks over the whole pool, made shared (make_pool(shape, shared))."""
+    starts the other ranks over the whole pool, made shared (make_pool(shape, shared)). The pool
+    is sized once the weights are on the device (--gpu-memory-utilization measures what is left)."""
     if econf.device.startswith("cuda:"):
         torch.cuda.set_device(econf.device)  # kernels (Triton's too) launch on the current device: the worker's
     on_gpus = econf.tensor_parallel_size > 1 and econf.device.startswith("cuda")
     if on_gpus:
         _require_cupy()  # refused before the checkpoint loads
     cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
-    shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
     if econf.tensor_parallel_size == 1:
         model = build_model(cfg, tensors, econf, wcfg.model)
-        return model, make_pool(shape, False), None
+        return model, make_pool(kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size), False), None
     check_split(cfg, econf.tensor_parallel_size)
     if on_gpus:
-        return _load_on_gpus(cfg, tensors, econf, wcfg, shape[2])
+        return load_on_gpus(cfg, tensors, econf, wcfg.model)
+    # the CPU: one pool of every head in /dev/shm, which every rank maps (the budget is the worker's)
+    shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
     pool = make_pool(shape, True)
     threads = max(1, (wcfg.threads or torch.get_num_threads()) // econf.tensor_parallel_size)
     torch.set_num_threads(threads)
@@ -153,7 +175,7 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     del tensors
     release_heap()
     log.info("tensor parallel: %d ranks, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
-    ranks.watch(_stop_worker)
+    ranks.watch(ranks.stop_worker)
     return ranks.model, pool, ranks
 
 
@@ -170,20 +192,29 @@ def visible_gpus(device: str) -> int:
     return torch.cuda.device_count() if device.startswith("cuda") else 0
 
 
-def _load_on_gpus(cfg: ModelConfig, tensors: dict, econf: EngineConfig, wcfg: WorkerConfig, num_blocks: int) -> tuple:
-    """load_model on CUDA: ranks 1..n-1 on their GPUs, rank 0's pool and a mapping of theirs."""
-    ranks = start(cfg, tensors, econf, num_blocks, wcfg.model)
+def load_on_gpus(cfg: ModelConfig, tensors: dict, econf: EngineConfig, model: str | None) -> tuple:
+    """load_model on CUDA: ranks 1..n-1 on their GPUs, rank 0's pool and a mapping of theirs.
+    Each rank's pool holds its KV heads on its GPU and gets the blocks its own budget buys
+    (--kv-cache-mb and --gpu-memory-utilization are per GPU, as vLLM's): all take the least."""
+    ranks = start(cfg, tensors, econf, 0, model)
     del tensors
     release_heap()
     try:
-        own = cuda_ipc.CudaKVPool.create(kv_cache_shape(ranks.model.cfg, num_blocks, econf.block_size), econf.torch_dtype, ranks.model.device)
+        own = rank_pool(ranks.model, econf)
         pool = RankPools.gather(own, ranks.model.group)
     except BaseException:
         ranks.close()
         raise
     log.info("tensor parallel on %d GPUs, this one %.1f MiB of weights", econf.tensor_parallel_size, ranks.model.weight_bytes() / 2**20)
-    ranks.watch(_stop_worker)
+    ranks.watch(ranks.stop_worker)
     return ranks.model, pool, ranks
+
+
+def rank_pool(model: TPModel, econf: EngineConfig) -> cuda_ipc.CudaKVPool:
+    """This rank's KV pool on its GPU: its KV heads, the blocks every rank's budget buys (each rank
+    calls it once its weights are on its GPU, before the first step)."""
+    blocks = model.group.agree_min(econf.blocks_for_budget(model.cfg))
+    return cuda_ipc.CudaKVPool.create(kv_cache_shape(model.cfg, blocks, econf.block_size), econf.torch_dtype, model.device)
 
 
 class RankPools:
@@ -249,14 +280,18 @@ def release_heap() -> None:
         pass  # not glibc
 
 
-def _stop_worker(why: str) -> None:
-    """A rank died: stop this worker as SIGTERM does (its loop ends, its pool is unlinked); its launcher restarts it."""
-    log.error("%s: stopping the worker", why)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _killed_with_parent():
+    """What a rank process runs before its exec: the kernel SIGKILLs it when rank 0's thread that
+    started it ends (a stopped rank too, whose own watch cannot run); None where there is no glibc."""
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here, before the fork
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _watch_parent(parent: int) -> None:
@@ -282,7 +317,7 @@ def follow(spec: RankSpec) -> None:
     if spec.pool_path:
         kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size), e.torch_dtype).tensor
     elif e.device.startswith("cuda"):  # its heads on its GPU, exported to rank 0
-        pool = cuda_ipc.CudaKVPool.create(kv_cache_shape(model.cfg, spec.num_blocks, e.block_size), e.torch_dtype, e.device)
+        pool = rank_pool(model, e)
         group.publish(export_key(spec.rank), msgspec.msgpack.encode(pool.accept()))
         kv = pool.tensor
     else:

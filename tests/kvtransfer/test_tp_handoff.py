@@ -211,7 +211,7 @@ def test_nccl_handoff_across_tp_sizes(ctx, fake_nccl, src_n, dst_n):
 def _need(gpus: int, what: str) -> None:
     pytest.importorskip("cupy")
     if torch.cuda.device_count() < gpus:
-        pytest.skip(f"{what} needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+        pytest.skip(f"{what} needs {gpus} CUDA devices, this machine has {torch.cuda.device_count()}")
 
 
 def _devices(n: int, first: int = 0) -> list[str]:

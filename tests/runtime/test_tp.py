@@ -4,6 +4,14 @@ equal the TP 1 engine's and each token's logprob is within LOGPROB_TOL of it (th
 row-parallel layers are added in another order); each rank holds about 1/N of the weights."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
 import msgspec
 import pytest
 import torch
@@ -17,9 +25,9 @@ from runtime.errors import NotSupportedError, UnsupportedModelError
 from runtime.kv_cache import allocate_kv_cache
 from pdserve_client.params import SamplingParams
 from runtime.weights import load_checkpoint
-from runtime.tp import (HeadRoute, StepPlan, batch_of, check_split, column_part, compute_backend, head_routes, kv_head_range, plan_of,
-                        rank_devices, row_part, vocab_part)
-from tests.helpers import save_tiny_model, tiny_engine, write_gguf
+from runtime.tp import (HeadRoute, RankGroup, StepPlan, batch_of, check_split, column_part, compute_backend, head_routes, kv_head_range,
+                        plan_of, rank_config, rank_devices, row_part, vocab_part)
+from tests.helpers import run_in_child, save_tiny_model, tiny_engine, write_gguf
 from worker import tp_ranks
 
 LOGPROB_TOL = 1e-4  # float weights
@@ -65,7 +73,8 @@ def test_tp_equals_tp1(tmp_path, layout):
     n, overrides = LAYOUTS[layout]
     save_tiny_model(tmp_path, max_position_embeddings=128, **overrides)
     ref, _ = tiny_engine(tmp_path)
-    mine, whole = compare(ref, tmp_path, n)
+    # 16-token steps: a long prompt's middle chunks sample no row (every rank skips the logits' gather alike)
+    mine, whole = compare(ref, tmp_path, n, max_num_batched_tokens=16)
     assert whole / n <= mine <= whole / n * 1.05 + 1024, (mine, whole)
 
 
@@ -168,3 +177,84 @@ def test_more_ranks_than_gpus_refused_before_any_rank_starts(monkeypatch):
     with pytest.raises(InvalidRequestError, match="tensor parallel size 2 needs 2 GPUs"):
         tp_ranks.start(cfg, {}, EngineConfig(device="cuda", tensor_parallel_size=2, num_blocks=8), 8)
     assert started == []
+
+
+def test_ranks_agree_on_the_least_value():
+    """RankGroup.agree_min: what sizes a CUDA worker's per-rank pools (each rank's budget buys its
+    own blocks; all take the least so that a block id is a block on every rank). Gloo here."""
+    port = [None]
+    ready = threading.Event()
+    got = {}
+
+    def rank(r: int, value: int):
+        group = RankGroup(r, 3, 0 if r == 0 else port[0])
+        if r == 0:
+            port[0] = group.port
+            ready.set()
+        got[r] = group.connect().agree_min(value)
+
+    threads = [threading.Thread(target=rank, args=(0, 70), daemon=True)]
+    threads[0].start()
+    assert ready.wait(30)
+    threads += [threading.Thread(target=rank, args=(r, v), daemon=True) for r, v in ((1, 50), (2, 90))]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {0: 50, 1: 50, 2: 50}
+
+
+def test_a_ranks_pool_gets_the_blocks_its_own_budget_buys():
+    """The budget is per pool: a CUDA rank's pool holds 1/N of the KV heads, so the same budget
+    buys N times the blocks of the whole pool (per GPU, as vLLM's); --num-blocks is taken as it is."""
+    cfg = ModelConfig("LlamaForCausalLM", 512, 96, 192, 2, 6, 3, 16, 128)
+    econf = EngineConfig(kv_cache_bytes=3 * 2**20, block_size=8)
+    whole = econf.blocks_for_budget(cfg)
+    assert econf.blocks_for_budget(rank_config(cfg, 3)) == 3 * whole == 3 * 2**20 // (2 * 2 * 8 * 3 * 16 * 4) * 3
+    assert EngineConfig(num_blocks=7).blocks_for_budget(rank_config(cfg, 3)) == 7
+
+
+def test_the_pool_is_sized_once_the_weights_are_loaded(tiny, monkeypatch):
+    """--gpu-memory-utilization measures what the device has left after the weights: load_model
+    builds the model first, then asks the budget (spies on the real functions; TP 1 here)."""
+    from kvtransfer.pool import KVPool
+    from runtime.config import WorkerConfig
+
+    calls, build, blocks = [], tp_ranks.build_model, EngineConfig.blocks_for_budget
+    monkeypatch.setattr(tp_ranks, "build_model", lambda *a, **k: calls.append("weights") or build(*a, **k))
+    monkeypatch.setattr(EngineConfig, "blocks_for_budget", lambda self, m: calls.append("budget") or blocks(self, m))
+    model, pool, ranks = tp_ranks.load_model(EngineConfig(num_blocks=8, block_size=8), WorkerConfig(model=str(tiny)),
+                                             lambda shape, shared: KVPool.create(shape, torch.float32, shared))
+    assert calls == ["weights", "budget"] and ranks is None and pool.tensor.shape[2] == 8
+
+
+def stuck_or_closing_child(closes: str) -> None:
+    """A worker's rank 0 whose other rank has died (a process that exits at once): its watch sends
+    SIGTERM; the main thread then closes (closes="1"), or waits on as a step waits in an NCCL
+    collective for the dead rank (closes="0"). Prints how it ended."""
+    from worker.tp_ranks import Ranks
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # as worker.process.serve: the loop's flag
+    ranks = Ranks(None, [subprocess.Popen([sys.executable, "-c", "pass"])])
+    ranks.watch(ranks.stop_worker)
+    if closes == "1":
+        stop.wait(30)
+        ranks.closing = True  # what Ranks.close does first (its model's stop is for live ranks)
+        time.sleep(tp_ranks.STOP_GRACE_S + 0.5)  # the watch's grace passes: it must not end a closing worker
+        print(json.dumps({"ended": "closed"}), flush=True)
+        os._exit(0)
+    threading.Event().wait(60)  # never set: the host blocked in a sync no signal ends
+    print(json.dumps({"ended": "waited"}), flush=True)
+
+
+@pytest.mark.parametrize("closes", [True, False])
+def test_a_dead_rank_ends_its_worker_even_when_its_step_never_returns(closes):
+    t0 = time.monotonic()
+    child = run_in_child(__file__, "stuck_or_closing_child", int(closes))
+    out, _ = child.communicate(timeout=60)
+    if closes:
+        assert child.returncode == 0 and json.loads(out.strip().splitlines()[-1]) == {"ended": "closed"}
+    else:  # ended by the watch STOP_GRACE_S after the SIGTERM, not by the 60 s wait
+        assert child.returncode == 1 and "waited" not in out
+        assert time.monotonic() - t0 < 20

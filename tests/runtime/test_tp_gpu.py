@@ -25,7 +25,7 @@ PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(3, 40)), [4] * 17]
 
 def _need_gpus(n: int, what: str) -> None:
     if torch.cuda.device_count() < n:
-        pytest.skip(f"{what} needs {n} GPUs (one per rank: NCCL refuses two ranks on one GPU), this machine has {torch.cuda.device_count()}")
+        pytest.skip(f"{what} needs {n} CUDA devices (one per rank: NCCL refuses two ranks on one), this machine has {torch.cuda.device_count()}")
 
 
 def _child(fn: str, *args):
@@ -76,10 +76,11 @@ def test_nccl_all_reduce_equals_one_process():
 
 
 def tp_forward_child(model_dir: str, n: str) -> None:
-    """TP 1 and TP n engines on CUDA (float32), rank 0 in this process: their tokens and logprobs."""
+    """TP 1 and TP n engines on CUDA (float32), rank 0 in this process as a worker loads it
+    (worker.tp_ranks.load_on_gpus: each rank's pool on its GPU, the others' mapped over CUDA IPC):
+    their tokens and logprobs, and where each rank's pool lives."""
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.kv_cache import allocate_kv_cache
     from runtime.weights import load_checkpoint
     from tests.helpers import tiny_engine
     from worker import tp_ranks
@@ -90,17 +91,19 @@ def tp_forward_child(model_dir: str, n: str) -> None:
     want = ref.generate(PROMPTS, params)
     econf = EngineConfig(num_blocks=64, block_size=8, tensor_parallel_size=n, device="cuda", dtype="float32")
     cfg, tensors = load_checkpoint(model_dir, progress=False, keep_quantized=econf.keep_quantized)
-    ranks = tp_ranks.start(cfg, tensors, econf, 64, model_dir)
+    model, pool, ranks = tp_ranks.load_on_gpus(cfg, tensors, econf, model_dir)
     try:
-        pool = allocate_kv_cache(ranks.model.cfg, 64, 8, torch.float32, "cuda:0")
-        engine = LLMEngine(ranks.model, None, econf, kv_cache=pool)
+        engine = LLMEngine(model, None, econf, kv_cache=pool.tensor)
         got = engine.generate(PROMPTS, params)
         out = {"want": [c.token_ids for c in want], "got": [c.token_ids for c in got],
                "logprob_gap": max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs)),
                "whole": engine.blocks.free_blocks == engine.blocks.num_blocks,
-               "bytes": [ranks.model.weight_bytes(), ref.model.weight_bytes()]}
+               "bytes": [model.weight_bytes(), ref.model.weight_bytes()],
+               "parts": [[str(p.device), list(p.shape)] for p in pool.parts.parts],
+               "written": [bool(p.abs().sum() > 0) for p in pool.parts.parts]}  # every rank wrote its heads into its own pool
     finally:
         ranks.close()
+        pool.close()
     out["rank_exits"] = [p.returncode for p in ranks.procs]
     _leave(out)
 
@@ -111,15 +114,19 @@ def test_tp_forward_on_cuda_equals_tp1(tmp_path):
     _need_gpus(2, "a TP forward on CUDA")
     pytest.importorskip("cupy")  # the other ranks export their pools over CUDA IPC
     n = 3 if torch.cuda.device_count() >= 3 else 2
-    save_tiny_model(tmp_path, max_position_embeddings=128, **{**TINY, "num_key_value_heads": 6})
+    # tied: the LM head must share the embedding's GPU copy (the bytes check below sees a second one)
+    save_tiny_model(tmp_path, max_position_embeddings=128, tie_word_embeddings=True, **{**TINY, "num_key_value_heads": 6})
     child = _child("tp_forward_child", tmp_path, n)
     out = json.loads(child.communicate(timeout=240)[0].strip().splitlines()[-1])
     assert out["got"] == out["want"] and out["logprob_gap"] < LOGPROB_TOL and out["whole"]
     assert out["rank_exits"] == [0] * (n - 1)
+    # each rank's pool on its GPU: (layers, 2, blocks, block_size, its 6 / n KV heads, head_dim 96 / 6)
+    assert out["parts"] == [[f"cuda:{r}", [3, 2, 64, 8, 6 // n, 16]] for r in range(n)] and out["written"] == [True] * n
     mine, whole = out["bytes"]
     assert whole / n <= mine <= whole / n * 1.05 + 1024, (mine, whole)
 
 
+@pytest.mark.slow  # starts `pdserve launch` (scripts/gpu_check runs these after the quick ones)
 @pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 1), (1, 3)])
 def test_handoff_across_tp_sizes_on_gpus(tmp_path, backend, prefill_tp, decode_tp):

@@ -139,3 +139,40 @@ def test_several_models_whose_derived_ports_collide_are_refused():
         plan.models
     ok = NodePlan(client_addr="tcp://127.0.0.1:6000", worker_addr="tcp://127.0.0.1:6001", more_models=[("/m", None)])
     assert [m.client_addr for m in ok.models] == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6002"]
+
+
+def test_workers_on_cuda_get_gpus_of_their_own():
+    """`--device cuda`: each worker takes as many GPUs as its tensor-parallel size, in start order
+    (prefill workers first), from --base-gpu-id on; one placed by hand (cuda:K) or on the CPU is
+    left alone; too few for one set each: they share them; a worker wider than the node is refused."""
+    from pdserve.launch import ConfigError, flag_value, plan_gpus
+
+    assert flag_value(["--device", "cpu", "--device=cuda", "-tp", "3"], ("--device",)) == "cuda"
+    assert flag_value(["-tp", "3"], ("--tensor-parallel-size", "-tp")) == "3" and flag_value([], ("--device",)) is None
+    cuda = ["--device", "cuda"]
+    workers = [("prefill-0", ["worker", *cuda, "--tensor-parallel-size", "3"]), ("prefill-1", ["worker", *cuda, "--device", "cuda:7"]),
+               ("decode-0", ["worker", *cuda, "--tensor-parallel-size=2"]), ("decode-1", ["decode", *cuda]), ("decode-2", ["decode"])]
+    assert plan_gpus(workers, 6) == {"prefill-0": "cuda:0", "decode-0": "cuda:3", "decode-1": "cuda:5"}
+    assert plan_gpus(workers, 8, base=2) == {"prefill-0": "cuda:2", "decode-0": "cuda:5", "decode-1": "cuda:7"}
+    # too few for one set each: they share from the base on (each worker's ranks still on GPUs of their own)
+    assert plan_gpus(workers, 4) == {"prefill-0": "cuda:0", "decode-0": "cuda:0", "decode-1": "cuda:0"}
+    pair = [("prefill-0", ["worker", *cuda]), ("decode-0", ["worker", *cuda])]
+    assert plan_gpus(pair, 1) == {"prefill-0": "cuda:0", "decode-0": "cuda:0"}  # the default launch on a one-GPU machine
+    with pytest.raises(ConfigError, match=r"needs 3 GPUs from cuda:2 on \(prefill-0: 3 GPUs, decode-0: 2 GPUs, decode-1: 1 GPU\) but this node sees 4"):
+        plan_gpus(workers, 4, base=2)
+    assert plan_gpus(workers[4:], 0, base=3) == {}  # nothing on cuda: nothing counted
+
+
+def test_launch_refuses_cuda_workers_before_anything_starts_when_the_node_lacks_gpus(tmp_path):
+    """`pdserve launch --device cuda` on a node without enough GPUs (here: none) stops at once with
+    exit status 1 and says what each worker would take; no coordinator or worker was started."""
+    import torch
+
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this node has the GPUs: the launch would start")
+    run = subprocess.run([sys.executable, "-m", "pdserve", "launch", "--device", "cuda", "--prefill-tp", "3", "--no-gateway",
+                          "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}",
+                          "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "a worker on --device cuda needs 3 GPUs from cuda:0 on (prefill-0: 3 GPUs, decode-0: 1 GPU) but this node sees" in run.stderr
+    assert not list(tmp_path.glob("*.log"))  # no child ever started
