@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from benchmarks.timing import median_seconds
+
 
 class Timed:
     """A callable wrapper that adds each call's wall time to `total` (seconds) and counts calls."""
@@ -54,6 +56,16 @@ def build_engine(model, threads: int, prompt_len: int):
     return engine
 
 
+def step_times(engine, steps: int) -> list[float]:
+    """Seconds of each of `steps` engine steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def time_steps(engine, steps: int) -> dict[str, float]:
     """Median ms of engine.step() and the mean ms per step of each wrapped part."""
     import runtime.model_runner as mr
@@ -70,11 +82,7 @@ def time_steps(engine, steps: int) -> dict[str, float]:
             engine.step()
         for p in parts.values():
             p.total, p.calls = 0.0, 0
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
+        times = step_times(engine, steps)
     finally:
         runner.prepare, fast.embed, fast.ops.decode_layers, fast.lm_head, mr.sample, fast.ops.rms_norm = saved
         del fast.ops.decode_layers, fast.ops.rms_norm  # the instance attributes: back to the class's methods
@@ -85,11 +93,7 @@ def time_steps(engine, steps: int) -> dict[str, float]:
         for slot, name, _ in saved16:
             getattr(slot, name).w16 = None
         try:
-            off = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                engine.step()
-                off.append(time.perf_counter() - t0)
+            off = step_times(engine, steps)
         finally:
             for slot, name, w16 in saved16:
                 getattr(slot, name).w16 = w16
@@ -118,14 +122,8 @@ def kernel_split(engine, repeats: int) -> dict[str, float]:
                 lib.pd_q_matmul(x.data_ptr(), x.shape[1], w.raw.data_ptr(), w.raw.stride(0), w.type_id, 1, w.shape[0], w.shape[1],
                                 out.data_ptr(), out.shape[1], act)
 
-    def best(fn):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+    def best(fn):  # median ms
+        return median_seconds(fn, repeats, warmup=1) * 1e3
 
     bytes_all = sum(w.nbytes for ws in lins.values() for w in ws)
     res["linears, all 4 x layers, step order (pd_q_matmul)"] = t_all = best(lambda: run_linears(("qkv", "o", "gate_up", "down")))
