@@ -1,4 +1,4 @@
-"""The fused float32 CPU kernels of kernels/csrc (cpu_ops.c, quant_ops.c, step_ops.c), and their torch twins.
+"""The fused float32 CPU kernels of kernels/csrc (cpu_ops.c, quant_ops.c, gemv16_ops.c, step_ops.c), and their torch twins.
 
 Lifecycle: `native()` loads the C library once per process and returns the same `NativeOps` for
 the life of the process. The sources are compiled once per instruction-set level
@@ -149,11 +149,14 @@ _SIGNATURES = {
     "pd_q_matmul": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]),
     "pd_f_matmul": (_I, [_P, _I64, _P, _I, _I, _I, _P, _I64]),
     "pd_q_gemm_i8": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64]),
+    "pd_q_repack16": (_I, [_P, _I64, _I, _I, _I, _P]),
+    "pd_q_gemv16": (_I, [_P, _I64, _P, _I, _I, _I, _I, _P, _I64]),
     "pd_peak_loop": (_I64, [_I, _I64, _I, _P]),
     "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]),
 }
 
 
+GEMV16_ROWS = 2  # gemv16_ops.c pd_q_gemv16: rows it takes
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 
@@ -209,6 +212,8 @@ class NativeOps:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+        # the 16-row GEMV (gemv16_ops.c) is built in this variant: asked with no rows, it answers 0
+        self.has_gemv16 = lib.pd_q_gemv16(None, 32, None, 3, 0, 16, 32, None, 16) == 0
 
     def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True) -> None:
         """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages.
@@ -294,10 +299,36 @@ class NativeOps:
 
     def q_linear(self, w, activations: str = "float"):
         """q_matmul bound to one weight: a callable x -> x @ w^T with the weight's arguments
-        computed once and only the input checked per call (the per-layer hot path)."""
+        computed once and only the input checked per call (the per-layer hot path). With int16
+        activations, one or two rows run the 16-row GEMV over the weight's interleaved copy
+        where this variant builds it (gemv16: the same bits)."""
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
         i8 = activation_mode(activations)
-        return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
+        w16 = self.gemv16_copy(w) if activations == "int16" else None
+        if w16 is None:
+            return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
+        g, gp = self.lib.pd_q_gemv16, w16.data_ptr()
+
+        def call(x, out):
+            if x.shape[0] <= GEMV16_ROWS:
+                return g(x.data_ptr(), x.stride(0), gp, qt, x.shape[0], n, k, out.data_ptr(), n)
+            return fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8)
+
+        return _bound_linear("q_linear", n, k, call)
+
+    def gemv16_copy(self, w) -> "torch.Tensor | None":
+        """The 16-row interleaved copy of a kernels.quant.QuantTensor (gemv16_ops.c
+        pd_q_repack16), made once per weight and kept on it; None where this variant has no
+        16-row GEMV or the weight's rows are not a multiple of 16."""
+        if not self.has_gemv16 or w.shape[0] % 16:
+            return None
+        copy = w.__dict__.get("_gemv16")
+        if copy is None:
+            copy = torch.empty_like(w.raw)
+            if self.lib.pd_q_repack16(w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape[0], w.shape[1], copy.data_ptr()):
+                raise ValueError(f"pd_q_repack16 refused a {w.qtype} {w.shape} weight")
+            w.__dict__["_gemv16"] = copy  # (QuantTensor is frozen: kept in its __dict__, for the weight's life)
+        return copy
 
     def q_linear_i8_gemm(self, w):
         """x -> x @ w^T for a kernels.quant.QuantTensor w at any row count, activations rounded to
@@ -381,7 +412,8 @@ class NativeOps:
 
 
 class _QWeight(ctypes.Structure):
-    _fields_ = [("w", _P), ("row_bytes", _I64), ("qt", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [("w", _P), ("row_bytes", _I64), ("qt", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("w16", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -405,6 +437,7 @@ class DecodeLayers:
         self.cos, self.sin = cos, sin
         self.pool_key = None  # the KV pool decode_layers last checked
         self.array = (_Layer * len(layers))()
+        ops = native()  # the variant decode_layers calls: its 16-row GEMV, if it has one, takes int16 steps of <= 2 rows
         for slot, (in_norm, post_norm, bias, *weights) in zip(self.array, layers):
             for v, n in ((in_norm, "input_norm"), (post_norm, "post_norm")) + (((bias, "qkv_bias"),) if bias is not None else ()):
                 _check(v, n)
@@ -413,7 +446,8 @@ class DecodeLayers:
             slot.input_norm, slot.post_norm, slot.qkv_bias = _ptr(in_norm), _ptr(post_norm), None if bias is None else _ptr(bias)
             for name, w in zip(("qkv", "o", "gate_up", "down"), weights):
                 n, k = w.shape
-                setattr(slot, name, _QWeight(w.raw.data_ptr(), w.raw.stride(0), w.type_id, n, k, 0))
+                w16 = ops.gemv16_copy(w) if ops is not None and activations == "int16" else None
+                setattr(slot, name, _QWeight(w.raw.data_ptr(), w.raw.stride(0), w.type_id, n, k, 0, None if w16 is None else w16.data_ptr()))
         qkv, o, gate_up, down = layers[0][3:]
         self.qkv_width, self.q_size, self.hidden, self.inter = qkv.shape[0], o.shape[1], o.shape[0], down.shape[1]
         for _, _, _, q, o2, g, dn in layers:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
 INSTALLED = Path(__file__).parent / "_native"  # where the install step puts the libraries
-SOURCES = ("cpu_ops.c", "quant_ops.c", "step_ops.c", "isa_probe.c", "peak_ops.c")
+SOURCES = ("cpu_ops.c", "quant_ops.c", "gemv16_ops.c", "step_ops.c", "isa_probe.c", "peak_ops.c")
 HEADERS = ("pd_ops.h",)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")
 # best first; each x86-64 level spelled as its feature flags rather than -march=x86-64-v3 / -v4,

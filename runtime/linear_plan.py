@@ -81,6 +81,11 @@ def apply(model, econf, source=None) -> "select.Table | None":
     else:
         reduced = gate(model, econf, source, reps) if mode == "auto-reduced" else set()
         table = _measured(reps, acts, reduced)
+        if fast.fused_step:
+            layer = fast.layers[0]
+            for key in pin_one_call_rows(table, {select.shape_key(lin.weight) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}, acts):
+                log.warning("linear back-ends: %s keeps c-%s at up to %d rows (the one-call decode step needs it there)", key, acts,
+                            ONE_CALL_ROWS)
     for lin in lins:
         lin.use(table.entries[select.shape_key(lin.weight)])
     for lin in {select.shape_key(lin.weight): lin for lin in lins}.values():
@@ -88,6 +93,26 @@ def apply(model, econf, source=None) -> "select.Table | None":
     fast.linear_table = table
     log.info("linear back-ends (%s, %s in %.1f s):\n%s", mode, table.source, table.seconds, table.text())
     return table
+
+
+# rows up to which the decoder layers' projections keep the C kernel whatever the timing says: a
+# decode step runs all layers in one C call (runtime.cpu_forward) only while every projection is
+# the C kernel at its rows, which the per-shape timing cannot see (on a loaded machine it once
+# picked int4pack for the 576x576 shape at 1 row, and a lone stream's steps fell back to the
+# per-op loop)
+ONE_CALL_ROWS = 2
+
+
+def pin_one_call_rows(table: "select.Table", layer_keys: set[str], acts: str) -> list[str]:
+    """Set the layer shapes' entries up to ONE_CALL_ROWS rows to c-{acts}; returns the keys changed."""
+    c_kernel, changed = f"c-{acts}", []
+    for key in sorted(layer_keys):
+        rows = table.entries.get(key, [])
+        pinned = [(r, c_kernel if r <= ONE_CALL_ROWS else n) for r, n in rows]
+        if pinned != rows:
+            table.entries[key] = pinned
+            changed.append(key)
+    return changed
 
 
 def _fixed(reps: dict, name: str, acts: str) -> "select.Table":

@@ -216,6 +216,12 @@ static int decode_item64_any(const float *qs, float *ob, float *s, const float *
 }
 #endif
 
+/* Keys x kv heads (summed over the step's sequences) above which the (sequence, kv head) items
+ * run in parallel. It was 4096: 1365 keys for the default model (3 kv heads), so a lone stream's
+ * attention ran on one core (an item ~0.04 us a key here: ~65 us a layer at 533 keys, against a
+ * parallel region's few us). Each item's arithmetic is the same either way. */
+#define ATTN_PARALLEL_WORK 384
+
 /* Decode attention straight from the pages: one query token per sequence, no gather.
  *
  * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
@@ -232,7 +238,7 @@ int pd_paged_decode_attention(
     int failed = 0;
     int64_t work = 0;
     for (int b = 0; b < B; b++) work += seq_lens[b];
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > 4096) reduction(| : failed)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > ATTN_PARALLEL_WORK) reduction(| : failed)
     for (int b = 0; b < B; b++) {
         for (int kh = 0; kh < KVH; kh++) {
             const int len = seq_lens[b];

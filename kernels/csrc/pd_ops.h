@@ -43,6 +43,16 @@ int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K
 int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
                  int64_t os);
 
+/* gemv16_ops.c: a quantized weight's copy with 16 rows interleaved (the layout is described
+ * there; N % 16 == 0, the copy as large as the weight; returns 1 for a shape or type it does not
+ * take), and int16-activation rows (M <= 2) times it, the same bits as pd_q_matmul's int16 path;
+ * AVX-512 VNNI only: the other variants return 2 (3: a shape it does not take). */
+int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uint8_t *out);
+int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, int N, int K, float *out, int64_t os);
+/* quant_ops.c (AVX2 and up), shared with gemv16_ops.c, not called through ctypes: rows of x
+ * rounded to int16 per 32-wide block (codes xq, scales dx, block sums xsum). */
+void pd_q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, float *dx, float *xsum);
+
 /* peak_ops.c: `iters` rounds of independent multiply-adds on `threads` threads (kind 0 fp32 FMA,
  * 1 int16 pairs, 2 int8 quads, at this variant's widest instruction); returns the operations done
  * (2 per product) and, in *cpu_seconds (if not NULL), the longest CPU time a thread took. */
@@ -53,6 +63,7 @@ typedef struct {
     const uint8_t *w;
     int64_t row_bytes;
     int32_t qt, n, k, pad;
+    const uint8_t *w16;  /* its pd_q_repack16 copy, or NULL: a step of <= 2 rows with int16 activations then runs pd_q_gemv16 */
 } pd_qweight;
 
 /* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none) and four weights. */

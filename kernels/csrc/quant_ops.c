@@ -234,6 +234,10 @@ static void q16_activations(const float *x, int64_t xs, int M, int K, int16_t *x
         }
 }
 
+void pd_q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, float *dx, float *xsum) {
+    q16_activations(x, xs, M, K, xq, dx, xsum);
+}
+
 /* A block's 32 codes as int16: weights 0..15 in *w0, 16..31 in *w1. Q4: one vpmovzxbw of the 16
  * code bytes, the low nibble by a mask, the high one by a shift (each byte holds weight j low and
  * j + 16 high); Q8_0: the signed bytes widened. */

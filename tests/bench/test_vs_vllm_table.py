@@ -22,6 +22,17 @@ def test_table_gives_each_row_its_ratio_to_vllm():
     assert "vLLM CPU 0.32 (float32) 60.0" in table
 
 
+def test_without_vllm_each_pdserve_row_gets_its_tpot_ratio_to_llama_cpp_and_bursts_may_be_none():
+    w = [Workload("1 stream", [], 1)]
+    table = vs.format_tables(
+        {"llamacpp": {"1 stream": metrics(0.2, 0.010, 1, 1.0)}, "colocated": {"1 stream": metrics(0.1, 0.005, 1, 0.5)}},
+        {"llamacpp": 1.0, "colocated": 20.0}, w,
+    )
+    row = next(line for line in table.splitlines() if line.startswith("pdserve colocated"))
+    assert "TPOT 0.50x llama.cpp's" in row and "x tok/s" not in row  # (no vLLM row: no ratio to it)
+    assert vs.burst_sizes("") == [] and vs.burst_sizes("32,64") == [32, 64]
+
+
 def test_unknown_rows_are_refused_before_anything_starts(capsys):
     assert vs.main(["--rows", "vllm,nope"]) == 2
     assert "nope" in capsys.readouterr().err

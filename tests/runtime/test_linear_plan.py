@@ -58,6 +58,19 @@ def test_a_fixed_backend_runs_every_linear_layer(tiny_dir):
         load_model(tiny_dir, EngineConfig(linear_backend="int4pack", **CONFIG))
 
 
+def test_the_layers_keep_the_c_kernel_where_the_one_call_decode_step_runs():
+    """A measured table that gave one layer shape another back-end at 1 row would turn the
+    one-call decode step off: up to ONE_CALL_ROWS the layer shapes keep c-int16, the LM head and
+    larger buckets keep what was measured."""
+    from kernels.select import Table
+
+    table = Table(entries={"576x576 Q4_1": [(1, "int4pack"), (2, "c-int16"), (4, "int4pack")],
+                           "960x576 Q4_1": [(1, "c-int16"), (2, "c-int16")], "49152x576 Q8_0": [(1, "int4pack")]})
+    assert linear_plan.pin_one_call_rows(table, {"576x576 Q4_1", "960x576 Q4_1"}, "int16") == ["576x576 Q4_1"]
+    assert table.entries["576x576 Q4_1"] == [(1, "c-int16"), (2, "c-int16"), (4, "int4pack")]
+    assert table.entries["960x576 Q4_1"] == [(1, "c-int16"), (2, "c-int16")] and table.entries["49152x576 Q8_0"] == [(1, "int4pack")]
+
+
 def _noisy_int8(monkeypatch) -> str:
     """A reduced-precision back-end that rounds W to 2 bits per channel: it must fail the gate."""
 
