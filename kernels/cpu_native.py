@@ -156,7 +156,7 @@ _SIGNATURES = {
 }
 
 
-GEMV16_ROWS = 2  # gemv16_ops.c pd_q_gemv16: rows it takes
+GEMV16_ROWS = 2  # pd_ops.h PD_GEMV16_ROWS: the rows gemv16_ops.c pd_q_gemv16 takes
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 

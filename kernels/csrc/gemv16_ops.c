@@ -35,29 +35,28 @@
 #include <immintrin.h>
 #endif
 
-enum { G_Q4_0 = 2, G_Q4_1 = 3, G_Q8_0 = 8 };  /* ggml type ids, as quant_ops.c */
 
-static int g_row_block_bytes(int qt) { return qt == G_Q4_0 ? 18 : qt == G_Q4_1 ? 20 : 34; }
+static int g_row_block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
 
 /* Code j (0..31) of one row's block, as a byte (Q4: 0..15; Q8_0: the int8 bits). */
 static uint8_t g_code(const uint8_t *blk, int qt, int j) {
-    if (qt == G_Q8_0) return blk[2 + j];
-    const uint8_t *q = blk + (qt == G_Q4_1 ? 4 : 2);
+    if (qt == QT_Q8_0) return blk[2 + j];
+    const uint8_t *q = blk + (qt == QT_Q4_1 ? 4 : 2);
     return j < 16 ? (q[j] & 15) : (q[j - 16] >> 4);
 }
 
 int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uint8_t *out) {
-    if (N % 16 || K % 32 || (qt != G_Q4_0 && qt != G_Q4_1 && qt != G_Q8_0)) return 1;
-    const int nb = K / 32, rb = g_row_block_bytes(qt), gb = 16 * rb, head = qt == G_Q4_1 ? 64 : 32;
+    if (N % 16 || K % 32 || (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0)) return 1;
+    const int nb = K / 32, rb = g_row_block_bytes(qt), gb = 16 * rb, head = qt == QT_Q4_1 ? 64 : 32;
     for (int g = 0; g < N / 16; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *dst = out + ((int64_t)g * nb + b) * gb;
             for (int i = 0; i < 16; i++) {
                 const uint8_t *blk = w + (int64_t)(16 * g + i) * row_bytes + (int64_t)b * rb;
                 memcpy(dst + 2 * i, blk, 2);
-                if (qt == G_Q4_1) memcpy(dst + 32 + 2 * i, blk + 2, 2);
+                if (qt == QT_Q4_1) memcpy(dst + 32 + 2 * i, blk + 2, 2);
                 for (int e = 0; e < 2; e++) {
-                    if (qt == G_Q8_0) {
+                    if (qt == QT_Q8_0) {
                         for (int p = 0; p < 16; p++) dst[head + 32 * p + 2 * i + e] = g_code(blk, qt, 2 * p + e);
                     } else {
                         for (int c = 0; c < 4; c++)
@@ -76,7 +75,7 @@ int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uin
  * out[r * os + i] for i in 0..15. */
 static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *grp, const int qt, int nb, const int16_t *xq, int K,
                                                                const float *dx, const float *xsum, float *out, int64_t os, const int R) {
-    const int gb = 16 * g_row_block_bytes(qt), head = qt == G_Q4_1 ? 64 : 32;
+    const int gb = 16 * g_row_block_bytes(qt), head = qt == QT_Q4_1 ? 64 : 32;
     __m512 acc[2], moff[2];
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); moff[r] = _mm512_setzero_ps(); }
     const __m512i low = _mm512_set1_epi8(15);
@@ -87,7 +86,7 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
         _mm_prefetch((const char *)blk + 8 * gb + 128, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + 8 * gb + 192, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + 8 * gb + 256, _MM_HINT_T0);
-        if (qt == G_Q8_0) {
+        if (qt == QT_Q8_0) {
             _mm_prefetch((const char *)blk + 8 * gb + 320, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + 8 * gb + 384, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + 8 * gb + 448, _MM_HINT_T0);
@@ -96,7 +95,7 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
         __m512i s[2];
         for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
         const int16_t *xb = xq + b * 32;
-        if (qt == G_Q8_0) {
+        if (qt == QT_Q8_0) {
             for (int p = 0; p < 16; p++) {
                 const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * p)));
                 for (int r = 0; r < R; r++) {
@@ -120,12 +119,12 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
             }
         }
         const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 m16 = qt == G_Q4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                           : qt == G_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), d16)
+        const __m512 m16 = qt == QT_Q4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                           : qt == QT_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), d16)
                                           : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d16, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
-            if (qt != G_Q8_0) moff[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(xsum[r * nb + b]), moff[r]);
+            if (qt != QT_Q8_0) moff[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(xsum[r * nb + b]), moff[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, _mm512_add_ps(acc[r], moff[r]));
@@ -133,7 +132,7 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
 
 int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, int N, int K, float *out, int64_t os) {
     if (M <= 0) return 0;  /* (and how a caller asks whether the kernel is built) */
-    if (M > 2 || N % 16 || K % 32 || (qt != G_Q4_0 && qt != G_Q4_1 && qt != G_Q8_0)) return 3;
+    if (M > PD_GEMV16_ROWS || N % 16 || K % 32 || (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0)) return 3;
     const int nb = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)M * K * 2 + 2 * sizeof(float) * M * nb);
     if (!xq) return 1;
@@ -145,12 +144,12 @@ int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, i
         const uint8_t *grp = w16 + g * gbytes;
         float *o = out + 16 * g;
         switch (qt * 2 + M) {  /* constant qt and R: the compiler specialises each */
-            case G_Q4_1 * 2 + 1: gemv16_group(grp, G_Q4_1, nb, xq, K, dx, xsum, o, os, 1); break;
-            case G_Q4_1 * 2 + 2: gemv16_group(grp, G_Q4_1, nb, xq, K, dx, xsum, o, os, 2); break;
-            case G_Q4_0 * 2 + 1: gemv16_group(grp, G_Q4_0, nb, xq, K, dx, xsum, o, os, 1); break;
-            case G_Q4_0 * 2 + 2: gemv16_group(grp, G_Q4_0, nb, xq, K, dx, xsum, o, os, 2); break;
-            case G_Q8_0 * 2 + 1: gemv16_group(grp, G_Q8_0, nb, xq, K, dx, xsum, o, os, 1); break;
-            default: gemv16_group(grp, G_Q8_0, nb, xq, K, dx, xsum, o, os, 2); break;
+            case QT_Q4_1 * 2 + 1: gemv16_group(grp, QT_Q4_1, nb, xq, K, dx, xsum, o, os, 1); break;
+            case QT_Q4_1 * 2 + 2: gemv16_group(grp, QT_Q4_1, nb, xq, K, dx, xsum, o, os, 2); break;
+            case QT_Q4_0 * 2 + 1: gemv16_group(grp, QT_Q4_0, nb, xq, K, dx, xsum, o, os, 1); break;
+            case QT_Q4_0 * 2 + 2: gemv16_group(grp, QT_Q4_0, nb, xq, K, dx, xsum, o, os, 2); break;
+            case QT_Q8_0 * 2 + 1: gemv16_group(grp, QT_Q8_0, nb, xq, K, dx, xsum, o, os, 1); break;
+            default: gemv16_group(grp, QT_Q8_0, nb, xq, K, dx, xsum, o, os, 2); break;
         }
     }
     free(xq);

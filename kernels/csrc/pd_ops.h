@@ -23,6 +23,13 @@ int pd_build_isa(void);
 /* The hash of the sources it was compiled from (kernels/native_build.py source_hash). */
 const char *pd_source_hash(void);
 
+/* The ggml type ids of the quantized weights (quant_ops.c, gemv16_ops.c), how a small decode
+ * batch's activations meet them (quant_ops.c ACT_*: kernels/cpu_native.py ACTIVATION_MODES), and
+ * the rows the 16-row GEMV takes (gemv16_ops.c; cpu_native.GEMV16_ROWS). */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
+enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
+#define PD_GEMV16_ROWS 2
+
 /* cpu_ops.c */
 int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
                               const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,

@@ -45,7 +45,6 @@
 #include <immintrin.h>
 #endif
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
 #define Q_TILE 24  /* a multiple of 6 */
 #define Q_KC 256  /* K chunk of the tiled kernel */
 #define Q_DIRECT_ROWS 4
@@ -55,7 +54,7 @@ enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
 /* ... and at 1 or 2 rows eight weight rows at a time (q_direct8_i16; at 3 and 4 rows it measured
  * 0.85-1.1x of one row at a time). */
 #define Q_DIRECT8_ROWS 2
-enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };  /* how the direct path (<= Q_DIRECT_ROWS rows) takes x */
+/* ACT_* (pd_ops.h): how the direct path (<= Q_DIRECT_ROWS rows) takes x */
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;

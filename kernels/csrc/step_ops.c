@@ -9,10 +9,8 @@
  */
 #include "pd_ops.h"
 
-enum { STEP_ACT_INT16 = 2 };  /* quant_ops.c ACT_INT16 */
-
 static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int i8) {
-    if (w->w16 && i8 == STEP_ACT_INT16 && M <= 2)  /* the same bits, 16 rows a vector (gemv16_ops.c) */
+    if (w->w16 && i8 == ACT_INT16 && M <= PD_GEMV16_ROWS)  /* the same bits, 16 rows a vector (gemv16_ops.c) */
         return pd_q_gemv16(x, w->k, w->w16, w->qt, M, w->n, w->k, out, w->n);
     return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, w->n, i8);
 }
