@@ -30,6 +30,11 @@ class Cell:
     def admitted(self) -> int:
         return self.sent - self.shed
 
+    @property
+    def on_time(self) -> int:
+        """Requests served within both targets."""
+        return round(self.goodput * self.duration)
+
 
 def is_shed(o) -> bool:
     return not o.success and o.error.startswith("HTTP 429")

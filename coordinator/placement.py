@@ -271,7 +271,8 @@ def place_colocated(req: RequestView, workers: list[WorkerSnapshot], targets: Sl
         busy = min(MAX_SHARE, prefill_share(w, req.num_tokens))
         tpot = step / (1 - busy) + node_wait(w, step) + prefill / max(1, min(req.max_tokens, 4096) - 1)
         if tpot > targets.tpot_s and w.requests:
-            miss = shed(ShedReason.TPOT, f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms")
+            miss = shed(ShedReason.TPOT, f"predicted TPOT {tpot * 1000:.0f} ms with one more > target {targets.tpot_s * 1000:.0f} ms "
+                                         f"(step {step * 1000:.0f} ms, prompts' share {busy:.2f}, prefill {prefill * 1000:.0f} ms)")
         elif ttft > targets.ttft_s:
             miss = shed(ShedReason.TTFT, f"predicted TTFT {ttft * 1000:.0f} ms > target {targets.ttft_s * 1000:.0f} ms")
         elif best is None or ttft < best[1]:

@@ -80,7 +80,7 @@ class PrefillWorker:
         pool = tp_ranks.handoff_pool(kv)  # what hand-offs read: on CUDA with TP n, every rank's part
         engine = LLMEngine(model, None, engine_cfg, kv_cache=kv.tensor, prefill_only=True)
         with cores.alone():
-            profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0)
+            profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0, long_prompts=(1, 512))
         ctx = zmq.Context()
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file)),
                           backend=wcfg.kv_backend)

@@ -305,21 +305,29 @@ class LLMEngine:
         self.step_log.append((len(scheduled), sum(n for _, n in scheduled), ctx, dt))
         return samplers, sampled
 
-    def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4) -> list[tuple[int, int, int, float]]:
+    def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4,
+                long_prompts: tuple[int, int] = (4, 256)) -> list[tuple[int, int, int, float]]:
         """Time a few prefill and decode steps on random tokens (before serving), so the
         coordinator's latency model has data from the first request on. The first batch runs
         twice and is timed the second time (a process's first steps pay one-time costs: thread
-        pools, scratch buffers). Frees everything, the prefix cache's blocks and counters included."""
+        pools, scratch buffers). Then `long_prompts` = (batch, tokens) longer prompts (tokens <=
+        prompt_len: none): without them every decode step profiled holds ~prompt_len context
+        tokens a sequence, so the model cannot tell a step's cost per context token from its cost
+        per sequence (collinear). A batch, not one prompt: a lone stream's attention takes another
+        path (both threads on one sequence) whose context costs next to nothing.
+        Frees everything, the prefix cache's blocks and counters included."""
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
-        prompt_len = min(prompt_len, self.max_model_len - decode_steps - 2)
+        cap = self.max_model_len - decode_steps - 2
+        runs = [(b, min(prompt_len, cap)) for b in (*batches[:1], *batches)]
+        runs += [(long_prompts[0], min(long_prompts[1], cap))] if long_prompts[1] > prompt_len else []
         self.step_log.clear()
-        for i, b in enumerate((*batches[:1], *batches)):
+        for i, (b, n) in enumerate(runs):
             if i == 1:
                 self.step_log.clear()
-            if self.blocks.blocks_for(prompt_len + decode_steps + 1) * b > self.blocks.num_blocks:
+            if self.blocks.blocks_for(n + decode_steps + 1) * b > self.blocks.num_blocks:
                 break
-            prompts = [torch.randint(0, self.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            prompts = [torch.randint(0, self.cfg.vocab_size, (n,), generator=g).tolist() for _ in range(b)]
             self.generate(prompts, params)
         samples = list(self.step_log)
         self.step_log.clear()

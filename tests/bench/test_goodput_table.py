@@ -67,6 +67,27 @@ def test_goal_checks_only_for_rows_measured():
     assert "default / vLLM" not in gp.format_table({"disagg": [cell(4, 2.0)], "colocated": [cell(4, 2.0)]})
 
 
+def test_a_run_that_served_every_request_on_time_meets_the_goal_whatever_the_last_answers_tail():
+    # both served all 120 of 120 within the targets; the colocated run's last answer came 10 ms sooner
+    mine, theirs = Cell(4, 120, 120, 0, 0, 35.41, 120 / 35.41, 400.0, 80.0, None), Cell(4, 120, 120, 0, 0, 35.40, 120 / 35.40, 400.0, 80.0, None)
+    assert mine.on_time == 120 and mine.goodput < theirs.goodput
+    (text, ok), = gp.goal_checks({"disagg": [mine], "colocated": [theirs]})
+    assert ok and "default served all 120 on time" in text
+    one_late = Cell(4, 120, 120, 0, 0, 35.41, 119 / 35.41, 2100.0, 80.0, None)  # one late: the plain comparison decides
+    assert one_late.on_time == 119 and gp.goal_checks({"disagg": [one_late], "colocated": [theirs]})[0][1] is False
+
+
+def test_rounds_give_each_rate_its_median_run_and_print_each_round():
+    rounds = [[cell(4, 3.0), cell(8, 5.0)], [cell(4, 3.5, served_n=7), cell(8, 4.0)], [cell(4, 3.2), cell(8, 6.0)]]
+    med = gp.median_cells(rounds)
+    assert [c.goodput for c in med] == [3.2, 5.0]
+    assert [c.goodput for c in gp.median_cells(rounds[:2])] == [3.0, 4.0]  # even count: the lower middle run
+    assert gp.median_cells(rounds[1:2])[0].served == 7  # the whole run's cell, not only its goodput
+    text = gp.format_rounds({"disagg": rounds, "colocated": [[cell(4, 3.0), cell(8, 4.0)]] * 3})
+    assert "pdserve default 1P+1D    round 3:   3.20   6.00" in text
+    assert next(line for line in text.splitlines() if "default / colocated" in line and "round 2" in line).split()[-2:] == ["1.17x", "1.00x"]
+
+
 def test_overload_summary_counts_runs_within_both_targets():
     good = make_cell(12, served(1.0, 0.2, 5) + shed(5), 20.0, 3000, 400)
     slow = make_cell(12, served(3.5, 0.2, 5), 20.0, 3000, 400)
