@@ -458,9 +458,7 @@ class Coordinator:
         if decodes:
             choice = self.choose(req, prefills, decodes, st, now)
         else:
-            targets = self.admission_targets(st, Path.LOCAL) if self.cfg.slo else None
-            d = placement.place_colocated(req, self.snapshots(colocated, now, st), targets)
-            choice = PathChoice(d, Path.LOCAL if d.outcome is Outcome.PLACED else None, "colocated")
+            choice = self.choose_colocated(req, colocated, st, now)
         decision = choice.decision
         if decision.outcome is Outcome.WAIT:
             self.park(st)
@@ -474,6 +472,22 @@ class Coordinator:
                 self.admit(st, self.workers[decision.prefill], self.workers[decision.worker], decision)
             else:
                 self.generate_on(st, self.workers[decision.worker], decision, now)
+
+    def choose_colocated(self, req: RequestView, colocated: list[WorkerState], st: RequestState, now: float) -> PathChoice:
+        """A colocated worker for st. Under SLO control a new request is admitted by the default
+        launch's LOCAL rule (coordinator/paths.py choose_path with no prefill worker): a place in a
+        batch whose streams bear the prompt's step, and its streams' steps stretched by this prompt
+        too. One rule for a prompt prefilled where it decodes, whichever launch: before, `--colocated`
+        left both out and admitted more than its targets allow (measured 2026-12-03, goodput at 16
+        req/s: p99 TPOT 264, 249 and 249 ms at a 250 ms target in three rounds). Without targets, or
+        parked, the worker with most room queues it (place_colocated)."""
+        snaps = self.snapshots(colocated, now, st)
+        if not self.cfg.slo or req.parked:
+            d = placement.place_colocated(req, snaps, None if not self.cfg.slo else self.admission_targets(st, Path.LOCAL))
+            return PathChoice(d, Path.LOCAL if d.outcome is Outcome.PLACED else None, "colocated")
+        targets = self.admission_targets(st, Path.LOCAL)
+        choice = choose_path(req, [], snaps, targets, self.path_rule, targets)
+        return dataclasses.replace(choice, reason="colocated") if choice.path is not None else choice
 
     def hold_for_cold_start(self, st: RequestState, parked: bool) -> None:
         """No worker can decode st, and one is expected within `cold_start_s` (an orchestrator starts

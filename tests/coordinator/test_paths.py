@@ -127,3 +127,17 @@ def test_a_local_prefill_that_would_stall_short_streams_past_their_tpot_goes_rem
     long_ = dataclasses.replace(short, shortest_output=512)
     assert choose_path(req(1500), [prefill(queued=4000)], [long_], TARGETS).path is Path.LOCAL
     assert choose_path(req(64), [prefill()], [short], TARGETS).path is Path.LOCAL  # a short prompt's step is short
+
+
+def test_a_colocated_launch_admits_by_the_local_rule_which_counts_the_prompts_own_share():
+    # `--colocated` places through choose_path with no prefill worker (coordinator/server.py
+    # choose_colocated): the worker's streams stretch by this prompt's step too, not only by the
+    # prompts it took lately. place_colocated alone, as that launch placed before, admits this one.
+    from coordinator.placement import place_colocated
+    w = decode(requests=4, context=400, recent=5750)
+    assert place_colocated(req(512), [w], TARGETS).outcome is Outcome.PLACED
+    c = choose_path(req(512), [], [w], TARGETS)
+    assert (c.path, c.decision.outcome, c.decision.reason) == (None, Outcome.SHED, ShedReason.TPOT)
+    assert "prompts' share 0.64" in c.decision.detail and c.remote is None
+    calm = choose_path(req(512), [], [decode(requests=4, context=400, recent=2000)], TARGETS)
+    assert (calm.path, calm.decision.worker) == (Path.LOCAL, "d0")
