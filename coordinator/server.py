@@ -789,6 +789,8 @@ class Coordinator:
                 st.prefill_end = time.monotonic() - msg.kv_seconds  # when its KV send began
                 self.note_handoff(st)
                 self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
+            else:  # it ended before its PrefillDone came: its phases are observed now (PhaseTracker.late)
+                self.phases.prefill_done(msg.request_id, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
             self.kv["seconds"] += msg.kv_seconds

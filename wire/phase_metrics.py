@@ -16,7 +16,11 @@ A colocated worker reports no split of its prompt's time: its requests feed deco
 
 Lifecycle: the coordinator owns one `PhaseTracker`; `prefill_sent(iid)` when a Prefill goes out
 (again on a retry), `prefill_done(iid, msg)` on PrefillDone, `finished(st)` when a request ends
-normally (observes it, forgets it and returns its `PhaseSplit`), `forget(iid)` when it ends any other way. `snapshot()`
+normally (observes it, forgets it and returns its `PhaseSplit`), `forget(iid)` when it ends any other way.
+A short request can end before its PrefillDone arrives (the prefill process sends it after the
+hand-off and may be descheduled in between; measured on a loaded 2-core machine: 1 of 6
+five-token requests): it is held as late (at most LATE_MAX, oldest dropped) and its phases are
+observed when the PrefillDone comes, so every hand-off is counted once. `snapshot()`
 goes into the coordinator's stats as "phases"; `families(stats, model)` turns a stats document
 into Prometheus histograms (and the preemption counter) during a gateway scrape.
 """
@@ -80,10 +84,14 @@ class Histogram:
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
 
 
+LATE_MAX = 1024  # requests ended before their PrefillDone, held for it
+
+
 class PhaseTracker:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.live: dict[str, _Times] = {}
+        self.late: dict[str, tuple[_Times, float, PhaseSplit]] = {}  # iid -> its times, arrival, split
         self.hist = {name: Histogram(buckets) for name, (_, buckets) in PHASES.items()}
 
     def prefill_sent(self, iid: str) -> None:
@@ -91,8 +99,13 @@ class PhaseTracker:
 
     def prefill_done(self, iid: str, compute_s: float, kv_s: float, kv_bytes: int) -> None:
         t = self.live.get(iid)
+        late = self.late.pop(iid, None) if t is None else None
+        if late is not None:
+            t = late[0]
         if t is not None:
             t.done, t.compute_s, t.kv_s, t.kv_bytes = self.clock(), compute_s, kv_s, kv_bytes
+        if late is not None:
+            self.observe(t, late[2], late[1])
 
     def forget(self, iid: str) -> None:
         self.live.pop(iid, None)
@@ -106,8 +119,18 @@ class PhaseTracker:
         ttft, last = token_times[0], token_times[-1]
         split = PhaseSplit(ttft, last - ttft)
         self.hist["request_decode_time_seconds"].observe(split.decode)
-        if t is None or t.done is None:
-            return split  # colocated, or a hand-off that was never reported
+        if t is None:
+            return split  # colocated
+        if t.done is None:  # its PrefillDone is still on the way: observed when it comes
+            self.late[iid] = (t, arrival, split)
+            while len(self.late) > LATE_MAX:
+                self.late.pop(next(iter(self.late)))
+            return split
+        return self.observe(t, split, arrival)
+
+    def observe(self, t: _Times, split: PhaseSplit, arrival: float) -> PhaseSplit:
+        """Split split.ttft into the phases by t and observe them (split.decode is observed already)."""
+        ttft = split.ttft
         # PrefillDone can arrive after the decode worker's first token (the prefill process sends it
         # after the hand-off, and may be descheduled in between): time past the first token is not waiting
         done = min(t.done, arrival + ttft)
@@ -118,7 +141,7 @@ class PhaseTracker:
         split.queue, split.prefill, split.kv_transfer, split.kv_bytes = queue, prefill, kv, t.kv_bytes
         split.first_token = max(0.0, ttft - queue - prefill - kv)
         for name, v in (("queue_time_seconds", queue), ("prefill_time_seconds", prefill), ("kv_transfer_time_seconds", kv),
-                        ("first_token_time_seconds", split.first_token), ("inference_time_seconds", last - queue)):
+                        ("first_token_time_seconds", split.first_token), ("inference_time_seconds", ttft + split.decode - queue)):
             self.hist[f"request_{name}"].observe(max(0.0, v))
         self.hist["request_kv_transfer_bytes"].observe(t.kv_bytes)
         return split

@@ -4,6 +4,7 @@ binds loopback), each started with `pdserve launch --config cluster.toml --node 
 Requests succeed; cutting the decode host's link ends its requests with a typed error within
 5 s (as a kill does); restoring the link lets the worker rejoin, and requests succeed again."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,8 +28,21 @@ def sh(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def drop_leftovers():
+    """Remove the bridge and namespaces of an earlier run killed before its teardown: its bridge
+    holds SUBNET too, so the kernel routes this run's packets to it (seen: the client's first
+    request unanswered for 120 s while both workers registered)."""
+    links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True).stdout
+    for name in re.findall(r"^\d+: (pdbr[0-9a-f]{5})[:@]", links, re.M):
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in re.findall(r"^(pd[cpd][0-9a-f]{5})\b", spaces, re.M):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def net():
+    drop_leftovers()
     tag = uuid.uuid4().hex[:5]
     bridge = f"pdbr{tag}"
     names = {h: f"pd{h}{tag}" for h in HOSTS}

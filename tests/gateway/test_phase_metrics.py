@@ -6,7 +6,7 @@ arithmetic of the split (clamps, colocated requests, forgotten ones) is checked 
 import pytest
 
 from pdserve_client import Client
-from wire.phase_metrics import PhaseTracker
+from wire.phase_metrics import LATE_MAX, PhaseTracker
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model
 
@@ -98,3 +98,29 @@ def test_the_split_on_a_fake_clock():
     snap3 = tr.snapshot()
     assert sum(snap3["request_decode_time_seconds"]["counts"]) == 3
     assert sum(snap3["request_queue_time_seconds"]["counts"]) == 2 and not tr.live
+
+
+def test_a_request_that_ended_before_its_prefill_done_is_observed_when_it_comes():
+    # a 5-token request can finish on the decode worker before the prefill process's PrefillDone
+    # reaches the coordinator (seen once in the full suite: queue_time counted 5 of 6 requests)
+    clock = Clock()
+    tr = PhaseTracker(clock)
+    tr.prefill_sent("a")  # at 100.0, its arrival
+    tr.finished("a", 100.0, token_times=[0.5, 0.6, 0.9])
+    snap = tr.snapshot()
+    assert sum(snap["request_queue_time_seconds"]["counts"]) == 0 and sum(snap["request_decode_time_seconds"]["counts"]) == 1
+    tr.forget("a")  # the server forgets it when it closes: the late record stays
+    clock.t = 101.2
+    tr.prefill_done("a", compute_s=0.3, kv_s=0.1, kv_bytes=64)
+    snap = tr.snapshot()
+    parts = [snap[f"request_{p}_seconds"]["sum"] for p in TTFT_PHASES]
+    assert all(sum(snap[f"request_{p}_seconds"]["counts"]) == 1 for p in TTFT_PHASES)
+    assert sum(parts) == pytest.approx(0.5)  # the TTFT, split
+    assert snap["request_inference_time_seconds"]["sum"] == pytest.approx(0.9 - snap["request_queue_time_seconds"]["sum"])
+    assert sum(snap["request_decode_time_seconds"]["counts"]) == 1 and not tr.late and not tr.live
+    tr.prefill_done("a", compute_s=0.3, kv_s=0.1, kv_bytes=64)  # a duplicate counts nothing more
+    assert sum(tr.snapshot()["request_queue_time_seconds"]["counts"]) == 1
+    for i in range(LATE_MAX + 5):  # PrefillDones that never come: the oldest records go
+        tr.prefill_sent(f"r{i}")
+        tr.finished(f"r{i}", 100.0, token_times=[0.1])
+    assert len(tr.late) == LATE_MAX and "r0" not in tr.late
