@@ -483,7 +483,7 @@ class Coordinator:
         parked, the worker with most room queues it (place_colocated)."""
         snaps = self.snapshots(colocated, now, st)
         if not self.cfg.slo or req.parked:
-            d = placement.place_colocated(req, snaps, None if not self.cfg.slo else self.admission_targets(st, Path.LOCAL))
+            d = placement.place_colocated(req, snaps, None)  # (a parked request is placed there with or without targets)
             return PathChoice(d, Path.LOCAL if d.outcome is Outcome.PLACED else None, "colocated")
         targets = self.admission_targets(st, Path.LOCAL)
         choice = choose_path(req, [], snaps, targets, self.path_rule, targets)
@@ -788,9 +788,8 @@ class Coordinator:
                 self.release_backlog(st)
                 st.prefill_end = time.monotonic() - msg.kv_seconds  # when its KV send began
                 self.note_handoff(st)
-                self.phases.prefill_done(st.iid, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
-            else:  # it ended before its PrefillDone came: its phases are observed now (PhaseTracker.late)
-                self.phases.prefill_done(msg.request_id, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
+            # (a request that ended before its PrefillDone came has its phases observed now: PhaseTracker.late)
+            self.phases.prefill_done(msg.request_id, msg.compute_seconds, msg.kv_seconds, msg.kv_bytes)
             w.requests.discard(msg.request_id)
             self.kv["bytes"] += msg.kv_bytes
             self.kv["seconds"] += msg.kv_seconds

@@ -99,11 +99,11 @@ class PhaseTracker:
 
     def prefill_done(self, iid: str, compute_s: float, kv_s: float, kv_bytes: int) -> None:
         t = self.live.get(iid)
-        late = self.late.pop(iid, None) if t is None else None
-        if late is not None:
-            t = late[0]
-        if t is not None:
-            t.done, t.compute_s, t.kv_s, t.kv_bytes = self.clock(), compute_s, kv_s, kv_bytes
+        late = None if t is not None else self.late.pop(iid, None)
+        t = late[0] if late is not None else t
+        if t is None:
+            return
+        t.done, t.compute_s, t.kv_s, t.kv_bytes = self.clock(), compute_s, kv_s, kv_bytes
         if late is not None:
             self.observe(t, late[2], late[1])
 
