@@ -13,7 +13,11 @@ other (each waits for all its requests; the queue is empty when the next begins)
   1 decode, SLO control on), through the CLI as a user runs it (`servers.launch_pdserve`);
 - `colocated`: the same with `--colocated`;
 - `remote`, `auto` (only with --rows): the default launch with `--paths remote` (every prompt on the
-  prefill worker, the default before 2026-12-02) or `--paths auto` (the default, spelled out).
+  prefill worker, the default before 2026-12-02) or `--paths auto` (the default, spelled out);
+  `planner`: the default launch with `--planner` (roles follow the load: on one node it moves the
+  idle prefill worker to decode under overload); `two-decode`: two decode workers and no prefill
+  worker (each prefills locally, the node's cores shared by who is busy: one thread each when both
+  are); `two-static`: the same with `--threads 1` (no core share: one thread each always).
 --extra-launch-arg adds flags to both pdserve rows. `--repeat N` runs the pdserve rows N times,
 interleaved (every other round in reverse order, so a drift of the machine favours neither), a
 peer row once; the table then holds each (row, rate)'s median run by goodput (the lower middle
@@ -42,10 +46,13 @@ from benchmarks.machine import cpu_line, load_line
 from benchmarks.servers import PEERS, Workload, add_server_flags, extra_launch_args, launch_pdserve, peer_row, report_errors
 
 ROWS = ("vllm", "disagg", "colocated")  # the rows of a run without --rows
-ALL_ROWS = ("vllm", "disagg", "remote", "auto", "colocated")  # remote, auto: the default launch with --paths remote / auto
+ALL_ROWS = ("vllm", "disagg", "remote", "auto", "planner", "two-decode", "two-static", "colocated")  # all but vllm/disagg/colocated: with --rows
 ROW_NAMES = {"vllm": PEERS["vllm"].name, "disagg": "pdserve default 1P+1D", "remote": "pdserve 1P+1D paths remote",
-             "auto": "pdserve 1P+1D paths auto", "colocated": "pdserve --colocated"}
-ROW_LAUNCH = {"disagg": [], "remote": ["--paths", "remote"], "auto": ["--paths", "auto"], "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
+             "auto": "pdserve 1P+1D paths auto", "planner": "pdserve 1P+1D --planner", "two-decode": "pdserve 0P+2D",
+             "two-static": "pdserve 0P+2D --threads 1", "colocated": "pdserve --colocated"}
+ROW_LAUNCH = {"disagg": [], "remote": ["--paths", "remote"], "auto": ["--paths", "auto"], "planner": ["--planner"],
+              "two-decode": ["--prefill", "0", "--decode", "2"], "two-static": ["--prefill", "0", "--decode", "2", "--threads", "1"],
+              "colocated": ["--colocated"]}  # `pdserve launch` flags besides the targets
 
 
 def build_parser() -> argparse.ArgumentParser:

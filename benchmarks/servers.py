@@ -68,7 +68,8 @@ def extra_launch_args(args) -> list[str]:
 
 # ------------------------------------------------------------------ one server
 
-def wait_http(url: str, proc, timeout: float = 300.0) -> None:
+def wait_http(url: str, proc, timeout: float = 300.0, ready=lambda answer: True) -> None:
+    """Until url answers 200 and `ready(answer)` holds."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -76,7 +77,8 @@ def wait_http(url: str, proc, timeout: float = 300.0) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before answering {url}")
         try:
-            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+            answer = httpx.get(url, timeout=2.0, trust_env=False)
+            if answer.status_code == 200 and ready(answer):
                 return
         except httpx.HTTPError:
             pass
@@ -115,13 +117,14 @@ def run_workloads(base_url: str, workloads: list[Workload], tokenizer) -> dict:
 
 
 def run_server(cmd: list[str], url: str, ready_path: str, log_path: str, workloads, tokenizer, env=None, timeout: float = 600,
-               leader_only: bool = False) -> tuple[dict, float]:
-    """Start cmd, wait until url + ready_path answers, run the workloads, stop it: (results, start-up seconds)."""
+               leader_only: bool = False, ready=lambda answer: True) -> tuple[dict, float]:
+    """Start cmd, wait until url + ready_path answers (and `ready` holds of the answer), run the
+    workloads, stop it: (results, start-up seconds)."""
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_http(url + ready_path, proc, timeout)
+            wait_http(url + ready_path, proc, timeout, ready)
             startup = time.perf_counter() - t0
             return run_workloads(url, workloads, tokenizer), startup
         finally:
@@ -149,12 +152,26 @@ def launch_command(args, launch_flags: list[str], log_dir: str, http_port: int) 
 
 def launch_pdserve(args, launch_flags: list[str], workloads, tokenizer, log_dir: str, name: str) -> tuple[dict, float]:
     """`pdserve launch LAUNCH_FLAGS` measured like any server (the launcher's own output in
-    LOG_DIR/NAME.log, its roles' in LOG_DIR/NAME/), ready when its gateway's /health answers (a
-    worker pair registered); stopped by SIGTERM to the launcher, which stops its roles."""
-    port = free_port()
+    LOG_DIR/NAME.log, its roles' in LOG_DIR/NAME/), ready when its gateway's /health counts every
+    worker the launch starts (`launch_workers`: /health is ready with a decode worker alone, and
+    a worker still starting takes the cores from those serving); stopped by SIGTERM to the
+    launcher, which stops its roles."""
+    port, expected = free_port(), launch_workers(launch_flags)
     cmd = launch_command(args, launch_flags, os.path.join(log_dir, name), port)
     return run_server(cmd, f"http://127.0.0.1:{port}", "/health", os.path.join(log_dir, f"{name}.log"), workloads, tokenizer,
-                      leader_only=True)
+                      leader_only=True, ready=lambda answer: sum(answer.json().get("workers", {}).values()) >= expected)
+
+
+def launch_workers(launch_flags: list[str]) -> int:
+    """The workers `pdserve launch LAUNCH_FLAGS` starts on one node: 1 with --colocated, else
+    --prefill + --decode (1 each by default)."""
+    if "--colocated" in launch_flags:
+        return 1
+    counts = {"--prefill": 1, "--decode": 1}
+    for i, flag in enumerate(launch_flags[:-1]):
+        if flag in counts:
+            counts[flag] = int(launch_flags[i + 1])
+    return sum(counts.values())
 
 
 def report_errors(name: str, results: dict, ignore=lambda output: False) -> None:

@@ -32,16 +32,17 @@ else REMOTE.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from coordinator.placement import (
     ADMIT_WINDOW_S, WAIT, Decision, Outcome, RequestView, SharedCores, ShedReason, WorkerSnapshot, decode_blocks, full_batch, place_colocated,
     place_pair, shed,
 )
-from coordinator.slo import SloTargets
+from coordinator.slo import SloTargets, StretchedModel
 from runtime.core_turns import turn_after
 
 
@@ -147,6 +148,26 @@ def share_node(prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot], no
                  for d in mates(p, decodes) if d.requests or d.queued_tokens]
         out_p.append(dataclasses.replace(p, shared=SharedCores(sum(steps), turn)) if mates(p, decodes) else p)
     return out_p, out_d
+
+
+def share_role_cores(snaps: list[WorkerSnapshot], node: Mapping[str, str], cores: Mapping[str, int],
+                     factor: Callable[[str, int, int], float]) -> list[WorkerSnapshot]:
+    """The snapshots of one role's workers with what sharing a node's cores among themselves costs:
+    on a core share each busy worker runs on cores // (busy workers) threads (runtime/cores.py),
+    so a worker given work while k others of its node are busy steps on cores // (k + 1) threads,
+    its steps `factor(worker id, cores, threads)` times its all-core model's (StretchedModel).
+    Workers of the other role are `share_node`'s: a decode worker defers to a busy prefill worker
+    rather than sharing the cores with it. `node`: worker id -> its core share; `cores`: worker id
+    -> its threads alone (0 or missing: not shared)."""
+    busy = collections.Counter(node[s.worker_id] for s in snaps if s.worker_id in node and (s.requests or s.queued_tokens))
+    out = []
+    for s in snaps:
+        group, alone = node.get(s.worker_id), cores.get(s.worker_id, 0)
+        sharing = busy[group] + (0 if (s.requests or s.queued_tokens) else 1) if group is not None else 1
+        threads = max(1, alone // max(1, sharing))
+        k = factor(s.worker_id, alone, threads) if alone > 1 and threads < alone else 1.0
+        out.append(dataclasses.replace(s, model=StretchedModel(s.model, k)) if k > 1.0 else s)
+    return out
 
 
 def local_refusal_binds(remote: Decision, gentle: list[WorkerSnapshot]) -> bool:

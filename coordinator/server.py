@@ -56,7 +56,7 @@ from coordinator import placement
 from coordinator.calibration import Calibration, HandoffTimes
 from coordinator.config import CoordinatorConfig
 from coordinator.counts import Count, Counts
-from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node
+from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node, share_role_cores
 from coordinator.placement import Decision, Outcome, RequestView
 from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
 from coordinator.slo import SloRecorder, SloTargets, StepModel
@@ -449,7 +449,7 @@ class Coordinator:
             if self.cfg.cold_start_s > 0:
                 self.hold_for_cold_start(st, parked)
                 return
-            self.error(st.iid, "no_workers", "no prefill+decode pair or colocated worker is registered")
+            self.error(st.iid, "no_workers", "no decode or colocated worker is registered (a decode worker prefills locally without a prefill worker)")
             return
         if prefills and decodes and self.cfg.paths != "local" and self.wait_for_twin(st, decodes[0].hello.block_size):
             self.park(st)
@@ -542,7 +542,13 @@ class Coordinator:
         return lead.phase <= Phase.PREFILLING
 
     def snapshots(self, workers: list[WorkerState], now: float, st: RequestState) -> list[placement.WorkerSnapshot]:
-        return [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now, self.cached_on(w, st)) for w in workers]
+        """What placement sees of `workers` (workers of one role), for st; where several share one
+        node's cores, each with its steps stretched for the busy others (share_role_cores)."""
+        snaps = [w.snapshot([self.requests[i] for i in w.requests if i in self.requests], now, self.cached_on(w, st)) for w in workers]
+        if len(workers) < 2:
+            return snaps
+        cores = {w.hello.worker_id: w.alone_threads for w in workers}
+        return share_role_cores(snaps, self.core_groups(), cores, lambda wid, alone, threads: self.workers[wid].slowdown.factor(alone, threads))
 
     def cached_on(self, w: WorkerState, st: RequestState) -> int:
         """Leading tokens of st that w's prefix cache is thought to hold (0 with its cache off)."""
@@ -761,6 +767,7 @@ class Coordinator:
             w.beat = msg
             w.beats += 1
             w.note_prefix(msg.prefix_added, msg.prefix_evicted)
+            w.slowdown.add(msg.shared_steps, w.model, w.alone_threads)
             w.model.add(msg.steps)
             w.reserved_blocks = sum(self.requests[i].reserved for i in w.requests if i in self.requests and self.requests[i].reserved
                                     and self.requests[i].phase in (Phase.ADMITTING, Phase.COLOCATED))
@@ -1107,6 +1114,7 @@ class Coordinator:
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
                 "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
+                "core_share": {"shared_steps": len(w.slowdown.steps), "ratio_to_linear": round(w.slowdown.ratio(), 3)},
             })
         return {
             "model": self.model_name,
@@ -1184,7 +1192,8 @@ def numbers_ok(msg) -> bool:
     if isinstance(msg, Heartbeat):
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
                   msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, msg.fenced_blocks,
-                  *(v for s in msg.steps for v in s), msg.cached_blocks, msg.prefix_queries, msg.prefix_hits]
+                  *(v for s in msg.steps for v in s), *(v for s in msg.shared_steps for v in s),
+                  msg.cached_blocks, msg.prefix_queries, msg.prefix_hits]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:

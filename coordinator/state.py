@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
-from coordinator.slo import StepModel
+from coordinator.slo import CoreShareSlowdown, StepModel
 from runtime.prefix_hash import chain_hashes
 from runtime.tokenizer import IncrementalDetokenizer
 from pdserve_client.protocol import GenerateRequest
@@ -64,6 +64,7 @@ class WorkerState:
     queued_tokens: int = 0  # prefill and colocated: prompt tokens placed here and not yet through their first step
     reserved_blocks: int = 0  # decode: blocks asked for and not yet reported in a heartbeat
     model: StepModel = field(default_factory=StepModel)  # this worker's step time, fitted online
+    slowdown: CoreShareSlowdown = field(default_factory=CoreShareSlowdown)  # its steps on a share of its node's cores
     admitted: collections.deque = field(default_factory=collections.deque)  # colocated: (time, prompt tokens) placed lately
     admitted_tokens: int = 0  # their sum
     prefix_view: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # block keys it is thought to hold
@@ -72,6 +73,13 @@ class WorkerState:
     def __post_init__(self):
         if self.role is None:
             self.role = Role(self.hello.role)
+
+    @property
+    def alone_threads(self) -> int:
+        """Its threads when it is the only busy worker of its core share (Hello.engine "cores",
+        runtime/cores.py); 0: it shares no cores, or its Hello did not say a sane count."""
+        n = self.hello.engine.get("cores", 0)
+        return n if isinstance(n, int) and 0 < n <= 65536 else 0
 
     def note_prefix(self, added: list[bytes], evicted: list[bytes] = ()) -> None:
         """Update the approximate view of its prefix cache: keys its heartbeat reported registered

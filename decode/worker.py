@@ -167,6 +167,7 @@ class DecodeWorker:
         model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
         num_blocks = pool.tensor.shape[2]
         engine = LLMEngine(model, None, engine_cfg, kv_cache=pool.tensor)
+        engine.core_share = cores
         if engine_cfg.device.startswith("cuda") and engine_cfg.cuda_graphs and ranks is None:  # a TP step broadcasts its plan: no graph
             cuda_graphs.enable(engine)
         log.info(
@@ -202,7 +203,8 @@ class DecodeWorker:
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting), queued, **sent,
             kv_bytes_received=self.receiver.bytes_received,
             bad_messages=self.receiver.bad_messages + self.link.bad_messages, preemptions=sched.num_preemptions,
-            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, fenced_blocks=self.fenced_blocks,
+            steps=drain_steps(self.engine), shared_steps=drain_steps(self.engine, shared=True),
+            inbox_dropped=self.link.dropped, fenced_blocks=self.fenced_blocks,
             **prefix_report(self.engine),
         )
 

@@ -278,11 +278,11 @@ def readiness(stats: dict | None) -> Health:
     if stats is None:
         return Health("unavailable", reason="the coordinator does not answer")
     roles = collections.Counter(w["role"] for w in stats.get("workers", []))
-    if roles["colocated"] > 0 or (roles["prefill"] > 0 and roles["decode"] > 0):
+    if roles["colocated"] > 0 or roles["decode"] > 0:
         return Health("ready", dict(roles))
     if stats.get("cold_start_s"):  # workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request brings one
         return Health("ready", dict(roles))
-    return Health("unavailable", dict(roles), "no prefill+decode pair or colocated worker is registered")
+    return Health("unavailable", dict(roles), "no decode or colocated worker is registered (a decode worker prefills locally without a prefill worker)")
 
 
 def build_app(cfg: GatewayConfig, tokenizer=None) -> Starlette:

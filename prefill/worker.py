@@ -79,6 +79,7 @@ class PrefillWorker:
         model, kv, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)
         pool = tp_ranks.handoff_pool(kv)  # what hand-offs read: on CUDA with TP n, every rank's part
         engine = LLMEngine(model, None, engine_cfg, kv_cache=kv.tensor, prefill_only=True)
+        engine.core_share = cores
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0, long_prompts=(1, 512))
         ctx = zmq.Context()
@@ -94,7 +95,8 @@ class PrefillWorker:
         return Heartbeat(
             self.worker_id, self.engine.blocks.free_blocks, len(sched.running), len(sched.waiting), self.engine.queued_tokens(),
             kv_bytes_sent=self.sender.bytes_sent, kv_seconds_sent=self.sender.seconds, bad_messages=self.link.bad_messages,
-            steps=drain_steps(self.engine), inbox_dropped=self.link.dropped, **prefix_report(self.engine),
+            steps=drain_steps(self.engine), shared_steps=drain_steps(self.engine, shared=True),
+            inbox_dropped=self.link.dropped, **prefix_report(self.engine),
         )
 
     def run(self) -> None:

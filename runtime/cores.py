@@ -22,7 +22,9 @@ Lifecycle: the launcher calls `create_share(n_workers)` once (a file of one byte
 /dev/shm) and hands worker i the spec "PATH:i" (`--core-share`); it unlinks the file when it
 stops. A worker builds `CoreShare.open(spec, cores)`, calls `busy()` before each step it is
 about to run and `idle()` before it waits for work (`size_alone()` first, before its model loads), runs its start-up profile in `alone()`
-(one worker's profile at a time), and `close()` (idle) on exit. A worker
+(one worker's profile at a time), and `close()` (idle) on exit. It hands the share to its
+engine (`LLMEngine.core_share`), which logs the steps run on fewer threads because busy workers
+of its own role share the cores (`role_share`) apart for the coordinator. A worker
 started without a spec gets `StaticCores`, whose calls do nothing: it keeps the thread count it
 was given. A worker killed while busy leaves
 its byte set until it (or its replacement in the same slot) starts again: the others run on
@@ -75,6 +77,10 @@ class CoreShare:
         self.slot = slot
         self.path = path
         self.threads = torch.get_num_threads()
+        # the threads of the step about to run where fewer than every core because busy workers of
+        # its own role share them (0: every core, or fewer beside a busy prefill worker: the
+        # coordinator models that as turns); the engine logs such a step apart (LLMEngine.core_share)
+        self.role_share = 0
         self.flags[slot] = IDLE
 
     @classmethod
@@ -86,6 +92,12 @@ class CoreShare:
         if not path or not slot.isdigit():
             raise ValueError(f"--core-share must be PATH:SLOT, got {spec!r}")
         return cls(path, int(slot), cores or os.cpu_count() or 1)
+
+    @property
+    def all_threads(self) -> int:
+        """Its threads when it is the node's only busy worker (its Hello says so: the coordinator
+        predicts its steps on a share from it)."""
+        return self.cores
 
     def size_alone(self) -> None:
         """Before the model loads: torch's threads = every core, what this worker runs on when it
@@ -106,11 +118,14 @@ class CoreShare:
         self.flags[self.slot] = PREFILLING if prefill else DECODING
         # a prefill worker shares the cores with the other busy prefill workers only: decode
         # workers defer to it (defer_to_prefill) and step in its turns (take_prefill_turn)
-        sharing = self.flags[:].count(PREFILLING) if prefill else self.busy_workers()
+        flags = self.flags[:]
+        sharing = flags.count(PREFILLING) if prefill else self.busy_workers()
         threads = max(1, self.cores // max(1, sharing))
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
+        beside_prefill = not prefill and flags.count(PREFILLING) > 0
+        self.role_share = threads if threads < self.cores and not beside_prefill else 0
         return threads
 
     def idle(self) -> None:
@@ -188,6 +203,9 @@ class CoreShare:
 
 class StaticCores:
     """The no-op share of a worker started without --core-share."""
+
+    all_threads = 0  # its steps all run on the threads it was given
+    role_share = 0
 
     def size_alone(self) -> None:
         pass

@@ -156,6 +156,12 @@ class LLMEngine:
         # (sequences, tokens computed, context tokens, seconds) of recent steps: the coordinator's
         # latency model is fitted from these (read by the worker's I/O thread; deque ops are atomic)
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=256)
+        # a worker on a core share (runtime/cores.py) sets core_share: a step it ran on fewer threads
+        # because busy workers of its own role share the cores (its role_share: those threads) is
+        # logged apart, with its thread count, so that the model of its all-core steps stays one model
+        # and the coordinator learns what sharing costs (coordinator/slo.py CoreShareSlowdown)
+        self.core_share = None
+        self.shared_step_log: collections.deque[tuple[int, int, int, float, int]] = collections.deque(maxlen=256)
 
     @classmethod
     def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> "LLMEngine":
@@ -302,7 +308,12 @@ class LLMEngine:
             seq.num_computed_tokens += n
             ctx += seq.num_computed_tokens
             self.scheduler.register_computed(seq, seq.num_computed_tokens - n)
-        self.step_log.append((len(scheduled), sum(n for _, n in scheduled), ctx, dt))
+        sample = (len(scheduled), sum(n for _, n in scheduled), ctx, dt)
+        threads = self.core_share.role_share if self.core_share is not None else 0
+        if threads:
+            self.shared_step_log.append((*sample, threads))
+        else:
+            self.step_log.append(sample)
         return samplers, sampled
 
     def profile(self, batches=(1, 4, 16), prompt_len: int = 64, decode_steps: int = 4,
@@ -413,10 +424,11 @@ class LLMEngine:
                     c.finish_reason = FinishReason.LENGTH
         return [done[rid] for rid in order]
 
-def drain_steps(engine) -> list[tuple[int, int, int, float]]:
-    """Take the step samples logged since the last call (for the worker's heartbeat)."""
+def drain_steps(engine, shared: bool = False) -> list[tuple]:
+    """Take the step samples logged since the last call (for the worker's heartbeat): its
+    all-core steps, or (shared) those run on a share of its node's cores, with their threads."""
     out = []
-    log = engine.step_log
+    log = engine.shared_step_log if shared else engine.step_log
     while log:
         out.append(log.popleft())
     return out

@@ -146,8 +146,9 @@ def stream_prompts(n: int) -> list[list[int]]:
 
 
 def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backend="auto", engine_args=(), prefill_args=(),
-                  coordinator_args=(), keys=None, timeout=120.0, **plan):
+                  coordinator_args=(), keys=None, timeout=120.0, threads=1, **plan):
     """A coordinator and workers as real processes on loopback; returns the started Launcher.
+    threads: each worker's (None: the node's workers share its cores by who is busy, runtime/cores.py).
     `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key). The per-launch
     worker secret is off unless `worker_secret=True`: many tests speak to the worker port with raw
     sockets (tests/security/test_worker_auth.py checks the secret itself)."""
@@ -166,7 +167,7 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
     plan = NodePlan(
         prefill=prefill, decode=decode, colocated=colocated, model=str(model_dir), kv_backend=kv_backend,
         client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
-        engine_args=list(engine_args), prefill_args=list(prefill_args), coordinator_args=list(coordinator_args), threads=1, name="t",
+        engine_args=list(engine_args), prefill_args=list(prefill_args), coordinator_args=list(coordinator_args), threads=threads, name="t",
         keys=None if keys is None else str(keys), **plan,
     )
     launcher = Launcher(plan, log_dir=str(log_dir))

@@ -86,6 +86,9 @@ class Heartbeat(_Msg):
     bad_messages: int = 0
     preemptions: int = 0
     steps: list[tuple[int, int, int, float]] = []  # steps since the last heartbeat, as Hello.profile
+    # steps it ran on a share of its node's cores (fewer threads than its all-core steps in `steps`:
+    # busy workers of its role beside it, runtime/cores.py), each with its thread count
+    shared_steps: list[tuple[int, int, int, float, int]] = []
     inbox_dropped: int = 0  # messages the worker's link dropped because its inbox was full
     fenced_blocks: int = 0  # decode: blocks of given-up grants held until their writer answers or dies
     prefix_added: list[PrefixKey] = []  # block keys its prefix cache registered since the last heartbeat (bounded)

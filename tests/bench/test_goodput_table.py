@@ -145,3 +145,12 @@ def test_the_remote_and_auto_rows_fix_the_default_launchs_path_and_run_only_when
     text = gp.format_table(table)
     assert (text.index("pdserve default 1P+1D") < text.index("pdserve 1P+1D paths remote") < text.index("pdserve 1P+1D paths auto")
             < text.index("pdserve --colocated"))
+
+
+def test_a_launch_is_measured_once_every_worker_it_starts_is_registered():
+    """/health is ready with a decode worker alone; the harness waits for the launch's count."""
+    from benchmarks.servers import launch_workers
+
+    assert launch_workers([]) == 2 and launch_workers(["--colocated", "--ttft-p99-ms", "2000"]) == 1
+    assert launch_workers(["--prefill", "0", "--decode", "2", "--threads", "1"]) == 2
+    assert launch_workers(["--planner", "--decode", "3"]) == 4

@@ -141,3 +141,36 @@ def test_a_colocated_launch_admits_by_the_local_rule_which_counts_the_prompts_ow
     assert "prompts' share 0.64" in c.decision.detail and c.remote is None
     calm = choose_path(req(512), [], [decode(requests=4, context=400, recent=2000)], TARGETS)
     assert (calm.path, calm.decision.worker) == (Path.LOCAL, "d0")
+
+
+def test_workers_of_one_role_sharing_a_node_see_their_steps_stretched_by_their_busy_mates():
+    """Two decode workers on one 2-core share: the idle one, given a prompt while the other is
+    busy, steps on 1 thread (its model stretched by the worker's slowdown factor); the busy one,
+    given more while its mate idles, keeps both; two busy ones share; a worker alone on its node,
+    or without a core count, is not stretched; 4 cores and two busy workers: 2 threads each, a
+    third given work: 1."""
+    from coordinator.paths import share_role_cores
+
+    asked = []
+
+    def factor(wid, alone, threads):
+        asked.append((wid, alone, threads))
+        return alone / threads * 0.8
+
+    busy, idle, elsewhere = decode("d0", requests=3), decode("d1", requests=0), decode("d2", requests=5)
+    node = {"d0": "vm/a", "d1": "vm/a", "d2": "other/a"}
+    out = share_role_cores([busy, idle, elsewhere], node, {"d0": 2, "d1": 2, "d2": 2}, factor)
+    assert asked == [("d1", 2, 1)]
+    assert out[0] is busy and out[2] is elsewhere
+    assert out[1].model.predict(4, 4, 400) == pytest.approx(1.6 * M.predict(4, 4, 400))
+    both = share_role_cores([busy, decode("d1", requests=2)], node, {"d0": 2, "d1": 2}, factor)
+    assert all(s.model.predict(4, 4, 400) == pytest.approx(1.6 * M.predict(4, 4, 400)) for s in both)
+    alone = share_role_cores([busy, decode("d1", requests=0)], {"d0": "vm/a", "d1": "vm/a"}, {"d0": 2}, factor)
+    assert alone[1].model is M  # d1's Hello named no cores: not shared
+    idle_mates = share_role_cores([decode("d0", requests=0), decode("d1", requests=0)], node, {"d0": 2, "d1": 2}, factor)
+    assert all(s.model is M for s in idle_mates)  # a worker given work beside idle mates runs on every core
+    asked.clear()
+    four = share_role_cores([decode("a", requests=1), decode("b", requests=1), decode("c", requests=0)],
+                            {"a": "n", "b": "n", "c": "n"}, {"a": 4, "b": 4, "c": 4}, factor)
+    assert sorted(asked) == [("a", 4, 2), ("b", 4, 2), ("c", 4, 1)]
+    assert four[2].model.predict(1, 1, 100) == pytest.approx(3.2 * M.predict(1, 1, 100))

@@ -29,10 +29,11 @@ def launched(tmp_path_factory, *flags):
                              "--threads", "1", "--http-port", str(port), "--log-dir", str(logs), *flags], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready():
+        def ready():  # both workers registered (/health is ready with the decode worker alone: it prefills locally)
             assert proc.poll() is None, "pdserve launch exited early"
             try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                r = httpx.get(f"{url}/health", timeout=2)
+                return r.status_code == 200 and sum(r.json()["workers"].values()) >= 2
             except httpx.HTTPError:
                 return False
 

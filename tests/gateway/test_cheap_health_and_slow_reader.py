@@ -83,7 +83,7 @@ def test_health_answers_many_probes_from_a_summary(model_dir, tmp_path):
         assert coord.asked - asked <= 10, coord.asked - asked  # ~1 a second while the burst ran, not 300
         coord.workers = []
         poll(lambda: httpx.get(url, timeout=2).status_code == 503, timeout=5)
-        assert "no prefill+decode pair" in httpx.get(url, timeout=2).json()["reason"]
+        assert "no decode or colocated worker" in httpx.get(url, timeout=2).json()["reason"]
     finally:
         gw.terminate()
         gw.wait(30)

@@ -38,7 +38,7 @@ def client(service, key=KEY):
 def test_health_is_503_without_workers(service):
     r = httpx.get(f"{service.plan.http_url}/health", timeout=10)
     assert r.status_code == 503
-    assert r.json()["status"] == "unavailable" and "no prefill+decode pair" in r.json()["reason"]
+    assert r.json()["status"] == "unavailable" and "no decode or colocated worker" in r.json()["reason"]
     samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
     assert value(samples, "pdserve_coordinator_up") == 1 and value(samples, "pdserve_num_workers") == 0
 

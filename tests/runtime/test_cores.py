@@ -34,6 +34,24 @@ def test_busy_workers_split_the_cores(share_path):
         torch.set_num_threads(before)
 
 
+def test_a_share_among_workers_of_one_role_is_told_from_one_beside_a_busy_prefill_worker(share_path):
+    """role_share: the threads of a step run on fewer than every core because busy workers of its
+    own role share them (logged apart by the engine); 0 alone, and 0 for a decode worker stepping
+    beside a busy prefill worker (past its stall cap: the coordinator models that as turns)."""
+    before = torch.get_num_threads()
+    try:
+        a, b, p = (CoreShare.open(f"{share_path}:{i}", cores=2) for i in range(3))
+        assert (a.busy(), a.role_share) == (2, 0)  # alone
+        b.busy()
+        assert (a.busy(), a.role_share) == (1, 1)  # two decode workers: one thread each, a role share
+        b.idle()
+        p.busy(prefill=True)
+        assert (p.role_share, a.busy(), a.role_share) == (0, 1, 0)  # beside a prefill worker: not a role share
+        assert StaticCores().role_share == 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_flags_are_shared_between_processes(share_path):
     code = (
         "import sys; from runtime.cores import CoreShare; "

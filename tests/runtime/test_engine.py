@@ -136,3 +136,29 @@ def test_prompt_larger_than_pool_is_refused(tiny):
     eng = engine(tiny, num_blocks=4)
     with pytest.raises(PromptTooLongError, match="KV pool"):
         eng.add_request(list(range(3, 60)), GREEDY)
+
+
+def test_a_step_on_a_share_of_the_cores_is_logged_apart_with_its_threads(tiny):
+    """A worker on a core share hands it to its engine: a step run while the share says it runs on
+    fewer threads because busy workers of its role share the cores (role_share) goes to
+    shared_step_log with that thread count, the others to step_log (the coordinator fits its
+    all-core model on those alone and learns what sharing costs from these)."""
+    import types
+
+    from runtime.engine import drain_steps
+
+    eng = engine(tiny)
+    few = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.core_share = types.SimpleNamespace(role_share=0)
+    eng.generate([prompts()[1]], SamplingParams(**few))
+    alone = drain_steps(eng)
+    assert alone and all(len(s) == 4 for s in alone) and not drain_steps(eng, shared=True)
+    eng.core_share.role_share = 1
+    eng.generate([prompts()[1]], SamplingParams(**few))
+    shared = drain_steps(eng, shared=True)
+    assert not drain_steps(eng) and len(shared) == len(alone)
+    assert all(len(s) == 5 and s[4] == 1 and s[3] > 0 for s in shared)
+    eng.core_share = None  # no core share: every step is an all-core step
+    eng.generate([prompts()[1]], SamplingParams(**few))
+    assert len(drain_steps(eng)) == len(alone) and not drain_steps(eng, shared=True)
+    assert eng.blocks.free_blocks == eng.blocks.num_blocks

@@ -13,6 +13,7 @@ every pool is whole. Each phase's requests carry targets that phase cannot meet 
 phase's loose ones), so that it is short of capacity on a fast machine as on a loaded one.
 """
 import asyncio
+import os
 import time
 
 import pytest
@@ -126,3 +127,40 @@ def test_roles_follow_a_prompt_heavy_then_a_decode_heavy_load(model_dir, tmp_pat
         assert stats["active_requests"] == 0 and all(w["inflight"] == 0 for w in stats["workers"])
     finally:
         launcher.stop()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a core share of one core never runs a step on fewer threads")
+def test_two_decode_workers_without_a_prefill_worker_serve_locally_and_report_their_shared_steps(model_dir, tmp_path):
+    """`--prefill 0 --decode 2` on one core share (what the planner leaves after moving a 1 + 1
+    node's prefill worker): /health is ready (a decode worker prefills locally), concurrent
+    requests spread over both workers with the single-process runtime's greedy tokens, the steps
+    each ran while the other was busy (on cores // 2 threads) reach the coordinator apart
+    (Heartbeat.shared_steps -> stats `core_share`), and every pool is whole after."""
+    import httpx
+
+    from tests.gateway.helpers import poll
+    from tests.helpers import free_port
+
+    jobs = prompts([40 + 7 * i for i in range(12)])
+    launcher = start_cluster(model_dir, tmp_path, prefill=0, decode=2, threads=None, engine_args=["--kv-cache-mb", "16"],
+                             coordinator_args=["--ttft-p99-ms", "60000", "--tpot-p99-ms", "10000"], gateway=True, http_port=free_port())
+    try:
+        # the gateway reads the coordinator's stats about once a second: until then it may count one worker
+        health = poll(lambda: (r := httpx.get(f"{launcher.plan.http_url}/health", timeout=10)).json()["workers"] == {"decode": 2} and r, timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ready", health.text
+
+        async def send():
+            async with AsyncClient(launcher.plan.client_addr, timeout=120) as c:
+                return await asyncio.gather(*(c.generate(token_ids=p, max_tokens=24, temperature=0, ignore_eos=True) for p in jobs))
+
+        results = asyncio.run(send())
+        with Client(launcher.plan.client_addr, timeout=60) as c:
+            stats = wait_all_blocks_free(c)
+    finally:
+        launcher.stop()
+    assert [r.token_ids for r in results] == reference(model_dir, jobs, 24)
+    assert {r.decode_worker for r in results} == {"t-decode-0", "t-decode-1"} and all(r.prefill_worker is None for r in results)
+    assert stats["requests"].get("path:local") == len(jobs)
+    workers = {w["id"]: w for w in stats["workers"]}
+    assert {w["engine"]["cores"] for w in workers.values()} == {os.cpu_count()}
+    assert sum(w["core_share"]["shared_steps"] for w in workers.values()) > 0, [w["core_share"] for w in workers.values()]

@@ -19,7 +19,9 @@ from pdserve_client.protocol import decoder, encode
 from coordinator.placement import prefill_share
 from coordinator.server import Coordinator, CoordinatorConfig
 from coordinator.state import Phase
-from coordinator.slo import MAX_CLASSES, OTHER_CLASS, LatencyWindow, SloRecorder, StepModel, nonnegative_least_squares
+from coordinator.slo import (
+    MAX_CLASSES, OTHER_CLASS, CoreShareSlowdown, LatencyWindow, SloRecorder, StepModel, StretchedModel, nonnegative_least_squares,
+)
 from tests.helpers import free_port
 
 
@@ -99,6 +101,32 @@ def test_a_start_up_profile_predicts_decode_steps_outside_its_shapes_and_one_slo
         for seqs, tokens, ctx, seconds in DECODE_MEASURED:
             assert 0.7 <= m.predict(seqs, tokens, ctx) / seconds <= 1.6, (extra, seqs, ctx, m.predict(seqs, tokens, ctx))
         assert 0.8 <= m.predict(1, 128, 128) / 0.105 <= 1.3  # between the profile's 64-token prompt and its 256-token ones
+
+
+def test_core_share_slowdown_is_linear_until_measured_then_follows_the_shared_steps():
+    """A worker's steps on 1 of its 2 threads: the linear factor (2x) until MIN_STEPS shared
+    steps were seen, then what they measured against the all-core model (here 1.5x), never under
+    1x and at most 1.5x linear; StretchedModel applies it to predictions and throughput."""
+    alone = StepModel([(s, s, 400 * s, 0.01 + 0.002 * s) for s in (1, 2, 4, 8, 16)] * 3)
+    slow = CoreShareSlowdown()
+    assert slow.factor(2, 1) == 2.0 and slow.factor(2, 2) == 1.0
+    shared = [(s, s, 400 * s, 1.5 * alone.predict(s, s, 400 * s), 1) for s in (1, 2, 4, 8)]
+    slow.add(shared * 3, alone, 2)
+    assert slow.factor(2, 1) == 2.0  # 12 steps: fewer than MIN_STEPS
+    slow.add(shared, alone, 2)
+    assert slow.factor(2, 1) == pytest.approx(1.5)
+    assert slow.factor(4, 1) == pytest.approx(3.0)  # the ratio to linear (0.75) holds at another share
+    slow.add([(s, s, 400 * s, 9.0, 1) for s in (1, 2, 4, 8)] * 100, alone, 2)  # steps slowed by something else
+    assert slow.factor(2, 1) == pytest.approx(3.0)  # at most 1.5x linear
+    fast = CoreShareSlowdown()
+    fast.add([(1, 1, 400, 0.001, 1)] * 20, alone, 2)
+    assert fast.factor(2, 1) == 1.0  # never faster than alone
+    ignored = CoreShareSlowdown()
+    ignored.add([(1, 1, 400, 0.5, 2)] * 20, alone, 2)  # not fewer threads than alone: not a shared step
+    assert len(ignored.steps) == 0
+    stretched = StretchedModel(alone, 1.5)
+    assert stretched.predict(4, 4, 1600) == pytest.approx(1.5 * alone.predict(4, 4, 1600))
+    assert stretched.tokens_per_second() == pytest.approx(alone.tokens_per_second() / 1.5)
 
 
 def test_latency_window_is_bounded_and_reports_percentiles():
