@@ -69,11 +69,12 @@ class CoordinatorConfig:
                                help="seconds a worker takes to start when none runs (workers started on demand: --ray with "
                                "--min-replicas 0); a request that finds no worker waits for one if this fits its TTFT target, "
                                "else it is refused with 503 cold_start and Retry-After; 0: refused at once (no_workers)")
-    # roles follow the load (SLO control on); None: fixed roles, the default until the planner holds the overload
-    # test's targets (under overload it took a 1 + 1 node's only prefill worker for decode: p99 TTFT 430 ms at 300)
-    planner: PlannerConfig | None = flag(None, group="paths and roles", pair=True, command_default=False, launch=True,
+    # roles follow the load (SLO control on); None: fixed roles. On in the commands since 2026-12-03: on a 2-core node
+    # it moves the idle prefill worker of a 1 + 1 launch to decode under overload, and two one-thread decode workers
+    # serve 1.09-1.16x the goodput of one two-thread worker (docs/performance.md); in-process configs keep it off
+    planner: PlannerConfig | None = flag(None, group="paths and roles", pair=True, command_default=True, launch=True,
                                          help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short "
-                                         "of capacity (off by default until it holds the targets under overload: docs/architecture.md, Paths and roles)")
+                                         "of capacity (docs/architecture.md, Paths and roles); --no-planner: roles stay as launched")
     # the text of --chat-template (a file, or the template itself), used instead of the model's own (runtime/tokenizer.py)
     chat_template: str | None = flag(None, group="model and weights", launch=True,
                                      help="a Jinja chat template (a file, or the template itself) used instead of the model's own, e.g. one "

@@ -79,7 +79,7 @@ def test_the_defaults_that_are_not_the_fields():
     assert default["kv_cache_mb"] is None  # sized at start from the machine (auto_kv_cache_mb)
     assert default["client_send_budget_kb"] * 1024 == CoordinatorConfig().client_send_budget
     assert default["no_prefix_cache"] is False and EngineConfig().prefix_cache is True
-    assert default["planner"] is False and CoordinatorConfig().planner is None
+    assert default["planner"] is True and CoordinatorConfig().planner is None  # on in the commands, off in-process
     assert default["client_target_range"] == "1:1" and RequestLimits().client_target_range == (1.0, 1.0)
     assert default["max_num_batched_tokens"] == 2048 and default["quant_activations"] == "int16"
 
