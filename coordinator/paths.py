@@ -159,11 +159,14 @@ def share_role_cores(snaps: list[WorkerSnapshot], node: Mapping[str, str], cores
     Workers of the other role are `share_node`'s: a decode worker defers to a busy prefill worker
     rather than sharing the cores with it. `node`: worker id -> its core share; `cores`: worker id
     -> its threads alone (0 or missing: not shared)."""
-    busy = collections.Counter(node[s.worker_id] for s in snaps if s.worker_id in node and (s.requests or s.queued_tokens))
+    def has_work(s: WorkerSnapshot) -> bool:
+        return bool(s.requests or s.queued_tokens)
+
+    busy = collections.Counter(node[s.worker_id] for s in snaps if s.worker_id in node and has_work(s))
     out = []
     for s in snaps:
         group, alone = node.get(s.worker_id), cores.get(s.worker_id, 0)
-        sharing = busy[group] + (0 if (s.requests or s.queued_tokens) else 1) if group is not None else 1
+        sharing = busy[group] + (0 if has_work(s) else 1) if group is not None else 1
         threads = max(1, alone // max(1, sharing))
         k = factor(s.worker_id, alone, threads) if alone > 1 and threads < alone else 1.0
         out.append(dataclasses.replace(s, model=StretchedModel(s.model, k)) if k > 1.0 else s)

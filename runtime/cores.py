@@ -93,12 +93,6 @@ class CoreShare:
             raise ValueError(f"--core-share must be PATH:SLOT, got {spec!r}")
         return cls(path, int(slot), cores or os.cpu_count() or 1)
 
-    @property
-    def all_threads(self) -> int:
-        """Its threads when it is the node's only busy worker (its Hello says so: the coordinator
-        predicts its steps on a share from it)."""
-        return self.cores
-
     def size_alone(self) -> None:
         """Before the model loads: torch's threads = every core, what this worker runs on when it
         is the node's only busy one (most of its steps), so that its linear back-ends are chosen
@@ -108,8 +102,8 @@ class CoreShare:
         torch.set_num_threads(self.cores)
         self.threads = self.cores
 
-    def busy_workers(self) -> int:
-        flags = self.flags[:]
+    def busy_workers(self, flags: bytes | None = None) -> int:
+        flags = self.flags[:] if flags is None else flags
         return max(1, sum(flags.count(f) for f in BUSY))
 
     def busy(self, prefill: bool = False) -> int:
@@ -119,7 +113,7 @@ class CoreShare:
         # a prefill worker shares the cores with the other busy prefill workers only: decode
         # workers defer to it (defer_to_prefill) and step in its turns (take_prefill_turn)
         flags = self.flags[:]
-        sharing = flags.count(PREFILLING) if prefill else self.busy_workers()
+        sharing = flags.count(PREFILLING) if prefill else self.busy_workers(flags)  # one read of the flags a step
         threads = max(1, self.cores // max(1, sharing))
         if threads != self.threads:
             torch.set_num_threads(threads)
@@ -204,8 +198,7 @@ class CoreShare:
 class StaticCores:
     """The no-op share of a worker started without --core-share."""
 
-    all_threads = 0  # its steps all run on the threads it was given
-    role_share = 0
+    role_share = 0  # its steps all run on the threads it was given
 
     def size_alone(self) -> None:
         pass
