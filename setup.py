@@ -18,7 +18,7 @@ from setuptools.command.build_ext import build_ext
 _spec = importlib.util.spec_from_file_location("native_build", Path(__file__).parent / "kernels" / "native_build.py")
 native_build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(native_build)
-PREFIX = "kernels._native.pd_ops_"
+PREFIX = "pdserve.kernels._native.pd_ops_"
 
 
 class BuildNative(build_ext):

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import kernels
+from pdserve.kernels import paged
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 512, 9, 3, 64, 16
 RUNS = 15
@@ -49,8 +49,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, median of {RUNS}")
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, kw = decode_batch(dtype)
-        fast = median_ms(lambda: kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw))
-        ref = median_ms(lambda: kernels.paged_attention(q, k_cache, v_cache, backend="reference", **kw))
+        fast = median_ms(lambda: paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw))
+        ref = median_ms(lambda: paged.paged_attention(q, k_cache, v_cache, backend="reference", **kw))
         print(f"{str(dtype):15s} torch {fast:8.3f} ms   reference {ref:8.3f} ms   speed-up {ref / fast:5.1f}x")
 
 

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_gguf(args) -> Path | None:
-    from runtime.model_path import resolve_model_path
+    from pdserve.common.model_path import resolve_model_path
 
     path = Path(args.gguf) if args.gguf else resolve_model_path(args.model)
     return path if path.is_file() and path.suffix == ".gguf" else None
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scripts/compare: unknown row or section: {', '.join(bad)}", file=sys.stderr)
         return 2
     from pdserve.bench.workloads import build_requests
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     cores = os.cpu_count() or 1
     decode_threads = args.threads or cores  # a launched decode worker gets every core while the prefill worker idles (runtime.cores)
@@ -249,7 +249,7 @@ def micro_benchmarks(args, sections: list[str], threads: int, saved: dict) -> No
         print(format_overhead(o))
         saved["overhead"] = o
     if "kv" in sections:
-        from runtime.weights import load_checkpoint
+        from pdserve.runtime.weights import load_checkpoint
 
         cfg, _ = load_checkpoint(args.model, progress=False)
         rows = [h for n in args.kv_tokens.split(",") for h in rl.kv_handoff(cfg, int(n), threads)]

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scripts/goodput: {e}", file=sys.stderr)
         return 2
     from pdserve.bench.workloads import build_requests
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     workloads = [Workload(f"{rate:g} req/s", build_requests("random", tokenizer, max(1, round(args.prompts_per_rate * rate)),

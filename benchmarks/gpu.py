@@ -43,8 +43,8 @@ IPC_BLOCKS = 128  # one 2048-token prompt: 64 MiB
 
 
 def random_model(hf: dict, dtype: torch.dtype):
-    from runtime.config import ModelConfig
-    from runtime.model import LlamaModel
+    from pdserve.runtime.config import ModelConfig
+    from pdserve.runtime.model import LlamaModel
 
     cfg = ModelConfig.from_hf(hf)
     with torch.device("cuda"):
@@ -56,10 +56,10 @@ def random_model(hf: dict, dtype: torch.dtype):
 
 def default_model(dtype: torch.dtype):
     """(model, label): the default model's weights if installed, else its shape with random weights."""
-    from runtime.engine import build_model
-    from runtime.config import EngineConfig
-    from runtime.errors import ModelNotInstalledError
-    from runtime.weights import load_checkpoint
+    from pdserve.common.errors import ModelNotInstalledError
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import build_model
+    from pdserve.runtime.weights import load_checkpoint
 
     try:
         cfg, tensors = load_checkpoint(None, progress=False)
@@ -70,9 +70,9 @@ def default_model(dtype: torch.dtype):
 
 def decode_rate(model, batch: int, graphs: bool, steps: int = 32, warmup: int = 4) -> tuple[float, float]:
     """(tokens/s, ms per step) of the engine's decode steps with `batch` sequences running."""
-    from runtime import cuda_graphs
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.runtime import cuda_graphs
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
 
     blocks = batch * -(-(PROMPT_LEN + warmup + steps + 2) // 16) + 8
@@ -143,7 +143,7 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
 
 def kernel_bandwidth(batch=64, context=4096, heads=32, kv_heads=8, head_dim=128, block=16) -> tuple[float, float]:
     """(bytes/s, seconds) of one Triton paged decode call: every sequence reads its whole context."""
-    from kernels.triton_paged import paged_attention_triton
+    from pdserve.kernels.triton_paged import paged_attention_triton
 
     per_seq = context // block
     num_blocks = batch * per_seq
@@ -169,9 +169,9 @@ def ipc_child() -> None:
     """The decode side: a CUDA IPC pool, answers KVConnect, takes hand-offs until told to stop."""
     import zmq
 
-    from wire.protocol import KVFailed
-    from kvtransfer.cuda_ipc import CudaKVPool
-    from kvtransfer.transfer import KVReceiver
+    from pdserve.kvtransfer.cuda_ipc import CudaKVPool
+    from pdserve.kvtransfer.transfer import KVReceiver
+    from pdserve.wire.protocol import KVFailed
 
     pool = CudaKVPool.create(IPC_SHAPE, torch.bfloat16, "cuda")
     ctx = zmq.Context()
@@ -193,8 +193,8 @@ def ipc_rate(repeats: int = 20) -> tuple[float, float, float]:
 
     import zmq
 
-    from wire.protocol import KVReady
-    from kvtransfer.transfer import KVSender
+    from pdserve.kvtransfer.transfer import KVSender
+    from pdserve.wire.protocol import KVReady
     from pdserve_client.params import SamplingParams
 
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu", "--ipc-child"], stdout=subprocess.PIPE, text=True)

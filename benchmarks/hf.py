@@ -31,7 +31,7 @@ def load_hf(model: str | None, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.model_path import resolve_model_path
+    from pdserve.common.model_path import resolve_model_path
 
     torch.set_num_threads(threads)
     path = resolve_model_path(model)

@@ -24,8 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
-from kernels.quant import QTYPES, QuantTensor
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import QTYPES, QuantTensor
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}  # (N, K)
 PER_STEP = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
@@ -74,7 +74,7 @@ def int8_prompt(rows_list: list[int], repeats: int) -> None:
     counts: the int16 GEMM (c-int16) against the int8 VNNI one (c-int8-vnni) and dequantise +
     MKL, as kernels.select binds them; medians (ms) and the selector's pick among the three
     (kernels.select.choose: twin check, then the minimum of a few calls each)."""
-    from kernels import backends, select
+    from pdserve.kernels import backends, select
 
     g = torch.Generator().manual_seed(0)
     names = ("c-int16", "c-int8-vnni", "dequant-mkl")

@@ -18,7 +18,6 @@ Prints a table in ms per step. Timings on a shared machine are indicative: run i
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
@@ -43,9 +42,9 @@ class Timed:
 
 
 def build_engine(model, threads: int, prompt_len: int):
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
 
     torch.set_num_threads(threads)
     engine = LLMEngine.load(model, EngineConfig(linear_backend="auto", quant_activations="int16"), progress=False)
@@ -68,7 +67,7 @@ def step_times(engine, steps: int) -> list[float]:
 
 def time_steps(engine, steps: int) -> dict[str, float]:
     """Median ms of engine.step() and the mean ms per step of each wrapped part."""
-    import runtime.model_runner as mr
+    import pdserve.runtime.model_runner as mr
 
     fast, runner = engine.model.fast, engine.runner
     parts = {"prepare": Timed(runner.prepare), "embed": Timed(fast.embed), "decode_layers (C)": Timed(fast.ops.decode_layers),

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scripts/overload_check: --runs must be >= 1, --rate and --duration-s > 0", file=sys.stderr)
         return 2
     from pdserve.bench.workloads import build_requests
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     n = max(1, round(args.rate * args.duration_s))

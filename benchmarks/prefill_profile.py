@@ -23,11 +23,11 @@ from collections import defaultdict
 import torch
 
 from benchmarks.isa import CLOCK, alternate, parse_timed
-from runtime import linear_plan
-from runtime.config import EngineConfig
-from runtime.engine import load_model
-from runtime.kv_cache import allocate_kv_cache
-from runtime.model import ForwardBatch
+from pdserve.runtime import linear_plan
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import load_model
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.model import ForwardBatch
 
 BLOCK = 16
 

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     try:
         ray_sample(None, args.idle_s, "the bare cluster")
         clients, workers = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--ray", cluster.address, "--no-gateway", "--clients", clients,
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve", "launch", "--ray", cluster.address, "--no-gateway", "--clients", clients,
                                  "--workers", workers, "--threads", "1", "--ray-num-cpus", "0.5", "--min-replicas", "0",
                                  "--max-replicas", "decode=2", "--downscale-delay-s", "3", "--cold-start-s", "30", "--ttft-p99-ms", "60000",
                                  "--no-slo", "--engine-arg=--max-num-seqs=2", "--engine-arg=--kv-cache-mb=64",

@@ -43,7 +43,7 @@ def peak_rates(threads: int, seconds: float = 0.2, repeats: int = 3) -> tuple[di
     on `threads` threads (the best of `repeats` runs of about `seconds` each, timed by the longest
     thread's own CPU time: the hardware's rate even where others share the machine), and the
     variant that ran it; None without the C kernels."""
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     ops = cpu_native.native()
     if ops is None:
@@ -62,7 +62,7 @@ def machine_rates(threads: int, copy_mib: int = 512, matmul_n: int = 1536, repea
     torch.set_num_threads(threads)
     n = copy_mib * 2**20 // 4
     src, dst = torch.rand(n), torch.empty(n)
-    copy_s = median_seconds(lambda: dst.copy_(src), repeats, warmup=1)
+    copy_s = median_seconds(lambda: dst.copy_(src), repeats, warmup=1)  # noqa: F821 (called before the del below)
     del src, dst
     a, b = torch.rand(matmul_n, matmul_n), torch.rand(matmul_n, matmul_n)
     mm_s = median_seconds(lambda: torch.mm(a, b), repeats, warmup=1)
@@ -148,8 +148,8 @@ def decode_step_seconds(engine, batch: int, prompt_len: int, steps: int, warmup:
 
 def decode_roofline(model: str | None, threads: int, batch: int = 32, prompt_len: int = 128, steps: int = 16,
                     rates: MachineRates | None = None) -> Roofline:
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
 
     torch.set_num_threads(threads)
     rates = rates or machine_rates(threads)
@@ -204,7 +204,7 @@ class Handoff:
 
 
 def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks: int, rng: random.Random, tag: str) -> float:
-    from wire.protocol import KVReady
+    from pdserve.wire.protocol import KVReady
     from pdserve_client.params import SamplingParams
 
     num_blocks = shape[2]
@@ -228,9 +228,9 @@ def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: in
 
     import zmq
 
-    from kvtransfer.pool import KVPool
-    from kvtransfer.transfer import KVReceiver, KVSender
-    from runtime.kv_cache import kv_cache_shape
+    from pdserve.kvtransfer.pool import KVPool
+    from pdserve.kvtransfer.transfer import KVReceiver, KVSender
+    from pdserve.runtime.kv_cache import kv_cache_shape
 
     torch.set_num_threads(threads)
     n_blocks = -(-tokens // block_size)

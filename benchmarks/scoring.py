@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 
 

@@ -145,7 +145,7 @@ def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, 
 
 def launch_command(args, launch_flags: list[str], log_dir: str, http_port: int) -> list[str]:
     """`pdserve launch` as a user runs it, on free loopback ports, its roles' logs in log_dir."""
-    return [sys.executable, "-m", "pdserve", "launch", "--http-port", str(http_port),
+    return [sys.executable, "-P", "-m", "pdserve", "launch", "--http-port", str(http_port),
             "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}", "--log-dir", log_dir,
             *(["--model", args.model] if args.model else []), *launch_flags]
 

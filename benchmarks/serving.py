@@ -15,9 +15,9 @@ import random
 import tempfile
 import time
 
-from pdserve_client.library import AsyncClient, Client
 from pdserve.launch import Launcher, NodePlan
 from pdserve.ports import free_port
+from pdserve_client.library import AsyncClient, Client
 
 
 def prompts(n, length, seed=0):

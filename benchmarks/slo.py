@@ -20,14 +20,14 @@ import asyncio
 import tempfile
 from types import SimpleNamespace
 
-from pdserve_client.library import Client
 from pdserve.bench.metrics import compute_metrics
 from pdserve.bench.runner import run_rates
 from pdserve.bench.workloads import build_requests
+from pdserve.common.heap import freeze_startup_heap
+from pdserve.common.tokenizer import load_tokenizer
 from pdserve.launch import Launcher, NodePlan
 from pdserve.ports import free_port
-from runtime.heap import freeze_startup_heap
-from runtime.tokenizer import load_tokenizer
+from pdserve_client.library import Client
 
 
 def bench_args(base_url: str, num: int) -> SimpleNamespace:

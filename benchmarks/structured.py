@@ -101,10 +101,10 @@ def via_http(args) -> None:
 # ------------------------------------------------------------------ one in-process engine
 
 def in_process(args) -> None:
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.common.tokenizer import render_chat
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams, StructuredOutput
-    from runtime.tokenizer import render_chat
 
     eng = LLMEngine.load(args.model_path, EngineConfig(kv_cache_bytes=256 * 2**20), progress=False)
     prompts = [render_chat(eng.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -41,7 +41,8 @@ from pdserve.ports import free_port
 ROWS = ("vllm", "llamacpp", "colocated", "disagg", "colocated-int8", "colocated-qfloat", "colocated-fp32", "disagg-fp32", "colocated-slo", "disagg-slo",
         "hf-batch")
 ROW_NAMES = {"vllm": PEERS["vllm"].name, "llamacpp": PEERS["llamacpp"].name, "colocated": "pdserve colocated",
-             "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-qfloat": "pdserve coloc float-act", "colocated-fp32": "pdserve colocated fp32",
+             "disagg": "pdserve disagg 1P+1D", "colocated-int8": "pdserve coloc int8-act", "colocated-qfloat": "pdserve coloc float-act",
+                 "colocated-fp32": "pdserve colocated fp32",
              "disagg-fp32": "pdserve disagg fp32", "colocated-slo": "pdserve colocated, SLO on", "disagg-slo": "pdserve disagg, SLO on",
              "hf-batch": "HF static batch"}
 # pdserve rows: the weights as the GGUF ships them (default --quantization auto; small decode
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from pdserve.bench.metrics import compute_metrics
     from pdserve.bench.workloads import build_requests
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     workloads = []

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.slo import SloTargets
+from pdserve.coordinator.slo import SloTargets
 
 
 @dataclass(frozen=True)

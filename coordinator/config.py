@@ -1,5 +1,5 @@
 """The coordinator's settings (`pdserve coordinator`'s flags): one dataclass, validated when
-constructed; each field a flag sets declares that flag (runtime/flags.py), so pdserve/cli.py
+constructed; each field a flag sets declares that flag (common/flags.py), so pdserve/cli.py
 builds the command's options from it.
 
 Lifecycle: built once from the command line (or by tests), handed to `Coordinator`, then only
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.paths import PathRule
-from coordinator.planner import PlannerConfig
-from coordinator.slo import SloTargets
-from runtime.flags import flag, insecure_flag, keys_flag, secret_flag
-from wire.limits import RequestLimits
+from pdserve.common.flags import flag, insecure_flag, keys_flag, secret_flag
+from pdserve.coordinator.paths import PathRule
+from pdserve.coordinator.planner import PlannerConfig
+from pdserve.coordinator.slo import SloTargets
+from pdserve.wire.limits import RequestLimits
 
 PATHS = ("auto", "remote", "local")
 
@@ -75,7 +75,7 @@ class CoordinatorConfig:
     planner: PlannerConfig | None = flag(None, group="paths and roles", pair=True, command_default=True, launch=True,
                                          help="with SLO control, move workers that can switch role (prefill <-> decode) to the phase short "
                                          "of capacity (docs/architecture.md, Paths and roles); --no-planner: roles stay as launched")
-    # the text of --chat-template (a file, or the template itself), used instead of the model's own (runtime/tokenizer.py)
+    # the text of --chat-template (a file, or the template itself), used instead of the model's own (common/tokenizer.py)
     chat_template: str | None = flag(None, group="model and weights", launch=True,
                                      help="a Jinja chat template (a file, or the template itself) used instead of the model's own, e.g. one "
                                      "that shows tools")

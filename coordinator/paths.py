@@ -35,15 +35,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
-from coordinator.placement import (
-    ADMIT_WINDOW_S, WAIT, Decision, Outcome, RequestView, SharedCores, ShedReason, WorkerSnapshot, decode_blocks, full_batch, place_colocated,
-    place_pair, shed,
+from pdserve.common.core_turns import turn_after
+from pdserve.coordinator.placement import (
+    ADMIT_WINDOW_S,
+    WAIT,
+    Decision,
+    Outcome,
+    RequestView,
+    SharedCores,
+    ShedReason,
+    WorkerSnapshot,
+    decode_blocks,
+    full_batch,
+    place_colocated,
+    place_pair,
+    shed,
 )
-from coordinator.slo import SloTargets, StretchedModel
-from runtime.core_turns import turn_after
+from pdserve.coordinator.slo import SloTargets, StretchedModel
 
 
 class Path(enum.Enum):

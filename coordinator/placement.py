@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from coordinator.slo import RELAY_OVERHEAD_S, SloTargets, StepModel
+from pdserve.coordinator.slo import RELAY_OVERHEAD_S, SloTargets, StepModel
 
 ADMIT_WINDOW_S = 10.0  # colocated: the window of placed prompt tokens behind `prefill_share`
 MAX_SHARE = 0.9  # a colocated worker's prompts never take more than this share of its time in the TPOT prediction
@@ -50,7 +50,7 @@ class WorkerSnapshot:
     cached_tokens: int = 0  # of the request being placed: leading tokens it is expected to hold (prefix cache)
     shortest_output: int = 0  # the smallest max_tokens of the requests placed on it (0: none or unknown)
     # on a node whose workers of the other role share its cores (runtime/cores.py): what they take
-    shared: "SharedCores | None" = None
+    shared: SharedCores | None = None
     handoff_s: float = 0.0  # decode: a REMOTE hand-off into it costs this beyond one predicted step (measured: HandoffTimes)
     chunk_tokens: int = 2048  # prompt tokens one of its steps takes at most (max_num_batched_tokens)
     max_seqs: int = 0  # sequences one of its steps runs at most (max_num_seqs; 0: unknown)
@@ -70,7 +70,7 @@ class SharedCores:
     # prompt tokens placed on them over the last ADMIT_WINDOW_S at their measured rate): its steps
     # wait for those prefills, so its streams' TPOT stretches by 1 / (1 - share), as a colocated
     # worker's does for its own prompts (`prefill_share`), but by no more than `stall_s` a step:
-    # past its stall cap a decode worker steps whatever the prefill worker does (runtime/core_turns.py)
+    # past its stall cap a decode worker steps whatever the prefill worker does (common/core_turns.py)
     prefill_share: float = 0.0
     stall_s: float = 0.0
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
-from coordinator.placement import ShedReason, WorkerSnapshot
-from coordinator.slo import SloTargets
-from runtime.flags import flag
-from wire.protocol import Role
+from pdserve.common.flags import flag
+from pdserve.coordinator.placement import ShedReason, WorkerSnapshot
+from pdserve.coordinator.slo import SloTargets
+from pdserve.wire.protocol import Role
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ phase and loads; a change it starts drains the worker (placement gives it no new
 role), then SetRole tells it its new role and its RoleSet switches `WorkerState.role` (an error
 there, or no answer, and it keeps its role for good). Admission targets are the targets less a
 headroom that follows the measured prediction error (coordinator/calibration.py: predictions are
-recorded against what each finished request saw). Launchers report their roles' restart counts (NodeReport), shown under `nodes` in the stats. Bad frames on either port are
-counted and dropped (clients get an ErrorReply "bad_message"). The coordinator never loads a
-model: only the tokenizer.
+recorded against what each finished request saw). Launchers report their roles' restart counts
+(NodeReport), shown under `nodes` in the stats. Bad frames on either port are counted and dropped
+(clients get an ErrorReply "bad_message"). The coordinator never loads a model: only the tokenizer.
 """
 from __future__ import annotations
 
@@ -47,42 +47,72 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from coordinator import placement
-from coordinator.calibration import Calibration, HandoffTimes
-from coordinator.config import CoordinatorConfig
-from coordinator.counts import Count, Counts
-from coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node, share_role_cores
-from coordinator.placement import Decision, Outcome, RequestView
-from coordinator.planner import Planner, PlannerConfig, Stage, Tally, WorkerLoad, phase_loads
-from coordinator.slo import SloRecorder, SloTargets, StepModel
-from coordinator.state import Phase, RequestState, WorkerState
-from coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
-from coordinator.outbox import Outbox, Sent
-from coordinator.tracing import RequestTracer
-from wire.phase_metrics import PhaseTracker
-from runtime.core_turns import stall_cap
-from pdserve_client.errors import InvalidRequestError, PdserveError
-from runtime.errors import LimitExceededError, PromptTooLongError
-from runtime.heap import freeze_startup_heap
-from runtime.model_path import served_name
-from pdserve_client.params import SamplingParams
-from runtime.prefix_hash import new_secret
-from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer
-from wire import liveness, security
-from wire.limits import SCAN_FIRST_BYTES, RequestLimits
-from wire.loop_io import SocketIO
-from pdserve_client.protocol import (
-    MAX_CONTROL_MESSAGE, AbortRequest, ClientToCoordinator, Delta, ErrorReply, Final, FinishReason, GenerateRequest, NodeReport,
-    StatsReply, StatsRequest, StatusRequest, decoder, encode,
+from pdserve.common.core_turns import stall_cap
+from pdserve.common.errors import LimitExceededError, PromptTooLongError
+from pdserve.common.heap import freeze_startup_heap
+from pdserve.common.model_path import served_name
+from pdserve.common.prefix_hash import new_secret
+from pdserve.common.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.coordinator import placement
+from pdserve.coordinator.calibration import Calibration, HandoffTimes
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.counts import Count, Counts
+from pdserve.coordinator.outbox import Outbox, Sent
+from pdserve.coordinator.paths import Path, PathChoice, PathRule, choose_path, share_node, share_role_cores
+from pdserve.coordinator.placement import Decision, Outcome, RequestView
+from pdserve.coordinator.planner import Planner, Stage, Tally, WorkerLoad, phase_loads
+from pdserve.coordinator.slo import SloRecorder, SloTargets, StepModel
+from pdserve.coordinator.state import Phase, RequestState, WorkerState
+from pdserve.coordinator.tokenizing import OffLoopTokenizer, Ticket, prompt_texts
+from pdserve.coordinator.tracing import RequestTracer
+from pdserve.wire import liveness, security
+from pdserve.wire.limits import SCAN_FIRST_BYTES
+from pdserve.wire.loop_io import SocketIO
+from pdserve.wire.phase_metrics import PhaseTracker
+from pdserve.wire.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Admit,
+    AdmitRefused,
+    Generate,
+    Granted,
+    Heartbeat,
+    Hello,
+    Prefill,
+    PrefillDone,
+    PromptLogprobs,
+    Reject,
+    Release,
+    Role,
+    RoleSet,
+    SetRole,
+    TokenBatch,
+    Welcome,
+    WorkerError,
+    WorkerToCoordinator,
 )
-from wire.protocol import (
-    PROTOCOL_VERSION, Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Reject, Release, Role,
-    RoleSet, SetRole, PromptLogprobs, TokenBatch, WorkerError, WorkerToCoordinator, Welcome,
+from pdserve_client.errors import InvalidRequestError, PdserveError
+from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import (
+    MAX_CONTROL_MESSAGE,
+    AbortRequest,
+    ClientToCoordinator,
+    Delta,
+    ErrorReply,
+    Final,
+    FinishReason,
+    GenerateRequest,
+    NodeReport,
+    StatsReply,
+    StatsRequest,
+    StatusRequest,
+    decoder,
+    encode,
 )
 
 log = logging.getLogger("pdserve.coordinator")
@@ -1106,7 +1136,8 @@ class Coordinator:
         for w in self.workers.values():
             b = w.beat
             workers.append({
-                "id": w.hello.worker_id, "role": w.role.name.lower(), "roles": sorted(r.name.lower() for r in {w.role, *w.hello.roles}), "pid": w.hello.pid, "host": w.hello.host,
+                "id": w.hello.worker_id, "role": w.role.name.lower(), "roles": sorted(r.name.lower() for r in {w.role, *w.hello.roles}),
+                "pid": w.hello.pid, "host": w.hello.host,
                 "queue": b.waiting if b else 0, "running": b.running if b else 0, "queued_tokens": b.queued_tokens if b else 0,
                 "free_blocks": b.free_blocks if b else w.hello.num_blocks, "total_blocks": w.hello.num_blocks,
                 "block_size": w.hello.block_size, "max_model_len": w.hello.max_model_len, "kv_bytes_sent": b.kv_bytes_sent if b else 0,

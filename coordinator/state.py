@@ -18,13 +18,12 @@ import collections
 import enum
 from dataclasses import dataclass, field
 
-from coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
-from coordinator.slo import CoreShareSlowdown, StepModel
-from runtime.prefix_hash import chain_hashes
-from runtime.tokenizer import IncrementalDetokenizer
+from pdserve.common.prefix_hash import chain_hashes
+from pdserve.common.tokenizer import IncrementalDetokenizer
+from pdserve.coordinator.placement import ADMIT_WINDOW_S, WorkerSnapshot
+from pdserve.coordinator.slo import CoreShareSlowdown, StepModel
+from pdserve.wire.protocol import Heartbeat, Hello, Role
 from pdserve_client.protocol import GenerateRequest
-from wire.protocol import Heartbeat, Hello, Role
-
 
 MAX_VIEW = 65536  # block keys kept per worker in the coordinator's view of its prefix cache
 
@@ -131,7 +130,7 @@ class WorkerState:
             self.admitted_tokens -= self.admitted.popleft()[1]
         return self.admitted_tokens
 
-    def snapshot(self, requests: list["RequestState"], now: float, cached_tokens: int = 0) -> WorkerSnapshot:
+    def snapshot(self, requests: list[RequestState], now: float, cached_tokens: int = 0) -> WorkerSnapshot:
         """What placement needs of this worker; `requests`: the live requests placed on it;
         cached_tokens: of the request being placed, the leading tokens it is thought to hold."""
         return WorkerSnapshot(

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pdserve.common.tokenizer import render_chat, template_message
 from pdserve_client.errors import InvalidRequestError
-from runtime.tokenizer import render_chat, template_message
 from pdserve_client.protocol import GenerateRequest
 
 SMALL_COST = 64 * 1024  # bytes (message overhead included) up to which requests share one thread; costlier ones queue on the other

@@ -30,10 +30,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from wire.phase_metrics import PhaseSplit
+from pdserve.wire.phase_metrics import PhaseSplit
 
 if TYPE_CHECKING:
-    from coordinator.state import RequestState
+    from pdserve.coordinator.state import RequestState
 
 PROTOCOLS = ("grpc", "http/protobuf")
 INSTALL_HINT = "pip install 'pdserve[otel]' (opentelemetry-sdk and opentelemetry-exporter-otlp)"
@@ -87,7 +87,7 @@ class RequestTracer:
         self.offset_ns = time.time_ns() - time.monotonic_ns() if clock_offset_ns is None else clock_offset_ns
 
     @classmethod
-    def otlp(cls, endpoint: str, protocol: str = "grpc") -> "RequestTracer":
+    def otlp(cls, endpoint: str, protocol: str = "grpc") -> RequestTracer:
         return cls(span_exporter(endpoint, protocol))
 
     def _ns(self, monotonic_s: float) -> int:

@@ -1,7 +1,7 @@
 """The gateway's settings (`pdserve gateway`'s flags, and those `pdserve launch` passes on to it):
 GatewayConfig, its ToolConfig and the ModelRoute of each model served besides the first,
 validated when constructed; each field a flag sets declares
-that flag (runtime/flags.py), so pdserve/cli.py builds both commands' options from it.
+that flag (common/flags.py), so pdserve/cli.py builds both commands' options from it.
 
 Lifecycle: built once from the command line (or by tests), handed to `Gateway`, then only read.
 Importing it loads neither starlette nor the model code (the CLI reads it for `--help`).
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.reasoning import REASONING_PARSERS
-from gateway.tool_parsers import PARSERS
+from pdserve.common.flags import flag, keys_flag
+from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.tool_parsers import PARSERS
+from pdserve.wire.limits import RequestLimits
 from pdserve_client.errors import InvalidRequestError
 from pdserve_client.library import DEFAULT_ADDRESS
-from runtime.flags import flag, keys_flag
-from wire.limits import RequestLimits
 
 STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
 
@@ -31,7 +31,7 @@ class ModelRoute:
     coordinator: str
 
     @classmethod
-    def parse(cls, spec: str) -> "ModelRoute":
+    def parse(cls, spec: str) -> ModelRoute:
         """NAME=PATH@COORDINATOR (the name ends at the first '=', the address starts after the last '@')."""
         name, _, rest = spec.partition("=")
         path, at, coordinator = rest.rpartition("@")

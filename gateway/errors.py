@@ -25,7 +25,7 @@ class ApiError(Exception):
         return {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error")
 
-    def body(self) -> "ErrorResponse":
+    def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
 
 

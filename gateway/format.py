@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve_client.library import Result, StreamDelta
-from gateway.reasoning import ThinkParser
-from gateway.tools import CallStream, ToolPlan, whole_calls
-from gateway.schema import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
-    CompletionLogprobs, CompletionResponse, DeltaMessage, Job, TokenLogprob, TopLogprob, Usage,
+from pdserve.gateway.reasoning import ThinkParser
+from pdserve.gateway.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    Job,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
-from gateway.scoring import Echo, echo_text, prompt_logprobs_part, prompt_logprobs_field
+from pdserve.gateway.scoring import Echo, echo_text, prompt_logprobs_field, prompt_logprobs_part
+from pdserve.gateway.tools import CallStream, ToolPlan, whole_calls
+from pdserve_client.library import Result, StreamDelta
 
 
 class TokenText:

@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.wire.phase_metrics import families as phase_families
 from pdserve_client.library import Result
-from wire.phase_metrics import families as phase_families
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -50,7 +50,8 @@ class GatewayMetrics:
         self.registry.register(self.cluster)
         m, r = ["model_name"], self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, as the gateway sees it", m, registry=r, buckets=TTFT_BUCKETS)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request", m, registry=r, buckets=TPOT_BUCKETS)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request", m, registry=r,
+            buckets=TPOT_BUCKETS)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens", m, registry=r, buckets=TPOT_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency", m, registry=r, buckets=E2E_BUCKETS)
         self.prompt_len = Histogram("pdserve_request_prompt_tokens", "Prompt tokens per request", m, registry=r, buckets=TOKEN_BUCKETS)
@@ -60,7 +61,7 @@ class GatewayMetrics:
         self.finished = Counter("pdserve_request_success", "Requests that ended, by finish reason", m + ["finished_reason"], registry=r)
         self.errors = Counter("pdserve_request_errors", "Requests that failed, by error type", m + ["error_type"], registry=r)
 
-    def of(self, model: str) -> "ModelMetrics":
+    def of(self, model: str) -> ModelMetrics:
         """What one model's requests are counted through."""
         return ModelMetrics(self, model)
 

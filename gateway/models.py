@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.config import GatewayConfig, ModelRoute
-from gateway.format import TokenText
-from gateway.schema import ApiError, Model
+from pdserve.common.model_path import resolve_model_path, served_name
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.gateway.config import GatewayConfig, ModelRoute
+from pdserve.gateway.format import TokenText
+from pdserve.gateway.schema import ApiError, Model
 from pdserve_client.errors import InvalidRequestError
 from pdserve_client.library import AsyncClient, ClientError
-from runtime.model_path import resolve_model_path, served_name
-from runtime.tokenizer import load_tokenizer
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat without max_tokens runs to the end of the context; this if no worker says how long
 
@@ -43,7 +43,7 @@ class ServedModel:
         """Its coordinator's stats, or None if it does not answer in time."""
         try:
             s = await self.client.stats(timeout=timeout)
-        except (asyncio.TimeoutError, ClientError):
+        except (TimeoutError, ClientError):
             return None
         lens = [w["max_model_len"] for w in s.get("workers", []) if w.get("max_model_len")]
         if lens:

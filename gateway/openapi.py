@@ -12,13 +12,23 @@ from typing import Literal
 
 import msgspec
 
-from gateway.errors import ErrorResponse
-from gateway.responses import ResponseEvent, ResponseObject, ResponsesRequest
-from gateway.schema import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList,
+from pdserve.gateway.errors import ErrorResponse
+from pdserve.gateway.responses import ResponseEvent, ResponseObject, ResponsesRequest
+from pdserve.gateway.schema import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
 )
-from gateway.tokenize import (
-    DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse, VersionResponse,
+from pdserve.gateway.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 
 

@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from gateway.errors import ApiError
-from gateway.schema import ChatCompletionRequest, CompletionRequest, bounded, chat_bounds, decode_body, refuse_oversized, request_bounds
-from gateway.responses import ResponsesRequest, responses_bounds
-from gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from wire.limits import RequestLimits
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.responses import ResponsesRequest, responses_bounds
+from pdserve.gateway.schema import ChatCompletionRequest, CompletionRequest, bounded, chat_bounds, decode_body, refuse_oversized, request_bounds
+from pdserve.gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from pdserve.wire.limits import RequestLimits
 
 INLINE_BYTES = 256 * 1024  # a larger body is prepared in the child
 NICE = 10  # the child's CPU priority below the serving processes'
@@ -97,7 +97,7 @@ class ParseLane:
 
     def start(self) -> None:
         self.starts += 1
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.parse_lane", msgspec.json.encode(self.limits).decode()],
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.gateway.parse_lane", msgspec.json.encode(self.limits).decode()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     async def parse(self, body: bytes, kind: str):

@@ -40,7 +40,7 @@ class ThinkParser:
             return text or None, None
         return reasoning or None, content or None
 
-    def stream(self) -> "ReasoningStream":
+    def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
 

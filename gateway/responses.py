@@ -32,16 +32,24 @@ import msgspec
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdserve_client.library import Result, StreamDelta
-from gateway.errors import ApiError, bad_request
-from gateway.format import ChatFormatter
-from gateway.reasoning import REASONING_PARSERS
-from gateway.schema import (
-    STRUCTURED_WRAPPER_BYTES, ChatCompletionRequest, ChatMessageIn, ContentPart, Job, bounded, chat_jobs, request_bounds, structured_bounds,
+from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.format import ChatFormatter
+from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.schema import (
+    STRUCTURED_WRAPPER_BYTES,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    ContentPart,
+    Job,
+    bounded,
+    chat_jobs,
+    request_bounds,
+    structured_bounds,
 )
-from gateway.structured import check_jobs
-from gateway.tools import FunctionCall, FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall, tool_plan
-from wire.limits import FieldLimitExceeded, RequestLimits
+from pdserve.gateway.structured import check_jobs
+from pdserve.gateway.tools import FunctionCall, FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolCall, tool_plan
+from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
+from pdserve_client.library import Result, StreamDelta
 
 RESPONSES_KEPT = 1000  # responses a gateway keeps for previous_response_id and GET (the least recently used go first)
 RESPONSES_TTL_S = 3600.0  # and for at most this long after they finished

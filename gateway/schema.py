@@ -18,14 +18,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
-from gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
-from gateway.structured import structured_output, whitespace
-from gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
-from pdserve_client.protocol import ChatMessage, ToolCall as WireToolCall
+from pdserve.gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
+from pdserve.gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
+from pdserve.gateway.structured import structured_output, whitespace
+from pdserve.gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
+from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
 from pdserve_client.errors import InvalidRequestError
 from pdserve_client.params import SamplingParams, StructuredOutput
-from wire.limits import FieldLimitExceeded, RequestLimits
+from pdserve_client.protocol import ChatMessage
+from pdserve_client.protocol import ToolCall as WireToolCall
 
 # response_format's type and json_schema name around the schema, a choice list's quotes and commas: the
 # structured-output fields of a body may hold this much more than the spec bound (their compact JSON)
@@ -158,7 +159,7 @@ def bounded(check, *args) -> None:
         raise bad_request(str(e), getattr(e, "param", None), e.code) from None
 
 
-def request_bounds(req: "CompletionRequest | ChatCompletionRequest", limits: RequestLimits, trace: dict | None = None) -> None:
+def request_bounds(req: CompletionRequest | ChatCompletionRequest, limits: RequestLimits, trace: dict | None = None) -> None:
     """Every field of a decoded body against the table of bounds, before any costly work
     (tokenizing, rendering, compiling, fan-out); trace: the traceparent/tracestate headers."""
     bounded(_request_bounds, req, limits, trace)
@@ -194,7 +195,7 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
         raise FieldLimitExceeded("n", f"{prompts} prompts x n={req.n} make {prompts * req.n} choices; the limit is {limits.max_fanout}")
 
 
-def chat_bounds(messages: list["ChatMessageIn"], limits: RequestLimits, tools: list[Tool] | None = None) -> None:
+def chat_bounds(messages: list[ChatMessageIn], limits: RequestLimits, tools: list[Tool] | None = None) -> None:
     """Messages, content parts and tool calls per message, names, the tools, and the bytes they
     all render from (each message counting the table's fixed overhead): chat completions and /tokenize."""
     limits.check_messages(len(messages), max((len(m.content) for m in messages if isinstance(m.content, list)), default=0))
@@ -237,7 +238,7 @@ def prompt_bounds(prompt, limits: RequestLimits) -> int:
     return len(prompt)
 
 
-def structured_bounds(jobs: list["Job"], limits: RequestLimits) -> None:
+def structured_bounds(jobs: list[Job], limits: RequestLimits) -> None:
     """The request's structured-output spec (every job shares it), before it is compiled."""
     spec: StructuredOutput | None = jobs[0].sampling.get("structured") if jobs else None
     if spec is not None:

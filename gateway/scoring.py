@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.errors import bad_request
+from pdserve.gateway.errors import bad_request
 
 
 class PromptTokenLogprob(msgspec.Struct):

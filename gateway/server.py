@@ -39,29 +39,36 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdserve_client.library import ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost
-from gateway.config import GatewayConfig
-from gateway.format import ChatFormatter, CompletionFormatter, usage
-from gateway.models import ServedModel, ServedModels
-from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, ModelList, chat_jobs, completion_jobs, bounded, structured_bounds,
+from pdserve.common.heap import freeze_startup_heap
+from pdserve.common.model_path import served_name  # noqa: F401 (served_name re-exported)
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from pdserve.gateway.format import ChatFormatter, CompletionFormatter, usage
+from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.models import ServedModel, ServedModels
+from pdserve.gateway.openapi import Health, openapi
+from pdserve.gateway.parse_lane import ParseLane
+from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.responses import ResponsesRoutes
+from pdserve.gateway.schema import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelList,
+    bounded,
+    chat_jobs,
+    completion_jobs,
+    structured_bounds,
 )
-from gateway.openapi import Health, openapi
-from gateway.parse_lane import ParseLane
-from gateway.responses import ResponsesRoutes
-from gateway.scoring import echo_options
-from gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
-from gateway.slots import Slots
-from gateway.reasoning import REASONING_PARSERS
-from gateway.structured import check_jobs
-from gateway.tools import tool_plan
-from gateway.tokenize import TokenizerRoutes, package_version
-from runtime.heap import freeze_startup_heap
-from runtime.model_path import served_name  # noqa: F401 (served_name re-exported)
-from wire import liveness
-from wire.limits import TRACE_HEADERS
+from pdserve.gateway.scoring import echo_options
+from pdserve.gateway.slots import Slots
+from pdserve.gateway.stream import ClientGone, EventStream, Fanout, unless_disconnected
+from pdserve.gateway.structured import check_jobs
+from pdserve.gateway.tokenize import TokenizerRoutes, package_version
+from pdserve.gateway.tools import tool_plan
+from pdserve.wire import liveness
+from pdserve.wire.limits import TRACE_HEADERS
+from pdserve_client.library import ClientError, InvalidRequest, NoWorkers, Overloaded, RequestTimeout, WorkerLost
 
 log = logging.getLogger("pdserve.gateway")
 KEEP_ALIVE_S = 65  # an idle HTTP connection is kept this long (see serve())

@@ -24,7 +24,7 @@ class Slots:
     def share(self) -> int:
         return max(1, self.total // (self.leases + 1))
 
-    def lease(self) -> "Lease":
+    def lease(self) -> Lease:
         self.leases += 1
         return Lease(self)
 

@@ -21,10 +21,10 @@ import logging
 
 from starlette.responses import StreamingResponse
 
+from pdserve.gateway.config import STREAM_BUFFER_BYTES
+from pdserve.gateway.schema import Job
+from pdserve.gateway.slots import Slots
 from pdserve_client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
-from gateway.config import STREAM_BUFFER_BYTES
-from gateway.schema import Job
-from gateway.slots import Slots
 
 log = logging.getLogger("pdserve.gateway")
 

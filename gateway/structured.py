@@ -25,7 +25,7 @@ import sys
 
 import msgspec
 
-from gateway.errors import ApiError, bad_request
+from pdserve.gateway.errors import ApiError, bad_request
 from pdserve_client.params import StructuredOutput
 
 
@@ -118,8 +118,8 @@ _LANE = None
 def _lane():
     global _LANE
     if _LANE is None:
-        from runtime.grammar_lane import LRU, CompileLane
-        from runtime.structured import check, spec_bytes
+        from pdserve.runtime.grammar_lane import LRU, CompileLane
+        from pdserve.runtime.structured import check, spec_bytes
 
         outcomes = LRU(CHECK_CACHE_ENTRIES, CHECK_CACHE_BYTES, lambda spec, _: spec_bytes(spec))
         _LANE = CompileLane(lambda spec: check(spec) or True, CHECK_THREADS, outcomes, name="grammar-check")
@@ -127,8 +127,9 @@ def _lane():
 
 
 def _import_xgrammar() -> None:
-    import runtime.structured  # noqa: F401 (torch)
     import xgrammar  # noqa: F401
+
+    import pdserve.runtime.structured  # noqa: F401 (torch)
 
 
 async def check_jobs(jobs) -> None:
@@ -136,7 +137,7 @@ async def check_jobs(jobs) -> None:
     specs = {j.sampling["structured"] for j in jobs if j.sampling.get("structured") is not None}
     if not specs:
         return  # no import: runtime.structured brings torch and xgrammar (seconds of a first request)
-    if "xgrammar" not in sys.modules or "runtime.structured" not in sys.modules:
+    if "xgrammar" not in sys.modules or "pdserve.runtime.structured" not in sys.modules:
         await asyncio.to_thread(_import_xgrammar)  # once per process; outside the budget
     from pdserve_client.errors import PdserveError
 
@@ -160,7 +161,7 @@ async def _checked(lane, spec) -> None:
         while lane.outcome(job) is None:  # raises the typed error
             try:
                 await asyncio.wait_for(done.wait(), lane.next_check(job))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         lane.release(job)

@@ -28,11 +28,11 @@ import msgspec
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.errors import bad_request, read_body
-from gateway.schema import ChatMessageIn, chat_message
-from gateway.tools import Tool
-from runtime.tokenizer import template_message
-from gateway.stream import ClientGone, unless_disconnected
+from pdserve.common.tokenizer import template_message
+from pdserve.gateway.errors import bad_request, read_body
+from pdserve.gateway.schema import ChatMessageIn, chat_message
+from pdserve.gateway.stream import ClientGone, unless_disconnected
+from pdserve.gateway.tools import Tool
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -84,8 +84,8 @@ def model_context_len(model: str | None) -> int:
     """The context length the model's own files state (config.json, or the GGUF metadata)."""
     import json
 
-    from runtime.gguf_file import read_gguf
-    from runtime.model_path import resolve_model_path
+    from pdserve.common.gguf_file import read_gguf
+    from pdserve.common.model_path import resolve_model_path
 
     path = resolve_model_path(model)
     if path.is_dir():

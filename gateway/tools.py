@@ -29,10 +29,10 @@ from typing import Literal
 
 import msgspec
 
-from gateway.config import ToolConfig
-from gateway.errors import bad_request
-from gateway.reasoning import held_back
-from gateway.tool_parsers import PARSERS, Parser, ParsedCall
+from pdserve.gateway.config import ToolConfig
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.reasoning import held_back
+from pdserve.gateway.tool_parsers import PARSERS, ParsedCall, Parser
 from pdserve_client.params import StructuredOutput
 
 # ------------------------------------------------------------------ request and response shapes
@@ -243,7 +243,7 @@ class _OpenCall:
     sent: int = 0  # how far its arguments' text has been handed out
     ended: bool = False
 
-    def advance(self, text: str, stream: "CallStream") -> list[DeltaToolCall]:
+    def advance(self, text: str, stream: CallStream) -> list[DeltaToolCall]:
         out = []
         if self.value is None:
             m = _HEAD.match(text, self.start)

@@ -28,13 +28,13 @@ Names, as `--linear-backend` takes them:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels import quant
+from pdserve.kernels import quant
 
 ANY_ROWS = quant.ANY_ROWS
 
@@ -100,7 +100,7 @@ def onednn_run(packed: torch.Tensor, dtype: torch.dtype = torch.float32):
 
 
 def _native():
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     return cpu_native.native()
 
@@ -169,7 +169,7 @@ def _bind_dequant(w):
     return _with_out(lambda x: F.linear(x, w.dequantize() if ops is None else ops.q_dequant(w)))
 
 
-def int4_groups(w: "quant.QuantTensor") -> tuple[torch.Tensor, torch.Tensor]:
+def int4_groups(w: quant.QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 blocks as torch's int4 groups: codes (N, K) int32 in 0..15 and scales_and_zeros
     (K/32, N, 2) float32 with w = (q - 8) * scale + zero: scale = d, zero = m + 8d (Q4_1) or 0 (Q4_0)."""
     n, k = w.shape

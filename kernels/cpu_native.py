@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import native_build
+from pdserve.kernels import native_build
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def usable_isas() -> list[str]:
     return [isa for isa in native_build.platform_isas() if bits & ISA_NEEDS[isa] == ISA_NEEDS[isa] and load(isa) is not None]
 
 
-def load(isa: str) -> "NativeOps | None":
+def load(isa: str) -> NativeOps | None:
     """One variant's kernels (cached per process); None, warned once, where they cannot be built.
     Callers must check the CPU runs it (usable_isas) before calling into it."""
     native_build.isa_flags(isa)  # ValueError for an unknown name
@@ -109,7 +109,7 @@ def load(isa: str) -> "NativeOps | None":
         return _loaded[isa]
 
 
-def native() -> "NativeOps | None":
+def native() -> NativeOps | None:
     """The best variant this machine runs, or the one PDSERVE_ISA names; None (warned once) where
     the kernels cannot be built or PDSERVE_NATIVE_KERNELS=0."""
     with _lock:
@@ -118,7 +118,7 @@ def native() -> "NativeOps | None":
         return _loaded[""]
 
 
-def _choose() -> "NativeOps | None":
+def _choose() -> NativeOps | None:
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     usable = usable_isas()
@@ -316,7 +316,7 @@ class NativeOps:
 
         return _bound_linear("q_linear", n, k, call)
 
-    def gemv16_copy(self, w) -> "torch.Tensor | None":
+    def gemv16_copy(self, w) -> torch.Tensor | None:
         """The 16-row interleaved copy of a kernels.quant.QuantTensor (gemv16_ops.c
         pd_q_repack16), made once per weight and kept on it; None where this variant has no
         16-row GEMV or the weight's rows are not a multiple of 16."""
@@ -359,7 +359,7 @@ class NativeOps:
 
         return _bound_linear("f_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, x.shape[0], n, k, out.data_ptr(), n))
 
-    def decode_layers(self, layers: "DecodeLayers", kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens,
+    def decode_layers(self, layers: DecodeLayers, kv_cache, h, x, bufs, positions, slots, rows, block_tables, seq_lens,
                       scale: float, eps: float) -> None:
         """Every decoder layer of a decode-only step in one call (step_ops.c): the per-op loop of
         kernels.cpu_forward, same kernels, same order, so the same bits. h (T, hidden) is the

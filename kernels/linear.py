@@ -28,8 +28,8 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from kernels import backends, quant
-from kernels.backends import row_bucket
+from pdserve.kernels import backends, quant
+from pdserve.kernels.backends import row_bucket
 
 KINDS = ("auto", "torch", "onednn")
 ONEDNN_MAX_ROWS = 128  # auto: larger batches (prefill) go to F.linear
@@ -45,7 +45,7 @@ def resolve_kind(kind: str, weight: torch.Tensor) -> str:
 
 
 class PackedLinear:
-    def __init__(self, weight: "torch.Tensor | quant.QuantTensor", bias: torch.Tensor | None = None, kind: str = "auto",
+    def __init__(self, weight: torch.Tensor | quant.QuantTensor, bias: torch.Tensor | None = None, kind: str = "auto",
                  batch_hint: int = 32, activations: str = "float"):
         self.quantized = isinstance(weight, quant.QuantTensor)
         self.activations = activations  # quant only: how kernels.quant.matmul takes a small batch (float, int16, int8; DIRECT_INT_ROWS)
@@ -115,7 +115,7 @@ class PackedLinear:
 
 def _native_float(weight: torch.Tensor):
     """The C tiled kernel bound to a float32 weight, or None (no C kernels, or not built for this CPU)."""
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     ops = cpu_native.native()
     return ops.f_linear(weight) if ops is not None and weight.is_contiguous() else None

@@ -63,13 +63,13 @@ class QuantTensor:
     def type_id(self) -> int:
         return QTYPES[self.qtype][0]
 
-    def take_rows(self, index: torch.Tensor) -> "QuantTensor":
+    def take_rows(self, index: torch.Tensor) -> QuantTensor:
         """The matrix of rows `index` (a row permutation or selection; rows are independent)."""
         raw = self.raw.index_select(0, index).contiguous()
         return QuantTensor(raw, self.qtype, (raw.shape[0], self.shape[1]))
 
     @staticmethod
-    def cat(parts: list) -> "QuantTensor | None":
+    def cat(parts: list) -> QuantTensor | None:
         """Rows of several matrices stacked (q/k/v, gate/up); None unless all are QuantTensors of
         one type and width (the caller then fuses float copies instead)."""
         if not all(isinstance(p, QuantTensor) for p in parts) or len({(p.qtype, p.shape[1]) for p in parts}) != 1:
@@ -87,7 +87,7 @@ class QuantTensor:
 
     def rows_float(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` as float32 (an embedding lookup), through the C kernel when it is built."""
-        from kernels import cpu_native
+        from pdserve.kernels import cpu_native
 
         ops = cpu_native.native()
         if ops is None:
@@ -117,7 +117,7 @@ def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, ac
     """x (M, K) float32 @ w^T: the C kernel up to kernel_rows(activations) rows, else dequantize and
     F.linear. activations "int16" / "int8": up to DIRECT_INT_ROWS rows are rounded to integers per
     32-wide block first and multiplied in integers (faster; matmul_int_twin is what they compute)."""
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     ops = cpu_native.native()
     if ops is None or x.shape[0] > kernel_rows(activations):
@@ -129,7 +129,7 @@ def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, ac
 def bound_matmul(w: QuantTensor, activations: str = "float"):
     """The C kernel bound to one weight (kernels.cpu_native.NativeOps.q_linear): x -> x @ w^T for
     at most kernel_rows(activations) rows; None without the C kernels (callers then use `matmul`)."""
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     ops = cpu_native.native()
     return None if ops is None else ops.q_linear(w, activations)

@@ -24,13 +24,13 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from kernels import backends, cpu_native, quant
+from pdserve.kernels import backends, cpu_native, quant
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Table:
         return {"version": TABLE_VERSION, "entries": self.entries, "refused": self.refused, "seconds": self.seconds}
 
     @classmethod
-    def from_json(cls, doc: dict) -> "Table":
+    def from_json(cls, doc: dict) -> Table:
         return cls({k: [(int(b), str(n)) for b, n in v] for k, v in doc["entries"].items()}, doc.get("refused", {}),
                    float(doc.get("seconds", 0)), "cached")
 

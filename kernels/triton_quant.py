@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QTYPES, QuantTensor
+from pdserve.kernels.quant import QTYPES, QuantTensor
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

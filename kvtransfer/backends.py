@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import cuda_ipc, nccl
-from kvtransfer.errors import KVTransferError
-from kvtransfer.heads import block_bytes, copy_heads, gather_layer, scatter_layer, settle
-from kvtransfer.pool import DTYPES, KVPool
-from runtime.errors import NotSupportedError
-from wire.protocol import KVAccept, KVConnect, KVReady
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer import cuda_ipc, nccl
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.heads import block_bytes, copy_heads, gather_layer, scatter_layer, settle
+from pdserve.kvtransfer.pool import DTYPES, KVPool
+from pdserve.wire.protocol import KVAccept, KVConnect, KVReady
 from pdserve_client.protocol import encode
 
 

@@ -23,11 +23,11 @@ import functools
 
 import torch
 
-from wire.protocol import KVAccept
-from kvtransfer.errors import KVTransferError, wait_done
-from kvtransfer.heads import HeadParts, as_parts, copy_heads
-from kvtransfer.pool import DTYPES, KVPool, dtype_name
-from runtime.errors import NotSupportedError
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer.errors import KVTransferError, wait_done
+from pdserve.kvtransfer.heads import HeadParts, as_parts, copy_heads
+from pdserve.kvtransfer.pool import DTYPES, KVPool, dtype_name
+from pdserve.wire.protocol import KVAccept
 
 
 def require_cupy():
@@ -39,7 +39,7 @@ def require_cupy():
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_cupy() -> bool:
     try:
         require_cupy()
@@ -100,7 +100,7 @@ class CudaKVPool:
         self.owner = True
 
     @classmethod
-    def create(cls, shape, dtype: torch.dtype, device) -> "CudaKVPool":
+    def create(cls, shape, dtype: torch.dtype, device) -> CudaKVPool:
         cupy = require_cupy()
         device = torch.device("cuda", _index(device))
         nbytes = _nbytes(shape, dtype)
@@ -136,7 +136,7 @@ class IpcPeer:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @classmethod
-    def open(cls, accept: KVAccept, timeout: float) -> "IpcPeer":
+    def open(cls, accept: KVAccept, timeout: float) -> IpcPeer:
         """Map the pool an answer describes: its one allocation, or each rank's part (ipc_parts)."""
         require_cupy()
         parts = accept.ipc_parts or ([(accept.device, accept.ipc_handle, accept.ipc_offset)] if accept.ipc_handle else [])
@@ -188,7 +188,7 @@ class IpcPeer:
             wait_done(event, self.timeout, f"cuda_ipc copy of {len(src_ids)} blocks")
         deliver()
 
-    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self.streams.get(device)
         if stream is None:
             stream = self.streams[device] = torch.cuda.Stream(device)

@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from kvtransfer.pool import copy_blocks
-from runtime.tp import head_routes, kv_head_range
+from pdserve.kvtransfer.pool import copy_blocks
+from pdserve.runtime.tp import head_routes, kv_head_range
 
 
 class HeadParts:

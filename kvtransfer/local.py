@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from kvtransfer.heads import block_bytes, copy_heads
-from kvtransfer.transfer import check_block_ids
-from wire.protocol import KVFailed, KVReady
+from pdserve.kvtransfer.heads import block_bytes, copy_heads
+from pdserve.kvtransfer.transfer import check_block_ids
+from pdserve.wire.protocol import KVFailed, KVReady
 
 
 class LocalKV:

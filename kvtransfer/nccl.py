@@ -29,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from kvtransfer.errors import KVTransferError, KVTransferTimeout, wait_done
-from kvtransfer.heads import gather_layer, scatter_layer, settle
+from pdserve.kvtransfer.errors import KVTransferError, KVTransferTimeout, wait_done
+from pdserve.kvtransfer.heads import gather_layer, scatter_layer, settle
 
 
 class Transport(Protocol):
@@ -59,7 +59,7 @@ def available(device: torch.device) -> bool:
 
 
 def unique_id() -> bytes:
-    from kvtransfer.cuda_ipc import require_cupy
+    from pdserve.kvtransfer.cuda_ipc import require_cupy
 
     require_cupy()
     from cupy.cuda import nccl
@@ -84,7 +84,7 @@ class CupyTransport:
         self.stream = torch.cuda.Stream(device)
 
     @classmethod
-    def join(cls, uid: bytes, rank: int, device: torch.device) -> "CupyTransport":
+    def join(cls, uid: bytes, rank: int, device: torch.device) -> CupyTransport:
         import cupy
         from cupy.cuda import nccl
 
@@ -178,7 +178,7 @@ class NcclSender:
         self.timeout = timeout
 
     @classmethod
-    def connect(cls, uid: bytes, device: torch.device, dst_shape: list[int], timeout: float) -> "NcclSender":
+    def connect(cls, uid: bytes, device: torch.device, dst_shape: list[int], timeout: float) -> NcclSender:
         fut = join_async(uid, 0, device)
         try:
             return cls(wait_joined(fut, timeout), dst_shape, timeout)

@@ -54,7 +54,7 @@ class KVPool:
         self.lock_fd = lock_fd  # the creator's open, flocked file: proof it is alive
 
     @classmethod
-    def create(cls, shape, dtype: torch.dtype, shared: bool, name: str | None = None) -> "KVPool":
+    def create(cls, shape, dtype: torch.dtype, shared: bool, name: str | None = None) -> KVPool:
         if not shared:
             return cls(torch.zeros(shape, dtype=dtype))
         path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{name or uuid.uuid4().hex[:12]}")
@@ -78,7 +78,7 @@ class KVPool:
         return cls(tensor, path, owner=True, lock_fd=fd)
 
     @classmethod
-    def attach(cls, path: str, shape, dtype: torch.dtype) -> "KVPool":
+    def attach(cls, path: str, shape, dtype: torch.dtype) -> KVPool:
         if not path.startswith(os.path.join(SHM_DIR, SHM_PREFIX)):
             raise ValueError(f"refusing to map {path!r}: not a pdserve KV pool")
         numel = math.prod(shape)

@@ -35,13 +35,13 @@ import msgspec
 import torch
 import zmq
 
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
+from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.heads import block_bytes
+from pdserve.kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
+from pdserve.wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
 from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
-from wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
-from kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
-from kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
-from kvtransfer.heads import block_bytes
-from kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
-from runtime.errors import NotSupportedError
 
 BACKENDS = tuple(name for name, b in BY_NAME.items() if not b.gpu)  # ("shm", "tcp")
 GPU_BACKENDS = tuple(name for name, b in BY_NAME.items() if b.gpu)  # ("cuda_ipc", "nccl")
@@ -198,8 +198,8 @@ class KVSender:
 def describe(pool: torch.Tensor, ipc: KVAccept | None = None, shm_path: str = "", nonce: int = 0) -> KVAccept:
     """A decode pool as KVAccept tells it: shape, dtype, where it lives, which backends can reach it.
     ipc: its CUDA IPC export (cuda_ipc.CudaKVPool.accept); shm_path: its file in /dev/shm."""
-    from kvtransfer import nccl
-    from kvtransfer.cuda_ipc import device_id
+    from pdserve.kvtransfer import nccl
+    from pdserve.kvtransfer.cuda_ipc import device_id
 
     host, boot = host_identity()
     offers = (["shm"] if shm_path else []) + (["cuda_ipc"] if ipc is not None else []) + (["nccl"] if nccl.available(pool.device) else [])
@@ -282,4 +282,5 @@ class KVReceiver:
         self.sock.close(linger=0)
 
 
-__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "check_block_ids", "choose_backend", "copy_blocks", "describe", "gpu_backends"]
+__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "check_block_ids", "choose_backend", "copy_blocks", "describe",
+    "gpu_backends"]

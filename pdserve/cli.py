@@ -13,15 +13,15 @@ import time
 
 import click
 
-from coordinator.config import CoordinatorConfig
-from coordinator.planner import PlannerConfig
-from gateway.config import GatewayConfig, ModelRoute, ToolConfig
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.planner import PlannerConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
+from pdserve.gateway.config import GatewayConfig, ModelRoute, ToolConfig
 from pdserve.launch import HANG_TIMEOUT_S, ConfigError, NodePlan
 from pdserve.ray_config import RayConfig
-from runtime.config import EngineConfig, WorkerConfig
+from pdserve.runtime.config import EngineConfig, WorkerConfig
+from pdserve.wire.limits import RequestLimits
 from pdserve_client.errors import PdserveError
-from wire.limits import RequestLimits
 
 COORDINATOR_CLIENTS = CoordinatorConfig.client_addr
 ENGINE = specs(EngineConfig)
@@ -58,7 +58,7 @@ def _engine_options(f):
 
 def _configs(kv_cache_mb, int8_activations, **values):
     """A worker command's EngineConfig and WorkerConfig from its flags; a bad value is a usage error."""
-    from runtime.config import auto_kv_cache_mb
+    from pdserve.runtime.config import auto_kv_cache_mb
 
     engine, worker = field_values(ENGINE, values), field_values(WORKER, values)
     if kv_cache_mb is None:  # not used when --num-blocks or --gpu-memory-utilization sizes the pool
@@ -139,10 +139,10 @@ def _generate_remote(prompt, address, chat, timeout, keys, sampling):
 
 
 def _generate_local(prompt, model, dtype, chat, sampling):
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.common.tokenizer import render_chat
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
-    from runtime.tokenizer import render_chat
 
     params = SamplingParams(**sampling)
     params.validate()
@@ -169,7 +169,7 @@ def _planner(planner, planner_window_s, planner_dwell_s):
 def _check_tracing(endpoint, protocol) -> None:
     """A usage error now, not a coordinator that dies at start, if the OpenTelemetry extra is missing."""
     if endpoint:
-        from coordinator.tracing import TracingUnavailable, exporter_class
+        from pdserve.coordinator.tracing import TracingUnavailable, exporter_class
 
         try:
             exporter_class(protocol)
@@ -178,8 +178,8 @@ def _check_tracing(endpoint, protocol) -> None:
 
 
 def _chat_template(value):
+    from pdserve.common.tokenizer import load_chat_template
     from pdserve_client.errors import PdserveError
-    from runtime.tokenizer import load_chat_template
 
     try:
         return None if value is None else load_chat_template(value)
@@ -222,7 +222,7 @@ def _class_targets(specs) -> dict:
 @click.option("-v", "--verbose", is_flag=True)
 def coordinator(verbose, **values):
     """Run the coordinator: places requests on workers and streams tokens to clients."""
-    from coordinator.server import serve
+    from pdserve.coordinator.server import serve
 
     _logging(verbose)
     _check_tracing(values["otlp_traces_endpoint"], values["otlp_traces_protocol"])
@@ -236,7 +236,7 @@ def coordinator(verbose, **values):
 @click.option("-v", "--verbose", is_flag=True)
 def gateway(verbose, **values):
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /metrics)."""
-    from gateway.server import serve
+    from pdserve.gateway.server import serve
 
     _logging(verbose)
     limits, tools, chat_template = _limits(values), _tool_config(values), _chat_template(values["chat_template"])
@@ -257,7 +257,7 @@ _KV_BIND, _KV_BACKEND, _BATCH_WINDOW = (options([s for s in WORKER if s.name == 
 @_KV_BACKEND
 def prefill(verbose, **kw):
     """Run a dedicated prefill worker (private KV pool, never changes role): prompt forward passes, first token, KV hand-off."""
-    from prefill.worker import serve
+    from pdserve.prefill.fixed_worker import serve
 
     _logging(verbose)
     ecfg, wcfg = _configs(**kw)
@@ -266,8 +266,8 @@ def prefill(verbose, **kw):
 
 def _serve_worker(role: str, verbose, **kw) -> None:
     """Run the worker that can take every role, starting in `role`."""
-    from wire.protocol import Role
-    from decode.worker import serve
+    from pdserve.wire.protocol import Role
+    from pdserve.worker.any_role import serve
 
     _logging(verbose)
     ecfg, wcfg = _configs(**kw)
@@ -459,7 +459,7 @@ def bench(args):
 @click.argument("directory", type=click.Path())
 def keygen(directory):
     """Write CurveZMQ keys for a cluster into DIRECTORY (copy it to every node; pass --keys DIRECTORY)."""
-    from wire.security import keygen as make_keys
+    from pdserve.wire.security import keygen as make_keys
 
     d = make_keys(directory)
     click.echo(f"wrote server and client keypairs to {d} (authorized client keys in {d / 'authorized'})")

@@ -1,5 +1,5 @@
 """The click options of the `pdserve` commands, built from the flags the config dataclasses
-declare on their fields (runtime/flags.py), and `--help` printed in sections by concern.
+declare on their fields (common/flags.py), and `--help` printed in sections by concern.
 
 Lifecycle: when pdserve/cli.py is imported, `specs(cls)` reads a config class's flags once into
 `Spec`s and `options(specs)` decorates each command with them. In `pdserve launch`'s form of the
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import click
 
-from runtime.config import EngineConfig
+from pdserve.common.flags import COMPUTED, FIELD_DEFAULT, GROUPS, Flag
+from pdserve.runtime.config import EngineConfig
 from pdserve_client.errors import PdserveError
-from runtime.flags import COMPUTED, FIELD_DEFAULT, GROUPS, Flag
 
 SIMPLE = {"int": int, "float": float, "str": str, "bool": bool}  # field types a flag value sets as it is
 

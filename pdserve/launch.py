@@ -46,11 +46,11 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-from gateway.config import GatewayConfig, ModelRoute
-from runtime.errors import EX_CONFIG, ModelLoadError
+from pdserve.common.errors import EX_CONFIG, ModelLoadError
+from pdserve.common.model_path import served_name
+from pdserve.gateway.config import GatewayConfig, ModelRoute
+from pdserve.wire.liveness import LIVENESS_ENV
 from pdserve_client.errors import InvalidRequestError
-from runtime.model_path import served_name
-from wire.liveness import LIVENESS_ENV
 
 RESTART_BACKOFF_S = 1.0  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
@@ -171,7 +171,7 @@ class NodePlan:
     more_models: list[tuple[str, str | None]] = field(default_factory=list)  # (path, name or None) of each model after the first
     worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
     hang_timeout_s: float = HANG_TIMEOUT_S  # a child whose loop has not run for this long is killed and restarted
-    # False: every worker is `pdserve worker --role ROLE` (decode/worker.py), which the coordinator may move to another
+    # False: every worker is `pdserve worker --role ROLE` (worker/any_role.py), which the coordinator may move to another
     # role; True: dedicated prefill workers (`pdserve prefill`, private pool) and `pdserve decode` workers
     fixed_roles: bool = False
     base_gpu_id: int = 0  # workers on `--device cuda` take GPUs of their own from this one on (plan_gpus; SGLang's flag)
@@ -305,7 +305,7 @@ class Launcher:
         if os.path.exists(child.alive_path):
             os.unlink(child.alive_path)  # the new process's loop makes it again
         try:
-            child.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *child.args], stdout=out,
+            child.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve", *child.args], stdout=out,
                                           stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
                                           env={**os.environ, LIVENESS_ENV: child.alive_path})
         finally:
@@ -381,7 +381,7 @@ class Launcher:
         p = self.plan
         self.alive_dir = tempfile.mkdtemp(prefix="pdserve-alive-")
         if p.worker_secret and not p.keys and p.coordinator:
-            from wire.security import write_secret
+            from pdserve.wire.security import write_secret
 
             self.secret_file = write_secret()
         for m in p.models if p.coordinator else ():
@@ -390,7 +390,7 @@ class Launcher:
             self._spawn("gateway", self._gateway_args())
         # Without --threads the node's workers share its cores by who is busy (runtime.cores).
         if p.threads is None and p.num_workers:
-            from runtime.cores import create_share  # here: the launcher itself does not need torch
+            from pdserve.runtime.cores import create_share  # here: the launcher itself does not need torch
 
             self.core_share = create_share(p.num_workers * len(p.models))
         slots = iter(range(p.num_workers * len(p.models)))

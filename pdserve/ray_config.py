@@ -1,5 +1,5 @@
 """The flags of `pdserve launch --ray` (its workers as Ray actors, their counts following the
-traffic), declared on one dataclass as every role's flags are (runtime/flags.py), the per-role
+traffic), declared on one dataclass as every role's flags are (common/flags.py), the per-role
 replica limits read from them, and the autoscaler's decisions. Nothing here imports ray:
 `pdserve launch --help` and a launch without --ray never load it (pdserve/ray_launch.py does,
 once --ray is given), and the decisions are tested without a cluster.
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.flags import flag
 from pdserve.launch import ROLES
 from pdserve_client.errors import InvalidRequestError
-from runtime.flags import flag
 
 GROUP = "Ray cluster"
 

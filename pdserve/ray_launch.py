@@ -43,9 +43,9 @@ import time
 import msgspec
 import ray
 
+from pdserve.common.errors import NotSupportedError
 from pdserve.launch import ROLES, ConfigError, Launcher, ModelPlan, NodePlan
 from pdserve.ray_config import Autoscaler, RayConfig, Replica
-from runtime.errors import NotSupportedError
 
 TICK_S = 1.0  # the autoscaler's period
 STOP_GRACE_S = 15.0  # a removed worker's SIGTERM -> its actor killed
@@ -97,7 +97,7 @@ class WorkerActor:
     from a thread of this actor (its child dies with this process: PDEATHSIG)."""
 
     def __init__(self, args: bytes):
-        from wire.security import is_loopback, write_secret
+        from pdserve.wire.security import is_loopback, write_secret
 
         a = msgspec.json.decode(args, type=ActorArgs)
         plan, secret, keys, log_dir = a.plan, a.secret, a.keys, a.log_dir
@@ -180,7 +180,7 @@ class RayLaunch:
     def start(self) -> None:
         """Join the cluster, start every model's coordinator and the gateway here, then each model's initial workers (ConfigError
         if a role cannot start)."""
-        from wire.security import read_secret
+        from pdserve.wire.security import read_secret
 
         handler = signal.getsignal(signal.SIGTERM)
         self.connect()

@@ -2,7 +2,7 @@
 
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
 metadata) and then only read; an `EngineConfig` and a `WorkerConfig` are built from CLI flags
-(each field a flag sets declares it: runtime/flags.py) or by tests. Nothing here reads
+(each field a flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.
 """
@@ -12,9 +12,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from pdserve.common.errors import NotSupportedError, UnsupportedModelError
+from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 from pdserve_client.errors import InvalidRequestError
-from runtime.errors import NotSupportedError, UnsupportedModelError
-from runtime.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
@@ -37,7 +37,7 @@ class RopeScaling:
             raise UnsupportedModelError(f"rope scaling factor must be > 0, got {self.factor}")
 
     @classmethod
-    def from_hf(cls, d: dict | None) -> "RopeScaling":
+    def from_hf(cls, d: dict | None) -> RopeScaling:
         if not d:
             return cls()
         kind = d.get("rope_type", d.get("type", "default"))
@@ -91,8 +91,9 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(d.get("model_type"), str(d.get("model_type")))]
+    def from_hf(cls, d: dict) -> ModelConfig:
+        archs = d.get("architectures") or [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "mistral": "MistralForCausalLM"}.get(d.get("model_type"), str(d.get("model_type")))]
         arch = archs[0]
         heads = int(d["num_attention_heads"])
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from runtime.core_turns import DECODE_STALL_CAP_S, stall_cap, turn_after  # noqa: F401  (stall_cap: decode/worker.py's import)
+from pdserve.common.core_turns import DECODE_STALL_CAP_S, stall_cap, turn_after  # noqa: F401  (stall_cap: worker/any_role.py's import)
 
 log = logging.getLogger("pdserve.cores")
 
@@ -84,7 +84,7 @@ class CoreShare:
         self.flags[slot] = IDLE
 
     @classmethod
-    def open(cls, spec: str | None, cores: int | None = None) -> "CoreShare | StaticCores":
+    def open(cls, spec: str | None, cores: int | None = None) -> CoreShare | StaticCores:
         """From a "PATH:SLOT" spec; without one, StaticCores (the worker keeps its threads)."""
         if not spec:
             return StaticCores()

@@ -1,7 +1,7 @@
 """The CPU fast path of `LlamaModel.forward`: the same math in fewer, fused steps.
 
 Lifecycle: `CpuForward.build(model)` is called once after the weights are loaded (by
-`LlamaModel.enable_fast_path`); it packs every projection into a `kernels.linear.PackedLinear`
+`LlamaModel.enable_fast_path`); it packs every projection into a `pdserve.kernels.linear.PackedLinear`
 and loads the fused C kernels (kernels.cpu_native); a weight the model keeps quantized
 (kernels.quant.QuantTensor) becomes a quantized linear layer, and a quantized embedding is read
 row by row. It returns None where the fast path cannot run (not float32 on the CPU, or no C
@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant
-from kernels.linear import PackedLinear
-from kernels.torch_paged import attend_fresh, attend_one, gather_pages
+from pdserve.kernels import cpu_native, quant
+from pdserve.kernels.linear import PackedLinear
+from pdserve.kernels.torch_paged import attend_fresh, attend_one, gather_pages
 
 
 class CpuForward:
@@ -64,7 +64,7 @@ class CpuForward:
             lin.warm()
 
     @classmethod
-    def build(cls, model, linear_kind: str = "auto", activations: str = "float") -> "CpuForward | None":
+    def build(cls, model, linear_kind: str = "auto", activations: str = "float") -> CpuForward | None:
         if model.norm.weight.device.type != "cpu" or model.dtype != torch.float32:
             return None
         ops = cpu_native.native()
@@ -96,7 +96,7 @@ class CpuForward:
         layer, c_kernel = self.layers[0], ("rules", f"c-{self.activations}")
         return all(lin.backend_at(tokens) in c_kernel for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def _layers(self, batch, plan: "_AttentionPlan", kv_cache, h, x, bufs) -> torch.Tensor:
+    def _layers(self, batch, plan: _AttentionPlan, kv_cache, h, x, bufs) -> torch.Tensor:
         """Every decoder layer, eight calls each; returns the last layer's output (not yet added
         into the residual stream h)."""
         c, ops = self.cfg, self.ops
@@ -122,7 +122,7 @@ class CpuForward:
             self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         return self._kv
 
-    def _attention(self, plan: "_AttentionPlan", qkv, attn, k_cache, v_cache, check: bool = True) -> None:
+    def _attention(self, plan: _AttentionPlan, qkv, attn, k_cache, v_cache, check: bool = True) -> None:
         c = self.cfg
         if plan.decode_rows is not None:
             self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
@@ -139,7 +139,7 @@ class CpuForward:
             attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
 
 
-def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> "cpu_native.DecodeLayers | None":
+def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> cpu_native.DecodeLayers | None:
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call)."""
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
@@ -172,7 +172,7 @@ class _AttentionPlan:
     __slots__ = ("decode_rows", "decode_tables", "decode_lens", "prefills", "fresh")
 
     @classmethod
-    def of(cls, batch, batch_fresh: bool = True) -> "_AttentionPlan":
+    def of(cls, batch, batch_fresh: bool = True) -> _AttentionPlan:
         """batch_fresh: runs of adjacent prompts of one length with no cached prefix attend in one
         call (`fresh`: (first row, prompts, length)); off: each prompt alone (the twin)."""
         plan = cls()

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.errors import NotSupportedError
-from runtime.model import ForwardBatch
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingRow, sample
+from pdserve.common.errors import NotSupportedError
+from pdserve.runtime.model import ForwardBatch
+from pdserve.runtime.model_runner import ModelRunner
+from pdserve.runtime.sampling import SamplingRow, sample
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -32,21 +32,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_native
-from kernels.quant import QuantTensor
-from runtime.config import EngineConfig, ModelConfig
+from pdserve.common.errors import PromptTooLongError
+from pdserve.common.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import QuantTensor
+from pdserve.runtime import linear_plan, structured
+from pdserve.runtime.config import EngineConfig, ModelConfig
+from pdserve.runtime.kv_cache import BlockManager, allocate_kv_cache
+from pdserve.runtime.model import LlamaModel
+from pdserve.runtime.model_runner import ModelRunner
+from pdserve.runtime.scheduler import Scheduler
+from pdserve.runtime.sequence import Sequence
+from pdserve.runtime.weights import dequantize_all, load_checkpoint
 from pdserve_client.errors import InvalidRequestError, PdserveError
-from runtime.errors import PromptTooLongError
-from runtime.kv_cache import BlockManager, allocate_kv_cache
-from runtime.model import LlamaModel
-from runtime.model_runner import ModelRunner
 from pdserve_client.params import SamplingParams
-from runtime.scheduler import Scheduler
 from pdserve_client.protocol import FinishReason
-from runtime.sequence import Sequence
-from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-from runtime.weights import dequantize_all, load_checkpoint
-from runtime import linear_plan, structured
 
 log = logging.getLogger("pdserve.runtime")
 
@@ -164,7 +164,7 @@ class LLMEngine:
         self.shared_step_log: collections.deque[tuple[int, int, int, float, int]] = collections.deque(maxlen=256)
 
     @classmethod
-    def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> "LLMEngine":
+    def load(cls, model=None, config: EngineConfig | None = None, progress: bool = True, tokenizer: bool = True) -> LLMEngine:
         config = config or EngineConfig()
         _, built = load_model(model, config, progress)
         tok = load_tokenizer(model) if tokenizer else None

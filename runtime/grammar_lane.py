@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from runtime.errors import LimitExceededError
+from pdserve.common.errors import LimitExceededError
 from pdserve_client.errors import PdserveError
 
 MAX_COMPILE_MS = 5000  # a grammar that takes longer to compile is refused (limit_exceeded)

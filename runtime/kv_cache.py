@@ -33,8 +33,8 @@ from collections import OrderedDict, deque
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.prefix_hash import chain_hashes, new_secret
+from pdserve.common.prefix_hash import chain_hashes, new_secret
+from pdserve.runtime.config import ModelConfig
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

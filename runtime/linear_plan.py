@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import json
 import logging
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-from kernels import backends, quant, select
-from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS
+from pdserve.kernels import backends, quant, select
+from pdserve.kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS
 from pdserve_client.errors import InvalidRequestError
 
 log = logging.getLogger("pdserve.runtime")
 
 MIN_TOP1, MAX_KL = 0.99, 0.01  # the issue's bar for a reduced-precision path
-PROMPTS = Path(__file__).resolve().parents[1] / "pdserve" / "data" / "prompts.jsonl"
+PROMPTS = Path(str(resources.files("pdserve") / "data" / "prompts.jsonl"))
 GATE_BLOCK = 16
 
 
@@ -64,7 +65,7 @@ def _eligible(b: backends.Backend, activations: str, reduced: set[str]) -> bool:
     return b.name in backends.ACTIVATION_BACKENDS[activations] or b.precision in reduced
 
 
-def apply(model, econf, source=None) -> "select.Table | None":
+def apply(model, econf, source=None) -> select.Table | None:
     """Choose and install the table for model.fast as econf.linear_backend says; None for `rules`."""
     fast = model.fast
     mode = econf.linear_backend
@@ -103,7 +104,7 @@ def apply(model, econf, source=None) -> "select.Table | None":
 ONE_CALL_ROWS = 2
 
 
-def pin_one_call_rows(table: "select.Table", layer_keys: set[str], acts: str) -> list[str]:
+def pin_one_call_rows(table: select.Table, layer_keys: set[str], acts: str) -> list[str]:
     """Set the layer shapes' entries up to ONE_CALL_ROWS rows to c-{acts}; returns the keys changed."""
     c_kernel, changed = f"c-{acts}", []
     for key in sorted(layer_keys):
@@ -115,7 +116,7 @@ def pin_one_call_rows(table: "select.Table", layer_keys: set[str], acts: str) ->
     return changed
 
 
-def _fixed(reps: dict, name: str, acts: str) -> "select.Table":
+def _fixed(reps: dict, name: str, acts: str) -> select.Table:
     """`name` at every bucket it takes, the rules' choice elsewhere; an error if it runs nowhere."""
     b = backends.BY_NAME[name]
     table = select.Table(source="fixed")
@@ -127,7 +128,7 @@ def _fixed(reps: dict, name: str, acts: str) -> "select.Table":
     return table
 
 
-def _measured(reps: dict, acts: str, reduced: set[str]) -> "select.Table":
+def _measured(reps: dict, acts: str, reduced: set[str]) -> select.Table:
     candidates = {key: tuple(b for b in backends.for_weight(lin.weight) if _eligible(b, acts, reduced)) for key, (lin, _) in reps.items()}
     parts = {"shapes": {k: b for k, (_, b) in reps.items()}, "candidates": {k: [b.name for b in c] for k, c in candidates.items()},
              "activations": acts}
@@ -169,7 +170,7 @@ def gate(model, econf, source, reps: dict) -> set[str]:
 
 def conversations(tokenizer) -> list[list[int]]:
     """The shipped conversations (user and assistant turns) as token ids under the chat template."""
-    from runtime.tokenizer import render_chat
+    from pdserve.common.tokenizer import render_chat
 
     convs = [json.loads(line)["conversations"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     return [render_chat(tokenizer, [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in c])
@@ -182,7 +183,7 @@ def teacher_forced_check(model, source, name: str, activations: str, seqs: list[
     mean KL(exact || name), and whether they meet MIN_TOP1 and MAX_KL."""
     fast = model.fast
     if seqs is None:
-        from runtime.tokenizer import load_tokenizer
+        from pdserve.common.tokenizer import load_tokenizer
 
         seqs = conversations(load_tokenizer(source))
     chunk = backends.BY_NAME[name].max_rows  # a back-end that takes few rows is checked at the rows it runs
@@ -208,8 +209,8 @@ def teacher_forced_check(model, source, name: str, activations: str, seqs: list[
 def prompt_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     """(L - 1, vocab) logits predicting tokens 1..L-1 of one sequence, computed in chunks of at
     most `chunk` query tokens (chunked prefill, each chunk reading the KV of those before)."""
-    from runtime.kv_cache import allocate_kv_cache
-    from runtime.model import ForwardBatch
+    from pdserve.runtime.kv_cache import allocate_kv_cache
+    from pdserve.runtime.model import ForwardBatch
 
     n = len(ids)
     blocks = -(-n // GATE_BLOCK)

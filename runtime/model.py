@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.quant import QuantTensor
-from runtime.config import ModelConfig
-from runtime.rope import RotaryEmbedding
+from pdserve.kernels import paged
+from pdserve.kernels.quant import QuantTensor
+from pdserve.runtime.config import ModelConfig
+from pdserve.runtime.rope import RotaryEmbedding
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # (N,) int64 rows of T whose logits are wanted
 
 
-def _stack_rows(parts: list) -> "torch.Tensor | QuantTensor":
+def _stack_rows(parts: list) -> torch.Tensor | QuantTensor:
     """q/k/v or gate/up as one matrix: quantized blocks stay blocks when all parts share a type."""
     return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
 
@@ -65,7 +65,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from kernels import triton_quant
+            from pdserve.kernels import triton_quant
 
             return triton_quant.matmul(x.contiguous(), self.blocks, self.bias)
         return F.linear(x, self.blocks.dequantize().to(x.dtype), self.bias)
@@ -106,8 +106,8 @@ class Attention(nn.Module):
         k = k.view(T, c.num_kv_heads, c.head_dim)  # (T, KVH, D)
         v = v.view(T, c.num_kv_heads, c.head_dim)
         q, k = rope(batch.positions, q, k)
-        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = kernels.paged_attention(
+        paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = paged.paged_attention(
             q, k_cache, v_cache,
             query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
             max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend,
@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
         self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
         self.quantized: dict[str, QuantTensor] = {}  # weight name -> its GGUF blocks (a QuantLinear module holds them)
 
-    def weight(self, name: str) -> "torch.Tensor | QuantTensor":
+    def weight(self, name: str) -> torch.Tensor | QuantTensor:
         """A parameter by name, or its QuantTensor where the model keeps it quantized."""
         q = self.quantized.get(name)
         return q if q is not None else self.get_parameter(name)
@@ -166,7 +166,7 @@ class LlamaModel(nn.Module):
 
     def enable_fast_path(self, linear_kind: str = "auto", activations: str = "float") -> bool:
         """Run `forward` through the fused CPU path where it can; True if it is on."""
-        from runtime.cpu_forward import CpuForward
+        from pdserve.runtime.cpu_forward import CpuForward
 
         self.fast = CpuForward.build(self, linear_kind, activations)
         return self.fast is not None

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kv_cache import BlockManager
-from runtime.model import ForwardBatch, LlamaModel
-from runtime.sampling import SamplerOutput, SamplingRow, sample
-from runtime.scoring import PromptScore, score, score_positions
-from runtime.sequence import Sequence
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.runtime.model import ForwardBatch, LlamaModel
+from pdserve.runtime.sampling import SamplerOutput, SamplingRow, sample
+from pdserve.runtime.scoring import PromptScore, score, score_positions
+from pdserve.runtime.sequence import Sequence
 
 
 class ModelRunner:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from runtime.config import RopeScaling
+from pdserve.runtime.config import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

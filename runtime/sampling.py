@@ -22,7 +22,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import msgspec
 import torch
 
 from pdserve_client.params import SamplingParams
@@ -107,7 +106,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     asks = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[_index(asks, logits)], dim=-1) if asks else None
     if any(r.params.structured is not None for r in rows):  # grammar masks (runtime/structured.py); free rows pay this check only
-        from runtime.structured import constrainer
+        from pdserve.runtime.structured import constrainer
 
         logits = constrainer().constrain(logits, rows, eos_token_id)
     tokens = _choose_tokens(adjusted_logits(logits, rows, eos_token_id), rows)

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.kv_cache import BlockManager
-from runtime.scoring import SCORE_CHUNK
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.runtime.scoring import SCORE_CHUNK
+from pdserve.runtime.sequence import SeqStatus, Sequence
 from pdserve_client.protocol import FinishReason
-from runtime.sequence import Sequence, SeqStatus
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 import enum
 import time
 
+from pdserve.common.prefix_hash import chain_hashes
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import FinishReason
-from runtime.prefix_hash import chain_hashes
 
 
 class SeqStatus(enum.IntEnum):

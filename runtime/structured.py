@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.runtime.grammar_lane import LRU, CompileJob, CompileLane
 from pdserve_client.errors import InvalidRequestError
-from runtime.grammar_lane import LRU, CompileJob, CompileLane
 from pdserve_client.params import StructuredOutput
 
 log = logging.getLogger("pdserve.structured")
@@ -153,7 +153,7 @@ class Constrainer:
         _, vocab, eos, generation = key
         if self.compiler_key != (vocab, eos, generation):
             if self.tokenizer is None:
-                from runtime.tokenizer import load_tokenizer
+                from pdserve.common.tokenizer import load_tokenizer
 
                 self.tokenizer = load_tokenizer(self.model)
             stops = sorted({t for t in (eos, self.tokenizer.eos_token_id) if t is not None})

@@ -34,10 +34,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from kernels.quant import BLOCK, QTYPES, QuantTensor
-from runtime.config import ModelConfig
+from pdserve.common.errors import NotSupportedError, UnsupportedModelError
+from pdserve.kernels.quant import BLOCK, QTYPES, QuantTensor
+from pdserve.runtime.config import ModelConfig
 from pdserve_client.errors import InvalidRequestError
-from runtime.errors import NotSupportedError, UnsupportedModelError
 
 PLAN_TIMEOUT_S = 7 * 24 * 3600  # ranks idle between steps wait this long for rank 0's next plan
 COMPUTE_TIMEOUT_S = 10.0  # a collective inside a step: a peer silent this long has hung
@@ -211,7 +211,7 @@ def plan_of(batch) -> StepPlan:
 
 
 def batch_of(plan: StepPlan, device="cpu"):
-    from runtime.model import ForwardBatch
+    from pdserve.runtime.model import ForwardBatch
 
     fields = {f: torch.frombuffer(bytearray(getattr(plan, f)), dtype=_PLAN_DTYPES.get(f, torch.int64)).to(device) if getattr(plan, f)
               else torch.empty(0, dtype=_PLAN_DTYPES.get(f, torch.int64), device=device) for f in _PLAN_FIELDS}
@@ -233,7 +233,7 @@ class RankGroup:
         self._encode, self._decode = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
         self.plan_group = self.compute = None
 
-    def connect(self) -> "RankGroup":
+    def connect(self) -> RankGroup:
         """Join the groups (blocks until all ranks have called it)."""
         td = datetime.timedelta
         self.plan_group = dist.ProcessGroupGloo(dist.PrefixStore("plan", self.store), self.rank, self.size, td(seconds=PLAN_TIMEOUT_S))

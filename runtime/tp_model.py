@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.linear import PackedLinear
-from kernels.quant import QuantTensor
-from runtime.config import EngineConfig, ModelConfig
-from runtime.model import RMSNorm
-from runtime.rope import RotaryEmbedding
-from runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
+from pdserve.kernels import paged
+from pdserve.kernels.linear import PackedLinear
+from pdserve.kernels.quant import QuantTensor
+from pdserve.runtime.config import EngineConfig, ModelConfig
+from pdserve.runtime.model import RMSNorm
+from pdserve.runtime.rope import RotaryEmbedding
+from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
 
 
 def _norm(w: torch.Tensor, eps: float, dtype, device) -> RMSNorm:
@@ -128,8 +128,8 @@ class TPModel:
         k = k.reshape(T, c.num_kv_heads, c.head_dim)  # (T, KVH / N, D)
         v = v.reshape(T, c.num_kv_heads, c.head_dim)
         q, k = self.rope(batch.positions, q, k)
-        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = kernels.paged_attention(
+        paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = paged.paged_attention(
             q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
             max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend)
         return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
@@ -158,8 +158,8 @@ def build_tp_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, group: 
     """This rank's model from the whole checkpoint's tensors (the rest is dropped by the caller);
     GGUF blocks stay blocks where TP 1 would keep them on the CPU (runtime.engine), else (and
     always on CUDA) are dequantized."""
-    from runtime.engine import _why_not_quantized
-    from runtime.weights import dequantize_all
+    from pdserve.runtime.engine import _why_not_quantized
+    from pdserve.runtime.weights import dequantize_all
 
     part = shard(cfg, tensors, group.rank, group.size)
     if any(isinstance(v, QuantTensor) for v in part.values()) and (econf.device.startswith("cuda") or _why_not_quantized(econf)):

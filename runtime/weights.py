@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.quant import QTYPES, QuantTensor
-from runtime.config import ModelConfig, RopeScaling
-from runtime.errors import ModelLoadError, UnsupportedModelError
-from runtime.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
+from pdserve.common.errors import ModelLoadError, UnsupportedModelError
+from pdserve.common.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
+from pdserve.kernels.quant import QTYPES, QuantTensor
+from pdserve.runtime.config import ModelConfig, RopeScaling
 
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -48,7 +48,7 @@ _GGUF_BLOCK_NAMES = {
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
-                    keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, "torch.Tensor | QuantTensor"]]:
+                    keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantTensor]]:
     """keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices come back as kernels.quant.QuantTensor
     (their blocks as stored, Q/K rows un-permuted) instead of float32; everything else as before."""
     path = resolve_model_path(model)
@@ -127,7 +127,7 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
     import gguf
 
-    from runtime.gguf_file import read_gguf
+    from pdserve.common.gguf_file import read_gguf
 
     if not _has_gguf_magic(path):
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")

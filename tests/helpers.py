@@ -116,7 +116,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             wr.add_tensor(gname, arr)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             import torch
-            from runtime.weights import unpermute_qk
+
+            from pdserve.runtime.weights import unpermute_qk
 
             back = unpermute_qk(torch.from_numpy(np.ascontiguousarray(back)), heads if "q_proj" in name else kv).numpy()
         expected[name] = back
@@ -130,7 +131,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
 def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
     """A tiny random Llama with the default model's tokenizer beside it, so that the
     coordinator can tokenize and detokenize real text for it."""
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     cfg = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
@@ -229,7 +230,7 @@ class FakeLink:
 def force_colliding_keys(monkeypatch) -> bytes:
     """Make every prefix-cache block key the same (what a forged collision would be) in the block
     manager and in sequences; returns that key."""
-    from runtime import kv_cache, sequence
+    from pdserve.runtime import kv_cache, sequence
 
     key = b"k" * 16
 
@@ -244,10 +245,10 @@ def force_colliding_keys(monkeypatch) -> bytes:
 
 def tiny_engine(model_dir, prefill_only: bool = False, **config):
     """(engine, its KV pool) on a tiny checkpoint, as a worker builds them; config: EngineConfig fields."""
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine, build_model
-    from runtime.kv_cache import allocate_kv_cache
-    from runtime.weights import load_checkpoint
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine, build_model
+    from pdserve.runtime.kv_cache import allocate_kv_cache
+    from pdserve.runtime.weights import load_checkpoint
 
     econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, **config})
     cfg, tensors = load_checkpoint(str(model_dir), progress=False)
@@ -296,7 +297,7 @@ def receive_handoff(receiver, timeout: float):
     """Poll a KVReceiver until a KVReady arrives; copy its blocks in and return it (None: none came in time)."""
     import time
 
-    from wire.protocol import KVReady
+    from pdserve.wire.protocol import KVReady
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,22 +13,31 @@ import ast
 import re
 import sys
 import tomllib
-from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_DIST = ROOT / "client"  # the pdserve-client distribution: its package is client/pdserve_client
-ENGINE = ("kernels", "runtime", "wire", "kvtransfer", "worker", "prefill", "decode", "coordinator", "gateway", "pdserve", "benchmarks")
-PACKAGES = {"pdserve_client": CLIENT_DIST / "pdserve_client", **{p: ROOT / p for p in ENGINE}}  # package -> its folder
-GONE = ("client",)  # packages that no longer exist (now pdserve_client): an import of one is stale
+# the design card's top-level folders, each imported as pdserve.<folder> (pyproject.toml's package-dir)
+FOLDERS = ("common", "kernels", "runtime", "wire", "kvtransfer", "decode", "worker", "prefill", "coordinator", "gateway")
+PACKAGES = {"pdserve_client": CLIENT_DIST / "pdserve_client", **{p: ROOT / p for p in (*FOLDERS, "pdserve", "benchmarks")}}  # package -> its folder
+GONE = ("client", *FOLDERS)  # import roots that no longer exist (pdserve_client; pdserve.<folder>): an import of one is stale
 NOT_SHIPPED = ("benchmarks",)  # in the repository, not in the wheel
+ROOTS = ("pdserve", "pdserve_client", "benchmarks")  # the import roots of what this repository holds
 
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(CLIENT_DIST if path.is_relative_to(CLIENT_DIST) else ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] in FOLDERS:
+        parts.insert(0, "pdserve")
     return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """The package (a key of PACKAGES) a module name belongs to: pdserve.kernels.quant -> kernels."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pdserve" and len(parts) > 1 and parts[1] in FOLDERS else parts[0]
 
 
 def imports_of(path: Path, module: str | None = None) -> set[str]:
@@ -61,7 +70,7 @@ def module_graph() -> dict[str, set[str]]:
 def package_graph() -> dict[str, set[str]]:
     graph = {p: set() for p in PACKAGES}
     for mod, deps in module_graph().items():
-        graph[mod.split(".")[0]].update(d.split(".")[0] for d in deps)
+        graph[package_of(mod)].update(package_of(d) for d in deps)
     for pkg in graph:
         graph[pkg].discard(pkg)
     return graph
@@ -101,7 +110,11 @@ def stale_imports(files: list[Path], mods: dict[str, Path]) -> list[str]:
     for path in files:
         where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in (*PACKAGES, *GONE)):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in (*ROOTS, *GONE)):
+                continue
+            namespace = {m.rsplit(".", 1)[0] for m in mods if m.startswith(node.module + ".")} - set(mods)
+            if node.module in namespace:  # a folder without __init__.py: only its modules can be imported from it
+                found += [f"{where}:{node.lineno}: from {node.module} import {a.name}" for a in node.names if f"{node.module}.{a.name}" not in mods]
                 continue
             if node.module not in mods:
                 found.append(f"{where}:{node.lineno}: from {node.module} (no such module)")
@@ -169,8 +182,21 @@ def test_nothing_shipped_imports_what_is_not_shipped():
     graph = package_graph()
     shipped = [p for p in PACKAGES if p not in NOT_SHIPPED]
     assert not {p: sorted(graph[p] & set(NOT_SHIPPED)) for p in shipped if graph[p] & set(NOT_SHIPPED)}
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert not [p for p in NOT_SHIPPED if any(fnmatch(p, g) or fnmatch(f"{p}.x", g) for g in include)]
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert not [p for p in listed if p.split(".")[0] != "pdserve" or any(n in p.split(".") for n in NOT_SHIPPED)]
+
+
+def test_one_import_root_and_no_folder_that_shadows_a_package():
+    """The wheel's packages are pdserve.* alone, each of the design card's folders mapped into it;
+    no top-level folder but pdserve/ has an __init__.py (a regular package at the repository's
+    root would shadow any installed package of its name, Hugging Face's `kernels` say, for every
+    Python started there); benchmarks/ and tests/ are namespace folders for the same reason."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"pdserve": "pdserve", **{f"pdserve.{f}": f for f in FOLDERS}}
+    assert {f"pdserve.{f}" for f in FOLDERS} <= set(setuptools["packages"])
+    shadowing = sorted(d.name for d in ROOT.iterdir() if d.is_dir() and d.name != "pdserve" and (d / "__init__.py").exists())
+    assert not shadowing, f"top-level folders that shadow any installed package of their name: {shadowing}"
+    assert not [str(p.relative_to(ROOT)) for f in FOLDERS for p in (ROOT / f).rglob("__init__.py")]
 
 
 def test_no_package_imports_one_that_imports_it_back():
@@ -186,8 +212,8 @@ def test_the_checks_see_circles_lazy_and_relative_imports(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     f = tmp_path / "m.py"
-    f.write_text("import zmq\n\ndef f():\n    from wire.protocol import Hello\n    from .pool import copy_blocks\n")
-    assert imports_of(f, "kvtransfer.m") >= {"zmq", "wire.protocol", "kvtransfer.pool", "kvtransfer.pool.copy_blocks"}
+    f.write_text("import zmq\n\ndef f():\n    from pdserve.wire.protocol import Hello\n    from .pool import copy_blocks\n")
+    assert imports_of(f, "pdserve.kvtransfer.m") >= {"zmq", "pdserve.wire.protocol", "pdserve.kvtransfer.pool", "pdserve.kvtransfer.pool.copy_blocks"}
 
 
 def test_no_import_uses_a_path_the_client_distribution_replaced():
@@ -201,10 +227,11 @@ def test_no_import_uses_a_path_the_client_distribution_replaced():
 
 def test_the_stale_import_check_sees_moved_names(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("from wire.protocol import Hello, GenerateRequest\nfrom runtime.errors import PdserveError, NotSupportedError\n"
-                 "from pdserve_client import Client\n\ndef f():\n    from client import Client\n")
+    f.write_text("from pdserve.wire.protocol import Hello, GenerateRequest\nfrom pdserve.common.errors import PdserveError, NotSupportedError\n"
+                 "from pdserve_client import Client\nfrom runtime.errors import ModelLoadError\n\ndef f():\n    from client import Client\n")
     assert sorted(s.split(": ", 1)[1] for s in stale_imports([f], source_modules())) == [
-        "from client (no such module)", "from runtime.errors import PdserveError", "from wire.protocol import GenerateRequest"]
+        "from client (no such module)", "from pdserve.common.errors import PdserveError", "from pdserve.wire.protocol import GenerateRequest",
+        "from runtime.errors (no such module)"]
 
 
 def test_the_client_distribution_imports_only_pyzmq_and_msgspec():

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdserve.common.errors import LimitExceededError
+from pdserve.common.flags import flag
 from pdserve_client.errors import InvalidRequestError
-from runtime.errors import LimitExceededError
-from runtime.flags import flag
 from pdserve_client.params import MAX_LOGPROBS, StructuredOutput
 
 SCAN_FIRST_BYTES = 64 * 1024  # a larger GenerateRequest frame is scanned for oversized fields before it is decoded

@@ -20,8 +20,8 @@ import uuid
 import msgspec
 import zmq
 
+from pdserve.wire.protocol import CoordinatorToWorker, Hello, Reject, Welcome
 from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
-from wire.protocol import CoordinatorToWorker, Hello, Reject, Welcome
 
 log = logging.getLogger("pdserve.link")
 

@@ -24,7 +24,8 @@ from typing import Annotated, Union
 import msgspec
 
 from pdserve_client.params import SamplingParams
-from pdserve_client.protocol import FinishReason, Message as _Msg, PromptLogprob
+from pdserve_client.protocol import FinishReason, PromptLogprob
+from pdserve_client.protocol import Message as _Msg
 
 PROTOCOL_VERSION = 7  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers

@@ -1,5 +1,5 @@
 """Prefill hand-offs: what a worker does with a `Prefill` message, shared by the prefill worker
-and the worker that can take every role (decode/worker.py).
+and the worker that can take every role (worker/any_role.py).
 
 Lifecycle: `Handoffs.accept(msg)` checks the peer's Prefill (its grant fits its tokens:
 dest_block_ids, one per block of prompt + output, dest_cached_blocks below that; the engine
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from runtime.engine import LLMEngine, StepOutput
+from pdserve.runtime.engine import LLMEngine, StepOutput
+from pdserve.wire import liveness
+from pdserve.wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
 from pdserve_client.errors import PdserveError
-from wire import liveness
-from wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
 
 
 @dataclass

@@ -25,16 +25,16 @@ import msgspec
 import torch
 import zmq
 
-from kvtransfer.pool import host_identity
-from runtime.config import WorkerConfig
-from runtime.engine import LLMEngine
-from runtime.errors import EX_CONFIG
+from pdserve.common.errors import EX_CONFIG
+from pdserve.common.heap import freeze_startup_heap
+from pdserve.kvtransfer.pool import host_identity
+from pdserve.runtime.config import WorkerConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.wire import security
+from pdserve.wire.link import WorkerLink
+from pdserve.wire.protocol import PROTOCOL_VERSION, Hello, Role
 from pdserve_client.errors import PdserveError
-from runtime.heap import freeze_startup_heap
-from runtime.kv_cache import BlockManager
-from wire import security
-from wire.link import WorkerLink
-from wire.protocol import PROTOCOL_VERSION, Hello, Role
 
 
 def worker_id(role: Role, wcfg: WorkerConfig) -> str:

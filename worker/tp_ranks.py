@@ -38,17 +38,17 @@ import time
 import msgspec
 import torch
 
-from kvtransfer import cuda_ipc
-from kvtransfer.heads import HeadParts
-from kvtransfer.pool import KVPool, dtype_name
-from runtime.config import EngineConfig, ModelConfig, WorkerConfig
-from runtime.engine import build_model
-from runtime.errors import NotSupportedError
-from runtime.kv_cache import allocate_kv_cache, kv_cache_shape
-from runtime.tp import RankGroup, check_split, rank_devices
-from wire.protocol import KVAccept
-from runtime.tp_model import TPModel, build_tp_model
-from runtime.weights import load_checkpoint
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer import cuda_ipc
+from pdserve.kvtransfer.heads import HeadParts
+from pdserve.kvtransfer.pool import KVPool, dtype_name
+from pdserve.runtime.config import EngineConfig, ModelConfig, WorkerConfig
+from pdserve.runtime.engine import build_model
+from pdserve.runtime.kv_cache import allocate_kv_cache, kv_cache_shape
+from pdserve.runtime.tp import RankGroup, check_split, rank_devices
+from pdserve.runtime.tp_model import TPModel, build_tp_model
+from pdserve.runtime.weights import load_checkpoint
+from pdserve.wire.protocol import KVAccept
 
 log = logging.getLogger("pdserve.tp")
 
@@ -134,8 +134,8 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
     for r in range(1, n):
         rank_econf = econf if devices[r] == econf.device else dataclasses.replace(econf, device=devices[r])
         spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), rank_econf, num_blocks, threads, pool_path)
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker.tp_ranks", msgspec.json.encode(spec).decode()],
-                                      cwd=_repo_root(), stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
+        procs.append(subprocess.Popen([sys.executable, "-P", "-m", "pdserve.worker.tp_ranks", msgspec.json.encode(spec).decode()],
+                                      stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
     try:
         group.connect()
         built = build_tp_model(cfg, tensors, econf, group)
@@ -229,7 +229,7 @@ class RankPools:
         self.parts = HeadParts([own.tensor] + [t for t, _ in unmap])
 
     @classmethod
-    def gather(cls, own: cuda_ipc.CudaKVPool, group: RankGroup) -> "RankPools":
+    def gather(cls, own: cuda_ipc.CudaKVPool, group: RankGroup) -> RankPools:
         """Wait for ranks 1..n-1's exports (published in `follow`) and map them."""
         exports, mapped = [own.accept()], []
         try:
@@ -278,10 +278,6 @@ def release_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc
-
-
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _killed_with_parent():

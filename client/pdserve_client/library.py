@@ -18,12 +18,24 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve_client.protocol import (
-    MAX_CONTROL_MESSAGE, AbortRequest, ChatMessage, CoordinatorToClient, Delta, ErrorReply, Final, GenerateRequest, NodeReport, StatsReply,
-    StatsRequest, StatusRequest, decoder, encode,
-)
 from pdserve_client.keys import client_options
 from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import (
+    MAX_CONTROL_MESSAGE,
+    AbortRequest,
+    ChatMessage,
+    CoordinatorToClient,
+    Delta,
+    ErrorReply,
+    Final,
+    GenerateRequest,
+    NodeReport,
+    StatsReply,
+    StatsRequest,
+    StatusRequest,
+    decoder,
+    encode,
+)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -95,7 +107,8 @@ class ClientTooSlow(RequestError):
 
 _ERRORS = {
     "invalid_request": InvalidRequest, "invalid_sampling_params": InvalidRequest, "bad_message": InvalidRequest,
-    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "cold_start": NoWorkers, "overloaded": Overloaded, "slo_unattainable": Overloaded,
+    "prompt_too_long": PromptTooLong, "limit_exceeded": InvalidRequest, "no_workers": NoWorkers, "cold_start": NoWorkers, "overloaded": Overloaded,
+        "slo_unattainable": Overloaded,
     "worker_lost": WorkerLost, "kv_transfer_failed": WorkerLost, "kv_transfer_timeout": WorkerLost,
     "unknown_request": RequestLost, "client_too_slow": ClientTooSlow,
 }

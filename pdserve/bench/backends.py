@@ -10,7 +10,6 @@ pdserve's gateway, llama.cpp's server, `transformers serve`; they need httpx (th
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ class PdserveBackend:
         self.client = AsyncClient(self.address, timeout=self.timeout)
         try:
             await self.client.stats(timeout=10.0)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             await self.client.close()
             raise ConnectionError(f"no pdserve coordinator answered at {self.address} (start one with scripts/serve)") from None
         return self

@@ -19,7 +19,7 @@ from pdserve.bench.options import build_parser, parse_rates, resolve
 def load_bench_tokenizer(args):
     from pathlib import Path
 
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     path = args.tokenizer or (args.model if args.model and Path(args.model).exists() else None)
     return load_tokenizer(path), path or "default"
@@ -34,7 +34,7 @@ def run(args) -> int:
     from pdserve.bench.report import plot_sweep, print_runs, save_results
     from pdserve.bench.runner import run_rates
     from pdserve.bench.workloads import build_workload
-    from runtime.heap import freeze_startup_heap
+    from pdserve.common.heap import freeze_startup_heap
 
     rates = parse_rates(args.sweep) if args.sweep else [args.request_rate]
     if args.sweep:

@@ -31,11 +31,21 @@ def stub_worker(address: str, worker_id: str = "stub-0", heartbeat_s: float = 0.
     """Register as a COLOCATED worker and answer every Generate with one final token at once."""
     import zmq
 
-    from wire.protocol import (
-        PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, Shutdown, TokenBatch, TokenOut, Welcome,
+    from pdserve.kvtransfer.pool import host_identity
+    from pdserve.wire.protocol import (
+        PROTOCOL_VERSION,
+        CoordinatorToWorker,
+        Generate,
+        Heartbeat,
+        Hello,
+        Reject,
+        Role,
+        Shutdown,
+        TokenBatch,
+        TokenOut,
+        Welcome,
     )
     from pdserve_client.protocol import FinishReason, decoder, encode
-    from kvtransfer.pool import host_identity
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -92,8 +102,8 @@ class LoadGenerator:
         self.prompt = prompt
 
     def encoded(self, prefix: str, n: int) -> list[bytes]:
-        from pdserve_client.protocol import GenerateRequest, encode
         from pdserve_client.params import SamplingParams
+        from pdserve_client.protocol import GenerateRequest, encode
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         return [encode(GenerateRequest(f"{prefix}{i}", params, token_ids=self.prompt)) for i in range(n)]
@@ -198,7 +208,7 @@ def measure_overhead(tokenizer: str | None, num_requests: int = 20000, window: i
                      log=None) -> dict:
     """Start coordinator + stub, measure; returns a dict of figures (see format_overhead)."""
     client_addr, worker_addr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    coord_cmd = [sys.executable, "-m", "pdserve", "coordinator", "--clients", client_addr, "--workers", worker_addr]
+    coord_cmd = [sys.executable, "-P", "-m", "pdserve", "coordinator", "--clients", client_addr, "--workers", worker_addr]
     coord = subprocess.Popen(coord_cmd + (["--model", tokenizer] if tokenizer else []), stdout=log, stderr=subprocess.STDOUT if log else None)
     stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench.overhead", "--stub-worker", worker_addr], stdout=log,
                             stderr=subprocess.STDOUT if log else None)

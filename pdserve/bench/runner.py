@@ -18,6 +18,7 @@ import time
 from pdserve.bench.backends import Sampling, make_backend
 from pdserve.bench.workloads import arrival_intervals, follow_up
 
+
 async def send_all(backend, requests, rate: float, burstiness: float, max_concurrency: int | None, seed: int, progress: bool,
                    desc: str = "requests", tokenizer=None):
     """Send every request on its arrival schedule; returns (outputs in request order, seconds).

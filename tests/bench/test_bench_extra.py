@@ -24,7 +24,7 @@ class NoMatplotlib:
             raise ImportError(f"no {name} here")
 
 sys.meta_path.insert(0, NoMatplotlib())
-import coordinator.server, gateway.server, pdserve.cli, pdserve.launch, runtime.engine, pdserve.bench
+import pdserve.coordinator.server, pdserve.gateway.server, pdserve.cli, pdserve.launch, pdserve.runtime.engine, pdserve.bench
 for m in pkgutil.iter_modules(pdserve.bench.__path__):
     if m.name != "__main__":
         importlib.import_module(f"pdserve.bench.{m.name}")

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.roofline import decode_roofline, format_handoffs, format_roofline, kv_handoff, machine_rates, step_cost
 from pdserve.bench.overhead import format_overhead, measure_overhead
-from runtime.config import ModelConfig
+from pdserve.runtime.config import ModelConfig
 
 
 def test_coordinator_overhead_with_stub_workers(model_dir):
@@ -46,7 +46,7 @@ def test_decode_roofline_runs_and_reports(model_dir):
 
 @pytest.mark.parametrize("tokens", [16, 40])
 def test_kv_handoff_moves_the_right_bytes(model_dir, tokens):
-    from runtime.weights import load_checkpoint
+    from pdserve.runtime.weights import load_checkpoint
 
     cfg, _ = load_checkpoint(str(model_dir), progress=False)
     rows = kv_handoff(cfg, tokens, threads=1, repeats=3)  # raises if any hand-off delivered wrong bytes

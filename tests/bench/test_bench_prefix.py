@@ -6,7 +6,7 @@ import json
 
 from pdserve.bench.options import build_parser
 from pdserve.bench.workloads import build_workload, chat_replay_requests, follow_up
-from runtime.tokenizer import load_tokenizer
+from pdserve.common.tokenizer import load_tokenizer
 from tests.bench.test_bench_serving import bench
 from tests.helpers import start_cluster, wait_all_blocks_free
 

@@ -14,7 +14,7 @@ from pdserve.bench.workloads import arrival_intervals
 from pdserve.launch import Launcher, NodePlan
 from tests.helpers import free_port
 
-HAS_GATEWAY = importlib.util.find_spec("gateway.server") is not None and "gateway" in {f.name for f in dataclasses.fields(NodePlan)}
+HAS_GATEWAY = importlib.util.find_spec("pdserve.gateway.server") is not None and "gateway" in {f.name for f in dataclasses.fields(NodePlan)}
 
 
 @pytest.fixture(scope="module")

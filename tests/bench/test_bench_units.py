@@ -11,17 +11,22 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.backends import OpenAIBackend, Sampling
-from pdserve.bench.workloads import (
-    BenchRequest, arrival_intervals, build_requests, length_range, read_jsonl, shipped_prompts_path,
-)
 from pdserve.bench.metrics import RequestOutput, compute_metrics, format_metrics, parse_goodput, result_dict
+from pdserve.bench.workloads import (
+    BenchRequest,
+    arrival_intervals,
+    build_requests,
+    length_range,
+    read_jsonl,
+    shipped_prompts_path,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     return load_tokenizer(str(model_dir))
 
@@ -126,8 +131,8 @@ def test_shipped_prompt_set_is_sharegpt_and_package_data():
     assert len({r["conversations"][0]["value"] for r in rows}) == len(rows)
     # pyproject's package data must name it, or a wheel would ship without it
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = cfg["tool"]["setuptools"]["package-data"]["pdserve"]
-    assert any(fnmatch(str(path.relative_to(ROOT / "pdserve")), g) for g in globs)
+    globs = cfg["tool"]["setuptools"]["package-data"]["pdserve.data"]
+    assert any(fnmatch(str(path.relative_to(ROOT / "pdserve" / "data")), g) for g in globs)
 
 
 def test_jsonl_requests_chat_template_reply_lengths_and_formats(tokenizer, tmp_path):

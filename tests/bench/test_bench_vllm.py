@@ -113,7 +113,7 @@ def test_prefix_repetition(gateway, model_dir, tmp_path, capsys):
 
 def test_prefix_repetition_prompts_share_prefixes(model_dir):
     from pdserve.bench.workloads import prefix_repetition_requests
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
 
     reqs = prefix_repetition_requests(load_tokenizer(str(model_dir)), 6, 20, 5, 3, 4, seed=0)
     assert len(reqs) == 6 and all(r.prompt_len == 25 and r.output_len == 4 for r in reqs)

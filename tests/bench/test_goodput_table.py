@@ -107,7 +107,7 @@ def test_pdserve_rows_launch_with_the_targets_and_extra_flags(tmp_path):
     assert gp.pdserve_flags(args, "disagg") == ["--ttft-p99-ms", "1500", "--tpot-p99-ms", "250", "--max-num-seqs", "64", "--threads=1"]
     assert gp.pdserve_flags(args, "colocated")[0] == "--colocated"
     cmd = launch_command(args, gp.pdserve_flags(args, "colocated"), str(tmp_path), 8123)
-    assert cmd[1:4] == ["-m", "pdserve", "launch"] and cmd[cmd.index("--http-port") + 1] == "8123" and "--model" not in cmd
+    assert cmd[1:5] == ["-P", "-m", "pdserve", "launch"] and cmd[cmd.index("--http-port") + 1] == "8123" and "--model" not in cmd
 
 
 @pytest.mark.parametrize("argv, word", [(["--rows", "vllm,nope"], "nope"), (["--rates", "4,0"], "--rates"), (["--rows", ""], "none given")])

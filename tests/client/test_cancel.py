@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve_client.library import AsyncClient
-from pdserve_client.protocol import AbortRequest, ClientToCoordinator, Delta, GenerateRequest, decoder, encode
+from pdserve_client.protocol import AbortRequest, ClientToCoordinator, Delta, GenerateRequest, decoder
 from tests.helpers import free_port
 
 

@@ -75,7 +75,7 @@ def test_the_engine_depends_on_the_client_distribution():
     engine = tomllib.loads((ROOT / "pyproject.toml").read_text())
     client = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
     assert f"{client['name']}=={client['version']}" in engine["project"]["dependencies"]
-    assert not any(p.startswith("client") for p in engine["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert not any(p.startswith(("client", "pdserve_client")) for p in engine["tool"]["setuptools"]["packages"])
 
 
 def test_client_installed_alone_generates_against_a_running_service(tmp_path):

@@ -1,8 +1,8 @@
 """A Coordinator whose sends are recorded instead of leaving on sockets, for in-process tests
 of its request and worker handling (messages in through on_worker / on_client, out in lists).
 It is strict about phases: a move outside coordinator/state.py's TRANSITIONS fails the test."""
-from coordinator.server import Coordinator
-from runtime.tokenizer import load_tokenizer
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.coordinator.server import Coordinator
 
 
 class Recorded(Coordinator):

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from coordinator.calibration import Calibration, CalibrationConfig, ErrorTracker
-from coordinator.slo import SloTargets
+from pdserve.coordinator.calibration import Calibration, CalibrationConfig, ErrorTracker
+from pdserve.coordinator.slo import SloTargets
 
 BASE = SloTargets(ttft_s=2.0, tpot_s=0.25)
 

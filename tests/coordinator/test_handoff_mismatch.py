@@ -1,7 +1,7 @@
 """A worker whose KV blocks no registered worker could take or give (another model, block size
 or KV dtype) is refused at registration; tensor parallel sizes may differ (blocks move whole)."""
-from coordinator.server import handoff_mismatch
-from wire.protocol import PROTOCOL_VERSION, Hello, Role
+from pdserve.coordinator.server import handoff_mismatch
+from pdserve.wire.protocol import PROTOCOL_VERSION, Hello, Role
 
 
 def hello(wid, role=Role.DECODE, model="m", block_size=16, dtype="float32", tp=1):

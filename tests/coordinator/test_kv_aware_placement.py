@@ -3,10 +3,10 @@ unless its load outweighs the hit; predictions count only the uncached tokens; t
 coordinator's per-worker view of cached block keys is bounded and follows heartbeats."""
 import pytest
 
-from coordinator import state
-from coordinator.placement import Outcome, RequestView, WorkerSnapshot, place_colocated, place_pair, predict_prefill
-from coordinator.slo import SloTargets, StepModel
-from wire.protocol import Hello, Role
+from pdserve.coordinator import state
+from pdserve.coordinator.placement import Outcome, RequestView, WorkerSnapshot, place_colocated, place_pair, predict_prefill
+from pdserve.coordinator.slo import SloTargets, StepModel
+from pdserve.wire.protocol import Hello, Role
 
 M = StepModel([(1, 100, 100, 0.1), (1, 10, 100, 0.01), (4, 4, 400, 0.01), (8, 8, 800, 0.01), (1, 50, 50, 0.05)])
 REQ = RequestView(num_tokens=100, max_tokens=16)

@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from coordinator.counts import Count, Counts
-from coordinator.server import Coordinator, CoordinatorConfig
-from coordinator.state import TRANSITIONS, Phase, RequestState
+from pdserve.coordinator.counts import Count, Counts
+from pdserve.coordinator.server import Coordinator, CoordinatorConfig
+from pdserve.coordinator.state import TRANSITIONS, Phase, RequestState
 from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import FinishReason, GenerateRequest
 from tests.coordinator.recorded import Recorded
 from tests.helpers import free_port
-from pdserve_client.protocol import FinishReason, GenerateRequest
 
 REMOTE = [Phase.ADMITTING, Phase.PREFILLING, Phase.DECODING]  # Admit, Granted -> Prefill, first token
 LOCAL = [Phase.COLOCATED]  # Generate on a colocated worker, or a decode worker's LOCAL path

@@ -7,21 +7,19 @@ whose first token came is left alone, and so is a PrefillDone naming another gra
 whose worker messages could outgrow a worker socket are refused before any worker sees them.
 
 The coordinator in one process with its socket sends recorded (the decisions are what is
-checked); the decode side of the Release is checked on a real DecodeWorker with a live writer.
+checked); the decode side of the Release is checked on a real Worker with a live writer.
 """
 import time
 
 import pytest
 
-from tests.coordinator.recorded import Recorded
-from coordinator.server import CoordinatorConfig
+from pdserve.coordinator.server import CoordinatorConfig
+from pdserve.wire.protocol import PROTOCOL_VERSION, Abort, Admit, Granted, Hello, Prefill, PrefillDone, Release, Role, TokenBatch, TokenOut
 from pdserve_client.params import SamplingParams, StructuredOutput
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, AbortRequest, ErrorReply, GenerateRequest
+from tests.coordinator.recorded import Recorded
 from tests.decode.test_worker import admit_from, all_free, sleeper, workers
 from tests.helpers import free_port
-from pdserve_client.protocol import MAX_CONTROL_MESSAGE, AbortRequest, ErrorReply, GenerateRequest
-from wire.protocol import PROTOCOL_VERSION, Abort, Admit, Granted, Hello, Prefill, PrefillDone, Release, Role, TokenBatch, TokenOut
-
-
 
 
 @pytest.fixture

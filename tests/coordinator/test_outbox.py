@@ -5,9 +5,9 @@ import time
 
 import zmq
 
-from coordinator.outbox import CHECKPOINT_BYTES, MESSAGE_OVERHEAD, TRACKED_OVERHEAD, Outbox, Sent
+from pdserve.coordinator.outbox import CHECKPOINT_BYTES, MESSAGE_OVERHEAD, TRACKED_OVERHEAD, Outbox, Sent
+from pdserve.wire.loop_io import SocketIO
 from tests.gateway.helpers import poll
-from wire.loop_io import SocketIO
 
 BUDGET = 2 * 2**20
 

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from coordinator.paths import Path, PathChoice, PathRule, choose_path, headroom
-from coordinator.placement import Decision, Outcome, RequestView, ShedReason, WorkerSnapshot, placed
-from coordinator.slo import SloTargets, StepModel
+from pdserve.coordinator.paths import Path, PathChoice, PathRule, choose_path, headroom
+from pdserve.coordinator.placement import Decision, Outcome, RequestView, ShedReason, WorkerSnapshot, placed
+from pdserve.coordinator.slo import SloTargets, StepModel
 
 
 def linear(a=0.01, per_seq=0.002, per_token=0.001, per_kctx=0.005) -> StepModel:
@@ -133,7 +133,7 @@ def test_a_colocated_launch_admits_by_the_local_rule_which_counts_the_prompts_ow
     # `--colocated` places through choose_path with no prefill worker (coordinator/server.py
     # choose_colocated): the worker's streams stretch by this prompt's step too, not only by the
     # prompts it took lately. place_colocated alone, as that launch placed before, admits this one.
-    from coordinator.placement import place_colocated
+    from pdserve.coordinator.placement import place_colocated
     w = decode(requests=4, context=400, recent=5750)
     assert place_colocated(req(512), [w], TARGETS).outcome is Outcome.PLACED
     c = choose_path(req(512), [], [w], TARGETS)
@@ -149,7 +149,7 @@ def test_workers_of_one_role_sharing_a_node_see_their_steps_stretched_by_their_b
     given more while its mate idles, keeps both; two busy ones share; a worker alone on its node,
     or without a core count, is not stretched; 4 cores and two busy workers: 2 threads each, a
     third given work: 1."""
-    from coordinator.paths import share_role_cores
+    from pdserve.coordinator.paths import share_role_cores
 
     asked = []
 

@@ -15,19 +15,31 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.placement import placed
-from coordinator.planner import PlannerConfig, Stage
-from tests.coordinator.recorded import Recorded
-from coordinator.server import CoordinatorConfig
-from coordinator.state import Phase
-from gateway.metrics import GatewayMetrics
+from pdserve.coordinator.placement import placed
+from pdserve.coordinator.planner import PlannerConfig, Stage
+from pdserve.coordinator.server import CoordinatorConfig
+from pdserve.coordinator.state import Phase
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.wire.protocol import (
+    PROTOCOL_VERSION,
+    Admit,
+    Generate,
+    Granted,
+    Heartbeat,
+    Hello,
+    Prefill,
+    PrefillDone,
+    Role,
+    RoleSet,
+    SetRole,
+    TokenBatch,
+    TokenOut,
+)
 from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import FinishReason, GenerateRequest
+from tests.coordinator.recorded import Recorded
 from tests.gateway.helpers import exposition_problems, promtool_check
 from tests.helpers import free_port
-from wire.protocol import (
-    PROTOCOL_VERSION, Admit, Generate, Granted, Heartbeat, Hello, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, TokenOut,
-)
-from pdserve_client.protocol import FinishReason, GenerateRequest
 
 BOTH = [Role.PREFILL, Role.DECODE]
 

@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 
-from coordinator.calibration import Calibration, CalibrationConfig, HandoffTimes
-from coordinator.paths import Path, choose_path, share_node
-from coordinator.placement import Outcome, SharedCores, ShedReason, deferral, local_steps, predict_prefill, predict_remote_prefill
-from coordinator.slo import SloTargets
-from tests.coordinator.test_paths import M, TARGETS, decode, prefill, req
+from pdserve.coordinator.calibration import Calibration, CalibrationConfig, HandoffTimes
+from pdserve.coordinator.paths import Path, choose_path, share_node
+from pdserve.coordinator.placement import Outcome, SharedCores, ShedReason, deferral, local_steps, predict_prefill, predict_remote_prefill
+from pdserve.coordinator.slo import SloTargets
+from tests.coordinator.test_paths import TARGETS, M, decode, prefill, req
 
 CAP = 0.2  # stall cap of a 500 ms TPOT target: a turn asked for after 0.1 s
 
@@ -152,7 +152,7 @@ def test_a_pair_on_a_shared_node_predicts_tpot_stretched_by_what_its_prefill_wor
     the node's time from the decode worker's steps: its streams' TPOT stretches by 1 / (1 - share),
     by no more than the stall cap a step, on both paths; on another node (or with no recent
     prompts) the plain step."""
-    from coordinator.placement import ADMIT_WINDOW_S, place_pair, predict_step
+    from pdserve.coordinator.placement import ADMIT_WINDOW_S, place_pair, predict_step
     tokens = int(3 * M.tokens_per_second())  # about 3 s of prompts in the 10 s window
     recent = dataclasses.replace(prefill("p0"), recent_prompt_tokens=tokens)
     p, d = shared([recent], [decode("d0")], {"p0": "a", "d0": "a"})
@@ -174,7 +174,7 @@ def test_a_pair_predicts_tpot_stretched_by_the_local_prompts_its_decode_worker_t
     """With --paths auto a decode worker also prefills LOCAL prompts in its steps: a REMOTE
     admission into it sees its streams stretched by them as LOCAL does, so where LOCAL refuses a
     prompt for TPOT, REMOTE does too (it took what LOCAL refused, and its prefill stretched every stream)."""
-    from coordinator.placement import place_pair, predict_step, prefill_share
+    from pdserve.coordinator.placement import place_pair, predict_step, prefill_share
     busy = dataclasses.replace(decode("d0", requests=8, context=2000), recent_prompt_tokens=int(5 * M.tokens_per_second()))
     step = predict_step(busy, 128)
     loose = SloTargets(ttft_s=10.0, tpot_s=10.0)
@@ -190,7 +190,7 @@ def test_a_pair_predicts_tpot_stretched_by_the_local_prompts_its_decode_worker_t
 
 def test_a_pair_takes_no_decode_worker_with_a_full_batch_under_slo_control():
     """The hand-off would wait there for a stream to end, unpredicted: shed (or, parked, wait)."""
-    from coordinator.placement import WAIT, place_pair
+    from pdserve.coordinator.placement import WAIT, place_pair
     full = dataclasses.replace(decode(requests=8), max_seqs=8)
     d = place_pair(req(64), [prefill()], [full], TARGETS)
     assert (d.outcome, d.reason) == (Outcome.SHED, ShedReason.TPOT) and "max_num_seqs (8)" in d.detail

@@ -6,10 +6,17 @@ request; a colocated worker queues prompts itself, so it never answers WAIT).
 """
 import pytest
 
-from coordinator.placement import (
-    RELAY_OVERHEAD_S, Outcome, RequestView, ShedReason, WorkerSnapshot, place_colocated, place_pair, prefill_share,
+from pdserve.coordinator.placement import (
+    RELAY_OVERHEAD_S,
+    Outcome,
+    RequestView,
+    ShedReason,
+    WorkerSnapshot,
+    place_colocated,
+    place_pair,
+    prefill_share,
 )
-from coordinator.slo import SloTargets, StepModel
+from pdserve.coordinator.slo import SloTargets, StepModel
 
 
 def model(step_s: float) -> StepModel:

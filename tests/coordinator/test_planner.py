@@ -7,12 +7,20 @@ from, and the drain state machine ACTIVE -> DRAINING -> SWITCHED -> ACTIVE.
 """
 import pytest
 
-from coordinator.placement import ShedReason, WorkerSnapshot
-from coordinator.planner import (
-    PhaseWindow, Planner, PlannerConfig, Stage, Tally, Window, WorkerLoad, WorkerRole, phase_loads,
+from pdserve.coordinator.placement import ShedReason, WorkerSnapshot
+from pdserve.coordinator.planner import (
+    PhaseWindow,
+    Planner,
+    PlannerConfig,
+    Stage,
+    Tally,
+    Window,
+    WorkerLoad,
+    WorkerRole,
+    phase_loads,
 )
-from coordinator.slo import SloTargets, StepModel
-from wire.protocol import Role
+from pdserve.coordinator.slo import SloTargets, StepModel
+from pdserve.wire.protocol import Role
 
 CFG = PlannerConfig(window_s=1.0, sustain=3, min_dwell_s=10.0, max_drain_s=5.0)
 OK = PhaseWindow(met=50, missed=0, load=0.2)  # every request in time, a fifth of the budget used

@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from pdserve_client.library import Client, build_request, encode_request
+from pdserve_client.protocol import StatsRequest, encode
 from tests.faults.test_soak import rss_kib
 from tests.gateway.helpers import poll
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
-from pdserve_client.protocol import StatsRequest, encode
 
 BUDGET_KB = 4096
 FLOOD = 12_000  # StatsRequests; each reply is ~2.5 KB: ~30 MB of them without a budget

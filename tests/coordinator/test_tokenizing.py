@@ -4,7 +4,7 @@ front of a short one, and identical inputs are tokenized once, even when one twi
 import asyncio
 import threading
 
-from coordinator.tokenizing import SMALL_COST, OffLoopTokenizer
+from pdserve.coordinator.tokenizing import SMALL_COST, OffLoopTokenizer
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import GenerateRequest
 

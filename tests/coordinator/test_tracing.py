@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from coordinator.tracing import RequestTracer
-from wire.phase_metrics import PhaseSplit
+from pdserve.coordinator.tracing import RequestTracer
+from pdserve.wire.phase_metrics import PhaseSplit
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model
 from tests.serving.test_launcher import pdserve, wait_ready
@@ -233,7 +233,7 @@ BLOCK_OTEL = "import sys; sys.modules['opentelemetry'] = None; "  # as if the ot
 
 
 def test_without_opentelemetry_the_coordinator_imports_and_the_flag_is_a_usage_error():
-    check = ("import coordinator.server, coordinator.tracing as t\n"
+    check = ("import pdserve.coordinator.server, coordinator.tracing as t\n"
              "assert not [m for m in sys.modules if m.startswith('opentelemetry.')]\n"
              "try:\n    t.exporter_class('grpc')\nexcept t.TracingUnavailable as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", BLOCK_OTEL + check], capture_output=True, text=True, timeout=120)
@@ -258,7 +258,7 @@ def test_tracing_off_imports_no_opentelemetry():
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_a_collector_that_is_gone_does_not_hold_the_coordinator_at_exit(protocol):
     """Nothing listens at the endpoint: the exporter would retry for ~8 s; shutdown waits FLUSH_TIMEOUT_S at most."""
-    from coordinator.tracing import FLUSH_TIMEOUT_S
+    from pdserve.coordinator.tracing import FLUSH_TIMEOUT_S
 
     endpoint = f"http://127.0.0.1:{free_port()}" + ("/v1/traces" if protocol == "http/protobuf" else "")
     tracer = RequestTracer.otlp(endpoint, protocol)
@@ -274,7 +274,7 @@ def test_span_attributes_and_trace_headers_are_bounded():
     MAX_ATTRIBUTE_LENGTH characters (also the SDK's span limit), an oversized trace header is ignored."""
     from opentelemetry.trace import StatusCode
 
-    from coordinator.tracing import MAX_ATTRIBUTE_LENGTH
+    from pdserve.coordinator.tracing import MAX_ATTRIBUTE_LENGTH
 
     huge = "x" * 2**20
     with InMemory() as m:

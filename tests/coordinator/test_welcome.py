@@ -8,9 +8,9 @@ import sys
 import pytest
 import zmq
 
+from pdserve.wire.link import WorkerLink
+from pdserve.wire.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Role
 from tests.helpers import free_port
-from wire.link import WorkerLink
-from wire.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Role
 
 
 @pytest.mark.parametrize("args,tpot_ms", [

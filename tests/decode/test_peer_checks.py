@@ -12,12 +12,12 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.transfer import KVReceiver
+from pdserve.kvtransfer.transfer import KVReceiver
+from pdserve.wire.protocol import Generate, KVFailed, KVReady, Prefill, PrefillDone, WorkerError
 from pdserve_client.params import StructuredOutput
+from pdserve_client.protocol import encode
 from tests.decode.test_worker import GREEDY, admit, all_free, deliver, tokens_of, workers
 from tests.helpers import free_port
-from wire.protocol import Generate, KVFailed, KVReady, Prefill, PrefillDone, TokenBatch, WorkerError
-from pdserve_client.protocol import encode
 
 PROMPTS = {"bad": list(range(3, 23)), "good": list(range(40, 61))}  # 20 and 21 tokens: 3 blocks of 8 each
 

@@ -7,11 +7,11 @@ tokens equal it still hits; every request gets the single-process engine's token
 import msgspec
 import pytest
 
-from runtime.prefix_hash import chain_hashes, new_secret
+from pdserve.common.prefix_hash import chain_hashes, new_secret
+from pdserve.wire.protocol import PROTOCOL_VERSION, Admit, Granted, Heartbeat, Prefill, Welcome, WorkerToCoordinator
+from pdserve_client.protocol import decoder, encode
 from tests.decode.test_worker import DEST, GREEDY, all_free, deliver, tokens_of, workers
 from tests.helpers import force_colliding_keys, tiny_engine
-from wire.protocol import PROTOCOL_VERSION, Admit, Granted, Heartbeat, Prefill, Welcome, WorkerToCoordinator
-from pdserve_client.protocol import decoder, encode
 
 BS = 8
 

@@ -1,4 +1,4 @@
-"""The worker that can take every role (decode/worker.py), built from parts in one process: a
+"""The worker that can take every role (worker/any_role.py), built from parts in one process: a
 tiny model's engines, the in-process KV transport (kvtransfer.local, both its sender and its
 receiver) and fake links in place of the coordinator.
 
@@ -10,23 +10,34 @@ Every path ends with every block of every pool free.
 """
 import pytest
 
-from decode.worker import DecodeWorker
-from kvtransfer.local import LocalKV
-from prefill.worker import PrefillWorker
-from runtime import cores
+from pdserve.kvtransfer.local import LocalKV
+from pdserve.prefill.fixed_worker import PrefillWorker
+from pdserve.runtime import cores
+from pdserve.wire.protocol import (
+    Abort,
+    Admit,
+    Generate,
+    Granted,
+    KVFailed,
+    Prefill,
+    PrefillDone,
+    Role,
+    RoleSet,
+    SetRole,
+    TokenBatch,
+    WorkerError,
+)
+from pdserve.worker.any_role import Worker
 from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
-from wire.protocol import (
-    Abort, Admit, Generate, Granted, KVFailed, Prefill, PrefillDone, Role, RoleSet, SetRole, TokenBatch, WorkerError,
-)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = {"a": list(range(3, 23)), "b": list(range(40, 45)), "c": list(range(100, 141))}
 
 
-def worker(tiny, kv: LocalKV, wid: str, role: Role, **config) -> DecodeWorker:
+def worker(tiny, kv: LocalKV, wid: str, role: Role, **config) -> Worker:
     engine, pool = tiny_engine(tiny, **config)
-    w = DecodeWorker(wid, engine, kv, FakeLink(), sender=kv, role=role, batch_window_ms=0)
+    w = Worker(wid, engine, kv, FakeLink(), sender=kv, role=role, batch_window_ms=0)
     kv.register(endpoint(wid), pool)
     return w
 
@@ -35,13 +46,13 @@ def endpoint(wid: str) -> str:
     return f"local://{wid}"
 
 
-def pair(tiny, **config) -> tuple[DecodeWorker, DecodeWorker, LocalKV]:
+def pair(tiny, **config) -> tuple[Worker, Worker, LocalKV]:
     """A worker in the prefill role and one in the decode role."""
     kv = LocalKV()
     return worker(tiny, kv, "w-p", Role.PREFILL, **config), worker(tiny, kv, "w-d", Role.DECODE, **config), kv
 
 
-def prefill_via(p, d: DecodeWorker, rid: str, prompt: list[int]) -> None:
+def prefill_via(p, d: Worker, rid: str, prompt: list[int]) -> None:
     """Admit rid on d, then give its Prefill to p (the coordinator's remote path)."""
     d.link.inbox.append(Admit(rid, len(prompt), 1))
     d.turn(0)
@@ -49,7 +60,7 @@ def prefill_via(p, d: DecodeWorker, rid: str, prompt: list[int]) -> None:
     p.link.inbox.append(Prefill(rid, prompt, GREEDY, d.worker_id, endpoint(d.worker_id), g.block_ids, grant=g.grant))
 
 
-def run(w: DecodeWorker, kv: LocalKV) -> None:
+def run(w: Worker, kv: LocalKV) -> None:
     """Turn w until it has nothing left, taking what was handed to it."""
     while True:
         w.link.inbox += kv.inboxes[endpoint(w.worker_id)]
@@ -156,7 +167,7 @@ def test_the_role_decides_how_the_cores_are_taken_and_the_load_reported(tiny, tm
     share = cores.CoreShare(cores.create_share(2, str(tmp_path)), 0, 2)
     kv = LocalKV()
     engine, pool = tiny_engine(tiny)
-    w = DecodeWorker("w", engine, kv, FakeLink(), cores=share, sender=kv, role=Role.PREFILL, batch_window_ms=0)
+    w = Worker("w", engine, kv, FakeLink(), cores=share, sender=kv, role=Role.PREFILL, batch_window_ms=0)
     kv.register(endpoint("w"), pool)
     d = worker(tiny, kv, "w-d", Role.DECODE)
     prefill_via(w, d, "a", PROMPTS["a"])
@@ -187,7 +198,7 @@ def test_a_dedicated_prefill_worker_keeps_its_role(tiny):
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.COLOCATED])
 def test_a_worker_without_a_sender_refuses_other_roles_and_prefills(tiny, role):
     engine, _ = tiny_engine(tiny)
-    w = DecodeWorker("w", engine, LocalKV(), FakeLink())
+    w = Worker("w", engine, LocalKV(), FakeLink())
     w.link.inbox += [SetRole(role, 1), Prefill("a", PROMPTS["a"], GREEDY, "d", "local://d", [0, 1, 2])]
     w.turn(0)
     (answer,) = w.link.taken(RoleSet)

@@ -6,12 +6,12 @@ Disaggregated in one process gives the single-process engine's tokens; admission
 failed hand-offs and expired grants each end with every block free.
 """
 
-from decode.worker import DecodeWorker
-from kvtransfer.local import LocalKV
-from prefill.worker import PrefillWorker
+from pdserve.kvtransfer.local import LocalKV
+from pdserve.prefill.fixed_worker import PrefillWorker
+from pdserve.wire.protocol import Abort, Admit, AdmitRefused, Granted, KVFailed, Prefill, Release, TokenBatch, WorkerError
+from pdserve.worker.any_role import Worker
 from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
-from wire.protocol import Abort, Admit, AdmitRefused, Granted, KVFailed, Prefill, Release, TokenBatch, WorkerError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 DEST = "local://decode-1"
@@ -20,25 +20,25 @@ DEST = "local://decode-1"
 def workers(tiny, **config):
     kv = LocalKV()
     d_engine, d_pool = tiny_engine(tiny, **config)
-    d = DecodeWorker("decode-1", d_engine, kv, FakeLink())
+    d = Worker("decode-1", d_engine, kv, FakeLink())
     inbox = kv.register(DEST, d_pool)
     p_engine, p_pool = tiny_engine(tiny, prefill_only=True)
     return PrefillWorker("prefill-1", p_engine, p_pool, kv, FakeLink()), d, inbox
 
 
-def admit(d: DecodeWorker, rid: str, tokens: int) -> list[int]:
+def admit(d: Worker, rid: str, tokens: int) -> list[int]:
     d.link.inbox.append(Admit(rid, tokens, 1))
     d.turn(0)
     granted = [m for m in d.link.taken(Granted) if m.request_id == rid]
     return granted[-1].block_ids
 
 
-def deliver(d: DecodeWorker, inbox: list) -> None:
+def deliver(d: Worker, inbox: list) -> None:
     d.link.inbox += inbox
     inbox.clear()
 
 
-def tokens_of(d: DecodeWorker) -> dict[str, list[int]]:
+def tokens_of(d: Worker) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for batch in d.link.taken(TokenBatch):
         for item in batch.items:
@@ -133,8 +133,8 @@ def sleeper():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
-def admit_from(d: DecodeWorker, rid: str, tokens: int, writer_pid: int) -> Granted:
-    from kvtransfer.pool import host_identity
+def admit_from(d: Worker, rid: str, tokens: int, writer_pid: int) -> Granted:
+    from pdserve.kvtransfer.pool import host_identity
 
     host, boot = host_identity()
     d.link.inbox.append(Admit(rid, tokens, 1, writer_pid, host, boot))

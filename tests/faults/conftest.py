@@ -3,9 +3,9 @@ and tests/faults/test_supervised_launch.py kill workers of, and its single-proce
 eight streams (computed once, at the longer of the two lengths: a shorter run's tokens are a prefix)."""
 import pytest
 
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
 from tests.helpers import save_tiny_served_model, stream_prompts
 
 KILL_MAX_TOKENS = 400  # the longest streams these tests run

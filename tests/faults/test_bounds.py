@@ -24,13 +24,13 @@ import pytest
 import torch
 import zmq
 
+from pdserve.coordinator.server import Coordinator, CoordinatorConfig
+from pdserve.kvtransfer.transfer import KVReceiver, KVSender
+from pdserve.wire.link import WorkerLink
+from pdserve.wire.protocol import PROTOCOL_VERSION, Abort, Heartbeat, Hello, Role, Welcome, WorkerToCoordinator
 from pdserve_client.library import AsyncClient, Client, InvalidRequest, Overloaded
-from wire.link import WorkerLink
-from pdserve_client.protocol import MAX_CONTROL_MESSAGE, CoordinatorToClient, Delta, GenerateRequest, decoder, encode
-from wire.protocol import PROTOCOL_VERSION, Abort, Heartbeat, Hello, Role, Welcome, WorkerToCoordinator
-from coordinator.server import Coordinator, CoordinatorConfig
-from kvtransfer.transfer import KVReceiver, KVSender
 from pdserve_client.params import SamplingParams, StructuredOutput
+from pdserve_client.protocol import MAX_CONTROL_MESSAGE, CoordinatorToClient, Delta, GenerateRequest, decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 

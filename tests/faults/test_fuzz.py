@@ -22,21 +22,43 @@ import pytest
 import torch
 import zmq
 
+from pdserve.kvtransfer.transfer import KVReceiver
+from pdserve.wire.limits import SCAN_FIRST_BYTES, RequestLimits
+from pdserve.wire.protocol import (
+    PROTOCOL_VERSION,
+    Admit,
+    AdmitRefused,
+    Granted,
+    Heartbeat,
+    Hello,
+    KVFailed,
+    KVReady,
+    PrefillDone,
+    Role,
+    TokenBatch,
+    TokenOut,
+    Welcome,
+    WorkerError,
+    WorkerToCoordinator,
+)
 from pdserve_client.library import Client, WorkerLost
-from wire.protocol import (
-    PROTOCOL_VERSION, Admit, AdmitRefused, Granted, Heartbeat, Hello, KVFailed, KVReady, PrefillDone, Role, TokenBatch, TokenOut, Welcome,
-    WorkerError, WorkerToCoordinator,
-)
-from pdserve_client.protocol import (
-    AbortRequest, ChatMessage, ClientToCoordinator, CoordinatorToClient, Delta, ErrorReply, GenerateRequest, StatsRequest, StatusRequest,
-    decoder, encode,
-)
-from kvtransfer.transfer import KVReceiver
 from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import (
+    AbortRequest,
+    ChatMessage,
+    ClientToCoordinator,
+    CoordinatorToClient,
+    Delta,
+    ErrorReply,
+    GenerateRequest,
+    StatsRequest,
+    StatusRequest,
+    decoder,
+    encode,
+)
 from tests.faults.fuzzing import fuzz_messages, mutate_json
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
-from wire.limits import SCAN_FIRST_BYTES, RequestLimits
 
 N = 10_000  # messages per ZeroMQ endpoint
 N_HTTP = 1500

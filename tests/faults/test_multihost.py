@@ -14,11 +14,12 @@ import uuid
 
 import pytest
 
+from pdserve.wire.security import keygen
 from pdserve_client.library import Client, RequestError
-from wire.security import keygen
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces")
+pytestmark = [pytest.mark.multihost, pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2 for network namespaces")]
 
 SUBNET = "10.231.77"  # addresses of this test's own namespaces only; nothing else is ever contacted
 HOSTS = {"c": 1, "p": 2, "d": 3}

@@ -19,7 +19,6 @@ import time
 
 import httpx
 import pytest
-
 import zmq
 
 from pdserve_client.library import Client

@@ -18,18 +18,18 @@ import threading
 import httpx
 import pytest
 
-from gateway.format import TokenText
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.gateway.format import TokenText
 from pdserve.launch import PORTS_PER_MODEL, port_plus
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.library import AsyncClient, Client, NoWorkers
 from pdserve_client.params import SamplingParams
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.tokenizer import load_tokenizer
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'pdserve[ray]')")
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'pdserve[ray]')")]
 
 MAX_TOKENS = 150  # each stream; run_and_kill (tests/faults/test_worker_death.py) starts 8
 OBJECT_STORE = 80 * 2**20  # per node: Ray's smallest, the workers pass nothing through it
@@ -176,6 +176,7 @@ def test_idle_scales_to_zero_then_a_request_waits_for_a_cold_start(node, expecte
         assert c.stats()["requests"]["cold_start_waits"] >= 1
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 def test_a_burst_scales_decode_up(node):
     async def burst():
         async with AsyncClient(node.clients, timeout=180) as c:  # long enough (~10 s on one worker) for the 1 s ticks to see it

@@ -68,6 +68,7 @@ def well_formed(r: httpx.Response, stream: bool) -> bool:
     return events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 def test_soak_1000_requests_through_the_gateway(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # inherited by every process of the service
     launcher = start_gateway_cluster(model_dir, tmp_path, engine_args=["--kv-cache-mb", "16"],

@@ -23,14 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
+from pdserve.kvtransfer.pool import host_identity
+from pdserve.wire import security
+from pdserve.wire.liveness import LIVENESS_ENV
+from pdserve.wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, Welcome
 from pdserve_client.library import Client, ClientError, RequestError, RequestLost
-from kvtransfer.pool import host_identity
-from tests.faults.test_worker_death import run_and_kill
-from tests.helpers import free_port, stream_prompts as prompts, wait_all_blocks_free
-from wire import security
-from wire.liveness import LIVENESS_ENV
-from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Generate, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut, Welcome
 from pdserve_client.protocol import FinishReason, decoder, encode
+from tests.faults.test_worker_death import run_and_kill
+from tests.helpers import free_port, wait_all_blocks_free
+from tests.helpers import stream_prompts as prompts
 
 MAX_TOKENS = 300
 
@@ -324,6 +325,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
         child.proc.wait()
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 def test_a_crash_looping_worker_is_retried_with_back_off_while_the_node_serves(model_dir, tmp_path):
     node = Node(model_dir, tmp_path, "--decode", "2", "--engine-arg=--kv-cache-mb=16")
     looping = "decode --worker-id local-decode-1"  # its command line, as ps shows it
@@ -379,7 +381,7 @@ def test_a_value_a_worker_rejects_at_its_first_start_stops_the_node(model_dir, t
 
 
 def test_a_decode_pool_larger_than_dev_shm_stops_the_node_at_once(model_dir, tmp_path):
-    from kvtransfer.pool import shm_free_bytes
+    from pdserve.kvtransfer.pool import shm_free_bytes
 
     too_big = shm_free_bytes() // 2**20 + 1024
     # the decode worker alone: a prefill worker would allocate that much private memory

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.library import AsyncClient, Client
 from pdserve_client.params import SamplingParams
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_tp_launch import gone, ranks_of
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill

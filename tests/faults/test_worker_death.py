@@ -12,7 +12,8 @@ import time
 import pytest
 
 from pdserve_client.library import AsyncClient, Client, RequestError, RequestLost
-from tests.helpers import start_cluster, stream_prompts as prompts, wait_all_blocks_free
+from tests.helpers import start_cluster, wait_all_blocks_free
+from tests.helpers import stream_prompts as prompts
 
 MAX_TOKENS = 400
 

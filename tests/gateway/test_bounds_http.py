@@ -16,11 +16,11 @@ import httpx
 import pytest
 import zmq
 
+from pdserve.wire.limits import RequestLimits
 from pdserve_client.library import Client, InvalidRequest
 from pdserve_client.params import SamplingParams
-from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
-from wire.limits import RequestLimits
 from pdserve_client.protocol import ChatMessage, CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
+from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 L = RequestLimits()
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}

@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 from pdserve_client.library import Client
+from pdserve_client.protocol import ClientToCoordinator, StatsReply, StatsRequest, decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
-from pdserve_client.protocol import ClientToCoordinator, StatsReply, StatsRequest, decoder, encode
 
 
 @pytest.fixture(scope="module")

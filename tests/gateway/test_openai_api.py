@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.common.tokenizer import load_tokenizer, render_chat
 from pdserve_client.library import Client
-from runtime.tokenizer import load_tokenizer, render_chat
 from tests.gateway.helpers import exposition_problems, poll, promtool_check, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 

@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from schemathesis import checks as st_checks
 
-from gateway.openapi import openapi
+from pdserve.gateway.openapi import openapi
 from tests.gateway.helpers import start_gateway_cluster
 from tests.helpers import save_tiny_served_model
 

@@ -5,8 +5,8 @@ coordinator reported for it; the hand-off bytes equal the coordinator's KV trans
 arithmetic of the split (clamps, colocated requests, forgotten ones) is checked on a fake clock."""
 import pytest
 
+from pdserve.wire.phase_metrics import LATE_MAX, PhaseTracker
 from pdserve_client import Client
-from wire.phase_metrics import LATE_MAX, PhaseTracker
 from tests.gateway.helpers import poll, scrape, start_gateway_cluster, value
 from tests.helpers import save_tiny_served_model
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.gateway.responses import ResponseObject, ResponseStore
 from pdserve_client.library import Client
-from gateway.responses import ResponseObject, ResponseStore
 from tests.helpers import wait_all_blocks_free
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",

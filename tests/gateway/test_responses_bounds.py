@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from coordinator.server import check_worker_message_size
-from gateway.errors import ApiError
-from gateway.responses import ResponsesRequest, responses_bounds
-from gateway.schema import STRUCTURED_WRAPPER_BYTES, decode_body
-from runtime.errors import LimitExceededError
+from pdserve.common.errors import LimitExceededError
+from pdserve.coordinator.server import check_worker_message_size
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.responses import ResponsesRequest, responses_bounds
+from pdserve.gateway.schema import STRUCTURED_WRAPPER_BYTES, decode_body
+from pdserve.wire.limits import RequestLimits
 from pdserve_client.params import SamplingParams
-from wire.limits import RequestLimits
 
 L = RequestLimits()
 

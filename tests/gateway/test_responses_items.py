@@ -9,12 +9,12 @@ import json
 import msgspec
 import pytest
 
+from pdserve.gateway.format import ChatFormatter
+from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.responses import InputItem, ResponsesRequest, ResponseStore, Turn, input_messages
+from pdserve.gateway.tool_parsers import PARSERS
+from pdserve.gateway.tools import FunctionDef, Tool, ToolPlan
 from pdserve_client.library import Result, StreamDelta
-from gateway.format import ChatFormatter
-from gateway.reasoning import REASONING_PARSERS
-from gateway.responses import InputItem, ResponsesRequest, ResponseStore, Turn, input_messages
-from gateway.tool_parsers import PARSERS
-from gateway.tools import FunctionDef, Tool, ToolPlan
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = {

@@ -5,14 +5,20 @@ import json
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.server import served_name
-from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, completion_inputs, completion_jobs, decode_body,
+from pdserve.common.model_path import default_model_path
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.schema import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_jobs,
+    completion_inputs,
+    completion_jobs,
+    decode_body,
 )
-from pdserve_client.protocol import ChatMessage
+from pdserve.gateway.server import served_name
 from pdserve_client.errors import InvalidRequestError
-from runtime.model_path import default_model_path
+from pdserve_client.protocol import ChatMessage
 
 
 def chat(messages=({"role": "user", "content": "hi"},), **fields) -> ChatCompletionRequest:
@@ -116,8 +122,8 @@ def test_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are_c
 def test_oversized_prompt_and_stop_are_refused_from_their_json_length():
     import json
 
-    from gateway.schema import refuse_oversized
-    from wire.limits import RequestLimits
+    from pdserve.gateway.schema import refuse_oversized
+    from pdserve.wire.limits import RequestLimits
 
     limits = RequestLimits(max_prompt_bytes=100, max_stop=2, max_stop_length=3)
     for body in ({"prompt": "a" * 700}, {"prompt": "hi", "stop": ["abc"] * 100}):

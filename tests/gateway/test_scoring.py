@@ -10,9 +10,9 @@ import openai
 import pytest
 import torch
 
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.runtime.scoring import SCORE_CHUNK
 from pdserve_client.library import Client
-from runtime.scoring import SCORE_CHUNK
-from runtime.tokenizer import load_tokenizer
 from tests.helpers import wait_all_blocks_free
 
 ATOL = 1e-4  # float32 fast path against transformers' float32 forward (seen: ~1e-5)

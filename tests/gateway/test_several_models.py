@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from gateway.format import TokenText
+from pdserve.common.tokenizer import load_tokenizer
+from pdserve.gateway.format import TokenText
 from pdserve.launch import PORTS_PER_MODEL, port_plus
 from pdserve_client.library import Client
-from runtime.tokenizer import load_tokenizer
 from tests.gateway.helpers import exposition_problems, scrape, value
 from tests.helpers import free_port, save_tiny_served_model, wait_all_blocks_free
 
@@ -67,8 +67,8 @@ def ready(http: str) -> bool:
 @pytest.fixture(scope="module")
 def expected(model_dirs):
     """Each model's greedy answers from the in-process runtime: (text, token ids) per prompt."""
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
 
     out, threads = [], torch.get_num_threads()

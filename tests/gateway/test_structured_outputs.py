@@ -27,7 +27,7 @@ import pydantic
 import pytest
 
 from tests.gateway.helpers import start_gateway_cluster
-from tests.helpers import save_tiny_served_model, start_cluster, free_port
+from tests.helpers import free_port, save_tiny_served_model, start_cluster
 
 CHAT = [{"role": "user", "content": "Answer in the required format."}]
 
@@ -171,7 +171,7 @@ SCHEMAS = [(Person, "Describe a person who lives in Paris."), (Weather, "What is
 
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
 def default_service(request, tmp_path_factory):
-    from runtime.model_path import resolve_model_path
+    from pdserve.common.model_path import resolve_model_path
 
     counts = dict(prefill=0, decode=0, colocated=1) if request.param == "colocated" else dict(prefill=1, decode=1)
     launcher = start_cluster(resolve_model_path(None), tmp_path_factory.mktemp("logs"), gateway=True, http_port=free_port(),
@@ -180,6 +180,7 @@ def default_service(request, tmp_path_factory):
     launcher.stop()
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 @pytest.mark.slow
 def test_openai_parse_validates_for_five_schemas(default_service):
     with openai.OpenAI(base_url=f"{default_service}/v1", api_key="x", max_retries=0, timeout=300) as c:
@@ -209,8 +210,8 @@ def _spec_jobs(spec):
 
 
 def test_the_gateway_check_has_a_budget_and_a_cache(monkeypatch):
-    from gateway import structured as gs
-    from gateway.errors import ApiError
+    from pdserve.gateway import structured as gs
+    from pdserve.gateway.errors import ApiError
     from pdserve_client.params import StructuredOutput
 
     monkeypatch.setattr(gs, "_LANE", None)  # a fresh lane: its own cache and budget
@@ -247,7 +248,7 @@ def test_an_unconstrained_request_imports_no_grammar_machinery():
     import subprocess
     import sys
 
-    code = ("import asyncio, sys, types; from gateway.structured import check_jobs; "
+    code = ("import asyncio, sys, types; from pdserve.gateway.structured import check_jobs; "
             "asyncio.run(check_jobs([types.SimpleNamespace(sampling={'structured': None}), types.SimpleNamespace(sampling={})])); "
             "print('torch' in sys.modules, 'xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

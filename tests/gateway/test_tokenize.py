@@ -6,7 +6,7 @@ workers wants the key and still answers, with the model's own context length."""
 import httpx
 import pytest
 
-from runtime.tokenizer import load_tokenizer, render_chat
+from pdserve.common.tokenizer import load_tokenizer, render_chat
 from tests.gateway.helpers import start_gateway_cluster
 from tests.helpers import free_port, save_tiny_served_model, start_cluster
 

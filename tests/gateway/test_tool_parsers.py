@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from gateway.reasoning import REASONING_PARSERS
-from gateway.tool_parsers import PARSERS
-from gateway.tools import CallStream, FunctionDef, Tool, ToolPlan, whole_calls
+from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.tool_parsers import PARSERS
+from pdserve.gateway.tools import CallStream, FunctionDef, Tool, ToolPlan, whole_calls
 
 WEATHER = {"city": "Paris", "unit": "c"}
 CASES = {  # parser -> [(output, content, [(name, arguments)])]
@@ -144,8 +144,8 @@ def test_reasoning_split_whole_and_streamed(name, text, reasoning, content, size
 def test_forced_grammars_follow_vllm():
     """named: the function's parameters; required: a list of {name, parameters} objects, at most
     one without parallel_tool_calls, each tool's $defs shared at the top (a conflict is a 400)."""
-    from gateway.errors import ApiError
-    from gateway.tools import forced_spec
+    from pdserve.gateway.errors import ApiError
+    from pdserve.gateway.tools import forced_spec
 
     ref = {"$defs": {"P": {"type": "integer"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}
     tools = [Tool(function=FunctionDef(name="f", parameters=ref)), Tool(function=FunctionDef(name="g"))]
@@ -166,9 +166,9 @@ def test_forced_grammars_follow_vllm():
 def test_chat_formatter_splits_reasoning_then_finds_calls_streamed_and_whole():
     """The formatter (gateway/format.py) joins both: reasoning deltas first, then the calls found in
     the content after </think>, the last chunk ending "tool_calls"; the whole answer says the same."""
+    from pdserve.gateway.format import ChatFormatter
+    from pdserve.gateway.reasoning import REASONING_PARSERS
     from pdserve_client.library import Result, StreamDelta
-    from gateway.format import ChatFormatter
-    from gateway.reasoning import REASONING_PARSERS
 
     text = 'Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     plan = ToolPlan("auto", [], parser=PARSERS["hermes"])

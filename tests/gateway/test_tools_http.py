@@ -19,8 +19,8 @@ import jsonschema_rs
 import openai
 import pytest
 
+from pdserve.common.tokenizer import load_tokenizer
 from pdserve_client.library import Client
-from runtime.tokenizer import load_tokenizer
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
 TEMPLATE = str(Path(__file__).resolve().parents[2] / "pdserve" / "data" / "chatml_tools.jinja")

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import torch_paged
+from pdserve.kernels import paged, torch_paged
 from tests.helpers import run_native_cuda_check
 
 TOL = 1e-3
@@ -68,8 +67,8 @@ def assert_matches_reference(backend, name, block_size, heads, kv_heads, head_di
     q, k_cache, v_cache, kw = make_case(
         q_lens, seq_lens, block_size=block_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
     )
-    ref = kernels.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
-    out = kernels.paged_attention(q, k_cache, v_cache, backend=backend, **kw)
+    ref = paged.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
+    out = paged.paged_attention(q, k_cache, v_cache, backend=backend, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     diff = (out.float() - ref.float()).abs().max().item()
@@ -91,9 +90,17 @@ TRITON_HEADS = (
 )
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", TRITON_HEADS)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("name", SCENARIOS)
+def triton_cases():
+    """Each scenario with each block size, with two head layouts each (one of head_dim 64, one of
+    128), rotated so that every scenario meets every layout: 24 cases under the interpreter (a
+    full cross is 72, ~50 s; scripts/gpu_check compiles the kernels for real)."""
+    for s, name in enumerate(SCENARIOS):
+        for b, block_size in enumerate(BLOCK_SIZES):
+            for heads in (TRITON_HEADS[(s + b) % 3], TRITON_HEADS[3 + (s + 2 * b) % 3]):
+                yield name, block_size, *heads
+
+
+@pytest.mark.parametrize("name,block_size,heads,kv_heads,head_dim", list(triton_cases()))
 def test_triton_matches_reference(name, block_size, heads, kv_heads, head_dim):
     assert_matches_reference("triton", name, block_size, heads, kv_heads, head_dim)
 
@@ -124,7 +131,7 @@ def test_torch_decode_in_chunks(monkeypatch, gather_bytes):
 def test_torch_prefill_is_bit_identical_to_hf_sdpa(length, dtype):
     """No cached prefix: the same sdpa call as transformers' Llama (repeat_kv, is_causal=True)."""
     q, k_cache, v_cache, kw = make_case([length], [length], block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
-    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    out = paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
     k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], length)
     hf = F.scaled_dot_product_attention(
         q.unsqueeze(0).transpose(1, 2), _repeat_kv(k, 3), _repeat_kv(v, 3), is_causal=True, scale=kw["scale"],
@@ -137,7 +144,7 @@ def test_torch_prefill_is_bit_identical_to_hf_sdpa(length, dtype):
 def test_torch_single_decode_is_bit_identical_to_hf_sdpa(length, dtype):
     """One sequence decoding: no mask, no padding, exactly transformers' sdpa decode call."""
     q, k_cache, v_cache, kw = make_case([1], [length], block_size=16, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
-    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    out = paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
     k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], length)
     hf = F.scaled_dot_product_attention(q.view(1, 9, 1, 64), _repeat_kv(k, 3), _repeat_kv(v, 3), scale=kw["scale"])
     assert torch.equal(out, hf.view(1, 9, 64))
@@ -157,8 +164,8 @@ def _repeat_kv(x, n_rep):
 
 def test_auto_is_torch_on_cpu():
     q, k_cache, v_cache, kw = make_case([1, 1], [5, 17], block_size=8, heads=4, kv_heads=2, head_dim=64)
-    auto = kernels.paged_attention(q, k_cache, v_cache, **kw)
-    assert torch.equal(auto, kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw))
+    auto = paged.paged_attention(q, k_cache, v_cache, **kw)
+    assert torch.equal(auto, paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw))
 
 
 def test_write_kv_places_values_at_slots():
@@ -169,7 +176,7 @@ def test_write_kv_places_values_at_slots():
     offsets = torch.tensor([0, 7, 3, 1, 6])
     k = torch.randn(5, kv_heads, head_dim)
     v = torch.randn(5, kv_heads, head_dim)
-    kernels.write_kv(k_cache, v_cache, k, v, blocks * block_size + offsets)
+    paged.write_kv(k_cache, v_cache, k, v, blocks * block_size + offsets)
     assert torch.equal(k_cache[blocks, offsets], k)
     assert torch.equal(v_cache[blocks, offsets], v)
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 5  # nothing else written
@@ -184,13 +191,13 @@ def test_write_then_attend_round_trip():
     table = torch.tensor([[3, 0, 4, 1]], dtype=torch.int32)
     k, v = torch.randn(21, kv_heads, head_dim), torch.randn(21, kv_heads, head_dim)
     pos = torch.arange(21)
-    kernels.write_kv(k_cache, v_cache, k, v, table[0].long()[pos // bs] * bs + pos % bs)
+    paged.write_kv(k_cache, v_cache, k, v, table[0].long()[pos // bs] * bs + pos % bs)
     q = torch.randn(1, heads, head_dim)
     kw = dict(
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([21], dtype=torch.int32),
         block_tables=table, max_query_len=1, scale=0.125,
     )
-    out = kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+    out = paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
     dense = F.scaled_dot_product_attention(
         q.view(1, heads, 1, head_dim), _repeat_kv(k.transpose(0, 1)[None], 2), _repeat_kv(v.transpose(0, 1)[None], 2),
         scale=0.125,
@@ -198,11 +205,11 @@ def test_write_then_attend_round_trip():
     assert (out - dense.view(1, heads, head_dim)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("backend", kernels.BACKENDS)
+@pytest.mark.parametrize("backend", paged.BACKENDS)
 def test_empty_batch(backend):
     q = torch.empty(0, 4, 64)
     k_cache = torch.zeros(2, 8, 2, 64)
-    out = kernels.paged_attention(
+    out = paged.paged_attention(
         q, k_cache, k_cache.clone(), query_start_loc=torch.zeros(1, dtype=torch.int32),
         seq_lens=torch.empty(0, dtype=torch.int32), block_tables=torch.empty(0, 1, dtype=torch.int32),
         max_query_len=1, scale=0.125, backend=backend,
@@ -213,26 +220,28 @@ def test_empty_batch(backend):
 def test_unknown_backend_raises():
     q, k_cache, v_cache, kw = make_case([1], [3], block_size=8, heads=4, kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match="backend"):
-        kernels.paged_attention(q, k_cache, v_cache, backend="flash", **kw)
+        paged.paged_attention(q, k_cache, v_cache, backend="flash", **kw)
 
 
 def test_heads_not_multiple_of_kv_heads_raises():
     q, k_cache, v_cache, kw = make_case([1], [3], block_size=8, heads=5, kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match="multiple"):
-        kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+        paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
 
 
 def test_mismatched_batch_raises():
     q, k_cache, v_cache, kw = make_case([1, 1], [3, 4], block_size=8, heads=4, kv_heads=2, head_dim=64)
     kw["block_tables"] = kw["block_tables"][:1]
     with pytest.raises(ValueError, match="block_tables"):
-        kernels.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
+        paged.paged_attention(q, k_cache, v_cache, backend="torch", **kw)
 
 
-def test_import_is_cheap_and_not_a_pypi_package():
-    """No triton at import time, and no __version__ (transformers probes a PyPI `kernels`)."""
-    code = "import sys, kernels; assert 'triton' not in sys.modules; assert not hasattr(kernels, '__version__')"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=_REPO)
+def test_import_is_cheap_and_does_not_shadow_the_pypi_kernels():
+    """No triton at import time; and from the repository root `import kernels` is Hugging Face's
+    package (transformers >= 5.25 imports it), never our kernels/ folder."""
+    code = ("import sys, pathlib, pdserve.kernels.paged; assert 'triton' not in sys.modules\n"
+            "import kernels; assert not pathlib.Path(kernels.__file__).is_relative_to(sys.argv[1]), kernels.__file__")
+    subprocess.run([sys.executable, "-c", code, str(_REPO / "kernels")], check=True, cwd=_REPO)
 
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -249,10 +258,10 @@ def native_cuda_check() -> None:
                         q_lens, seq_lens, block_size=block_size, heads=heads, kv_heads=kv_heads,
                         head_dim=head_dim, dtype=dtype,
                     )
-                    ref = kernels.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
+                    ref = paged.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
                     cuda = [t.cuda() for t in (q, k_cache, v_cache)]
                     kw_cuda = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()}
-                    out = kernels.paged_attention(*cuda, backend="auto", **kw_cuda).cpu()
+                    out = paged.paged_attention(*cuda, backend="auto", **kw_cuda).cpu()
                     diff = (out.float() - ref.float()).abs().max().item()
                     assert diff <= tol, f"native triton {name} bs={block_size} {heads}/{kv_heads} D={head_dim} {dtype}: {diff:.2e}"
 

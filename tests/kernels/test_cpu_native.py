@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native as cn, native_build
-from kernels.backends import row_bucket
-from kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear
-from kernels.reference import paged_attention_ref
+from pdserve.kernels import cpu_native as cn
+from pdserve.kernels import native_build
+from pdserve.kernels.backends import row_bucket
+from pdserve.kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, PackedLinear
+from pdserve.kernels.reference import paged_attention_ref
 from tests.kernels.variants import ISAS, isa  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.skipif(cn.native() is None and native_build.compiler() is None, reason="no C compiler: the fused CPU kernels are not built")
@@ -114,8 +115,8 @@ def test_silu_mul_matches_twin(rows, inter, ops):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 40)])
 def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim, ops):
-    from runtime.config import RopeScaling
-    from runtime.rope import RotaryEmbedding
+    from pdserve.runtime.config import RopeScaling
+    from pdserve.runtime.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, RopeScaling())
     tokens = 70  # above the kernel's threading threshold

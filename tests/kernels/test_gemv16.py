@@ -5,8 +5,8 @@ Runs where the avx512 variant (which builds it) runs; the repacking is checked e
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.quant import QTYPES, QuantTensor, dequantize_raw
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import QTYPES, QuantTensor, dequantize_raw
 from tests.kernels.test_select import random_quant
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the C kernels")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_native as cn, native_build
+from pdserve.kernels import cpu_native as cn
+from pdserve.kernels import native_build
 from tests.kernels.variants import ISAS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ def test_each_variant_reports_its_level_and_sources():
 
 
 def test_pdserve_isa_forces_a_variant_and_refuses_unknown_names(monkeypatch):
-    probe = "from kernels import cpu_native; print(cpu_native.native().isa)"
+    probe = "from pdserve.kernels import cpu_native; print(cpu_native.native().isa)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_ISA": ISAS[-1]}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split()[-1] == ISAS[-1] == "baseline"
@@ -59,7 +60,7 @@ def test_pdserve_isa_forces_a_variant_and_refuses_unknown_names(monkeypatch):
 def test_install_step_builds_every_variant_and_stale_ones_are_rebuilt(tmp_path, monkeypatch):
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
                    cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
-    built = tmp_path / "lib" / "kernels" / "_native"
+    built = tmp_path / "lib" / "pdserve" / "kernels" / "_native"
     assert sorted(p.name for p in built.iterdir()) == sorted(native_build.library_name(i) for i in native_build.platform_isas())
     for isa in ISAS:  # the ones this machine can run: each is what its name says, from these sources
         lib = ctypes.CDLL(str(built / native_build.library_name(isa)))

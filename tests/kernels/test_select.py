@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import backends, cpu_native, select
-from kernels.linear import PackedLinear
-from kernels.quant import QuantTensor
+from pdserve.kernels import backends, cpu_native, select
+from pdserve.kernels.linear import PackedLinear
+from pdserve.kernels.quant import QuantTensor
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the C kernels")
 

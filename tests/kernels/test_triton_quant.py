@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.quant import QTYPES, matmul_twin
+from pdserve.kernels.quant import QTYPES, matmul_twin
 from tests.helpers import run_native_cuda_check
 from tests.runtime.test_quantized import random_quant
 
@@ -19,7 +19,7 @@ from tests.runtime.test_quantized import random_quant
 def test_triton_quant_matmul_equals_the_float_twin(qtype, rows):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU run of the Triton kernel needs TRITON_INTERPRET=1")
-    from kernels import triton_quant
+    from pdserve.kernels import triton_quant
 
     w = random_quant(qtype, 70, 96, seed=rows)  # 70: a partial tile of weight rows
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
@@ -36,8 +36,8 @@ def native_cuda_check():
     file dequantized, float32 and bfloat16 activations, greedy tokens equal."""
     import tempfile
 
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
     from tests.helpers import save_tiny_model, write_gguf
 

@@ -7,7 +7,7 @@ case is simply not generated. Import the fixture by name into a test module to u
 """
 import pytest
 
-from kernels import cpu_native
+from pdserve.kernels import cpu_native
 
 ISAS = cpu_native.usable_isas()
 

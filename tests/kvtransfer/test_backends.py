@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from kvtransfer.backends import AUTO_ORDER, BY_NAME, Route
-from kvtransfer.transfer import BACKENDS, GPU_BACKENDS
+from pdserve.kvtransfer.backends import AUTO_ORDER, BY_NAME, Route
+from pdserve.kvtransfer.transfer import BACKENDS, GPU_BACKENDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +23,7 @@ def test_each_name_is_one_backend_and_auto_tries_them_all_tcp_last():
 
 def test_the_backends_import_without_cupy_or_a_gpu():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy.cuda'] = None\n"
-            "import torch; from kvtransfer import transfer; from kvtransfer.backends import BY_NAME\n"
+            "import torch; from pdserve.kvtransfer import transfer; from pdserve.kvtransfer.backends import BY_NAME\n"
             "print(sorted(BY_NAME), transfer.gpu_backends(torch.zeros(2, 2, 4, 16, 1, 8)))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)

@@ -16,21 +16,20 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 import torch
 import zmq
 
-from wire.protocol import Admit, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError
-from pdserve_client.protocol import decoder, encode
-from kvtransfer import cuda_ipc, nccl
-from kvtransfer.errors import KVTransferError, KVTransferTimeout
-from kvtransfer.pool import KVPool
-from kvtransfer.transfer import KVReceiver, KVSender, choose_backend, gpu_backends
-from runtime.config import EngineConfig
-from runtime.errors import NotSupportedError
-from runtime.kv_cache import BlockManager
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer import cuda_ipc, nccl
+from pdserve.kvtransfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.pool import KVPool
+from pdserve.kvtransfer.transfer import KVReceiver, KVSender, choose_backend, gpu_backends
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.wire.protocol import Admit, KVAccept, KVConnect, KVFailed, KVReady, Prefill, PrefillToDecode, WorkerError
 from pdserve_client.params import SamplingParams
+from pdserve_client.protocol import decoder, encode
 from tests.helpers import FakeLink, receive_handoff, run_in_child, save_tiny_model, tiny_engine
 
 SHAPE = (3, 2, 16, 4, 2, 8)  # (layers, 2, num_blocks, block_size, KVH, D)
@@ -403,11 +402,11 @@ def test_nccl_peer_that_never_joins_times_out(pair, fake_nccl):
 
 
 def decode_side(receiver: KVReceiver, num_blocks: int):
-    from decode.worker import DecodeWorker
+    from pdserve.worker.any_role import Worker
 
     # the grant bookkeeping, without a model: any token id and params pass the hand-off's checks
     engine = SimpleNamespace(blocks=BlockManager(num_blocks, SHAPE[3]), cfg=SimpleNamespace(vocab_size=2**31), validate=lambda *a: None)
-    return DecodeWorker("decode-1", engine, receiver, FakeLink())
+    return Worker("decode-1", engine, receiver, FakeLink())
 
 
 @pytest.fixture(scope="module")
@@ -420,7 +419,7 @@ def tiny_kv_model(tmp_path_factory):
 
 def prefill_side(sender: KVSender, model_dir):
     """A prefill worker in prefill mode on a pool of SHAPE; returns it and a job maker (Prefill messages)."""
-    from prefill.worker import PrefillWorker
+    from pdserve.prefill.fixed_worker import PrefillWorker
 
     engine, pool = tiny_engine(model_dir, prefill_only=True, num_blocks=SHAPE[2], block_size=SHAPE[3])
     assert tuple(pool.shape) == SHAPE
@@ -493,7 +492,7 @@ def _run_child(fn: str, *args) -> subprocess.Popen:
 
 def ipc_receiver_child(out_path: str, device: str = "cuda:0", dtype: str = "bfloat16") -> None:
     """A decode side in its own process: a CUDA IPC pool, answers KVConnect, saves the blocks it is sent."""
-    from kvtransfer.pool import DTYPES
+    from pdserve.kvtransfer.pool import DTYPES
 
     pool = cuda_ipc.CudaKVPool.create(SHAPE, DTYPES[dtype], device)
     ctx = zmq.Context()
@@ -574,7 +573,7 @@ def test_nccl_between_two_processes(tmp_path):
 
 @pytest.mark.gpu
 def test_engine_on_cuda_matches_the_cpu(tmp_path):
-    from runtime.engine import LLMEngine
+    from pdserve.runtime.engine import LLMEngine
     from tests.helpers import save_tiny_model
 
     save_tiny_model(tmp_path, max_position_embeddings=256)

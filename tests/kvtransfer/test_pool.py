@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from kvtransfer.pool import SHM_DIR, SHM_PREFIX, KVPool, ShmSpaceError, shm_free_bytes
+from pdserve.kvtransfer.pool import SHM_DIR, SHM_PREFIX, KVPool, ShmSpaceError, shm_free_bytes
 
 SHAPE = (2, 2, 4, 8, 2, 8)  # (layers, 2, blocks, block_size, kv heads, head dim)
 
@@ -34,7 +34,7 @@ def test_a_stale_pool_file_of_the_same_name_is_replaced():
 
 def test_a_pool_file_held_by_a_live_creator_is_not_touched():
     n = name()
-    code = (f"import torch, sys; from kvtransfer.pool import KVPool; p = KVPool.create({SHAPE}, torch.float32, True, {n!r}); "
+    code = (f"import torch, sys; from pdserve.kvtransfer.pool import KVPool; p = KVPool.create({SHAPE}, torch.float32, True, {n!r}); "
             "print(p.path, flush=True); sys.stdin.read(); p.close()")
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

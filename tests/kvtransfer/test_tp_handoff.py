@@ -17,17 +17,17 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer import cuda_ipc, nccl
-from kvtransfer.errors import KVTransferError
-from kvtransfer.heads import HeadParts, as_parts, block_bytes, copy_heads, gather_layer, scatter_layer
-from kvtransfer.transfer import KVReceiver, KVSender
-from runtime.config import EngineConfig, WorkerConfig
-from runtime.errors import NotSupportedError
-from runtime.tp import kv_head_range
+from pdserve.common.errors import NotSupportedError
+from pdserve.kvtransfer import cuda_ipc, nccl
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.heads import HeadParts, as_parts, block_bytes, copy_heads, gather_layer, scatter_layer
+from pdserve.kvtransfer.transfer import KVReceiver, KVSender
+from pdserve.runtime.config import EngineConfig, WorkerConfig
+from pdserve.runtime.tp import kv_head_range
+from pdserve.wire.protocol import KVAccept, KVReady
+from pdserve.worker import tp_ranks
 from tests.helpers import receive_handoff, run_in_child
 from tests.kvtransfer.test_gpu_backends import Pump, ctx, fake_nccl, ready  # noqa: F401 (fixtures)
-from wire.protocol import KVAccept, KVReady
-from worker import tp_ranks
 
 SHAPE = (2, 2, 16, 4, 6, 8)  # (layers, 2, num_blocks, block_size, KVH, D): 6 KV heads split 1, 2, 3 or 6 ways
 SIZES = [(3, 1), (1, 3), (3, 3), (2, 3), (1, 1)]  # (prefill TP, decode TP)

@@ -6,11 +6,11 @@ free: a hand-off's blocks are released as soon as they are sent, on failure too.
 """
 import torch
 
-from kvtransfer.local import LocalKV
-from prefill.worker import PrefillWorker
+from pdserve.kvtransfer.local import LocalKV
+from pdserve.prefill.fixed_worker import PrefillWorker
+from pdserve.wire.protocol import Abort, KVFailed, KVReady, Prefill, PrefillDone, WorkerError
 from pdserve_client.params import SamplingParams
 from tests.helpers import FakeLink, tiny_engine
-from wire.protocol import Abort, KVFailed, KVReady, Prefill, PrefillDone, WorkerError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 DEST = "local://decode-1"

@@ -11,13 +11,13 @@ GEMMs). The fast path is float32-only, so bfloat16 runs the module forward.
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine, build_model
-from runtime.kv_cache import allocate_kv_cache
-from runtime.model import ForwardBatch
+from pdserve.common.tokenizer import render_chat
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine, build_model
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.model import ForwardBatch
+from pdserve.runtime.weights import load_checkpoint
 from pdserve_client.params import SamplingParams
-from runtime.tokenizer import render_chat
-from runtime.weights import load_checkpoint
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers and explain why."]
 

@@ -1,4 +1,4 @@
-"""runtime.cores: busy workers split the cores, idle ones give theirs up; flags shared through
+"""pdserve.runtime.cores: busy workers split the cores, idle ones give theirs up; flags shared through
 the file between processes as the launcher sets them up."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from runtime.cores import CoreShare, StaticCores, create_share
+from pdserve.runtime.cores import CoreShare, StaticCores, create_share
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_share_among_workers_of_one_role_is_told_from_one_beside_a_busy_prefil
 
 def test_flags_are_shared_between_processes(share_path):
     code = (
-        "import sys; from runtime.cores import CoreShare; "
+        "import sys; from pdserve.runtime.cores import CoreShare; "
         f"s = CoreShare.open({share_path!r} + ':2', cores=2); s.busy(); print(s.busy_workers()); sys.stdout.flush()"
     )
     before = torch.get_num_threads()
@@ -73,7 +73,7 @@ def test_start_up_profiles_run_one_at_a_time(share_path):
     """alone() excludes the other workers' alone() across processes, and a worker killed inside
     one does not block the rest (the kernel drops its lock)."""
     code = (
-        "import sys; from runtime.cores import CoreShare\n"
+        "import sys; from pdserve.runtime.cores import CoreShare\n"
         f"s = CoreShare.open({share_path!r} + ':1', cores=2)\n"
         "with s.alone():\n    print('profiling', flush=True); sys.stdin.readline()\n"
     )
@@ -115,7 +115,7 @@ def test_bad_specs_are_refused(share_path):
 
 
 def test_a_decode_worker_defers_to_a_busy_prefill_worker_up_to_the_cap(share_path):
-    from runtime.cores import IDLE, WANTS_TURN
+    from pdserve.runtime.cores import IDLE, WANTS_TURN
 
     before = torch.get_num_threads()
     try:
@@ -146,7 +146,7 @@ def test_prefill_and_decode_steps_take_turns_and_never_overlap(share_path):
     import threading
     import time
 
-    from runtime.cores import PREFILLING, YIELDING
+    from pdserve.runtime.cores import PREFILLING, YIELDING
 
     before = torch.get_num_threads()
     try:
@@ -195,7 +195,7 @@ def test_prefill_and_decode_steps_take_turns_and_never_overlap(share_path):
 
 
 def test_the_stall_cap_follows_the_coordinators_tpot_target():
-    from runtime.core_turns import DECODE_STALL_CAP_S, DECODE_TURN_AFTER_S, STALL_SHARE_OF_TPOT, stall_cap, turn_after
+    from pdserve.common.core_turns import DECODE_STALL_CAP_S, DECODE_TURN_AFTER_S, STALL_SHARE_OF_TPOT, stall_cap, turn_after
 
     assert stall_cap(0.0) == DECODE_STALL_CAP_S  # no SLO control: prefill first, up to the cap
     assert stall_cap(500.0) == pytest.approx(STALL_SHARE_OF_TPOT * 0.5)  # the default target: 0.2 s

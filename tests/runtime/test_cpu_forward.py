@@ -8,15 +8,14 @@ greedy choice must be the same unless the twin's top-two logits are within LOGIT
 near-tie). Then the whole greedy output must equal the slow engine's under the same rule.
 """
 import pytest
-import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 from tests.helpers import LOGIT_GAP_TOL, save_tiny_model
 
 pytestmark = pytest.mark.skipif(
-    __import__("kernels.cpu_native", fromlist=["native"]).native() is None, reason="no C compiler: no fast path"
+    __import__("pdserve.kernels.cpu_native", fromlist=["native"]).native() is None, reason="no C compiler: no fast path"
 )
 
 MODELS = {

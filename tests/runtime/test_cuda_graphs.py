@@ -3,12 +3,11 @@ on a GPU the same tokens as eager execution with the replays counted."""
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from runtime import cuda_graphs
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.errors import NotSupportedError
+from pdserve.common.errors import NotSupportedError
+from pdserve.runtime import cuda_graphs
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_model
 

@@ -3,10 +3,10 @@ leave greedy output unchanged, aborts and every other path free all blocks, bad 
 typed errors before anything is queued."""
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from pdserve.common.errors import PromptTooLongError
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.errors import InvalidRequestError, InvalidSamplingParams
-from runtime.errors import PromptTooLongError
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import FinishReason
 from tests.helpers import save_tiny_model
@@ -145,7 +145,7 @@ def test_a_step_on_a_share_of_the_cores_is_logged_apart_with_its_threads(tiny):
     all-core model on those alone and learns what sharing costs from these)."""
     import types
 
-    from runtime.engine import drain_steps
+    from pdserve.runtime.engine import drain_steps
 
     eng = engine(tiny)
     few = dict(temperature=0, max_tokens=3, ignore_eos=True)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.errors import UnsupportedModelError
+from pdserve.common.errors import UnsupportedModelError
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.weights import gguf_dequantizable, load_checkpoint, supported_gguf_types, unpermute_qk
 from pdserve_client.params import SamplingParams
-from runtime.weights import gguf_dequantizable, load_checkpoint, supported_gguf_types, unpermute_qk
 from tests.helpers import assert_greedy_equal, hf_greedy
 
 # hidden and intermediate sizes are multiples of 256: every row is whole K-quant blocks

@@ -1,18 +1,21 @@
 """Greedy output equals HF transformers token for token (see tests/helpers.py for the one
 allowed near-tie divergence), on tiny random Llama/Qwen2 checkpoints and on the default model,
 one sequence at a time and as one mixed-length batch."""
+from pathlib import Path
+
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model
 
 CONFIGS = {
     "llama": dict(arch="llama"),
     "llama-tied-mha": dict(arch="llama", tie_word_embeddings=True, num_key_value_heads=4),
-    "llama3-rope": dict(arch="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope": dict(arch="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-linear-rope": dict(arch="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen2-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=1),
 }
@@ -60,6 +63,7 @@ def default_engine():
     return LLMEngine.load(None, EngineConfig(num_blocks=256, quantization="none"), progress=False)
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 @pytest.mark.slow
 def test_default_model_matches_hf(default_engine, monkeypatch):
     import functools
@@ -67,8 +71,8 @@ def test_default_model_matches_hf(default_engine, monkeypatch):
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from runtime.tokenizer import render_chat
-    from runtime.weights import default_model_path
+    from pdserve.common.tokenizer import render_chat
+    from pdserve.runtime.weights import default_model_path
 
     path = default_model_path()
     # transformers' GGUF loader parses the file twice (config, then weights) and rebuilds gguf's
@@ -93,7 +97,10 @@ def test_default_model_matches_hf(default_engine, monkeypatch):
     assert eng.blocks.free_blocks == eng.blocks.num_blocks
 
 
-def test_transformers_does_not_see_our_kernels_package():
+def test_transformers_sees_hugging_faces_kernels_package_not_ours():
     from transformers.utils import import_utils
 
-    assert not import_utils.is_kernels_available()
+    import kernels
+
+    assert import_utils.is_kernels_available() == hasattr(kernels, "CUDAProperties")  # HF's, when installed
+    assert not Path(kernels.__file__ or "").is_relative_to(Path(__file__).resolve().parents[2] / "kernels")

@@ -1,7 +1,7 @@
 """The block manager as plain data, without a model; the workers' default KV budget."""
 import os
 
-from runtime.kv_cache import BlockManager
+from pdserve.runtime.kv_cache import BlockManager
 
 
 def test_allocate_free_refcount():
@@ -38,7 +38,7 @@ def test_ensure_slots_and_slot_mapping():
 
 
 def test_auto_kv_budget_is_2_gib_or_what_a_small_machine_can_spare(tmp_path):
-    from runtime.config import AUTO_KV_CACHE_MB, auto_kv_cache_mb
+    from pdserve.runtime.config import AUTO_KV_CACHE_MB, auto_kv_cache_mb
 
     with open("/proc/meminfo") as f:
         available_mib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) // 1024

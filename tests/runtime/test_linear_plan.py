@@ -6,10 +6,10 @@ precision out of the table; the figures are cached."""
 import pytest
 import torch
 
-from kernels import backends, cpu_native
-from runtime import linear_plan
-from runtime.config import EngineConfig
-from runtime.engine import load_model
+from pdserve.kernels import backends, cpu_native
+from pdserve.runtime import linear_plan
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import load_model
 from tests.helpers import save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the fast path")
@@ -62,7 +62,7 @@ def test_the_layers_keep_the_c_kernel_where_the_one_call_decode_step_runs():
     """A measured table that gave one layer shape another back-end at 1 row would turn the
     one-call decode step off: up to ONE_CALL_ROWS the layer shapes keep c-int16, the LM head and
     larger buckets keep what was measured."""
-    from kernels.select import Table
+    from pdserve.kernels.select import Table
 
     table = Table(entries={"576x576 Q4_1": [(1, "int4pack"), (2, "c-int16"), (4, "int4pack")],
                            "960x576 Q4_1": [(1, "c-int16"), (2, "c-int16")], "49152x576 Q8_0": [(1, "int4pack")]})

@@ -6,11 +6,11 @@ another length, a decode row and a chunk over a cached prefix (which keep the pe
 import pytest
 import torch
 
-from kernels import cpu_native
-from runtime.config import EngineConfig
-from runtime.engine import load_model
-from runtime.kv_cache import allocate_kv_cache
-from runtime.model import ForwardBatch
+from pdserve.kernels import cpu_native
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import load_model
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.model import ForwardBatch
 from tests.helpers import save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the fast path")
@@ -42,7 +42,7 @@ def test_batched_fresh_prompts_equal_per_prompt_attention(tmp_path, arch, monkey
     g = torch.Generator().manual_seed(0)
     seq = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (20, 20, 20, 9, 33, 40)]
     results, calls = [], []
-    import runtime.cpu_forward as cpu_forward
+    import pdserve.runtime.cpu_forward as cpu_forward
 
     batched_call = cpu_forward.attend_fresh
     monkeypatch.setattr(cpu_forward, "attend_fresh", lambda q, *a: calls.append(q.shape[:2]) or batched_call(q, *a))

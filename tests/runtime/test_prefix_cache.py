@@ -8,11 +8,11 @@ from array import array
 
 import pytest
 
-from runtime import kv_cache
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.kv_cache import BlockManager
-from runtime.prefix_hash import ROOT_HASH, chain_hashes, new_secret
+from pdserve.common.prefix_hash import ROOT_HASH, chain_hashes, new_secret
+from pdserve.runtime import kv_cache
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.kv_cache import BlockManager
 from pdserve_client.params import SamplingParams
 from tests.helpers import force_colliding_keys, save_tiny_model
 

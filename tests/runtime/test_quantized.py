@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import backends, cpu_native
-from kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine, load_model
-from runtime.kv_cache import allocate_kv_cache
-from runtime.model import ForwardBatch
+from pdserve.common.tokenizer import render_chat
+from pdserve.kernels import backends, cpu_native
+from pdserve.kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine, load_model
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.model import ForwardBatch
 from pdserve_client.params import SamplingParams
-from runtime.tokenizer import render_chat
 from tests.helpers import save_tiny_model, write_gguf
 from tests.kernels.variants import isa  # noqa: F401  (the fixture: a test taking it runs on every instruction-set variant)
 
@@ -59,7 +59,9 @@ def test_dequantize_c_equals_twin_equals_gguf(qtype, isa):  # noqa: F811
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 45, 128, 131])
 def test_matmul_paths_equal_their_twins(qtype, rows, isa):  # noqa: F811
-    w = random_quant(qtype, 53, 160, seed=rows)  # 53: float tile (24) and register-block (3) tails, int16 panel (48) and micro-tile (4) tails; rows 8, 33, 45, 131: last int16 tiles of 8, 1, 13, 3 rows
+    # 53: float tile (24) and register-block (3) tails, int16 panel (48) and micro-tile (4) tails;
+    # rows 8, 33, 45, 131: last int16 tiles of 8, 1, 13, 3 rows
+    w = random_quant(qtype, 53, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(53)
     got, ref = matmul(x, w, bias), matmul_twin(x, w, bias)
@@ -224,6 +226,7 @@ def greedy_scored(model, prompts: list[list[int]], max_tokens: int, eos_ids: set
     return seqs, [torch.stack(o) for o in scores]
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 @pytest.mark.slow
 def test_default_model_quantized_scores_like_float_twin_teacher_forced():
     twin = LLMEngine.load(None, EngineConfig(num_blocks=512, quantization="none"), progress=False)

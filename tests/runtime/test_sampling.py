@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.runtime.sampling import SamplingRow, adjusted_logits, sample, sample_reference
 from pdserve_client.errors import InvalidSamplingParams
 from pdserve_client.params import SamplingParams
-from runtime.sampling import SamplingRow, adjusted_logits, sample, sample_reference
 
 VOCAB = 256
 

@@ -1,10 +1,10 @@
 """The scheduler as plain data, without a model: token budget and chunks, admission order,
 preemption of the newest sequence, sequences that can never fit; each ends with its blocks freed."""
-from runtime.kv_cache import BlockManager
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.runtime.scheduler import Scheduler
+from pdserve.runtime.sequence import SeqStatus, Sequence
 from pdserve_client.params import SamplingParams
-from runtime.scheduler import Scheduler
 from pdserve_client.protocol import FinishReason
-from runtime.sequence import Sequence, SeqStatus
 
 
 def seq(rid, n, max_tokens=4):

@@ -6,11 +6,11 @@ mode (handed out with the first token); the pool is whole at the end."""
 import pytest
 import torch
 
+from pdserve.runtime.kv_cache import BlockManager
+from pdserve.runtime.scheduler import Scheduler
+from pdserve.runtime.scoring import SCORE_CHUNK, score, score_reference
+from pdserve.runtime.sequence import Sequence
 from pdserve_client.params import SamplingParams
-from runtime.scoring import SCORE_CHUNK, score, score_reference
-from runtime.sequence import Sequence
-from runtime.scheduler import Scheduler
-from runtime.kv_cache import BlockManager
 from tests.helpers import save_tiny_model, tiny_engine
 
 ATOL = 1e-4

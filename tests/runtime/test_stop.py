@@ -3,7 +3,7 @@ does not grow with the number of stop strings."""
 import random
 import time
 
-from runtime.stop import StopStrings, first_slow
+from pdserve.common.stop import StopStrings, first_slow
 
 
 def test_fast_matcher_equals_its_twin_on_random_growth():

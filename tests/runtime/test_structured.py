@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.grammar_lane import LRU, CompileLane, CompilerBusy, GrammarTooComplex
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.grammar_lane import LRU, CompileLane, CompilerBusy, GrammarTooComplex
+from pdserve.runtime.sampling import SamplingRow, sample
+from pdserve.runtime.structured import MAX_WHITESPACE, constrainer
 from pdserve_client.params import SamplingParams, StructuredOutput
-from runtime.sampling import SamplingRow, sample
 from pdserve_client.protocol import FinishReason
-from runtime.structured import MAX_WHITESPACE, constrainer
 from tests.helpers import save_tiny_served_model
 
 

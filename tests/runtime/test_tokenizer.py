@@ -2,7 +2,7 @@
 incremental detokenization that never emits a broken character and honours stop strings."""
 import pytest
 
-from runtime.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
+from pdserve.common.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_saved_tokenizer_is_read_as_autotokenizer_would_without_torch(tmp_path, 
     text, chat = "Hello, wörld! 日本語 ✓ <|im_start|>", [{"role": "user", "content": "hi"}]
     assert type(direct) is type(auto) and direct.encode(text) == auto.encode(text)
     assert render_chat(direct, chat) == render_chat(auto, chat) and direct.eos_token_id == auto.eos_token_id
-    probe = f"import sys; from runtime.tokenizer import load_tokenizer; load_tokenizer({str(tmp_path)!r}); print('torch' in sys.modules)"
+    probe = f"import sys; from pdserve.common.tokenizer import load_tokenizer; load_tokenizer({str(tmp_path)!r}); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -17,18 +17,32 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.quant import QuantTensor
-from runtime.config import EngineConfig, ModelConfig
-from runtime.engine import LLMEngine, build_model
+from pdserve.common.errors import NotSupportedError, UnsupportedModelError
+from pdserve.kernels.quant import QuantTensor
+from pdserve.runtime.config import EngineConfig, ModelConfig
+from pdserve.runtime.engine import LLMEngine, build_model
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.tp import (
+    HeadRoute,
+    RankGroup,
+    StepPlan,
+    batch_of,
+    check_split,
+    column_part,
+    compute_backend,
+    head_routes,
+    kv_head_range,
+    plan_of,
+    rank_config,
+    rank_devices,
+    row_part,
+    vocab_part,
+)
+from pdserve.runtime.weights import load_checkpoint
+from pdserve.worker import tp_ranks
 from pdserve_client.errors import InvalidRequestError
-from runtime.errors import NotSupportedError, UnsupportedModelError
-from runtime.kv_cache import allocate_kv_cache
 from pdserve_client.params import SamplingParams
-from runtime.weights import load_checkpoint
-from runtime.tp import (HeadRoute, RankGroup, StepPlan, batch_of, check_split, column_part, compute_backend, head_routes, kv_head_range,
-                        plan_of, rank_config, rank_devices, row_part, vocab_part)
 from tests.helpers import run_in_child, save_tiny_model, tiny_engine, write_gguf
-from worker import tp_ranks
 
 LOGPROB_TOL = 1e-4  # float weights
 QUANT_LOGPROB_TOL = 1e-3  # GGUF blocks: the C kernels round activations per block and TP 1 runs the fused path
@@ -217,8 +231,8 @@ def test_a_ranks_pool_gets_the_blocks_its_own_budget_buys():
 def test_the_pool_is_sized_once_the_weights_are_loaded(tiny, monkeypatch):
     """--gpu-memory-utilization measures what the device has left after the weights: load_model
     builds the model first, then asks the budget (spies on the real functions; TP 1 here)."""
-    from kvtransfer.pool import KVPool
-    from runtime.config import WorkerConfig
+    from pdserve.kvtransfer.pool import KVPool
+    from pdserve.runtime.config import WorkerConfig
 
     calls, build, blocks = [], tp_ranks.build_model, EngineConfig.blocks_for_budget
     monkeypatch.setattr(tp_ranks, "build_model", lambda *a, **k: calls.append("weights") or build(*a, **k))
@@ -232,7 +246,7 @@ def stuck_or_closing_child(closes: str) -> None:
     """A worker's rank 0 whose other rank has died (a process that exits at once): its watch sends
     SIGTERM; the main thread then closes (closes="1"), or waits on as a step waits in an NCCL
     collective for the dead rank (closes="0"). Prints how it ended."""
-    from worker.tp_ranks import Ranks
+    from pdserve.worker.tp_ranks import Ranks
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # as worker.process.serve: the loop's flag

@@ -39,7 +39,7 @@ def _values(rank: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def allreduce_child(rank: str, n: str, port: str) -> None:
-    from runtime.tp import RankGroup
+    from pdserve.runtime.tp import RankGroup
 
     r, n = int(rank), int(n)
     group = RankGroup(r, n, int(port), device=f"cuda:{r}").connect()
@@ -79,11 +79,11 @@ def tp_forward_child(model_dir: str, n: str) -> None:
     """TP 1 and TP n engines on CUDA (float32), rank 0 in this process as a worker loads it
     (worker.tp_ranks.load_on_gpus: each rank's pool on its GPU, the others' mapped over CUDA IPC):
     their tokens and logprobs, and where each rank's pool lives."""
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
-    from runtime.weights import load_checkpoint
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
+    from pdserve.runtime.weights import load_checkpoint
+    from pdserve.worker import tp_ranks
     from tests.helpers import tiny_engine
-    from worker import tp_ranks
 
     n = int(n)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
@@ -134,9 +134,9 @@ def test_handoff_across_tp_sizes_on_gpus(tmp_path, backend, prefill_tp, decode_t
     a dedicated prefill worker; TP 3 decode: `pdserve worker`). The TP 3 side runs on cuda:0-2;
     the TP 1 side on cuda:0 for cuda_ipc, for nccl on cuda:1 (3 -> 1) or, 1 -> 3, on cuda:2 while
     the decode ranks are on 0-2: the two rank 0s on two GPUs."""
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
-    from runtime.tokenizer import load_tokenizer
+    from pdserve.common.tokenizer import load_tokenizer
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
     from pdserve_client.library import Client
     from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.errors import ModelLoadError, UnsupportedModelError
+from pdserve.common.errors import ModelLoadError, UnsupportedModelError
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.weights import default_model_path, load_checkpoint
 from pdserve_client.params import SamplingParams
-from runtime.weights import default_model_path, load_checkpoint
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model, write_gguf
 
 

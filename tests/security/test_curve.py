@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve_client.library import Client, CoordinatorUnreachable, RequestTimeout
+from pdserve.wire import security
+from pdserve.wire.liveness import LIVENESS_ENV
+from pdserve.wire.security import check_bind, is_loopback, keygen
 from pdserve_client.keys import InsecureBindError
-from wire import security
-from wire.security import check_bind, is_loopback, keygen
+from pdserve_client.library import Client, CoordinatorUnreachable, RequestTimeout
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 from tests.security.test_worker_auth import registered, say_hello
-from wire.liveness import LIVENESS_ENV
 
 
 def test_loopback_rule():

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
+from pdserve.wire import security
+from pdserve.wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Hello, Role, Welcome
 from pdserve_client.library import Client
-from wire import security
-from wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Hello, Role, Welcome
 from pdserve_client.protocol import decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.library import AsyncClient, Client
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 

@@ -83,9 +83,9 @@ def test_max_model_len_beyond_the_model_stops_the_launch(model_dir, tmp_path):
 
 def test_linear_backend_choices_are_the_engines():
     """runtime/config.py names --linear-backend's and --quant-activations' choices without importing torch; they must be the kernels'."""
-    from kernels.backends import BY_NAME
-    from kernels.cpu_native import ACTIVATION_MODES
-    from runtime.config import LINEAR_BACKENDS, QUANT_ACTIVATIONS
+    from pdserve.kernels.backends import BY_NAME
+    from pdserve.kernels.cpu_native import ACTIVATION_MODES
+    from pdserve.runtime.config import LINEAR_BACKENDS, QUANT_ACTIVATIONS
 
     assert LINEAR_BACKENDS == ("auto", "auto-reduced", "rules", *BY_NAME)
     assert sorted(QUANT_ACTIVATIONS) == sorted(ACTIVATION_MODES)

@@ -1,4 +1,4 @@
-"""Each flag is defined once, on the config dataclass field it sets (runtime/flags.py): every
+"""Each flag is defined once, on the config dataclass field it sets (common/flags.py): every
 command that takes it gets one option built from that declaration, with the field's default and
 its help; `--help` lists the options in sections by concern; what `pdserve launch` passes on to a
 role parses there to the same values; and building the CLI imports no torch."""
@@ -10,16 +10,16 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from coordinator.config import CoordinatorConfig
-from coordinator.planner import PlannerConfig
-from gateway.config import GatewayConfig, ToolConfig
 from pdserve.cli import COORDINATOR_LAUNCH, ENGINE, GATEWAY, GATEWAY_LAUNCH, GATEWAY_PASSED, main
+from pdserve.common.flags import FIELD_DEFAULT, GROUPS
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.planner import PlannerConfig
 from pdserve.flags import GroupedOption, as_args, field_values, specs, worker_args
+from pdserve.gateway.config import GatewayConfig, ToolConfig
 from pdserve.launch import NodePlan
 from pdserve.ray_config import RayConfig
-from runtime.config import EngineConfig, WorkerConfig
-from runtime.flags import FIELD_DEFAULT, GROUPS
-from wire.limits import RequestLimits
+from pdserve.runtime.config import EngineConfig, WorkerConfig
+from pdserve.wire.limits import RequestLimits
 
 CLASSES = (EngineConfig, WorkerConfig, CoordinatorConfig, PlannerConfig, RequestLimits, GatewayConfig, ToolConfig, RayConfig)
 # command -> the config classes whose flags it takes (all of them, or only those marked launch)

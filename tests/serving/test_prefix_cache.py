@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.library import AsyncClient, Client
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 from tests.gateway.helpers import scrape, value
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
+from pdserve.common.tokenizer import render_chat
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
 from pdserve_client.library import Client
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.tokenizer import render_chat
 from tests.helpers import assert_greedy_equal, free_port
 from tests.runtime.test_quantized import greedy_scored
 from tests.serving.test_launcher import pdserve, wait_ready
@@ -21,6 +21,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Give
          "Explain photosynthesis to a ten-year-old.", "List three prime numbers greater than 10."]
 
 
+@pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 @pytest.mark.slow
 def test_quantized_service_answers_like_the_float_path(tmp_path):
     clients, workers = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.wire.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut
 from pdserve_client.library import Client, InvalidRequest, PromptTooLong
-from wire.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Reject, Role, TokenBatch, TokenOut
 from pdserve_client.protocol import CoordinatorToClient, ErrorReply, decoder, encode
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
 
@@ -110,7 +110,7 @@ def test_invalid_requests_get_typed_errors(cluster):
         with pytest.raises(InvalidRequest):
             c.generate("hello", no_such_option=1)
         r = c.generate("Hello there", temperature=0, max_tokens=5, ignore_eos=True)
-        from runtime.tokenizer import load_tokenizer
+        from pdserve.common.tokenizer import load_tokenizer
 
         assert r.completion_tokens == 5 and r.prompt_tokens == len(load_tokenizer(None).encode("Hello there"))
         wait_all_blocks_free(c)

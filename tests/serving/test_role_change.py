@@ -11,14 +11,25 @@ import time
 import pytest
 import zmq
 
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from pdserve_client.params import SamplingParams
-from tests.helpers import free_port, save_tiny_model
-from wire.protocol import (
-    PROTOCOL_VERSION, Generate, Heartbeat, Hello, Reject, Role, RoleSet, SetRole, Shutdown, TokenBatch, Welcome, WorkerToCoordinator,
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine
+from pdserve.wire.protocol import (
+    PROTOCOL_VERSION,
+    Generate,
+    Heartbeat,
+    Hello,
+    Reject,
+    Role,
+    RoleSet,
+    SetRole,
+    Shutdown,
+    TokenBatch,
+    Welcome,
+    WorkerToCoordinator,
 )
+from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import decoder, encode
+from tests.helpers import free_port, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(5, 30))

@@ -13,15 +13,22 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve_client.library import AsyncClient, Overloaded
-from wire.protocol import PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome
-from pdserve_client.protocol import decoder, encode
-from coordinator.placement import prefill_share
-from coordinator.server import Coordinator, CoordinatorConfig
-from coordinator.state import Phase
-from coordinator.slo import (
-    MAX_CLASSES, OTHER_CLASS, CoreShareSlowdown, LatencyWindow, SloRecorder, StepModel, StretchedModel, nonnegative_least_squares,
+from pdserve.coordinator.placement import prefill_share
+from pdserve.coordinator.server import Coordinator, CoordinatorConfig
+from pdserve.coordinator.slo import (
+    MAX_CLASSES,
+    OTHER_CLASS,
+    CoreShareSlowdown,
+    LatencyWindow,
+    SloRecorder,
+    StepModel,
+    StretchedModel,
+    nonnegative_least_squares,
 )
+from pdserve.coordinator.state import Phase
+from pdserve.wire.protocol import PROTOCOL_VERSION, Abort, Admit, CoordinatorToWorker, Generate, Granted, Hello, Prefill, Role, Welcome
+from pdserve_client.library import AsyncClient, Overloaded
+from pdserve_client.protocol import decoder, encode
 from tests.helpers import free_port
 
 

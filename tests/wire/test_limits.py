@@ -1,7 +1,7 @@
 """Request limits: an oversized GenerateRequest frame is refused from its msgpack lengths, before
 the coordinator decodes it; frames within the limits (or other messages) are left to the decoder."""
+from pdserve.wire.limits import RequestLimits
 from pdserve_client.params import SamplingParams
-from wire.limits import RequestLimits
 from pdserve_client.protocol import AbortRequest, ChatMessage, GenerateRequest, encode
 
 

@@ -11,7 +11,7 @@ import asyncio
 
 import zmq
 
-from wire.loop_io import SocketIO
+from pdserve.wire.loop_io import SocketIO
 from tests.helpers import free_port
 
 

@@ -6,13 +6,20 @@ import json
 
 import pytest
 
-from coordinator.server import Coordinator, CoordinatorConfig
-from gateway.schema import (
-    ApiError, ChatCompletionRequest, CompletionRequest, chat_jobs, decode_body, refuse_oversized, request_bounds, structured_bounds,
+from pdserve.common.errors import LimitExceededError
+from pdserve.coordinator.server import Coordinator, CoordinatorConfig
+from pdserve.gateway.schema import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_jobs,
+    decode_body,
+    refuse_oversized,
+    request_bounds,
+    structured_bounds,
 )
-from runtime.errors import LimitExceededError
+from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
 from pdserve_client.params import SamplingParams, StructuredOutput
-from wire.limits import FieldLimitExceeded, RequestLimits
 from pdserve_client.protocol import ChatMessage, GenerateRequest, encode
 
 L = RequestLimits()
@@ -79,7 +86,7 @@ def _tool_sized(n: int) -> dict:
     """A tool whose JSON (as the bound counts it: the decoded Struct re-encoded) has exactly n bytes."""
     import msgspec
 
-    from gateway.tools import Tool
+    from pdserve.gateway.tools import Tool
 
     base = len(msgspec.json.encode(msgspec.convert(tool(description=""), Tool)))
     return tool(description="d" * (n - base))
@@ -246,7 +253,7 @@ def test_the_stop_scan_does_not_count_whitespace_between_strings():
     (CJK as \\uXXXX), must pass the scan before decoding; one more string must not."""
     import json
 
-    from gateway.schema import refuse_oversized
+    from pdserve.gateway.schema import refuse_oversized
 
     limits = RequestLimits()
     stops = [chr(0x4e00 + i) * limits.max_stop_length for i in range(limits.max_stop)]

@@ -14,10 +14,10 @@ import json
 import os
 from pathlib import Path
 
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_path import resolve_model_path
+from pdserve.common.stop import StopStrings
 from pdserve_client.errors import InvalidRequestError
-from runtime.errors import ModelLoadError
-from runtime.model_path import resolve_model_path
-from runtime.stop import StopStrings
 
 
 def _cache_root() -> Path:
@@ -160,7 +160,7 @@ class IncrementalDetokenizer:
         return self._emit(limit)
 
     def _check_stop(self, start: int) -> None:
-        hit = self.stop.first(self.text, start) if self.stop else None  # runtime/stop.py: cost independent of the list's length
+        hit = self.stop.first(self.text, start) if self.stop else None  # common/stop.py: cost independent of the list's length
         if hit is not None:
             i, s = hit
             self.text = self.text[:i]

@@ -2,7 +2,7 @@
 as a decode or colocated worker): decode, colocated (the whole engine in one worker), and prefill
 with KV hand-offs to other decode workers; it changes role without a restart (SetRole).
 
-Lifecycle: `DecodeWorker.build` loads the model (with `--tensor-parallel-size N`, worker.tp_ranks:
+Lifecycle: `Worker.build` loads the model (with `--tensor-parallel-size N`, worker.tp_ranks:
 N rank processes sharing the pool), puts the KV pool in shared memory (on a GPU:
 one CUDA allocation that prefill workers map over CUDA IPC; its size from the memory budget,
 logged at start), binds the kv socket, makes a KV sender (its own hand-offs, with the prefill
@@ -40,80 +40,58 @@ A writer whose answer was lost is done all the same once it reported PrefillDone
 coordinator then sends Release(prefill_sent=False), which frees the grant or its fence at once.
 Peers are checked: a KVReady whose blocks are not its grant's, whose num_computed is not the
 granted token count (prompt + output - 1), or whose token ids, params, top logprobs or prompt
-scores (one per prompt token after the first, when asked) are out of range fails that request (WorkerError kv_transfer_failed, counted in bad_messages) and frees its
+scores (one per prompt token after the first, when asked) are out of range fails that request
+(WorkerError kv_transfer_failed, counted in bad_messages; decode/grants.py holds the checks) and frees its
 grant before anything reaches a copy or the engine; a Generate is validated by the engine.
 On exit the shared pool file is unlinked.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 
-from kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
-from kvtransfer.errors import InvalidHandoff, KVTransferError
-from kvtransfer.pool import KVPool, host_identity, process_alive
-from kvtransfer.transfer import KVReceiver, KVSender
-from runtime import cuda_graphs, structured
-from runtime.config import EngineConfig, WorkerConfig
-from runtime.cores import CoreShare, StaticCores, stall_cap
-from runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
-from pdserve_client.errors import PdserveError
-from pdserve_client.params import MAX_LOGPROBS
-from pdserve_client.protocol import FinishReason
-from wire import liveness, security
-from wire.link import CoordinatorRestarted
-from wire.protocol import (
-    Abort, Admit, AdmitRefused, Generate, Granted, Heartbeat, KVFailed, KVReady, Prefill, PromptLogprobs, Reject, Release, Role,
-    RoleSet, SetRole, Shutdown, TokenBatch, TokenOut, WorkerError,
+from pdserve.decode.grants import FENCE_CHECK_S, LIVE_WRITER_GRANT_FACTOR, Fence, Grant, grant_blocks, handoff_problem
+from pdserve.kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
+from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError
+from pdserve.kvtransfer.pool import KVPool, host_identity, process_alive
+from pdserve.kvtransfer.transfer import KVReceiver, KVSender
+from pdserve.runtime import cuda_graphs, structured
+from pdserve.runtime.config import EngineConfig, WorkerConfig
+from pdserve.runtime.cores import CoreShare, StaticCores, stall_cap
+from pdserve.runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
+from pdserve.wire import liveness, security
+from pdserve.wire.link import CoordinatorRestarted
+from pdserve.wire.protocol import (
+    Abort,
+    Admit,
+    AdmitRefused,
+    Generate,
+    Granted,
+    Heartbeat,
+    KVFailed,
+    KVReady,
+    Prefill,
+    PromptLogprobs,
+    Reject,
+    Release,
+    Role,
+    RoleSet,
+    SetRole,
+    Shutdown,
+    TokenBatch,
+    TokenOut,
+    WorkerError,
 )
-from worker import process, tp_ranks
-from worker.handoff import Handoffs
+from pdserve.worker import process, tp_ranks
+from pdserve.worker.handoff import Handoffs
+from pdserve_client.errors import PdserveError
+from pdserve_client.protocol import FinishReason
 
 log = logging.getLogger("pdserve.decode")
-
-
-FENCE_CHECK_S = 0.5  # how often fenced writers are checked for death
-
-
-LIVE_WRITER_GRANT_FACTOR = 10  # a grant whose local writer lives expires after this many grant timeouts
-
-
-@dataclass
-class Grant:
-    block_ids: list[int]
-    deadline: float
-    number: int = 0  # this worker's count of grants: the hand-off that fills it names it
-    writer: int = 0  # pid of a prefill process on this machine that may write into the blocks directly; 0: none
-    cancelled: bool = False  # aborted before its KV arrived: free when the prefill side answers
-    cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
-    last_resort: float = float("inf")  # expires at this even while its writer lives (see expire_grants)
-    tokens: int = 0  # Admit.num_tokens: the tokens whose KV the hand-off brings (its num_computed)
-
-
-@dataclass
-class Fence:
-    """The blocks of a grant given up before its writer answered, held until it does or dies."""
-
-    block_ids: list[int]
-    writer: int
-
-
-def scores_problem(msg: KVReady, vocab: int) -> str | None:
-    """Why msg's prompt scores are not what its params asked for (None if they are): one per
-    prompt token after the first, each with at most prompt_logprobs top ids inside the vocabulary."""
-    k, scores = msg.params.prompt_logprobs, msg.prompt_logprobs
-    if (k is None) != (scores is None):
-        return "prompt logprobs that its params did not ask for, or none that they did"
-    if scores is not None and (len(scores) != len(msg.prompt_token_ids) - 1
-                               or any(len(top) > k or any(not 0 <= t < vocab for t, _ in top) for _, _, top in scores)):
-        return f"{len(scores)} prompt scores for {len(msg.prompt_token_ids)} prompt tokens, or one with an id outside [0, {vocab}) or over {k} top ids"
-    return None
 
 
 def token_out(o: StepOutput) -> TokenOut:
@@ -123,7 +101,7 @@ def token_out(o: StepOutput) -> TokenOut:
 ALL_ROLES = [Role.PREFILL, Role.DECODE, Role.COLOCATED]
 
 
-class DecodeWorker:
+class Worker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver, link, grant_timeout_s: float = 30.0,
                  closing: list | None = None, cores: CoreShare | StaticCores | None = None, sender=None,
                  role: Role = Role.DECODE, batch_window_ms: float = 2.0, kv_pool=None):
@@ -151,7 +129,7 @@ class DecodeWorker:
         self.last_step_end = 0.0
 
     @classmethod
-    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig, role: Role = Role.DECODE) -> "DecodeWorker":
+    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig, role: Role = Role.DECODE) -> Worker:
         if wcfg.threads:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)
@@ -324,7 +302,7 @@ class DecodeWorker:
     def on_admit(self, msg: Admit) -> None:
         self.give_up(msg.request_id)  # a newer admission of the same request replaces the old grant
         blocks = self.engine.blocks
-        ids = self.grant_blocks(msg) if msg.num_tokens > 0 else None
+        ids = grant_blocks(self.engine.blocks, msg) if msg.num_tokens > 0 else None
         if ids is None:
             self.link.send(AdmitRefused(msg.request_id, f"kv pool short: {blocks.free_blocks} blocks free", msg.admission))
             return
@@ -335,21 +313,6 @@ class DecodeWorker:
         self.grants[msg.request_id] = Grant(ids, now + self.grant_timeout_s, self.grants_made, writer, cached=cached,
                                             last_resort=now + LIVE_WRITER_GRANT_FACTOR * self.grant_timeout_s, tokens=msg.num_tokens)
         self.link.send(Granted(msg.request_id, ids, msg.admission, self.grants_made, cached))
-
-    def grant_blocks(self, msg: Admit) -> tuple[list[int], int] | None:
-        """(blocks for msg's tokens, how many of the first hold its prefix already), or None
-        (nothing taken) if the pool is short. At most all but the last block come from the
-        prefix cache, so every hand-off carries at least one block."""
-        blocks = self.engine.blocks
-        need = blocks.blocks_for(msg.num_tokens)
-        cached = blocks.match_tokens(msg.prefix_token_ids, need - 1)
-        rest = blocks.allocate(need - len(cached))
-        if rest is None:
-            blocks.free(cached)
-            return None
-        if blocks.prefix_cache:
-            blocks.count_lookup(msg.num_tokens, len(cached) * blocks.block_size)
-        return cached + rest, len(cached)
 
     def on_kv(self, msg, frames) -> None:
         fence = self.fences.pop(msg.grant, None) if msg.grant else None
@@ -381,35 +344,11 @@ class DecodeWorker:
         KVTransferError (a KVFailed, a copy that failed, or InvalidHandoff: counted)."""
         if isinstance(msg, KVFailed):
             raise KVTransferError(msg.reason)
-        problem = self.handoff_problem(msg, grant)
+        problem = handoff_problem(msg, grant, self.engine)
         if problem is not None:
             self.receiver.bad_messages += 1
             raise InvalidHandoff(f"invalid hand-off: {problem}")
         self.receiver.copy_in(msg, frames)
-
-    def handoff_problem(self, msg: KVReady, grant: Grant) -> str | None:
-        """Why msg does not fill exactly its grant (None if it does): the granted blocks (less those
-        the prefix cache held), the granted tokens' KV, token ids and params this engine accepts."""
-        if msg.block_ids != grant.block_ids[grant.cached:]:
-            return f"{len(msg.block_ids)} block ids that are not the {len(grant.block_ids) - grant.cached} granted"
-        total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
-        if not msg.prompt_token_ids or not msg.output_token_ids or not msg.num_computed == grant.tokens == total - 1:
-            return (f"KV of {msg.num_computed} tokens for {len(msg.prompt_token_ids)} prompt and {len(msg.output_token_ids)} "
-                    f"output tokens, {grant.tokens} granted")
-        vocab = self.engine.cfg.vocab_size
-        top = msg.top_logprobs or []
-        if not 0 <= msg.output_token_ids[-1] < vocab or len(top) > MAX_LOGPROBS or any(not 0 <= t < vocab for t, _ in top):
-            return f"an output token id outside [0, {vocab}) or too many top logprobs"
-        if msg.logprob is not None and math.isnan(msg.logprob):
-            return "a NaN logprob"
-        problem = scores_problem(msg, vocab)
-        if problem is not None:
-            return problem
-        try:
-            self.engine.validate(msg.prompt_token_ids + msg.output_token_ids[:-1], msg.params)
-        except PdserveError as e:
-            return str(e)
-        return None
 
     def on_generate(self, msg: Generate) -> None:
         try:
@@ -493,4 +432,4 @@ class DecodeWorker:
 
 
 def serve(engine_cfg: EngineConfig, worker_cfg: WorkerConfig, role: Role = Role.DECODE) -> None:
-    process.serve(process.build_or_exit(lambda: DecodeWorker.build(engine_cfg, worker_cfg, role)))
+    process.serve(process.build_or_exit(lambda: Worker.build(engine_cfg, worker_cfg, role)))

@@ -8,7 +8,6 @@ request), before any state is touched, so a caller that catches one has nothing 
 """
 from pdserve_client.errors import InvalidRequestError, PdserveError
 
-
 EX_CONFIG = 78  # sysexits.h: a process that cannot start with its configuration exits with this; its launcher does not retry
 
 

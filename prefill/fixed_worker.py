@@ -1,7 +1,8 @@
 """The prefill worker (`pdserve prefill`): prompt forward passes, first token, KV hand-off.
 
 Lifecycle: `PrefillWorker.build` loads the model into an engine in prefill mode with a private
-KV pool (with `--tensor-parallel-size N`, worker.tp_ranks: N rank processes sharing it in /dev/shm), times a few prompts, and makes the KV sender and the link that says Hello; the worker
+KV pool (with `--tensor-parallel-size N`, worker.tp_ranks: N rank processes sharing it in
+/dev/shm), times a few prompts, and makes the KV sender and the link that says Hello; the worker
 itself is built from those parts (tests pass an in-process transport and link). Then `run`
 loops:
   drain the inbox: Prefill -> queue the prompt in the engine, remembering its destination
@@ -31,17 +32,17 @@ import time
 import torch
 import zmq
 
-from kvtransfer.pool import KVPool
-from kvtransfer.transfer import KVSender
-from runtime import structured
-from runtime.config import EngineConfig, WorkerConfig
-from runtime.cores import CoreShare, StaticCores
-from runtime.engine import LLMEngine, drain_steps, prefix_report
-from wire import liveness, security
-from wire.link import CoordinatorRestarted
-from wire.protocol import Abort, Heartbeat, Prefill, Reject, Role, RoleSet, SetRole, Shutdown
-from worker import process, tp_ranks
-from worker.handoff import Handoffs
+from pdserve.kvtransfer.pool import KVPool
+from pdserve.kvtransfer.transfer import KVSender
+from pdserve.runtime import structured
+from pdserve.runtime.config import EngineConfig, WorkerConfig
+from pdserve.runtime.cores import CoreShare, StaticCores
+from pdserve.runtime.engine import LLMEngine, drain_steps, prefix_report
+from pdserve.wire import liveness, security
+from pdserve.wire.link import CoordinatorRestarted
+from pdserve.wire.protocol import Abort, Heartbeat, Prefill, Reject, Role, RoleSet, SetRole, Shutdown
+from pdserve.worker import process, tp_ranks
+from pdserve.worker.handoff import Handoffs
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -63,7 +64,7 @@ class PrefillWorker:
         self.closing = []  # what close() ends last: the other tensor-parallel ranks, the pool's file
 
     @classmethod
-    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig) -> "PrefillWorker":
+    def build(cls, engine_cfg: EngineConfig, wcfg: WorkerConfig) -> PrefillWorker:
         if wcfg.threads:
             torch.set_num_threads(wcfg.threads)
         cores = CoreShare.open(wcfg.core_share)

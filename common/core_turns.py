@@ -2,7 +2,7 @@
 for a turn and when it steps regardless: plain functions of the coordinator's TPOT target, torch-
 free so that the coordinator predicts the same turns (coordinator/paths.py) that the workers take.
 
-Lifecycle: none; constants and two functions, read by runtime/cores.py and decode/worker.py in
+Lifecycle: none; constants and two functions, read by runtime/cores.py and worker/any_role.py in
 the workers and by the coordinator when it predicts a LOCAL prefill on a shared node.
 """
 from __future__ import annotations

