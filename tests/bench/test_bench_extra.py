@@ -62,4 +62,4 @@ def test_the_extra_is_declared_and_installed_by_scripts_install():
     assert not names(project["dependencies"]) & set(EXTRA)
     assert names(project["optional-dependencies"]["bench"]) == set(EXTRA)
     install = (ROOT / "scripts" / "install").read_text()
-    assert 'pip install -e ".[bench,' in install
+    assert 'extras="[bench,' in install and '$EDITABLE ".$extras"' in install

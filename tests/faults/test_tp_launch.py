@@ -106,7 +106,8 @@ def test_colocated_tp3_equals_tp1_and_survives_a_killed_rank(model, expected, tm
 
 
 @pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
-@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(3, 1, "tcp"), (1, 3, "shm"), (3, 3, "shm")])
+# TP 3 to TP 3 (shm, 21 s) left out for the suite's time: each direction of a TP change is here, equal sizes in the colocated TP-3 test
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(3, 1, "tcp"), (1, 3, "shm")])
 def test_handoff_across_tp_sizes(model, expected, tmp_path, prefill_tp, decode_tp, backend):
     node = Node(model, tmp_path, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--kv-backend", backend,
                 "--fixed-roles", "--paths", "remote", POOL)  # every prompt handed off (auto would prefill them on the decode worker)

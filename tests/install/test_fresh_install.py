@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.install, pytest.mark.timeout(600)]
 BOTH = """
 import sys, kernels, transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
-import pdserve.kernels.paged, pdserve.runtime.engine, pdserve.coordinator.server, pdserve.gateway.server
+import pdserve.kernels.paged, pdserve.runtime.engine
 AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=100))
 print(kernels.__file__, hasattr(kernels, "CUDAProperties"), pdserve.kernels.paged.__file__, transformers.__version__, sep="\\n")
 """
