@@ -22,7 +22,8 @@ taken for a hang. Only a configuration error stops the node (exit status 1, the 
 log lines printed): a role exiting at its first start with EX_CONFIG (78: a configuration it
 can never start with, e.g. a KV pool larger than /dev/shm) or click's usage status (2: a value
 its config rejects). Restart counts and last exits reach `pdserve stats` (`nodes`) through a
-NodeReport the launcher sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything: SIGTERM to each child,
+NodeReport the launcher sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything at once (also while the
+launcher waits for its roles to start or out a restart's back-off: StopRequested): SIGTERM to each child,
 SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
 Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
 per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
@@ -70,6 +71,11 @@ PORTS_PER_MODEL = 2  # model i's coordinator listens on the first model's client
 
 class ConfigError(RuntimeError):
     """The node cannot run with this configuration: the launch stops, the message printed."""
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM arrived while the launcher waited (for its roles to start, or out a
+    restart's back-off): the wait ends at once and the launch stops."""
 
 
 def backoff(crashes: int) -> float:
@@ -283,6 +289,7 @@ class Launcher:
         self.usage_error = usage_error  # (role, args) -> click's message if `pdserve ROLE ARGS` would not parse, else None
         self.children: list[Child] = []
         self.stopping = False
+        self.stop_requested = False  # SIGINT/SIGTERM arrived: every wait loop ends at its next check_children
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
         self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
         self.alive_dir: str | None = None  # the children's liveness files
@@ -477,6 +484,8 @@ class Launcher:
         restarted. Raises ConfigError when a role cannot start with its configuration."""
         now = time.monotonic()
         restarted = False
+        if self.stop_requested:
+            raise StopRequested("a stop was asked for")  # out of any wait (start-up, a back-off) at once
         for child in self.children:
             if self.stopping:
                 return restarted
@@ -582,8 +591,12 @@ class Launcher:
 
     def run_forever(self, on_ready=None) -> int:
         stop = []
+        def on_signal(*_):
+            stop.append(1)
+            self.stop_requested = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.append(1))
+            signal.signal(sig, on_signal)
         try:
             self.start()
             try:
@@ -593,6 +606,8 @@ class Launcher:
             except TimeoutError as e:  # a role that keeps crashing, or a slow start: go on restarting it
                 print(f"pdserve launch: {e}; serving with the roles that are up", file=sys.stderr, flush=True)
             self.supervise(stop)
+            return 0
+        except StopRequested:  # while starting or waiting: a stop never waits out a back-off or a slow start
             return 0
         except RuntimeError as e:  # ConfigError
             print(f"pdserve launch: {e}\npdserve launch: stopping", file=sys.stderr)

@@ -354,6 +354,30 @@ def test_a_crash_looping_worker_is_retried_with_back_off_while_the_node_serves(m
         assert node.stop() == 0
 
 
+@pytest.mark.timeout(120)  # measured 24 s on a loaded machine
+def test_sigterm_during_a_back_off_at_start_stops_the_node_at_once(model_dir, tmp_path):
+    """A role crash-looping while the launch starts (the launcher waits for every worker) puts it
+    in an 8 s back-off; SIGTERM then stops the node in well under that (Kubernetes sends SIGKILL
+    30 s after SIGTERM, and a back-off can be 30 s), with no child left."""
+    node = Node(model_dir, tmp_path, "--decode", "2", "--engine-arg=--kv-cache-mb=16")
+    looping = "decode --worker-id local-decode-1"
+    killed = []
+    for _ in range(4):  # killed as soon as it starts, before it registers: the launcher is still starting
+        pid = poll("decode-1's next start", lambda: (p := node.child(looping)) not in (None, *killed) and p, 60)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    poll("the 8 s back-off", lambda: "restarting in 8.0 s" in node.stderr(), 10)
+    assert "ready" not in node.stderr().lower().split("restarting in 8.0 s")[0].splitlines()[-1]
+    kids = [int(x) for x in subprocess.run(["ps", "-o", "pid=", "--ppid", str(node.proc.pid)], capture_output=True,
+                                           text=True).stdout.split()]
+    t0 = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert took < 5.0, f"the stop took {took:.1f} s: it waited out the back-off"
+    assert all(not os.path.exists(f"/proc/{k}") for k in kids), "children left behind"
+
+
 def test_the_backoff_doubles_from_1_s_up_to_30_s():
     from pdserve.launch import backoff
 
