@@ -17,6 +17,7 @@ from pdserve.wire.limits import RequestLimits
 from pdserve_client.errors import InvalidRequestError
 from pdserve_client.library import DEFAULT_ADDRESS
 
+API_KEY_ENV = "PDSERVE_API_KEY"  # the HTTP API key when --api-key is not given (as vLLM reads VLLM_API_KEY)
 STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
 
 
@@ -73,7 +74,8 @@ class GatewayConfig:
                              help="the served model, for its tokenizer and name (default: SmolLM2-135M-Instruct)")
     served_model_name: str | None = flag(None, group="HTTP gateway", launch=True,
                                          help="the model name the HTTP API answers to (default: the model's file or directory name)")
-    api_key: str | None = flag(None, group="security", launch=True, help="require `Authorization: Bearer KEY` on /v1 requests")
+    api_key: str | None = flag(None, group="security", launch=True,
+                               help=f"require `Authorization: Bearer KEY` on /v1 requests (better: set ${API_KEY_ENV}, which `ps` does not show)")
     request_timeout_s: float = flag(600.0, group="HTTP gateway", name="request_timeout", help="seconds one request may take")
     retry_after_s: int = 1  # told to clients of a shed request (429)
     stats_timeout_s: float = 2.0

@@ -16,7 +16,7 @@ import click
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.planner import PlannerConfig
 from pdserve.flags import ENGINE_LAUNCH, GroupedCommand, GroupedOption, as_args, field_values, options, specs, worker_args
-from pdserve.gateway.config import GatewayConfig, ModelRoute, ToolConfig
+from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, ModelRoute, ToolConfig
 from pdserve.launch import HANG_TIMEOUT_S, ConfigError, NodePlan
 from pdserve.ray_config import RayConfig
 from pdserve.runtime.config import EngineConfig, WorkerConfig
@@ -231,6 +231,12 @@ def coordinator(verbose, **values):
                                "limits": _limits(values), "chat_template": _chat_template(values["chat_template"])}))
 
 
+def _api_key(values) -> str | None:
+    """--api-key, else $PDSERVE_API_KEY (which `ps` does not show; `pdserve launch` hands it to its
+    gateway that way), else none."""
+    return values["api_key"] or os.environ.get(API_KEY_ENV) or None
+
+
 @main.command()
 @options(GATEWAY + TOOLS + LIMITS + CHAT_TEMPLATE)
 @click.option("-v", "--verbose", is_flag=True)
@@ -241,7 +247,8 @@ def gateway(verbose, **values):
     _logging(verbose)
     limits, tools, chat_template = _limits(values), _tool_config(values), _chat_template(values["chat_template"])
     try:
-        cfg = GatewayConfig(**field_values(GATEWAY, values), limits=limits, tools=tools, chat_template=chat_template,
+        cfg = GatewayConfig(**{**field_values(GATEWAY, values), "api_key": _api_key(values)}, limits=limits, tools=tools,
+                            chat_template=chat_template,
                             more_models=tuple(map(ModelRoute.parse, values["more_model"])))
     except PdserveError as e:
         raise click.BadParameter(str(e)) from e
@@ -374,7 +381,7 @@ def launch(n_prefill, n_decode, colocated, fixed_roles, config_path, node, threa
     _coordinator_and_gateway_args(plan, values)
     plan.keys = values["keys"] or plan.keys
     plan.insecure = values["insecure"] or plan.insecure
-    plan.gateway, plan.api_key = gateway and plan.coordinator, values["api_key"]
+    plan.gateway, plan.api_key = gateway and plan.coordinator, _api_key(values)
     plan.http_host, plan.http_port = values["http_host"], values["http_port"]
     plan.hang_timeout_s = hang_timeout_s
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import EX_CONFIG, ModelLoadError
 from pdserve.common.model_path import served_name
-from pdserve.gateway.config import GatewayConfig, ModelRoute
+from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, ModelRoute
 from pdserve.wire.liveness import LIVENESS_ENV
 from pdserve_client.errors import InvalidRequestError
 
@@ -271,6 +271,7 @@ class Child:
     name: str
     args: list[str]
     alive_path: str = ""  # its liveness file (wire/liveness.py)
+    env: dict[str, str] = field(default_factory=dict)  # added to its environment (secrets: never on its command line)
     proc: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
@@ -300,9 +301,9 @@ class Launcher:
         """(role name, its current process) for every role."""
         return [(c.name, c.proc) for c in self.children if c.proc is not None]
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         """Plan a child; `start` starts them all once their flags are checked."""
-        self.children.append(Child(name, args, os.path.join(self.alive_dir, f"{name}.alive")))
+        self.children.append(Child(name, args, os.path.join(self.alive_dir, f"{name}.alive"), env or {}))
 
     def _start_child(self, child: Child) -> None:
         out = None
@@ -314,7 +315,7 @@ class Launcher:
         try:
             child.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve", *child.args], stdout=out,
                                           stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
-                                          env={**os.environ, LIVENESS_ENV: child.alive_path})
+                                          env={**os.environ, **child.env, LIVENESS_ENV: child.alive_path})
         finally:
             if out is not None:
                 out.close()  # the child holds its own copy
@@ -371,7 +372,7 @@ class Launcher:
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
         more = zip(p.models[1:], self.served_names()[1:])
         args += [a for m, name in more for a in ("--more-model", ModelRoute(name, m.path, m.client_addr).spec())]
-        return args + (["--api-key", p.api_key] if p.api_key else []) + (["--keys", p.keys] if p.keys else []) + p.gateway_args
+        return args + (["--keys", p.keys] if p.keys else []) + p.gateway_args  # the API key goes in its environment (ps shows argv)
 
     def _coordinator_args(self, m: ModelPlan) -> list[str]:
         p = self.plan
@@ -394,7 +395,7 @@ class Launcher:
         for m in p.models if p.coordinator else ():
             self._spawn(m.prefix + "coordinator", self._coordinator_args(m))
         if p.gateway:
-            self._spawn("gateway", self._gateway_args())
+            self._spawn("gateway", self._gateway_args(), {API_KEY_ENV: p.api_key} if p.api_key else None)
         # Without --threads the node's workers share its cores by who is busy (runtime.cores).
         if p.threads is None and p.num_workers:
             from pdserve.runtime.cores import create_share  # here: the launcher itself does not need torch

@@ -65,3 +65,45 @@ def test_api_key_is_required(service, model):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(f"{service.plan.http_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert r.status_code == 200
+
+
+def test_the_launched_gateway_gets_the_key_in_its_environment_not_its_command_line(service):
+    """`ps` shows every user a process's arguments: the launcher hands its gateway the key in
+    $PDSERVE_API_KEY (its /proc environ is readable by its owner only)."""
+    (gateway,) = [proc for name, proc in service.procs if name == "gateway"]
+    assert KEY.encode() not in open(f"/proc/{gateway.pid}/cmdline", "rb").read()
+    assert f"PDSERVE_API_KEY={KEY}".encode() in open(f"/proc/{gateway.pid}/environ", "rb").read().split(b"\0")
+
+
+def test_pdserve_launch_takes_the_key_from_the_environment(model_dir, tmp_path):
+    """Through the entry point users run: PDSERVE_API_KEY alone (no --api-key) guards /v1, and no
+    process of the launch carries the key in its arguments."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--prefill", "0", "--decode", "0",
+                             "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}",
+                             "--http-port", str(port), "--log-dir", str(tmp_path)],
+                            env={**os.environ, "PDSERVE_API_KEY": KEY}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url, deadline, r = f"http://127.0.0.1:{port}", time.monotonic() + 60, None
+        while time.monotonic() < deadline and r is None:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text() if (tmp_path / "gateway.log").exists() else "launch exited"
+            try:
+                r = httpx.get(f"{url}/v1/models", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert r is not None and r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) == 2  # coordinator, gateway
+        for pid in [proc.pid, *map(int, kids)]:
+            assert KEY.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
