@@ -57,8 +57,9 @@ class ServedModel:
         return self.max_model_len or DEFAULT_CHAT_MAX_TOKENS
 
     def card(self) -> Model:
-        """Its entry in /v1/models."""
-        return Model(self.name, self.created, self.root, self.max_model_len)
+        """Its entry in /v1/models; `root` is its served name too (vLLM shows the --model argument,
+        here a path on the server's disk, which clients have no business knowing)."""
+        return Model(self.name, self.created, self.name, self.max_model_len)
 
 
 class ServedModels:

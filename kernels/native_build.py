@@ -16,6 +16,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -92,8 +93,24 @@ def compile_variant(cc: str, isa: str, target: Path) -> Path:
 
 def cached_build(cc: str, isa: str, cache: Path) -> Path:
     """A variant built on demand into `cache` (a source checkout never installed), reused while
-    the sources, flags and compiler stay the same."""
+    the sources, flags and compiler stay the same. The cache is made 0700; a library in it is
+    loaded only if it is a regular file of this user that nobody else may write, in a directory
+    only this user may write (else another local user could plant code this process runs):
+    anything else is rebuilt, and a cache directory not of this user's is refused (OSError)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([source_hash(), " ".join(command(cc, isa, "")), version, platform.machine()]).encode()).hexdigest()[:16]
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not owned_and_private(cache, directory=True):
+        raise PermissionError(f"the kernel cache {cache} is not this user's alone (owner or group/world write): not used")
     target = cache / f"pd_ops_{isa}-{key}.so"
+    if os.path.lexists(target) and not owned_and_private(target):
+        os.unlink(target)  # planted or loosened: never loaded, built anew
     return target if target.exists() else compile_variant(cc, isa, target)
+
+
+def owned_and_private(path: Path, directory: bool = False) -> bool:
+    """`path` itself (not a link) is a regular file (or a directory) owned by this user, with no
+    group or world write bit."""
+    st = os.lstat(path)
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022

@@ -75,7 +75,7 @@ def test_models_health_and_openapi(service, client, model, model_dir):
     assert health.json() == {"status": "ready", "workers": {"prefill": 1, "decode": 1}}
     models = client.models.list().data
     assert [m.id for m in models] == [model]
-    assert models[0].root == str(model_dir) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
+    assert models[0].root == models[0].id and str(model_dir) not in str(models) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
     doc = httpx.get(f"{service.plan.http_url}/openapi.json", timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/version",
             "/openapi.json", "/v1/responses", "/v1/responses/{response_id}"} == set(doc["paths"])

@@ -194,3 +194,26 @@ def test_auto_linear_pads_decode_batches_to_few_row_counts_and_matches_f_linear(
         close(y, twin(x), rel=4e-6)
     assert [row_bucket(r) for r in (1, 2, 3, 5, 8, 9, 16, 17, 127, 128)] == [1, 2, 4, 8, 8, 16, 16, 24, 128, 128]
     assert len({row_bucket(r) for r in range(1, ONEDNN_MAX_ROWS + 1)}) == 19  # primitives oneDNN builds per weight
+
+
+def test_the_kernel_cache_loads_only_this_users_private_libraries(tmp_path):
+    """A library another user could have written (group/world-writable, a link, or in a cache
+    directory others may write) is never loaded: it is rebuilt, or the cache is refused."""
+    import os
+
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    cache = tmp_path / "cache"
+    built = native_build.cached_build(cc, "baseline", cache)
+    assert oct(cache.stat().st_mode & 0o777) == "0o700" and native_build.owned_and_private(built)
+    built.write_bytes(b"planted")  # what another writer could leave, made writable by all
+    built.chmod(0o666)
+    again = native_build.cached_build(cc, "baseline", cache)
+    assert again == built and again.read_bytes()[:4] == b"\x7fELF" and native_build.owned_and_private(again)
+    os.unlink(built)
+    os.symlink(tmp_path / "elsewhere.so", built)  # a link is not the file itself
+    assert native_build.owned_and_private(native_build.cached_build(cc, "baseline", cache))
+    cache.chmod(0o777)
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        native_build.cached_build(cc, "baseline", cache)
