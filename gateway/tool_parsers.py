@@ -12,7 +12,7 @@ the calls a model wrote in its own format in the generated text.
 Lifecycle: stateless; `PARSERS[name].extract(text)` returns (content, [ParsedCall]) and gives
 ([], the whole text as content) when the text holds no well-formed call, as vLLM does.
 Streaming goes through gateway/tools.py's `CallStream`, which asks each parser where a call
-section may begin (`section_start`) and, for hermes, where each call object lies (`call_spans`),
+section may begin (`section_start`) and, for hermes, the strings that open and close each call object (`call_open`, `call_close`),
 so that a call's arguments stream as they come.
 """
 from __future__ import annotations
@@ -60,22 +60,26 @@ class Parser:
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
 
-    def section_start(self, text: str) -> int | None:
-        """Where the tool-call section begins in text, or None (not yet / never)."""
+    def section_start(self, text: str, since: int = 0) -> int | None:
+        """Where the tool-call section begins in text, or None (not yet / never). `since`: text
+        before it was searched already (a stream passes how far it had looked, so each character
+        is searched a bounded number of times, not once per delta)."""
         if self.anywhere:
-            found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+            at = max(0, since - max(map(len, self.markers)) + 1)
+            found = [i for i in (text.find(m, at) for m in self.markers) if i >= 0]
             return min(found) if found else None
         stripped = text.lstrip()
         return len(text) - len(stripped) if stripped.startswith(self.markers) else None
 
-    def call_spans(self, text: str, section: int) -> list[tuple[int, int | None]]:
-        """Where each call object of the section lies, (start, end or None while it grows), for
-        formats whose calls are delimited one by one; [] (the default): calls are known only at the end."""
-        return []
+    # formats whose calls are delimited one by one (hermes): each call object lies between these;
+    # None (the default): calls are known only when the output ends
+    call_open: str | None = None
+    call_close: str | None = None
 
 
 class Hermes(Parser):
     name, markers = "hermes", ("<tool_call>",)
+    call_open, call_close = "<tool_call>", "</tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
     def extract(self, text):
@@ -86,17 +90,6 @@ class Hermes(Parser):
         if not calls:
             return text, []
         return text[:start] or None, calls
-
-    def call_spans(self, text, section):
-        spans, at = [], section
-        while (i := text.find("<tool_call>", at)) >= 0:
-            start = i + len("<tool_call>")
-            end = text.find("</tool_call>", start)
-            spans.append((start, end if end >= 0 else None))
-            if end < 0:
-                break
-            at = end + len("</tool_call>")
-        return spans
 
 
 class Llama3Json(Parser):
@@ -152,7 +145,8 @@ class Mistral(Parser):
 
     @staticmethod
     def _named(part: str) -> ParsedCall | None:
-        m = re.match(r"([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*(\{.*\})\s*\Z", part, re.DOTALL)
+        # possessive (Python 3.11): a run of whitespace is never split between the two \s* (no backtracking)
+        m = re.match(r"([A-Za-z0-9_.-]++)\s*+(?:\[ARGS\])?+\s*+(\{.*\})\s*\Z", part, re.DOTALL)
         if not m:
             return None
         try:

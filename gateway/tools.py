@@ -276,6 +276,8 @@ class CallStream:
     calls: int = 0  # calls whose head was handed out
     done: int = 0  # auto: call objects (the parser's spans) wholly handed out
     open: _OpenCall | None = None  # the call being streamed
+    searched: int = 0  # auto: text searched so far (for the section, then the next call's opening or closing)
+    call_start: int | None = None  # auto, delimited calls: where the open call's object begins
     depth: _Depth = field(default_factory=_Depth)  # required: the list's brackets
 
     def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
@@ -349,17 +351,33 @@ class CallStream:
         if self.plain:
             return self._show(len(self.text)), []
         if self.section is None:
-            self.section = parser.section_start(self.text)
+            self.section = parser.section_start(self.text, self.searched)
+            self.searched = len(self.text)
             if self.section is None:
                 return self._show(len(self.text) - self._undecided(parser)), []
-        content, out = self._show(self.section), []
-        spans = parser.call_spans(self.text, self.section)
-        for k in range(self.done, len(spans)):
-            start, end = spans[k]
-            out += self._next(start, end, lambda: parser.extract(self.text[self.section:end])[1][k:k + 1])
-            if end is None:
-                break
-        return content, out
+            self.searched = self.section
+        content = self._show(self.section)
+        return content, self._delimited_calls(parser) if parser.call_open else []
+
+    def _delimited_calls(self, parser: Parser) -> list[DeltaToolCall]:
+        """The deltas of the calls between parser.call_open and call_close, searching only text not
+        searched before (each character a bounded number of times, however many deltas)."""
+        out, text = [], self.text
+        while True:
+            if self.call_start is None:
+                i = text.find(parser.call_open, max(self.section, self.searched - len(parser.call_open) + 1))
+                if i < 0:
+                    self.searched = len(text)
+                    return out
+                self.call_start = self.searched = i + len(parser.call_open)
+            end = text.find(parser.call_close, max(self.call_start, self.searched - len(parser.call_close) + 1))
+            k = self.done
+            out += self._next(self.call_start, end if end >= 0 else None,
+                              lambda: parser.extract(text[self.section:end])[1][k:k + 1])
+            if end < 0:
+                self.searched = len(text)
+                return out
+            self.call_start, self.searched = None, end + len(parser.call_close)
 
     def _undecided(self, parser: Parser) -> int:
         """Characters at the end that may still open the call section (held back)."""

@@ -201,3 +201,55 @@ def test_flags_are_checked_before_anything_starts():
         assert r.exit_code == 2 and "hermes" in r.output
         r = CliRunner().invoke(main, [role, "--chat-template", "/no/such/template.jinja"])
         assert r.exit_code == 2 and "cannot read" in r.output, r.output
+
+
+class CountedText(str):
+    """A str whose `find` counts the characters it is asked to search (from its start argument)."""
+
+    searched = 0
+
+    def find(self, sub, start=0, *rest):
+        CountedText.searched += len(self) - start
+        return str.find(self, sub, start, *rest)
+
+    def __add__(self, other):
+        return CountedText(str.__add__(self, other))
+
+    def __getitem__(self, key):
+        return CountedText(str.__getitem__(self, key))
+
+
+@pytest.mark.parametrize("calls", [0, 200])
+def test_a_stream_searches_each_character_a_bounded_number_of_times(calls):
+    """Content then many hermes calls, fed 3 characters a delta: the stream's searches (every
+    str.find on its text, counted) add up to a few times the text, not once per delta (which made a
+    long answer quadratic on the gateway's loop), and what it streams equals the whole parse."""
+    text = "x" * 30_000 + "".join(f'<tool_call>{{"name": "f", "arguments": {{"i": {i}}}}}</tool_call>' for i in range(calls))
+    s = CallStream(ToolPlan("auto", [], parser=PARSERS["hermes"]), text=CountedText())
+    CountedText.searched = 0
+    content, streamed = "", {}
+    for i in range(0, len(text), 3):
+        c, deltas = s.feed(text[i:i + 3])
+        content += c
+        for d in deltas:
+            streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+    searched = CountedText.searched
+    c, deltas = s.finish()
+    content += c
+    for d in deltas:
+        streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+    whole_content, whole = whole_calls(ToolPlan("auto", [], parser=PARSERS["hermes"]), text)
+    assert content == (whole_content or "") and [streamed[k] for k in sorted(streamed)] == [c.function.arguments for c in whole]
+    # each delta re-searches at most a marker's length behind it: ~4x here; once per delta from the start was ~5,000x
+    assert isinstance(s.text, CountedText) and searched <= 10 * len(text), f"{searched} characters searched for {len(text)}"
+
+
+def test_the_mistral_pattern_does_not_backtrack_over_whitespace():
+    """`name` and a long run of whitespace with no arguments: refused in linear time (the old
+    pattern tried every split of the run between its two \\s*, ~n^2/2 steps)."""
+    import time
+
+    part = "f" + " " * 20_000 + "x"
+    t0 = time.perf_counter()
+    assert PARSERS["mistral"]._named(part) is None
+    assert time.perf_counter() - t0 < 5.0  # the old pattern: ~2e8 steps here; this one: ~4e4
