@@ -1070,6 +1070,8 @@ class Coordinator:
             self.counts.add(Count.INVALID_WORKER_MESSAGES)
             return
         st.scored = True
+        self.counts.add(Count.SCORED_PROMPTS)
+        self.counts.add(Count.SCORED_PROMPT_TOKENS, len(st.prompt))
         self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
 
     def tell_workers(self, st: RequestState, msg) -> None:
