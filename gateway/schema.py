@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
-from pdserve.gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
+from pdserve.gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked, share_prompt_scores
 from pdserve.gateway.structured import structured_output, whitespace
 from pdserve.gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
 from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
@@ -222,19 +222,24 @@ def _chat_texts(messages):
 
 
 def prompt_bounds(prompt, limits: RequestLimits) -> int:
-    """A completions prompt in any of its forms against the table; returns how many prompts it holds."""
+    """A completions prompt in any of its forms against the table, each prompt and then the prefill
+    they ask for together (max_request_prefill_tokens); returns how many prompts it holds."""
     if isinstance(prompt, str):
-        limits.check_prompt_bytes([prompt])
+        limits.check_prefill_tokens(limits.check_prompt_bytes([prompt]))
         return 1
     if not prompt or not isinstance(prompt[0], (str, list)):  # one prompt as token ids (or a bad form: completion_inputs says)
         limits.check_token_ids(len(prompt))
+        limits.check_prefill_tokens(len(prompt))
         return 1
     limits.check_count("prompt", len(prompt), "max_prompts")
+    tokens = 0
     for p in prompt:
         if isinstance(p, str):
-            limits.check_prompt_bytes([p])
+            tokens += limits.check_prompt_bytes([p])
         elif isinstance(p, list):
             limits.check_token_ids(len(p))
+            tokens += len(p)
+    limits.check_prefill_tokens(tokens)
     return len(prompt)
 
 
@@ -262,6 +267,7 @@ class Job:
     inputs: dict  # prompt= | token_ids= | messages= for AsyncClient.stream
     sampling: dict  # SamplingParams fields
     priority: int = 0
+    scores_from: int | None = None  # the choice whose prompt scores this one shares (gateway/scoring.py: share_prompt_scores)
 
 
 def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
@@ -272,7 +278,7 @@ def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None
     inputs = completion_inputs(req.prompt, vocab_size, max_len)
     max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
     sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
-    return _fan_out(inputs, sampling, req.n, req.priority)
+    return share_prompt_scores(_fan_out(inputs, sampling, req.n, req.priority))
 
 
 def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPlan | None = None, reasoning=None) -> list[Job]:

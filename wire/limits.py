@@ -93,6 +93,10 @@ class RequestLimits:
     max_stop: int = flag(64, group="request limits", min=1, launch=True, help="stop strings per request")  # OpenAI allows 4
     max_stop_length: int = flag(256, group="request limits", min=1, launch=True, help="characters of one stop string")
     max_stop_token_ids: int = 1024  # stop_token_ids per request
+    # prompt tokens one request asks the workers to prefill: each prompt counts once, whatever its n
+    max_request_prefill_tokens: int = flag(2**20, group="request limits", min=1, launch=True,
+                                           help="prompt tokens one completions request may ask to prefill: the sum over its prompts "
+                                                "(a text prompt counts its UTF-8 bytes); more is a 400")
     max_client_priority: int = flag(0, group="request limits", launch=True, help="the highest priority class a request may ask for (higher is a 400)")
     # own ttft_ms/tpot_ms allowed, as factors of the class targets
     client_target_range: tuple[float, float] = flag((1.0, 1.0), group="request limits", launch=True,
@@ -229,6 +233,15 @@ class RequestLimits:
         too, as prompt_too_long (gateway/schema.py's completion_inputs, the coordinator's start_request)."""
         if count > self.max_token_ids:
             raise FieldLimitExceeded(param, f"{param} has {count} token ids; the limit is {self.max_token_ids}")
+
+    def check_prefill_tokens(self, tokens: int, param: str = "prompt") -> None:
+        """The prefill work of one request: the sum over its prompts of their tokens (a text prompt's
+        UTF-8 bytes stand for its tokens: tokenizing comes later). Its n choices do not multiply it:
+        a prompt scored is scored once and shared by them (gateway/scoring.py), and the others find
+        its prefix in the prefix cache."""
+        if tokens > self.max_request_prefill_tokens:
+            raise FieldLimitExceeded(param, f"the prompts ask to prefill {tokens} tokens (a text prompt counting its bytes); the "
+                                            f"limit is {self.max_request_prefill_tokens} (--max-request-prefill-tokens)")
 
     def check_count(self, param: str, count: int, limit_name: str) -> None:
         """n, prompts, fan-out: count <= the named field of the table."""
