@@ -5,9 +5,11 @@ Lifecycle: the coordinator and the HTTP gateway each hold one `RequestLimits`, b
 same flags (`pdserve launch` hands them to both); the fields without a flag keep the defaults
 written here, each with why. The gateway checks a body's fields against it (gateway/schema.py,
 request_bounds) and the coordinator a GenerateRequest (coordinator/server.py, check_request),
-so a client of the ZMQ port meets the same bounds as an HTTP one. A large frame or body is first
-scanned by its lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and
-refused before it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
+so a client of the ZMQ port meets the same bounds as an HTTP one; one bound spans a whole HTTP
+request and is the gateway's alone, max_request_prefill_tokens (the coordinator sees each choice
+as a request of its own, bounded by the context). A large frame or body is first scanned by its
+lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and refused before
+it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
 (HTTP 400 / ErrorReply, code `limit_exceeded`, naming the field and the bound) or, for what is
 not a size, `InvalidRequestError`. Every check costs at most one pass over what the request
 already holds; none allocates more than the request.
