@@ -190,9 +190,16 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
     else:
         limits.check_logprobs("logprobs", req.logprobs)
         limits.check_logprobs("prompt_logprobs", req.prompt_logprobs)
-        prompts = prompt_bounds(req.prompt, limits)
+        prompts, tokens = prompt_bounds(req.prompt, limits)
+        limits.check_scored_entries(tokens * req.n * scores_per_token(req), "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
     if prompts * req.n > limits.max_fanout:
         raise FieldLimitExceeded("n", f"{prompts} prompts x n={req.n} make {prompts * req.n} choices; the limit is {limits.max_fanout}")
+
+
+def scores_per_token(req: CompletionRequest) -> int:
+    """Scores each choice returns per prompt token: with echo and logprobs k, the token's and its top
+    k; with prompt_logprobs k, again (vLLM's field); 0 when the prompt is not scored."""
+    return sum(1 + k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None)
 
 
 def chat_bounds(messages: list[ChatMessageIn], limits: RequestLimits, tools: list[Tool] | None = None) -> None:
@@ -221,16 +228,18 @@ def _chat_texts(messages):
             yield c.function.arguments
 
 
-def prompt_bounds(prompt, limits: RequestLimits) -> int:
+def prompt_bounds(prompt, limits: RequestLimits) -> tuple[int, int]:
     """A completions prompt in any of its forms against the table, each prompt and then the prefill
-    they ask for together (max_request_prefill_tokens); returns how many prompts it holds."""
+    they ask for together (max_request_prefill_tokens); returns (how many prompts it holds, their
+    tokens as that bound counts them)."""
     if isinstance(prompt, str):
-        limits.check_prefill_tokens(limits.check_prompt_bytes([prompt]))
-        return 1
+        tokens = limits.check_prompt_bytes([prompt])
+        limits.check_prefill_tokens(tokens)
+        return 1, tokens
     if not prompt or not isinstance(prompt[0], (str, list)):  # one prompt as token ids (or a bad form: completion_inputs says)
         limits.check_token_ids(len(prompt))
         limits.check_prefill_tokens(len(prompt))
-        return 1
+        return 1, len(prompt)
     limits.check_count("prompt", len(prompt), "max_prompts")
     tokens = 0
     for p in prompt:
@@ -240,7 +249,7 @@ def prompt_bounds(prompt, limits: RequestLimits) -> int:
             limits.check_token_ids(len(p))
             tokens += len(p)
     limits.check_prefill_tokens(tokens)
-    return len(prompt)
+    return len(prompt), tokens
 
 
 def structured_bounds(jobs: list[Job], limits: RequestLimits) -> None:

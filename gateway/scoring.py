@@ -13,7 +13,9 @@ request is scored once: `share_prompt_scores` leaves prompt_logprobs on its firs
 and the fan-out hands those scores to the others (its n - 1 siblings, the same prompt given
 again; gateway/stream.py), so every choice's prompt_logprobs are equal, as vLLM returns them.
 What the prompts of one request may ask to prefill at all is the table's
-max_request_prefill_tokens (wire/limits.py; gateway/schema.py's prompt_bounds checks it). The
+max_request_prefill_tokens, and what their scores make in the answer (prompt tokens x n x
+(1 + k), each choice repeating them) its max_scored_entries (wire/limits.py; gateway/schema.py's
+request_bounds checks both before any fan-out). The
 completion formatter (gateway/format.py) then prepends the prompt to each choice: its text
 (`echo_text`) and, with logprobs, its tokens (`prompt_logprobs_part`: the first token's logprob
 is null, as OpenAI and vLLM give it); `prompt_logprobs_field` builds vLLM's per-token list for

@@ -5,9 +5,9 @@ Lifecycle: the coordinator and the HTTP gateway each hold one `RequestLimits`, b
 same flags (`pdserve launch` hands them to both); the fields without a flag keep the defaults
 written here, each with why. The gateway checks a body's fields against it (gateway/schema.py,
 request_bounds) and the coordinator a GenerateRequest (coordinator/server.py, check_request),
-so a client of the ZMQ port meets the same bounds as an HTTP one; one bound spans a whole HTTP
-request and is the gateway's alone, max_request_prefill_tokens (the coordinator sees each choice
-as a request of its own, bounded by the context). A large frame or body is first scanned by its
+so a client of the ZMQ port meets the same bounds as an HTTP one; the bounds that span a whole
+HTTP request are the gateway's alone (max_fanout, max_request_prefill_tokens, max_scored_entries:
+the coordinator sees each choice as a request of its own, bounded by the context). A large frame or body is first scanned by its
 lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and refused before
 it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
 (HTTP 400 / ErrorReply, code `limit_exceeded`, naming the field and the bound) or, for what is
@@ -119,6 +119,9 @@ class RequestLimits:
     max_prompts: int = 1024  # prompts in one completions request
     max_n: int = 128  # choices per prompt (OpenAI's limit)
     max_fanout: int = 1024  # prompts x n of one request: each choice is one coordinator request
+    max_scored_entries: int = 2**21  # prompt-token scores the choices of one completions request return (prompt tokens x n x
+    # (1 + top k), for echo's logprobs and for prompt_logprobs): ~64 bytes of JSON each, so ~128 MB at the bound; computed once
+    # per prompt and shared by its choices, but each choice's answer repeats them (issue 38: n 128 made 8.4M tokens' worth)
     max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
     # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
@@ -244,6 +247,13 @@ class RequestLimits:
         if tokens > self.max_request_prefill_tokens:
             raise FieldLimitExceeded(param, f"the prompts ask to prefill {tokens} tokens (a text prompt counting its bytes); the "
                                             f"limit is {self.max_request_prefill_tokens} (--max-request-prefill-tokens)")
+
+    def check_scored_entries(self, entries: int, param: str) -> None:
+        """What the prompt scores of one completions request make in its answer: prompt tokens x n x
+        (1 + top k) for each of echo's logprobs and prompt_logprobs."""
+        if entries > self.max_scored_entries:
+            raise FieldLimitExceeded(param, f"the choices would return {entries} prompt-token scores (prompt tokens x n x (1 + top k) "
+                                            f"for echo's logprobs and for prompt_logprobs); the limit is {self.max_scored_entries}")
 
     def check_count(self, param: str, count: int, limit_name: str) -> None:
         """n, prompts, fan-out: count <= the named field of the table."""
