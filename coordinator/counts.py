@@ -2,10 +2,10 @@
 "requests" and what /metrics and dashboards read, so each is written once, here.
 
 Lifecycle: one `Counts` per coordinator, only ever added to. `add(Count.X)` counts an event of a
-fixed name; `error(code)`, `finished(reason)` and `placed(path, reason)` count the named families
-("error:<code>", "finished:<reason>", "path:<path>" and "path_reason:<reason>"). `snapshot()` is
-the stats' "requests" object: the counters that have counted, by name; `counts["name"]` reads one
-(0 if it never counted).
+fixed name (`add(Count.X, n)`: n of them, tokens say); `error(code)`, `finished(reason)` and
+`placed(path, reason)` count the named families ("error:<code>", "finished:<reason>",
+"path:<path>" and "path_reason:<reason>"). `snapshot()` is the stats' "requests" object: the
+counters that have counted, by name; `counts["name"]` reads one (0 if it never counted).
 """
 from __future__ import annotations
 
@@ -38,14 +38,16 @@ class Count(enum.StrEnum):
     STALE_ROLE_SETS = "stale_role_sets"
     INTERNAL_ERRORS = "internal_errors"  # a handler raised: a bug, logged with its traceback
     ILLEGAL_TRANSITIONS = "illegal_transitions"  # a phase change state.TRANSITIONS does not allow: a bug, logged
+    SCORED_PROMPTS = "scored_prompts"  # prompts whose logprobs were computed and sent (prompt_logprobs)
+    SCORED_PROMPT_TOKENS = "scored_prompt_tokens"  # their tokens: each computed, never taken from the prefix cache
 
 
 class Counts:
     def __init__(self):
         self._n: collections.Counter = collections.Counter()
 
-    def add(self, name: Count) -> None:
-        self._n[name.value] += 1
+    def add(self, name: Count, n: int = 1) -> None:
+        self._n[name.value] += n
 
     def error(self, code: str) -> None:
         """A request ended with ErrorReply `code` (or was refused before it started)."""

@@ -560,7 +560,8 @@ class Coordinator:
         full block long): the first is prefilled and handed off alone, the others wait (parked)
         until its KV is on its decode worker. Then they find the prompt's full blocks cached on
         both sides: the decode worker shares them and each choice gets its own copy of the last
-        partial block, the only one sent. Without the prefix cache nothing waits."""
+        partial block, the only one sent. Without the prefix cache nothing waits, nor does a
+        scoring request (it computes its whole prompt whatever is cached; it may lead)."""
         if st.tokens or len(st.prompt) <= block_size or not all(w.prefix_cache for w in self.workers.values()):
             return False
         key = (st.client, tuple(st.prompt))
@@ -569,7 +570,7 @@ class Coordinator:
             self.twins[key] = st.iid
             st.twin_key = key
             return False
-        return lead.phase <= Phase.PREFILLING
+        return lead.phase <= Phase.PREFILLING and st.req.params.prompt_logprobs is None
 
     def snapshots(self, workers: list[WorkerState], now: float, st: RequestState) -> list[placement.WorkerSnapshot]:
         """What placement sees of `workers` (workers of one role), for st; where several share one
@@ -581,8 +582,12 @@ class Coordinator:
         return share_role_cores(snaps, self.core_groups(), cores, lambda wid, alone, threads: self.workers[wid].slowdown.factor(alone, threads))
 
     def cached_on(self, w: WorkerState, st: RequestState) -> int:
-        """Leading tokens of st that w's prefix cache is thought to hold (0 with its cache off)."""
-        return w.cached_tokens(st.prefix_hashes(w.hello.block_size, self.prefix_secret)) if w.prefix_cache else 0
+        """Leading tokens of st that w's prefix cache is thought to hold and st may use (0 with its
+        cache off). A scoring request (prompt_logprobs) gets none: it computes every prompt row
+        (runtime/scoring.py), so its prediction, backlog and blocks count its whole prompt."""
+        if not w.prefix_cache or st.req.params.prompt_logprobs is not None:
+            return 0
+        return w.cached_tokens(st.prefix_hashes(w.hello.block_size, self.prefix_secret))
 
     def note_placed_prefix(self, st: RequestState, *workers: WorkerState) -> None:
         """The workers st goes to will hold its prefix: say so in their views at once, so the
@@ -1070,6 +1075,8 @@ class Coordinator:
             self.counts.add(Count.INVALID_WORKER_MESSAGES)
             return
         st.scored = True
+        self.counts.add(Count.SCORED_PROMPTS)
+        self.counts.add(Count.SCORED_PROMPT_TOKENS, len(st.prompt))
         self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
 
     def tell_workers(self, st: RequestState, msg) -> None:

@@ -75,6 +75,7 @@ class CompletionFormatter(_Formatter):
         self.inputs = {j.index: j.inputs for j in jobs}  # what each choice echoes
         self.k = next((j.sampling.get("logprobs") for j in jobs), None)  # completions logprobs: top alternatives per token
         self.opened: set[int] = set()  # choices whose first chunk went out
+        self.fields: dict[int, tuple[list, list]] = {}  # id(scores) -> (scores, held so the id stays theirs; vLLM's field of them)
 
     def _offsets(self, index: int, tokens: list[str]) -> list[int]:
         offsets = []
@@ -95,7 +96,7 @@ class CompletionFormatter(_Formatter):
     def prompt_part(self, index: int, ids: list[int] | None, scores: list | None) -> tuple[str, CompletionLogprobs | None, list | None]:
         """What choice `index` starts with: the echoed prompt and its logprobs, and vLLM's prompt_logprobs field."""
         e = self.echo
-        field = prompt_logprobs_field(ids, scores, e.prompt_k, self.text) if e.prompt_k is not None and scores is not None else None
+        field = self.prompt_field(ids, scores) if e.prompt_k is not None and scores is not None else None
         if not e.echo:
             return "", None, field
         lp = None
@@ -103,6 +104,13 @@ class CompletionFormatter(_Formatter):
             tokens, lps, tops = prompt_logprobs_part(ids, scores, self.k, self.text)
             lp = CompletionLogprobs(tokens, lps, tops, self._offsets(index, tokens))
         return echo_text(self.inputs[index], self.text.tok), lp, field
+
+    def prompt_field(self, ids: list[int], scores: list) -> list:
+        """vLLM's prompt_logprobs field of these scores; the choices that share one prompt's scores
+        (gateway/scoring.py) share the one field built for them."""
+        if id(scores) not in self.fields:
+            self.fields[id(scores)] = (scores, prompt_logprobs_field(ids, scores, self.echo.prompt_k, self.text))
+        return self.fields[id(scores)][1]
 
     def choice(self, index: int, head: tuple, text: str, token_ids, logprobs, top, finish_reason) -> CompletionChoice:
         """A choice (or a chunk's) after its prompt part `head`; the output is dropped for max_tokens 0."""

@@ -11,11 +11,11 @@ Lifecycle: one `GatewayMetrics` per gateway, with its own registry. As each requ
 gateway observes it through its model's view (`of(model)`): `observe(result)` feeds the TTFT,
 TPOT, inter-token and end-to-end histograms and the token and finish-reason counters;
 `error(code)` and `aborted()` count the other endings. The cluster's state (queues, running
-batches, KV cache usage, KV bytes and seconds transferred, the paths requests took, the latency
-model's prediction error and admission headroom, the planner's role changes) lives in each
-model's coordinator: `render(*stats)` takes the stats snapshots the gateway just fetched (one per
-model, in the models' order), and a collector turns them into gauges and counters during that
-scrape, each family once with every model's samples.
+batches, KV cache usage, KV bytes and seconds transferred, the paths requests took, the prompts
+and prompt tokens scored, the latency model's prediction error and admission headroom, the
+planner's role changes) lives in each model's coordinator: `render(*stats)` takes the stats
+snapshots the gateway just fetched (one per model, in the models' order), and a collector turns
+them into gauges and counters during that scrape, each family once with every model's samples.
 """
 from __future__ import annotations
 
@@ -177,6 +177,12 @@ class CoordinatorFamilies:
                                ("kv_transfer_handoffs", "handoffs", "Prefill-to-decode KV hand-offs")):
             fam = CounterMetricFamily(f"pdserve_{name}", doc, labels=["model_name"])
             fam.add_metric(m, kv.get(key, 0))
+            yield fam
+        requests = s.get("requests", {})
+        for name, doc in (("scored_prompts", "Prompts scored (prompt_logprobs): each once per distinct prompt of an HTTP request"),
+                          ("scored_prompt_tokens", "Prompt tokens scored: each computed, none taken from the prefix cache")):
+            fam = CounterMetricFamily(f"pdserve_{name}", doc, labels=["model_name"])
+            fam.add_metric(m, requests.get(name, 0))
             yield fam
         pending = GaugeMetricFamily("pdserve_num_requests_pending", "Requests the coordinator holds until a decode worker has room", labels=["model_name"])
         pending.add_metric(m, s.get("pending", 0))

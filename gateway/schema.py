@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.gateway.errors import ApiError, ErrorBody, ErrorResponse, bad_request  # noqa: F401 (re-exported)
-from pdserve.gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked
+from pdserve.gateway.scoring import PromptTokenLogprob, echo_options, prompt_logprobs_asked, share_prompt_scores
 from pdserve.gateway.structured import structured_output, whitespace
 from pdserve.gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
 from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
@@ -190,9 +190,16 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
     else:
         limits.check_logprobs("logprobs", req.logprobs)
         limits.check_logprobs("prompt_logprobs", req.prompt_logprobs)
-        prompts = prompt_bounds(req.prompt, limits)
+        prompts, tokens = prompt_bounds(req.prompt, limits)
+        limits.check_scored_entries(tokens * req.n * scores_per_token(req), "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
     if prompts * req.n > limits.max_fanout:
         raise FieldLimitExceeded("n", f"{prompts} prompts x n={req.n} make {prompts * req.n} choices; the limit is {limits.max_fanout}")
+
+
+def scores_per_token(req: CompletionRequest) -> int:
+    """Scores each choice returns per prompt token: with echo and logprobs k, the token's and its top
+    k; with prompt_logprobs k, again (vLLM's field); 0 when the prompt is not scored."""
+    return sum(1 + k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None)
 
 
 def chat_bounds(messages: list[ChatMessageIn], limits: RequestLimits, tools: list[Tool] | None = None) -> None:
@@ -221,21 +228,28 @@ def _chat_texts(messages):
             yield c.function.arguments
 
 
-def prompt_bounds(prompt, limits: RequestLimits) -> int:
-    """A completions prompt in any of its forms against the table; returns how many prompts it holds."""
+def prompt_bounds(prompt, limits: RequestLimits) -> tuple[int, int]:
+    """A completions prompt in any of its forms against the table, each prompt and then the prefill
+    they ask for together (max_request_prefill_tokens); returns (how many prompts it holds, their
+    tokens as that bound counts them)."""
     if isinstance(prompt, str):
-        limits.check_prompt_bytes([prompt])
-        return 1
+        tokens = limits.check_prompt_bytes([prompt])
+        limits.check_prefill_tokens(tokens)
+        return 1, tokens
     if not prompt or not isinstance(prompt[0], (str, list)):  # one prompt as token ids (or a bad form: completion_inputs says)
         limits.check_token_ids(len(prompt))
-        return 1
+        limits.check_prefill_tokens(len(prompt))
+        return 1, len(prompt)
     limits.check_count("prompt", len(prompt), "max_prompts")
+    tokens = 0
     for p in prompt:
         if isinstance(p, str):
-            limits.check_prompt_bytes([p])
+            tokens += limits.check_prompt_bytes([p])
         elif isinstance(p, list):
             limits.check_token_ids(len(p))
-    return len(prompt)
+            tokens += len(p)
+    limits.check_prefill_tokens(tokens)
+    return len(prompt), tokens
 
 
 def structured_bounds(jobs: list[Job], limits: RequestLimits) -> None:
@@ -262,6 +276,7 @@ class Job:
     inputs: dict  # prompt= | token_ids= | messages= for AsyncClient.stream
     sampling: dict  # SamplingParams fields
     priority: int = 0
+    scores_from: int | None = None  # the choice whose prompt scores this one shares (gateway/scoring.py: share_prompt_scores)
 
 
 def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
@@ -272,7 +287,7 @@ def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None
     inputs = completion_inputs(req.prompt, vocab_size, max_len)
     max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
     sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
-    return _fan_out(inputs, sampling, req.n, req.priority)
+    return share_prompt_scores(_fan_out(inputs, sampling, req.n, req.priority))
 
 
 def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPlan | None = None, reasoning=None) -> list[Job]:

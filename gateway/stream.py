@@ -3,7 +3,10 @@
 Lifecycle: a `Fanout` runs one `AsyncClient.stream` per job (n > 1 and batched prompts are
 several jobs), each holding one of the gateway's slots (gateway/slots.py): the jobs its fair
 share allows start at once (none: `Overloaded`, a 429), the rest start one by one as slots come
-back. Each is pumped by a task into one queue of (choice index, delta | error | None for
+back. The jobs that score a prompt start first; a job that shares another's prompt scores
+(Job.scores_from, gateway/scoring.py) waits for them, queues them as its own first delta and
+puts them on its result, then runs without scoring (its prompt is then in the prefix cache);
+if the scoring job ends without them, the sharers end with its error. Each is pumped by a task into one queue of (choice index, delta | error | None for
 "ended"). A streaming response first awaits `first()` (the first delta of every stream started
 at once, or the first error, so that an immediate refusal still becomes an HTTP status), then
 drains `next_event()`; a whole response awaits `results()`. `close()` cancels the pumps that
@@ -24,7 +27,7 @@ from starlette.responses import StreamingResponse
 from pdserve.gateway.config import STREAM_BUFFER_BYTES
 from pdserve.gateway.schema import Job
 from pdserve.gateway.slots import Slots
-from pdserve_client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, Result, StreamDelta
+from pdserve_client.library import AsyncClient, ClientError, ClientTooSlow, Overloaded, RequestError, Result, StreamDelta
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -56,15 +59,19 @@ class Fanout:
         self.buffer: list[tuple[int, object]] = []  # events read by first(), not yet handed out
         self.results: dict[int, Result] = {}
         self.open = len(jobs)
+        loop = asyncio.get_running_loop()
+        # a scoring choice's (prompt ids, scores), or None if it ended without them, for the choices that share them
+        self.shared: dict[int, asyncio.Future] = {j.scores_from: loop.create_future() for j in jobs if j.scores_from is not None}
+        order = sorted(jobs, key=lambda j: j.scores_from is not None)  # the scoring choices first: the others wait for them
         self.lease = slots.lease()
         self.tasks: list[asyncio.Future] = []
-        while len(self.tasks) < len(jobs) and self.lease.try_take():
-            self._start(jobs[len(self.tasks)])
+        while len(self.tasks) < len(order) and self.lease.try_take():
+            self._start(order[len(self.tasks)])
         self.first_wave = len(self.tasks)
         if not self.tasks:
             self.lease.close()
             raise Overloaded("overloaded", f"the gateway has {slots.held} requests in flight (--max-inflight {slots.total}); retry later")
-        self.feeder = asyncio.ensure_future(self._feed(jobs[self.first_wave:]))
+        self.feeder = asyncio.ensure_future(self._feed(order[self.first_wave:]))
 
     def _start(self, job: Job) -> None:
         task = asyncio.ensure_future(self._pump(job, f"{self.request_id}-{job.index}"))
@@ -79,16 +86,19 @@ class Fanout:
 
     async def _pump(self, job: Job, rid: str) -> None:
         ended = False
+        scores = self.shared.get(job.index)  # this choice scores the prompt for others
         try:
+            shared = await self._shared_scores(job)
             async for d in self.client.stream(**job.inputs, request_id=rid, timeout=self.timeout, priority=job.priority, **job.sampling):
+                if scores is not None and d.prompt_logprobs is not None and not scores.done():
+                    scores.set_result((d.prompt_token_ids, d.prompt_logprobs))
                 if d.result is not None:
                     ended = True
+                    if shared is not None:
+                        d.result.prompt_token_ids, d.result.prompt_logprobs = shared
                     self.results[job.index] = d.result
                     self.metrics.observe(d.result)
-                self.queue.put_nowait((job.index, d))
-                self.buffered += event_bytes(d)
-                if self.buffered > self.buffer_bytes:
-                    self._overflow(job.index)
+                self._put(job.index, d)
         except ClientError as e:  # counted by type where it becomes an HTTP error, once per HTTP request
             ended = True
             self.queue.put_nowait((job.index, e))
@@ -101,7 +111,26 @@ class Fanout:
             log.exception("stream %s failed", rid)
             self.queue.put_nowait((job.index, e))
         finally:
+            if scores is not None and not scores.done():
+                scores.set_result(None)  # ended (or failed) before its scores: the choices sharing them end too
             self.queue.put_nowait((job.index, None))
+
+    async def _shared_scores(self, job: Job) -> tuple | None:
+        """For a choice that shares another's prompt scores: wait for them and queue them as its own
+        first delta (it asked the workers for none). Raises if that choice ended without them."""
+        if job.scores_from is None:
+            return None
+        shared = await self.shared[job.scores_from]
+        if shared is None:  # its error (queued before this) is what the HTTP client sees
+            raise RequestError("scores_unavailable", f"choice {job.scores_from}, whose prompt scores this choice shares, ended without them")
+        self._put(job.index, StreamDelta("", [], prompt_token_ids=shared[0], prompt_logprobs=shared[1]))
+        return shared
+
+    def _put(self, index: int, d: StreamDelta) -> None:
+        self.queue.put_nowait((index, d))
+        self.buffered += event_bytes(d)
+        if self.buffered > self.buffer_bytes:
+            self._overflow(index)
 
     def _overflow(self, index: int) -> None:
         """The HTTP client leaves more than buffer_bytes unread: drop what waits for it, cancel

@@ -5,9 +5,11 @@ Lifecycle: the coordinator and the HTTP gateway each hold one `RequestLimits`, b
 same flags (`pdserve launch` hands them to both); the fields without a flag keep the defaults
 written here, each with why. The gateway checks a body's fields against it (gateway/schema.py,
 request_bounds) and the coordinator a GenerateRequest (coordinator/server.py, check_request),
-so a client of the ZMQ port meets the same bounds as an HTTP one. A large frame or body is first
-scanned by its lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and
-refused before it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
+so a client of the ZMQ port meets the same bounds as an HTTP one; the bounds that span a whole
+HTTP request are the gateway's alone (max_fanout, max_request_prefill_tokens, max_scored_entries:
+the coordinator sees each choice as a request of its own, bounded by the context). A large frame or body is first scanned by its
+lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and refused before
+it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
 (HTTP 400 / ErrorReply, code `limit_exceeded`, naming the field and the bound) or, for what is
 not a size, `InvalidRequestError`. Every check costs at most one pass over what the request
 already holds; none allocates more than the request.
@@ -93,6 +95,10 @@ class RequestLimits:
     max_stop: int = flag(64, group="request limits", min=1, launch=True, help="stop strings per request")  # OpenAI allows 4
     max_stop_length: int = flag(256, group="request limits", min=1, launch=True, help="characters of one stop string")
     max_stop_token_ids: int = 1024  # stop_token_ids per request
+    # prompt tokens one request asks the workers to prefill: each prompt counts once, whatever its n
+    max_request_prefill_tokens: int = flag(2**20, group="request limits", min=1, launch=True,
+                                           help="prompt tokens one completions request may ask to prefill: the sum over its prompts "
+                                                "(a text prompt counts its UTF-8 bytes); more is a 400")
     max_client_priority: int = flag(0, group="request limits", launch=True, help="the highest priority class a request may ask for (higher is a 400)")
     # own ttft_ms/tpot_ms allowed, as factors of the class targets
     client_target_range: tuple[float, float] = flag((1.0, 1.0), group="request limits", launch=True,
@@ -113,6 +119,9 @@ class RequestLimits:
     max_prompts: int = 1024  # prompts in one completions request
     max_n: int = 128  # choices per prompt (OpenAI's limit)
     max_fanout: int = 1024  # prompts x n of one request: each choice is one coordinator request
+    max_scored_entries: int = 2**21  # prompt-token scores the choices of one completions request return (prompt tokens x n x
+    # (1 + top k), for echo's logprobs and for prompt_logprobs): ~64 bytes of JSON each, so ~128 MB at the bound; computed once
+    # per prompt and shared by its choices, but each choice's answer repeats them (issue 38: n 128 made 8.4M tokens' worth)
     max_logprobs: int = MAX_LOGPROBS  # top alternatives per token: chat top_logprobs (OpenAI: 20), completions logprobs (vLLM: 20; OpenAI 5),
     # prompt_logprobs (vLLM's max_logprobs: 20); the prompt they score is bounded by the context
     max_tokens: int = 2**20  # tokens to generate (beyond any context served; the workers stop at the context's end anyway)
@@ -229,6 +238,22 @@ class RequestLimits:
         too, as prompt_too_long (gateway/schema.py's completion_inputs, the coordinator's start_request)."""
         if count > self.max_token_ids:
             raise FieldLimitExceeded(param, f"{param} has {count} token ids; the limit is {self.max_token_ids}")
+
+    def check_prefill_tokens(self, tokens: int, param: str = "prompt") -> None:
+        """The prefill work of one request: the sum over its prompts of their tokens (a text prompt's
+        UTF-8 bytes stand for its tokens: tokenizing comes later). Its n choices do not multiply it:
+        a prompt scored is scored once and shared by them (gateway/scoring.py), and the others find
+        its prefix in the prefix cache."""
+        if tokens > self.max_request_prefill_tokens:
+            raise FieldLimitExceeded(param, f"the prompts ask to prefill {tokens} tokens (a text prompt counting its bytes); the "
+                                            f"limit is {self.max_request_prefill_tokens} (--max-request-prefill-tokens)")
+
+    def check_scored_entries(self, entries: int, param: str) -> None:
+        """What the prompt scores of one completions request make in its answer: prompt tokens x n x
+        (1 + top k) for each of echo's logprobs and prompt_logprobs."""
+        if entries > self.max_scored_entries:
+            raise FieldLimitExceeded(param, f"the choices would return {entries} prompt-token scores (prompt tokens x n x (1 + top k) "
+                                            f"for echo's logprobs and for prompt_logprobs); the limit is {self.max_scored_entries}")
 
     def check_count(self, param: str, count: int, limit_name: str) -> None:
         """n, prompts, fan-out: count <= the named field of the table."""

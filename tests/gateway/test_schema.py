@@ -91,6 +91,18 @@ def test_echo_and_prompt_logprobs_mapping():
     assert "prompt_logprobs" not in job.sampling  # echo without logprobs: only the text
 
 
+def test_each_distinct_prompt_is_scored_by_one_choice_and_shared_by_the_others():
+    jobs = completion_jobs(CompletionRequest(model="m", prompt=[[1, 2, 3], [4, 5], [1, 2, 3]], n=2, echo=True, max_tokens=0,
+                                             prompt_logprobs=1), 100)
+    assert [j.scores_from for j in jobs] == [None, 0, None, 2, 0, 0]
+    assert [j.sampling.get("prompt_logprobs") for j in jobs] == [1, None, 1, None, None, None]
+    assert all(j.sampling["max_tokens"] == 1 for j in jobs)  # nothing else of the choices changes
+    [a, b] = completion_jobs(CompletionRequest(model="m", prompt=["x", "x"], echo=True, logprobs=2), 100)
+    assert (a.sampling["prompt_logprobs"], b.scores_from, "prompt_logprobs" in b.sampling) == (2, 0, False)  # echo's logprobs score too
+    plain = completion_jobs(CompletionRequest(model="m", prompt="p", n=3), 100)
+    assert [j.scores_from for j in plain] == [None] * 3 and not any("prompt_logprobs" in j.sampling for j in plain)
+
+
 def test_chat_mapping():
     [job] = chat_jobs(chat(), 2048)
     assert job.sampling["max_tokens"] == 2048 and job.sampling["logprobs"] is None  # no limit: the rest of the context

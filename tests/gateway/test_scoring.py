@@ -5,6 +5,8 @@ local-completions back-end calls it (token ids, max_tokens 1 or 0, logprobs 1), 
 `prompt_logprobs`, and echo streamed. The prompt's logprobs equal a teacher-forced pass of the same
 checkpoint in transformers (float32, within ATOL), a prompt longer than the scoring chunk included;
 every KV block is free at the end."""
+import json
+
 import httpx
 import openai
 import pytest
@@ -128,6 +130,70 @@ def test_echo_streamed_equals_echo_whole(service, tok):
     assert streamed == whole["logprobs"]["token_logprobs"] and len(streamed) == 24
     plain = complete(service, prompt="Hello there", echo=True, max_tokens=3, temperature=0)["choices"][0]
     assert plain["text"].startswith("Hello there") and plain["logprobs"] is None
+
+
+def scored(service) -> tuple[int, int]:
+    """(prompts scored, their tokens) so far: the coordinator's counts (each scored token is computed)."""
+    with Client(service.plan.client_addr, timeout=30) as c:
+        counts = c.stats()["requests"]
+    return counts.get("scored_prompts", 0), counts.get("scored_prompt_tokens", 0)
+
+
+def test_n_choices_share_one_scoring_pass_per_distinct_prompt(service, reference, tok):
+    """Issue 38's amplification scaled to this model: prompts of token ids, n choices, echo and
+    prompt_logprobs. Each distinct prompt is scored once (a prompt given twice too), and every
+    choice of it carries the same scores, equal to teacher forcing."""
+    a, b = ids_of(tok, 300, seed=7), ids_of(tok, 200, seed=8)
+    n = 8
+    before = scored(service)
+    body = complete(service, prompt=[a, b, a], n=n, echo=True, max_tokens=0, logprobs=1, prompt_logprobs=1, temperature=0)
+    after = scored(service)
+    assert (after[0] - before[0], after[1] - before[1]) == (2, len(a) + len(b))  # before the fix: (24, 8 * 800), each choice scored alone
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == 3 * n
+    for p, ids in enumerate((a, b, a)):
+        mine = choices[p * n:(p + 1) * n]
+        assert all(c["prompt_logprobs"] == choices[p * n]["prompt_logprobs"] for c in mine)
+        assert all(c["logprobs"] == choices[p * n]["logprobs"] for c in mine) and all(c["text"] == tok.decode(ids) for c in mine)
+        ref = reference(ids)
+        field = choices[p * n]["prompt_logprobs"]
+        assert len(field) == len(ids) and max(abs(field[i + 1][str(ids[i + 1])]["logprob"] - float(ref[i, ids[i + 1]]))
+                                              for i in range(len(ids) - 1)) < ATOL
+    assert choices[0]["prompt_logprobs"] == choices[2 * n]["prompt_logprobs"]
+    assert body["usage"]["prompt_tokens"] == 2 * len(a) + len(b)
+
+
+def test_shared_scores_stream_with_each_choice(service, tok):
+    ids = ids_of(tok, 40, seed=9)
+    before = scored(service)
+    body = {"model": model_name(service), "prompt": ids, "n": 4, "max_tokens": 2, "prompt_logprobs": 2, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    firsts = {}
+    with httpx.stream("POST", f"{service.plan.http_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in httpx.Response(200, content=line[6:]).json()["choices"]:
+                    firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1, 2, 3] and scored(service)[1] - before[1] == len(ids)
+    assert all(c["prompt_logprobs"] == firsts[0]["prompt_logprobs"] and len(c["prompt_logprobs"]) == len(ids) for c in firsts.values())
+
+
+def test_prefill_work_of_one_request_is_bounded(service):
+    """max_request_prefill_tokens (wire/limits.py): prompts x their lengths, whatever n; one id
+    over is a 400 naming the prompt, before anything is tokenized or run."""
+    from pdserve.wire.limits import RequestLimits
+
+    limit, per = RequestLimits().max_request_prefill_tokens, RequestLimits().max_token_ids
+    prompts = [[1] * per] * (limit // per) + [[1]]
+    body = json.dumps({"model": model_name(service), "prompt": prompts, "echo": True, "max_tokens": 0, "prompt_logprobs": 1},
+                      separators=(",", ":"))
+    before = scored(service)
+    r = httpx.post(f"{service.plan.http_url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("limit_exceeded", "prompt") and "--max-request-prefill-tokens" in err["message"]
+    assert scored(service) == before
 
 
 def test_every_request_ran_on_the_path_of_the_launch_and_freed_its_blocks(service):

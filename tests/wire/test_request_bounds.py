@@ -59,6 +59,10 @@ def msgs(n, content=""):
     (lambda: completion(prompt=[1] * L.max_token_ids), lambda: completion(prompt=[1] * (L.max_token_ids + 1)), "prompt"),
     (lambda: completion(prompt=[[1] * L.max_token_ids]), lambda: completion(prompt=[[1], [1] * (L.max_token_ids + 1)]), "prompt"),
     (lambda: completion(prompt="x" * L.max_prompt_bytes), lambda: completion(prompt="x" * (L.max_prompt_bytes + 1)), "prompt"),
+    (lambda: completion(prompt=[[1] * (L.max_request_prefill_tokens // 8)] * 8),
+     lambda: completion(prompt=[[1] * (L.max_request_prefill_tokens // 8)] * 8 + [[1]]), "prompt"),
+    (lambda: completion(prompt=["x" * (L.max_request_prefill_tokens // 2)] * 2),
+     lambda: completion(prompt=["x" * (L.max_request_prefill_tokens // 2)] * 2 + ["x"]), "prompt"),
     (lambda: completion(logprobs=L.max_logprobs), lambda: completion(logprobs=L.max_logprobs + 1), "logprobs"),
     (lambda: completion(prompt_logprobs=L.max_logprobs), lambda: completion(prompt_logprobs=L.max_logprobs + 1), "prompt_logprobs"),
     (lambda: chat(logprobs=True, top_logprobs=L.max_logprobs), lambda: chat(logprobs=True, top_logprobs=L.max_logprobs + 1), "top_logprobs"),
@@ -71,6 +75,35 @@ def msgs(n, content=""):
 def test_each_body_bound_at_its_limit_and_one_past(at, over, param):
     request_bounds(at(), L)
     refused(over(), param)
+
+
+def test_prefill_bound_counts_prompts_not_their_choices():
+    """n choices of a prompt share its prefill (one scoring pass, then the prefix cache): issue 38's
+    request, 8 prompts of 8k ids with n 128, is within the prefill bound (the answer's bound is
+    below); its prompts made longer are not."""
+    limits = RequestLimits(max_request_prefill_tokens=65536, max_scored_entries=2**30)
+    request_bounds(completion(prompt=[[1] * 8192] * 8, n=128, echo=True, max_tokens=0, prompt_logprobs=1), limits)
+    refused(completion(prompt=[[1] * 8193] * 8, n=1, echo=True, max_tokens=0, prompt_logprobs=1), "prompt", limits=limits)
+    assert "--max-request-prefill-tokens" in limits_message(completion(prompt=[[1] * 65537]), limits)
+
+
+def test_the_scores_an_answer_repeats_are_bounded_over_every_choice_and_alternative():
+    """Each choice's answer carries its prompt's scores: prompt tokens x n x (1 + k), for echo's
+    logprobs and for prompt_logprobs. Issue 38's request (16.8M of them) is refused naming the field."""
+    issue_38 = dict(prompt=[[1] * 8192] * 8, n=128, echo=True, max_tokens=0, prompt_logprobs=1)
+    refused(completion(**issue_38), "prompt_logprobs")
+    at = dict(prompt=[[1] * 1024] * 8, n=128, echo=True, max_tokens=0)  # 2**20 prompt tokens over the choices
+    request_bounds(completion(**at, prompt_logprobs=1), L)  # x 2: at the bound
+    refused(completion(**at, prompt_logprobs=1, logprobs=0), "prompt_logprobs")  # echo's logprobs too: x 3
+    refused(completion(**at, logprobs=2), "logprobs")
+    request_bounds(completion(**{**at, "echo": False}, logprobs=5), L)  # the prompt is not scored: nothing repeats
+    assert L.max_scored_entries == 2**21
+
+
+def limits_message(req, limits) -> str:
+    with pytest.raises(ApiError) as e:
+        request_bounds(req, limits)
+    return e.value.message
 
 
 def tool(name="f", description=None):
