@@ -5,8 +5,8 @@ Lifecycle: a worker with `--tensor-parallel-size N` checks its model with `check
 KV heads, the MLP width and, for GGUF blocks, the block boundaries must split N ways: a model
 that does not is refused at start; KV heads are never replicated) and its devices with
 `rank_devices` (CPU: every rank on the CPU; CUDA: one GPU per rank, more ranks than visible GPUs
-refused at start), then each of its N rank processes opens a `RankGroup` (rendezvous on rank 0's
-TCPStore on loopback; its compute group gloo on the CPU, NCCL on CUDA: `compute_backend`) and takes
+refused at start), then each of its N rank processes opens a `RankGroup` (its compute group gloo
+on the CPU, NCCL on CUDA: `compute_backend`; the rendezvous below) and takes
 its `shard(tensors, rank, n)` of the HF-named checkpoint tensors: Megatron's layout, column
 split (whole output rows) for q/k/v and gate/up, row split (whole GGUF blocks of the input dim)
 for o and down, the vocabulary split for the embedding and the LM head. Every step rank 0 sends
@@ -19,6 +19,15 @@ the forward's collectives with a short timeout, so a rank that stops answering m
 its peers' collective instead of hanging them; a rank that dies closes its sockets and its
 peers' pending collective fails at once.
 
+The rendezvous listens nowhere: rank 0 makes a private directory (`make_rendezvous`: mkdtemp,
+0700) holding a random 32-byte token (0600) and the groups' FileStore, and gives the other ranks
+its path (never the token) on their command line; every gloo socket listens and connects on
+127.0.0.1 (`loopback_gloo`). A group is used only after every pair of ranks has swapped HMAC
+proofs of the token over its own connection (`RankGroup.authenticate`, RankAuthError otherwise),
+so only a process that can read the directory (this user's) can join, send a plan or read one.
+Rank 0 removes the directory when it closes (`RankGroup.close`, from worker.tp_ranks.Ranks.close);
+a rank 0 killed outright leaves it behind (a few bytes, still 0700). NCCL: `_nccl_group`.
+
 Which KV heads a rank holds is `kv_head_range`, the one mapping: the forward reads and writes
 those heads, and a hand-off between workers of different TP sizes follows `head_routes` (which
 rank of one sends which of its heads to which rank of the other; kvtransfer.heads).
@@ -27,7 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import os
+import secrets
+import shutil
+import tempfile
 from typing import NamedTuple
 
 import msgspec
@@ -41,6 +55,11 @@ from pdserve_client.errors import InvalidRequestError
 
 PLAN_TIMEOUT_S = 7 * 24 * 3600  # ranks idle between steps wait this long for rank 0's next plan
 COMPUTE_TIMEOUT_S = 10.0  # a collective inside a step: a peer silent this long has hung
+STORE_TIMEOUT_S = 60.0  # a rank waits this long for what another puts in the store (its address, its pool)
+AUTH_TIMEOUT_S = 60.0  # a peer whose proof has not come this long after the group formed has failed
+AUTH_TAG = 0x7D5  # the proofs' tag on the gloo pairs (nothing else is sent point to point)
+LOOPBACK = "127.0.0.1"  # every rank of a group is on this host: its sockets need no other address
+STORE_FILE, TOKEN_FILE = "store", "token"  # in the rendezvous directory
 
 
 def check_split(cfg: ModelConfig, n: int) -> None:
@@ -219,37 +238,102 @@ def batch_of(plan: StepPlan, device="cpu"):
     return ForwardBatch(**fields, max_query_len=plan.max_query_len)
 
 
-class RankGroup:
-    """This rank's two groups over the TCPStore rank 0 serves on loopback: plan (gloo) and compute
-    (gloo on the CPU, NCCL on `device` when it is a GPU: torch.cuda.set_device(device) first)."""
+class RankAuthError(RuntimeError):
+    """A peer of the rank group did not prove it knows the group's token: the group is not used."""
 
-    def __init__(self, rank: int, size: int, port: int = 0, compute_timeout_s: float = COMPUTE_TIMEOUT_S, device: str = "cpu"):
+
+def make_rendezvous() -> str:
+    """Rank 0: a private (0700) directory for one group's rendezvous, holding its random token
+    (0600, written once); its path is what the other ranks are given (RankSpec.rendezvous)."""
+    path = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700, made by this user
+    fd = os.open(os.path.join(path, TOKEN_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    return path
+
+
+def read_token(path: str) -> bytes:
+    with open(os.path.join(path, TOKEN_FILE), "rb") as f:
+        return f.read()
+
+
+def pair_proof(token: bytes, group: str, src: int, dst: int) -> bytes:
+    """What rank src sends rank dst over their connection in `group`: bound to the pair and the
+    group, so that no proof seen on one connection is worth anything on another."""
+    return hmac.new(token, f"pdserve-tp {group} {src}->{dst}".encode(), hashlib.sha256).digest()
+
+
+def loopback_gloo(store, rank: int, size: int, timeout: datetime.timedelta):
+    """A gloo group whose sockets listen and connect on 127.0.0.1 only (gloo's default device binds
+    the address the host's name resolves to)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+class RankGroup:
+    """This rank's two groups over a FileStore in the private directory rank 0 made (`rendezvous`;
+    "" on rank 0: make one): plan (gloo) and compute (gloo on the CPU, NCCL on `device` when it is
+    a GPU: torch.cuda.set_device(device) first). Nothing here listens beyond loopback, and a group
+    is used only once every connection in it has proven the directory's token (`connect`)."""
+
+    def __init__(self, rank: int, size: int, rendezvous: str = "", compute_timeout_s: float = COMPUTE_TIMEOUT_S, device: str = "cpu"):
         self.rank, self.size = rank, size
         self.device, self.backend = device, compute_backend(device)
         self.compute_timeout_s = compute_timeout_s
-        # rank 0 serves the store (port 0: any free port; `port` tells the others where)
-        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        self.port = self.store.port
+        self.owns_rendezvous = not rendezvous  # rank 0 made it and removes it (close)
+        self.rendezvous = rendezvous or make_rendezvous()
+        self.token = read_token(self.rendezvous)
+        self.store = dist.FileStore(os.path.join(self.rendezvous, STORE_FILE), size)
+        self.store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self._encode, self._decode = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
         self.plan_group = self.compute = None
 
     def connect(self) -> RankGroup:
-        """Join the groups (blocks until all ranks have called it)."""
+        """Join the groups (blocks until all ranks have called it) and check every gloo connection
+        carries the token's proof (RankAuthError if not)."""
         td = datetime.timedelta
-        self.plan_group = dist.ProcessGroupGloo(dist.PrefixStore("plan", self.store), self.rank, self.size, td(seconds=PLAN_TIMEOUT_S))
+        self.plan_group = loopback_gloo(dist.PrefixStore("plan", self.store), self.rank, self.size, td(seconds=PLAN_TIMEOUT_S))
+        self.authenticate(self.plan_group, "plan")
         compute = dist.PrefixStore("compute", self.store)
         if self.backend == "nccl":
             self.compute = _nccl_group(compute, self.rank, self.size, td(seconds=self.compute_timeout_s), self.device)
         else:
-            self.compute = dist.ProcessGroupGloo(compute, self.rank, self.size, td(seconds=self.compute_timeout_s))
+            self.compute = loopback_gloo(compute, self.rank, self.size, td(seconds=self.compute_timeout_s))
+            self.authenticate(self.compute, "compute")
         return self
+
+    def authenticate(self, group, name: str) -> None:
+        """Each pair of ranks swaps proofs of the token over its own connection (gloo's send and
+        recv use the pair's socket, the one every collective uses): a process that took a rank's
+        place without the token fails its peers' check, and nothing else it sent is read."""
+        sends, recvs = [], {}
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            proof = torch.frombuffer(bytearray(pair_proof(self.token, name, self.rank, peer)), dtype=torch.uint8)
+            sends.append(group.send([proof], peer, AUTH_TAG))
+            recvs[peer] = torch.zeros(len(proof), dtype=torch.uint8)
+            sends.append(group.recv([recvs[peer]], peer, AUTH_TAG))
+        for work in sends:
+            work.wait(datetime.timedelta(seconds=AUTH_TIMEOUT_S))
+        for peer, got in recvs.items():
+            if not hmac.compare_digest(got.numpy().tobytes(), pair_proof(self.token, name, peer, self.rank)):
+                raise RankAuthError(f"tensor-parallel rank {peer} of the {name} group did not prove the group's token")
+
+    def close(self) -> None:
+        """Rank 0: remove the rendezvous directory (its store and token); the others' groups are
+        connected by then or fail."""
+        if self.owns_rendezvous:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
 
     def publish(self, key: str, value: bytes) -> None:
         """Put bytes in the group's store for another rank (a rank's KV pool export for rank 0)."""
         self.store.set(key, value)
 
     def fetch(self, key: str) -> bytes:
-        """Wait (the store's 60 s at most) for what another rank published under key."""
+        """Wait (STORE_TIMEOUT_S at most) for what another rank published under key."""
         return self.store.get(key)
 
     def agree_min(self, value: int) -> int:
@@ -296,8 +380,17 @@ def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta, device
     older than `timeout` makes it take the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
     torch's default since 2.2, set here so that an inherited setting cannot turn it off), so no
     rank waits in a collective longer than COMPUTE_TIMEOUT_S. A rank that dies is noticed sooner
-    by the processes' own watches (worker.tp_ranks)."""
+    by the processes' own watches (worker.tp_ranks).
+
+    Ranks 1..n-1 bootstrap on loopback (NCCL_SOCKET_IFNAME=lo); rank 0 on NCCL's interface (the one
+    NCCL_SOCKET_IFNAME names, else NCCL's choice: NCCL fixes it once per process, and rank 0's
+    process also runs the nccl KV backend's communicators, across nodes too), where its bootstrap
+    root answers only a peer that presents the unique id's random magic; that id travels in the
+    private store. NCCL's connections are its own, not proven with the token as the gloo groups'
+    are (no plan travels on them)."""
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"  # read when the group is made
+    if rank:  # rank 0's process keeps the operator's interface: its NCCL also carries hand-offs to other nodes
+        os.environ["NCCL_SOCKET_IFNAME"] = "lo"  # read once per process, at NCCL's first init
     torch.cuda.set_device(device)  # lazy init binds the communicator to the current device
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout

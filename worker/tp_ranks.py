@@ -3,8 +3,10 @@
 Lifecycle: a worker's build calls `load_model(econf, wcfg, make_pool)`. With TP 1 it builds
 runtime.model as before. With TP n it makes the worker's KV pool shared (/dev/shm) and `start`s
 ranks 1..n-1 as `python -m worker.tp_ranks SPEC` (SPEC: a msgspec JSON RankSpec on the command
-line, no pickle); rank 0 then joins their group (runtime.tp.RankGroup) and builds its own part
-of the model (runtime.tp_model), whose every forward first broadcasts the step's plan. Each
+line, no pickle, no secret: it names the group's private rendezvous directory, whose token the
+rank reads there); rank 0 then joins their group (runtime.tp.RankGroup: loopback only, every
+connection proven with the token) and builds its own part of the model (runtime.tp_model), whose
+every forward first broadcasts the step's plan. Each
 other rank loads the checkpoint, keeps its shard, maps the worker's pool (the same blocks; each
 rank reads and writes its own KV heads, so one block id means the same tokens on every rank and
 a hand-off moves whole blocks whatever the TP sizes) and follows rank 0's plans. Liveness both
@@ -13,7 +15,8 @@ PDEATHSIG for a stopped one; a gloo collective with a dead peer fails at once to
 watch stops the worker as SIGTERM does (its launcher restarts it) within `WATCH_S` of any other
 rank's exit, or, if the worker has not begun closing STOP_GRACE_S later (its step waits in an NCCL
 collective for the dead rank), ends it at once. `Ranks.close()`, among what the worker closes,
-sends stop, waits for the ranks, kills what does not leave.
+sends stop, waits for the ranks, kills what does not leave, and removes the rendezvous directory
+(as a failed `start` does).
 
 On CUDA (NCCL; cupy needed) each rank runs on its own GPU (runtime.tp.rank_devices: more ranks
 than GPUs is refused before any rank starts) with a pool of its own KV heads on that GPU
@@ -60,7 +63,7 @@ STOP_GRACE_S = 2.0  # a worker told to stop because a rank died exits at once if
 class RankSpec(msgspec.Struct):
     rank: int
     size: int
-    port: int
+    rendezvous: str  # the group's private directory (runtime.tp.make_rendezvous): its store and token
     parent: int  # rank 0's pid: this rank exits when it is gone
     model: str | None
     engine: EngineConfig
@@ -72,8 +75,8 @@ class RankSpec(msgspec.Struct):
 class Ranks:
     """Rank 0's handle on its model and the other rank processes."""
 
-    def __init__(self, model: TPModel, procs: list[subprocess.Popen]):
-        self.model, self.procs = model, procs
+    def __init__(self, model: TPModel, procs: list[subprocess.Popen], group: RankGroup | None = None):
+        self.model, self.procs, self.group = model, procs, group
         self.closing = False
 
     def watch(self, on_death) -> None:
@@ -118,6 +121,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.group is not None:
+            self.group.close()  # the rendezvous directory
 
 
 def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int, model: str | None = None,
@@ -129,21 +134,23 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
     n = econf.tensor_parallel_size
     check_split(cfg, n)  # refused before any process starts
     devices = rank_devices(econf.device, n, visible_gpus(econf.device))
-    group = RankGroup(0, n, device=devices[0])
+    group = RankGroup(0, n, device=devices[0])  # makes the private rendezvous directory
     procs = []
-    for r in range(1, n):
-        rank_econf = econf if devices[r] == econf.device else dataclasses.replace(econf, device=devices[r])
-        spec = RankSpec(r, n, group.port, os.getpid(), None if model is None else str(model), rank_econf, num_blocks, threads, pool_path)
-        procs.append(subprocess.Popen([sys.executable, "-P", "-m", "pdserve.worker.tp_ranks", msgspec.json.encode(spec).decode()],
-                                      stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
     try:
+        for r in range(1, n):
+            rank_econf = econf if devices[r] == econf.device else dataclasses.replace(econf, device=devices[r])
+            spec = RankSpec(r, n, group.rendezvous, os.getpid(), None if model is None else str(model), rank_econf, num_blocks, threads,
+                            pool_path)
+            procs.append(subprocess.Popen([sys.executable, "-P", "-m", "pdserve.worker.tp_ranks", msgspec.json.encode(spec).decode()],
+                                          stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
         group.connect()
         built = build_tp_model(cfg, tensors, econf, group)
     except BaseException:
         for p in procs:
             p.kill()
+        group.close()
         raise
-    return Ranks(built, procs)
+    return Ranks(built, procs, group)
 
 
 def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
@@ -306,7 +313,7 @@ def follow(spec: RankSpec) -> None:
         torch.set_num_threads(spec.threads)
     e = spec.engine  # its device: this rank's
     cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=e.keep_quantized)
-    group = RankGroup(spec.rank, spec.size, spec.port, device=e.device).connect()
+    group = RankGroup(spec.rank, spec.size, spec.rendezvous, device=e.device).connect()
     model = build_tp_model(cfg, tensors, e, group)
     del tensors
     release_heap()

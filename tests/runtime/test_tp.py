@@ -1,12 +1,17 @@
 """Tensor parallelism (runtime.tp, runtime.tp_model, worker.tp_ranks): N gloo rank processes on
 loopback run tiny random models of several head layouts, float and GGUF blocks; greedy tokens
 equal the TP 1 engine's and each token's logprob is within LOGPROB_TOL of it (the sums of the
-row-parallel layers are added in another order); each rank holds about 1/N of the weights."""
+row-parallel layers are added in another order); each rank holds about 1/N of the weights. The
+group's rendezvous is a private directory rank 0 removes on close, and a rank without its token
+is refused by every peer (what listens is checked in tests/security/test_tp_listeners.py)."""
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -23,7 +28,9 @@ from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.engine import LLMEngine, build_model
 from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.tp import (
+    TOKEN_FILE,
     HeadRoute,
+    RankAuthError,
     RankGroup,
     StepPlan,
     batch_of,
@@ -32,9 +39,12 @@ from pdserve.runtime.tp import (
     compute_backend,
     head_routes,
     kv_head_range,
+    make_rendezvous,
+    pair_proof,
     plan_of,
     rank_config,
     rank_devices,
+    read_token,
     row_part,
     vocab_part,
 )
@@ -79,6 +89,7 @@ def compare(ref: LLMEngine, model, n: int, tol: float = LOGPROB_TOL, **config) -
     finally:
         ranks.close()
     assert [p.returncode for p in ranks.procs] == [0] * (n - 1)  # they left on rank 0's stop
+    assert not os.path.exists(ranks.group.rendezvous)  # rank 0 removed the private directory (its store and token)
     return ranks.model.weight_bytes(), ref.model.weight_bytes()
 
 
@@ -193,29 +204,64 @@ def test_more_ranks_than_gpus_refused_before_any_rank_starts(monkeypatch):
     assert started == []
 
 
+def connect_in_threads(values: dict[int, int], rendezvous: str, tokens: dict[int, bytes] | None = None) -> dict:
+    """RankGroup(r, len(values), rendezvous).connect().agree_min(values[r]) for every rank, each on
+    a thread of its own (gloo's sockets are real); rank r's answer, or the exception it raised.
+    tokens: a rank's token replaced by another (one that did not read the directory's)."""
+    got = {}
+
+    def rank(r: int):
+        try:
+            group = RankGroup(r, len(values), rendezvous)
+            group.token = (tokens or {}).get(r, group.token)
+            got[r] = group.connect().agree_min(values[r])
+        except Exception as e:  # what the test compares
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return got
+
+
 def test_ranks_agree_on_the_least_value():
     """RankGroup.agree_min: what sizes a CUDA worker's per-rank pools (each rank's budget buys its
     own blocks; all take the least so that a block id is a block on every rank). Gloo here."""
-    port = [None]
-    ready = threading.Event()
-    got = {}
+    rendezvous = make_rendezvous()
+    try:
+        assert connect_in_threads({0: 70, 1: 50, 2: 90}, rendezvous) == {0: 50, 1: 50, 2: 50}
+    finally:
+        shutil.rmtree(rendezvous)
 
-    def rank(r: int, value: int):
-        group = RankGroup(r, 3, 0 if r == 0 else port[0])
-        if r == 0:
-            port[0] = group.port
-            ready.set()
-        got[r] = group.connect().agree_min(value)
 
-    threads = [threading.Thread(target=rank, args=(0, 70), daemon=True)]
-    threads[0].start()
-    assert ready.wait(30)
-    threads += [threading.Thread(target=rank, args=(r, v), daemon=True) for r, v in ((1, 50), (2, 90))]
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert got == {0: 50, 1: 50, 2: 50}
+def test_a_rank_without_the_groups_token_is_refused():
+    """Rank 2 joins with a token of its own: every connection to it fails its peer's proof check,
+    and its own checks fail, so no rank takes a plan from it or sends it one (issue 38)."""
+    rendezvous = make_rendezvous()
+    try:
+        got = connect_in_threads({0: 1, 1: 2, 2: 3}, rendezvous, tokens={2: secrets.token_bytes(32)})
+    finally:
+        shutil.rmtree(rendezvous)
+    assert sorted(got) == [0, 1, 2] and all(isinstance(e, RankAuthError) for e in got.values()), got
+    assert "rank 2 of the plan group" in str(got[0]) and "rank 2 of the plan group" in str(got[1])
+
+
+def test_the_rendezvous_is_private_and_rank_0_removes_it():
+    """Rank 0's group makes the directory (0700: its store and a 32-byte 0600 token) that its spec
+    names to the other ranks, and removes it on close; nothing of it listens."""
+    group = RankGroup(0, 2)
+    path = group.rendezvous
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700 and os.stat(path).st_uid == os.getuid()
+        token = os.path.join(path, TOKEN_FILE)
+        assert stat.S_IMODE(os.stat(token).st_mode) == 0o600 and len(read_token(path)) == 32 == len(group.token)
+        assert RankGroup(1, 2, path).token == group.token
+    finally:
+        group.close()
+    assert not os.path.exists(path)
+    assert pair_proof(b"k", "plan", 0, 1) != pair_proof(b"k", "plan", 1, 0) != pair_proof(b"k", "compute", 1, 0)
 
 
 def test_a_ranks_pool_gets_the_blocks_its_own_budget_buys():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from pdserve_client.params import SamplingParams
-from tests.helpers import free_port, run_in_child
+from tests.helpers import run_in_child
 
 pytestmark = pytest.mark.gpu
 
@@ -38,11 +39,11 @@ def _values(rank: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.arange(48, dtype=torch.float32).reshape(6, 8) % 7 + rank).to(dtype)
 
 
-def allreduce_child(rank: str, n: str, port: str) -> None:
+def allreduce_child(rank: str, n: str, rendezvous: str) -> None:
     from pdserve.runtime.tp import RankGroup
 
     r, n = int(rank), int(n)
-    group = RankGroup(r, n, int(port), device=f"cuda:{r}").connect()
+    group = RankGroup(r, n, rendezvous, device=f"cuda:{r}").connect()
     assert group.backend == "nccl"
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -61,13 +62,16 @@ def _leave(out: dict) -> None:
 def test_nccl_all_reduce_equals_one_process():
     n = min(torch.cuda.device_count(), 3)
     _need_gpus(2, "an NCCL all-reduce")
-    port = free_port()
-    children = [_child("allreduce_child", r, n, port) for r in range(n)]
+    from pdserve.runtime.tp import make_rendezvous
+
+    rendezvous = make_rendezvous()  # the test plays rank 0's part: the children join its group
+    children = [_child("allreduce_child", r, n, rendezvous) for r in range(n)]
     try:
         outs = [json.loads(c.communicate(timeout=120)[0].strip().splitlines()[-1]) for c in children]
     finally:
         for c in children:
             c.kill()
+        shutil.rmtree(rendezvous)
     for dtype in (torch.float32, torch.bfloat16):
         want = sum(_values(r, torch.float32) for r in range(n)).tolist()
         for out in outs:
