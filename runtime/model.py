@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
 
 Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
 HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
@@ -90,10 +90,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.window = cfg.window(layer)  # sliding window in keys (0: full attention)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         out = paged.paged_attention(
             q, k_cache, v_cache,
             query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend,
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=self.window,
         )
         return self.o_proj(out.reshape(T, c.q_size))
 
@@ -128,10 +129,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -146,7 +147,7 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)

@@ -49,6 +49,7 @@ class _Layer:
         self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
         self.down = linear(t[p + "mlp.down_proj.weight"], None)
         self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype, device)
+        self.window = cfg.window(i)  # sliding window in keys (0: full attention)
         self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype, device)
 
 
@@ -131,7 +132,7 @@ class TPModel:
         paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged.paged_attention(
             q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend)
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=layer.window)
         return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

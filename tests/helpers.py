@@ -15,8 +15,8 @@ LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
-    """Write a randomly initialised small Llama or Qwen2 checkpoint (safetensors) to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a randomly initialised small Llama, Qwen2, Mistral or Qwen3 checkpoint (safetensors) to `path`."""
+    import transformers
 
     base = dict(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -25,10 +25,9 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
     )
     base.update(overrides)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**base))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**base))
+    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}[arch]
+    config = getattr(transformers, f"{family}Config")(**base)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     model.save_pretrained(str(path), safe_serialization=True)
     return base
 

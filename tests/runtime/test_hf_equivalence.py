@@ -1,6 +1,6 @@
 """Greedy output equals HF transformers token for token (see tests/helpers.py for the one
-allowed near-tie divergence), on tiny random Llama/Qwen2 checkpoints and on the default model,
-one sequence at a time and as one mixed-length batch."""
+allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral checkpoints (sliding windows
+included) and on the default model, one sequence at a time and as one mixed-length batch."""
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,9 @@ CONFIGS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-linear-rope": dict(arch="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen2-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=1),
+    # sliding window 16: prompts of 1-16 tokens fit it, 17-50 do not, and 24 decode steps pass it
+    "mistral-window16": dict(arch="mistral", sliding_window=16),
+    "qwen2-window16-layers12": dict(arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
 }
 
 
