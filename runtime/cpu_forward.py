@@ -21,7 +21,9 @@ as transformers' so that a prompt's first token is computed as HF computes it; p
 length with no cached prefix, adjacent in the step, attend in one sdpa call instead
 (`batch_fresh`; the per-prompt path is its twin). With a measured back-end table
 (runtime.linear_plan) each projection runs the back-end its row count was given, and the one-call
-decode step runs only where that is the C kernel it calls. A layer with a sliding window
+decode step runs only where that is the C kernel it calls. Qwen3's per-head q / k RMSNorm runs
+between the qkv GEMM and the rotary call, in torch (the module forward's RMSNorm modules), so
+such a model never takes the one-call step. A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
 `window` keys, the sdpa calls take transformers' sliding-window mask (kernels.torch_paged).
 """
@@ -109,6 +111,8 @@ class CpuForward:
             if delta is not None:
                 ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h, check=check)
             qkv = layer.qkv(x, qkv_out)  # (T, q + 2 kv)
+            if layer.q_norm is not None:
+                self._qk_norm(layer, qkv)
             ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads,
                               check=check)
             self._attention(plan, qkv, attn, k_cache, v_cache, check, c.window(i))
@@ -116,6 +120,15 @@ class CpuForward:
             ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
             delta = layer.down(act, down_out)
         return delta
+
+    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> None:
+        """Qwen3: RMSNorm each head of q and k in the qkv rows, in place, before RoPE; the module
+        forward's own RMSNorm modules, so the same bits as its twin and as transformers."""
+        c, tokens = self.cfg, qkv.shape[0]
+        q = qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim)
+        q.copy_(layer.q_norm(q))
+        k.copy_(layer.k_norm(k))
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
@@ -143,7 +156,10 @@ class CpuForward:
 
 def _step_layers(layers: list, heads: int, activations: str, cos, sin, windows: tuple = ()) -> cpu_native.DecodeLayers | None:
     """The C description of the layers for the one-call decode step, or None unless every
-    projection is quantized (a float projection runs oneDNN, which C cannot call)."""
+    projection is quantized (a float projection runs oneDNN, which C cannot call) and no layer
+    normalises q and k (Qwen3's q_norm / k_norm run in torch, in the per-op loop)."""
+    if any(layer.q_norm is not None for layer in layers):
+        return None
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
@@ -158,6 +174,7 @@ class _Layer:
         layer, p = model.layers[i], f"layers.{i}."
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3), or None
 
         def linear(name, bias=None):
             return PackedLinear(model.weight(p + name), bias, kind, activations=activations)

@@ -2,7 +2,8 @@
 
 Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
 HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
-(one GEMM instead of three or two), and casts to the model dtype. Then `forward(batch, kv)`
+(one GEMM instead of three or two), and casts to the model dtype (Qwen3's per-head q_norm /
+k_norm weights stay per layer: `Attention` applies them before RoPE). Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
 position and its slot in the paged cache, each sequence its block table. It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
@@ -98,6 +99,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # Qwen3: each head's q and k RMS-normalised over the head dim before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(self, x, batch: ForwardBatch, rope: RotaryEmbedding, k_cache, v_cache):
         c = self.cfg
@@ -106,6 +110,8 @@ class Attention(nn.Module):
         q = q.view(T, c.num_heads, c.head_dim)  # (T, H, D)
         k = k.view(T, c.num_kv_heads, c.head_dim)  # (T, KVH, D)
         v = v.view(T, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(batch.positions, q, k)
         paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged.paged_attention(
@@ -185,6 +191,9 @@ class LlamaModel(nn.Module):
             if self.cfg.attention_bias:
                 fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([tensors[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
             fused[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+            if self.cfg.qk_norm:
+                fused[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
+                fused[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
             fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
             fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
             fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]

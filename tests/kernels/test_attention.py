@@ -138,7 +138,7 @@ def test_reference_window_is_transformers_rule():
     q, k_cache, v_cache, kw = make_case([7], [40], block_size=8, heads=4, kv_heads=2, head_dim=64)
     out = paged.paged_attention(q, k_cache, v_cache, backend="reference", window=16, **kw)
     allowed_by = sliding_window_causal_mask_function(16)
-    mask = torch.tensor([[bool(allowed_by(0, 0, p, k)) for k in range(40)] for p in range(33, 40)])
+    mask = allowed_by(torch.tensor(0), torch.tensor(0), torch.arange(33, 40)[:, None], torch.arange(40)[None, :])  # (7, 40)
     k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 40)
     dense = F.scaled_dot_product_attention(q.transpose(0, 1)[None], _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=kw["scale"])
     assert (out - dense[0].transpose(0, 1)).abs().max() < 1e-5

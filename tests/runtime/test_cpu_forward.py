@@ -26,6 +26,7 @@ MODELS = {
     # sliding windows shorter than most prompts: on every layer, and on layers 1-2 only
     "mistral-window8": dict(arch="mistral", sliding_window=8),
     "qwen2-window8-layers12": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3-head32": dict(arch="qwen3", head_dim=32),  # per-head q/k norms between the qkv GEMM and RoPE
 }
 
 
