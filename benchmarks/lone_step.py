@@ -162,7 +162,7 @@ def kernel_split(engine, repeats: int) -> dict[str, float]:
             k, v = kv[i, 0], kv[i, 1]
             lib.pd_paged_decode_attention(qkv.data_ptr(), qkv.shape[1], attn.data_ptr(), attn.shape[1], rows.data_ptr(), k.data_ptr(),
                                           v.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), 1, c.num_heads, kvh, d, bs,
-                                          fast.scale)
+                                          fast.scale, 0)
 
     res[f"attention (30 layers, {seq.num_computed_tokens} tokens)"] = best(attention)
     h, xo = torch.randn(1, c.hidden_size), torch.empty(1, c.hidden_size)

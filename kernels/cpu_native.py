@@ -141,7 +141,7 @@ _SIGNATURES = {
     "pd_cpu_features": (_I, []),
     "pd_build_isa": (_I, []),
     "pd_source_hash": (ctypes.c_char_p, []),
-    "pd_paged_decode_attention": (_I, [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F]),
+    "pd_paged_decode_attention": (_I, [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _I]),
     "pd_rms_norm": (None, [_P, _I64, _P, _P, _P, _I, _I, _F]),
     "pd_silu_mul": (None, [_P, _P, _I, _I]),
     "pd_rope_write_kv": (None, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]),
@@ -215,8 +215,10 @@ class NativeOps:
         # the 16-row GEMV (gemv16_ops.c) is built in this variant: asked with no rows, it answers 0
         self.has_gemv16 = lib.pd_q_gemv16(None, 32, None, 3, 0, 16, 32, None, 16) == 0
 
-    def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True) -> None:
-        """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages.
+    def decode_attention(self, q, out, rows, k_cache, v_cache, block_tables, seq_lens, scale: float, check: bool = True,
+                         window: int = 0) -> None:
+        """out[rows[b]] = attention of query row q[rows[b]] (H*D wide) over sequence b's pages
+        (window > 0: over its last `window` keys only; kernels.paged's sliding window).
 
         q, out: (T, >= H*D) float32 with contiguous rows; rows: (B,) int64; k_cache, v_cache:
         (num_blocks, BS, KVH, D) contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
@@ -240,7 +242,7 @@ class NativeOps:
             raise ValueError("decode_attention: rows, seq_lens, block_tables and head counts disagree")
         failed = self.lib.pd_paged_decode_attention(
             _ptr(q), q.stride(0), _ptr(out), out.stride(0), _ptr(rows), _ptr(k_cache), _ptr(v_cache),
-            _ptr(block_tables), block_tables.stride(0), _ptr(seq_lens), batch, heads, kvh, d, bs, scale,
+            _ptr(block_tables), block_tables.stride(0), _ptr(seq_lens), batch, heads, kvh, d, bs, scale, window,
         )
         if failed:
             raise MemoryError("decode_attention: scratch allocation failed")
@@ -418,16 +420,17 @@ class _QWeight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight),
-                ("down", _QWeight)]
+                ("down", _QWeight), ("window", _I64)]
 
 
 class DecodeLayers:
     """The C description (step_ops.c pd_layer[]) of a model's decoder layers, built once from
     per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the four
     weights kernels.quant.QuantTensor, and the rotary cos / sin tables (positions, head dim);
-    the tensors are kept referenced for the array's life."""
+    `windows`: each layer's sliding window (0 or none given: full attention). The tensors are
+    kept referenced for the array's life."""
 
-    def __init__(self, layers: list, heads: int, activations: str, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, layers: list, heads: int, activations: str, cos: torch.Tensor, sin: torch.Tensor, windows: tuple = ()):
         self.count, self.heads, self.activations = len(layers), heads, activation_mode(activations)
         self._keep = layers
         for v, n in ((cos, "cos"), (sin, "sin")):
@@ -438,7 +441,8 @@ class DecodeLayers:
         self.pool_key = None  # the KV pool decode_layers last checked
         self.array = (_Layer * len(layers))()
         ops = native()  # the variant decode_layers calls: its 16-row GEMV, if it has one, takes int16 steps of <= 2 rows
-        for slot, (in_norm, post_norm, bias, *weights) in zip(self.array, layers):
+        for i, (slot, (in_norm, post_norm, bias, *weights)) in enumerate(zip(self.array, layers)):
+            slot.window = windows[i] if windows else 0
             for v, n in ((in_norm, "input_norm"), (post_norm, "post_norm")) + (((bias, "qkv_bias"),) if bias is not None else ()):
                 _check(v, n)
                 if not v.is_contiguous():

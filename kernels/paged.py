@@ -6,7 +6,9 @@ form; the call checks shapes and dispatches to a backend: `torch` (kernels.torch
 production path), `triton` (kernels.triton_paged, imported only on first use so that importing
 this package never pulls in triton) or `reference` (kernels.reference, the slow twin the
 others are tested against). `auto` means triton for CUDA tensors and torch otherwise. Each
-backend switches to its decode specialisation when max_query_len == 1.
+backend switches to its decode specialisation when max_query_len == 1. Every backend takes a
+sliding window (`window` > 0: a query at position p sees keys p - window < k <= p, as
+transformers masks Mistral's and Qwen2's sliding layers); 0 is full causal attention.
 """
 from __future__ import annotations
 
@@ -41,12 +43,15 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     backend: str = "auto",
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the varlen query tokens q (T, H, D) over their pages; returns (T, H, D).
 
-    Query token j of sequence i sits at position seq_lens[i] - q_len_i + j and sees keys
-    0..that position; query head h reads kv head h // (H // KVH).
+    Query token j of sequence i sits at position p = seq_lens[i] - q_len_i + j and sees keys
+    0..p, or with window > 0 only p - window + 1..p; query head h reads kv head h // (H // KVH).
     """
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
     impl = _backend_impl(backend, q)
     if seq_lens.numel() == 0:
@@ -54,7 +59,7 @@ def paged_attention(
     return impl(
         q, k_cache, v_cache,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        max_query_len=max_query_len, scale=scale,
+        max_query_len=max_query_len, scale=scale, window=window,
     )
 
 

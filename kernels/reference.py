@@ -2,7 +2,8 @@
 
 Lifecycle: stateless; `paged_attention_ref` is called by tests (and by `paged_attention(...,
 backend="reference")`) on small inputs. For each sequence it gathers the keys/values of every
-context position one slot at a time from the pages, builds the causal mask explicitly and runs
+context position one slot at a time from the pages, builds the causal mask (and the sliding
+window's, `window` > 0: a query at position p sees keys p - window < k <= p) explicitly and runs
 a float32 softmax. Nothing here is meant to be fast, only to be plainly right.
 """
 from __future__ import annotations
@@ -20,15 +21,17 @@ def paged_attention_ref(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of the varlen query tokens `q` (T, H, D) over their paged context; returns (T, H, D)."""
+    """Attention of the varlen query tokens `q` (T, H, D) over their paged context; returns (T, H, D).
+    window > 0: each query sees only the last `window` positions up to its own."""
     del max_query_len  # only a hint for the fast paths
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         k, v = gather_context(k_cache, v_cache, block_tables[i], seq_len)
-        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, seq_len, scale).to(q.dtype)
+        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, seq_len, scale, window).to(q.dtype)
     return out
 
 
@@ -41,8 +44,9 @@ def gather_context(k_cache, v_cache, block_table, seq_len: int):
     return k_cache[blocks, offsets], v_cache[blocks, offsets]
 
 
-def _attend(q, k, v, seq_len: int, scale: float) -> torch.Tensor:
-    """Float32 causal attention of q (L, H, D) on k, v (S, KVH, D); query j sits at position S - L + j."""
+def _attend(q, k, v, seq_len: int, scale: float, window: int = 0) -> torch.Tensor:
+    """Float32 causal attention of q (L, H, D) on k, v (S, KVH, D); query j sits at position S - L + j
+    and sees keys at positions (S - L + j - window, S - L + j] (window 0: from 0)."""
     q_len, heads = q.shape[0], q.shape[1]
     group = heads // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
@@ -51,6 +55,8 @@ def _attend(q, k, v, seq_len: int, scale: float) -> torch.Tensor:
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # (L,)
     k_pos = torch.arange(seq_len, device=q.device)  # (S,)
     allowed = k_pos[None, :] <= q_pos[:, None]  # (L, S)
+    if window > 0:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hls,shd->lhd", probs, v)  # (L, H, D)

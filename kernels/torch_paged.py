@@ -7,7 +7,9 @@ chunk; a lone sequence instead takes the per-sequence path so that its arithmeti
 bit-identical to transformers' sdpa decode. Any batch with a longer query (prefill, chunked
 prefill over a cached prefix, mixed batches) runs per sequence: gather its pages, then one sdpa
 call shaped like transformers' Llama sdpa path (`is_causal=True` when there is no cached
-prefix, otherwise a bottom-right causal mask).
+prefix, otherwise a bottom-right causal mask). A sliding window (`window` > 0, kernels.paged)
+narrows the mask to each query's last `window` keys where the context is longer than the
+window, as transformers' sliding-window mask does (a lone decode query reads only those keys).
 """
 from __future__ import annotations
 
@@ -29,14 +31,15 @@ def paged_attention_torch(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of the varlen query tokens `q` (T, H, D) over their paged context; returns (T, H, D)."""
     if max_query_len == 1 and seq_lens.numel() > 1:
-        return decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale)
-    return varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+        return decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale, window)
+    return varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window)
 
 
-def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float) -> torch.Tensor:
+def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, window: int = 0) -> torch.Tensor:
     """One query token per sequence, q (B, H, D): batched gather + masked sdpa, in chunks of sequences.
 
     On CPU the chunks share one gather buffer of about _GATHER_BYTES per cache: a gather of the
@@ -55,7 +58,7 @@ def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float) ->
         pages = block_tables[s:e, :n_blocks].reshape(-1).long()  # (r*NB,)
         k = torch.index_select(k_cache, 0, pages, out=k_buf[: pages.numel()])
         v = torch.index_select(v_cache, 0, pages, out=v_buf[: pages.numel()])
-        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale)
+        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window)
     return out
 
 
@@ -67,8 +70,9 @@ def _rows_per_chunk(k_cache, max_len: int) -> int:
     return max(1, _GATHER_BYTES // bytes_per_seq)
 
 
-def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float) -> torch.Tensor:
-    """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D).
+def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
+    """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D);
+    window > 0: each sees only its last `window` keys.
 
     Slots past a sequence's length are masked but still read: a cache must hold finite values
     everywhere (allocate it with torch.zeros), since sdpa computes 0 * NaN = NaN.
@@ -77,7 +81,10 @@ def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float) -> torch.Tensor:
     kv_heads = k_pages.shape[2]
     k = k_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # (B, KVH, NB*bs, D)
     v = v_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, NB*bs)
+    key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    valid = key_pos < seq_lens[:, None]  # (B, NB*bs)
+    if window > 0:
+        valid &= key_pos >= seq_lens[:, None] - window
     # GQA by folding each KV head's query group into sdpa's query-length axis: no K/V repeat,
     # and faster than enable_gqa on CPU.
     q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # (B, KVH, group, D)
@@ -85,14 +92,14 @@ def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float) -> torch.Tensor:
     return out.reshape(batch, heads, head_dim)
 
 
-def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float):
+def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, window: int = 0):
     """Any mix of query lengths: one gather and one sdpa per sequence."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len)
-        out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale)
+        out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale, window)
     return out
 
 
@@ -104,14 +111,25 @@ def gather_pages(k_cache, v_cache, block_table, seq_len: int):
     return k, v_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
 
 
-def attend_one(q, k, v, scale: float) -> torch.Tensor:
+def attend_one(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     """q (L, H, D) against k, v (S, KVH, D), query j at position S - L + j; returns (L, H, D).
 
     Laid out as transformers' Llama sdpa call: (1, heads, len, D) views, is_causal only when
-    L > 1 and there is no cached prefix, no mask at all for a single query token.
+    L > 1 and there is no cached prefix, no mask at all for a single query token. With a window
+    shorter than S: a single query reads only the last `window` keys (transformers' sliding
+    cache), longer queries take the bottom-right causal mask narrowed to the window.
     """
     q_len, heads = q.shape[0], q.shape[1]
     seq_len, kv_heads = k.shape[0], k.shape[1]
+    if 0 < window < seq_len:
+        if q_len == 1:
+            k, v, seq_len = k[seq_len - window:], v[seq_len - window:], window
+        else:
+            q4 = q.unsqueeze(0).transpose(1, 2)
+            k4, v4 = _kv_heads_for_sdpa(k, v, heads // kv_heads)
+            kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
+            mask = _bottom_right_causal(q_len, seq_len, q.device, window)
+            return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **kwargs)[0].transpose(0, 1)
     q4 = q.unsqueeze(0).transpose(1, 2)  # (1, H, L, D)
     k4, v4 = _kv_heads_for_sdpa(k, v, heads // kv_heads)  # (1, KVH or H, S, D)
     kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
@@ -125,17 +143,21 @@ def attend_one(q, k, v, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def attend_fresh(q, k, v, scale: float) -> torch.Tensor:
+def attend_fresh(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     """n prompts of one length L with no cached prefix, in one causal sdpa call: q (n, L, H, D),
     k, v (n, L, KVH, D) (any strides with contiguous heads: views of the fused qkv rows, so no
     page is read back); returns (n, L, H, D). attend_one per prompt is its twin: the same sdpa
-    over each batch element."""
+    over each batch element. window > 0 and < L: the causal mask narrowed to the window."""
     heads, kv_heads = q.shape[2], k.shape[2]
     q4 = q.transpose(1, 2)  # (n, H, L, D)
     k4, v4 = k.transpose(1, 2), v.transpose(1, 2)
     if not _SDPA_HAS_GQA and heads != kv_heads:
         k4, v4 = k4.repeat_interleave(heads // kv_heads, dim=1), v4.repeat_interleave(heads // kv_heads, dim=1)
     kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
+    length = q.shape[1]
+    if 0 < window < length:
+        mask = _bottom_right_causal(length, length, q.device, window)
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **kwargs).transpose(1, 2)
     return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, **kwargs).transpose(1, 2)
 
 
@@ -147,7 +169,9 @@ def _kv_heads_for_sdpa(k, v, group: int):
     return k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
 
 
-def _bottom_right_causal(q_len: int, seq_len: int, device) -> torch.Tensor:
-    """Boolean (L, S): query j (at position S - L + j) may see keys 0..S - L + j."""
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+def _bottom_right_causal(q_len: int, seq_len: int, device, window: int = 0) -> torch.Tensor:
+    """Boolean (L, S): query j (at position p = S - L + j) may see keys 0..p (window > 0: p - window + 1..p)."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    return allowed & (k_pos > q_pos - window) if window > 0 else allowed

@@ -7,6 +7,8 @@ with an online (flash-style) float32 softmax over key tiles read from the pages 
 block table: a decode kernel with one program per (sequence, kv head) that serves the whole
 query-head group of that kv head at once, and a varlen kernel (prefill, chunked prefill over a
 cached prefix, mixed batches) with one program per (sequence, tile of query tokens, head).
+A sliding window (`window` > 0) masks keys at or before p - window for a query at position p
+and starts each program's key loop at the first tile its window reaches.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # the window a full-attention call passes: wider than any context
 # triton.jit picks interpreter or compiler when the kernels below are decorated, i.e. now.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -62,7 +65,7 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
-    qk_scale,
+    qk_scale, window,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -81,13 +84,14 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    first = tl.maximum(seq_len - window, 0)  # the oldest key the window keeps
+    for start in range((first // BLOCK_N) * BLOCK_N, seq_len, BLOCK_N):
         k, v, n = _load_kv_tile(
             k_ptr, v_ptr, table_ptr, start, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM,
         )
-        allowed = (n < seq_len)[None, :]
+        allowed = ((n < seq_len) & (n >= first))[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION, DOT_F32)
 
     out = acc / l_i[:, None]
@@ -99,7 +103,7 @@ def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
-    qk_scale,
+    qk_scale, window,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -126,13 +130,15 @@ def _varlen_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, key_end, BLOCK_N):
+    # keys before the tile's first query's window are never visible either
+    key_first = tl.maximum(seq_len - q_len + m_tile * BLOCK_M - window + 1, 0)
+    for start in range((key_first // BLOCK_N) * BLOCK_N, key_end, BLOCK_N):
         k, v, n = _load_kv_tile(
             k_ptr, v_ptr, table_ptr, start, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM,
         )
-        allowed = (n[None, :] <= pos[:, None]) & (n < seq_len)[None, :]
+        allowed = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window) & (n < seq_len)[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION, DOT_F32)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -150,11 +156,12 @@ def paged_attention_triton(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of the varlen query tokens `q` (T, H, D) over their paged context; returns (T, H, D)."""
     q, k_cache, v_cache = (_unit_last_stride(t) for t in (q, k_cache, v_cache))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    args = _common_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale)
+    args = _common_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window)
     consts = _common_consts(q, k_cache)
     batch = seq_lens.numel()
     if max_query_len == 1:
@@ -181,14 +188,14 @@ def _launch_varlen(args, consts, batch: int, max_query_len: int, heads: int) -> 
     _varlen_kernel[grid](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
-def _common_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale: float):
+def _common_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale: float, window: int = 0):
     return (
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        scale * _LOG2E,
+        scale * _LOG2E, window if window > 0 else _NO_WINDOW,
     )
 
 

@@ -1,7 +1,8 @@
 """Model and engine configuration: plain dataclasses, validated when constructed.
 
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
-metadata) and then only read; an `EngineConfig` and a `WorkerConfig` are built from CLI flags
+metadata) and then only read (its per-layer sliding windows as transformers reads them:
+`hf_layer_windows`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags
 (each field a flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.
@@ -16,7 +17,8 @@ from pdserve.common.errors import NotSupportedError, UnsupportedModelError
 from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 from pdserve_client.errors import InvalidRequestError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
@@ -68,6 +70,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # sliding-window attention, per layer: () = every layer full; else one entry per layer, 0 for
+    # full attention, w for a window of w keys (a query at position p sees keys p - w < k <= p,
+    # transformers' masking_utils.sliding_window_overlay)
+    layer_windows: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm) before RoPE
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,6 +88,17 @@ class ModelConfig:
             raise UnsupportedModelError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise UnsupportedModelError(f"layer_windows must give one window >= 0 per layer ({self.num_layers}), got {self.layer_windows}")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in keys, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(self.layer_windows)
 
     @property
     def q_size(self) -> int:
@@ -92,16 +110,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
-        archs = d.get("architectures") or [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "mistral": "MistralForCausalLM"}.get(d.get("model_type"), str(d.get("model_type")))]
+        archs = d.get("architectures") or [_MODEL_TYPES.get(d.get("model_type"), str(d.get("model_type")))]
         arch = archs[0]
         heads = int(d["num_attention_heads"])
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if d.get("sliding_window") and d.get("use_sliding_window", False):
-            raise UnsupportedModelError("sliding-window attention is not supported")
+        if arch == "Qwen3ForCausalLM" and d.get("attention_bias"):
+            raise UnsupportedModelError("Qwen3 with attention_bias (q/k/v and o biases) is not supported")
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -119,7 +136,28 @@ class ModelConfig:
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=hf_layer_windows(arch, d),
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
+
+
+def hf_layer_windows(arch: str, d: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full) as transformers reads a config.json: Mistral slides
+    every layer when `sliding_window` is set (no `use_sliding_window` key: Mistral-7B-v0.1 has
+    4096); Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
+    "sliding_attention" (default: those from `max_window_layers` on); Llama never."""
+    layers, window = int(d["num_hidden_layers"]), d.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(window),) * layers if window else ()
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (window and d.get("use_sliding_window", False)):
+        return ()
+    types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
+                                     for i in range(layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != layers:
+        raise UnsupportedModelError(f"layer_types {sorted(unknown) or types} not supported (full_attention / sliding_attention per layer)")
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 # kernels.cpu_native.ACTIVATION_MODES and kernels.backends.BY_NAME, named here so that --help imports no torch

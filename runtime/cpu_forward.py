@@ -21,7 +21,11 @@ as transformers' so that a prompt's first token is computed as HF computes it; p
 length with no cached prefix, adjacent in the step, attend in one sdpa call instead
 (`batch_fresh`; the per-prompt path is its twin). With a measured back-end table
 (runtime.linear_plan) each projection runs the back-end its row count was given, and the one-call
-decode step runs only where that is the C kernel it calls.
+decode step runs only where that is the C kernel it calls. Qwen3's per-head q / k RMSNorm runs
+between the qkv GEMM and the rotary call, in torch (the module forward's RMSNorm modules), so
+such a model never takes the one-call step. A layer with a sliding window
+(ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
+`window` keys, the sdpa calls take transformers' sliding-window mask (kernels.torch_paged).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ class CpuForward:
         self._kv_key, self._kv = None, []
         # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
         # fused_step False keeps the per-op loop, the twin it is tested against
-        self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
+        self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin, c.layer_windows)
         self.fused_step = self.step_layers is not None
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
@@ -107,13 +111,24 @@ class CpuForward:
             if delta is not None:
                 ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h, check=check)
             qkv = layer.qkv(x, qkv_out)  # (T, q + 2 kv)
+            if layer.q_norm is not None:
+                self._qk_norm(layer, qkv)
             ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads,
                               check=check)
-            self._attention(plan, qkv, attn, k_cache, v_cache, check)
+            self._attention(plan, qkv, attn, k_cache, v_cache, check, c.window(i))
             ops.rms_norm(layer.o(attn, o_out), layer.post_norm, x, self.eps, residual=h, check=check)
             ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
             delta = layer.down(act, down_out)
         return delta
+
+    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> None:
+        """Qwen3: RMSNorm each head of q and k in the qkv rows, in place, before RoPE; the module
+        forward's own RMSNorm modules, so the same bits as its twin and as transformers."""
+        c, tokens = self.cfg, qkv.shape[0]
+        q = qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim)
+        q.copy_(layer.q_norm(q))
+        k.copy_(layer.k_norm(k))
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
@@ -122,31 +137,34 @@ class CpuForward:
             self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         return self._kv
 
-    def _attention(self, plan: _AttentionPlan, qkv, attn, k_cache, v_cache, check: bool = True) -> None:
+    def _attention(self, plan: _AttentionPlan, qkv, attn, k_cache, v_cache, check: bool = True, window: int = 0) -> None:
         c = self.cfg
         if plan.decode_rows is not None:
             self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
-                                      check=check)
+                                      check=check, window=window)
         for start, n, length in plan.fresh:  # n prompts of one length, no cached prefix: one sdpa, K/V straight from qkv
             rows = qkv[start:start + n * length]
             q = rows[:, : c.q_size].view(n, length, c.num_heads, c.head_dim)
             k = rows[:, c.q_size:c.q_size + c.kv_size].view(n, length, c.num_kv_heads, c.head_dim)
             v = rows[:, c.q_size + c.kv_size:].view(n, length, c.num_kv_heads, c.head_dim)
-            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale).reshape(n * length, c.q_size)
+            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale, window).reshape(n * length, c.q_size)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len)
-            attn[start:end] = attend_one(q, k, v, self.scale).reshape(end - start, c.q_size)
+            attn[start:end] = attend_one(q, k, v, self.scale, window).reshape(end - start, c.q_size)
 
 
-def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> cpu_native.DecodeLayers | None:
+def _step_layers(layers: list, heads: int, activations: str, cos, sin, windows: tuple = ()) -> cpu_native.DecodeLayers | None:
     """The C description of the layers for the one-call decode step, or None unless every
-    projection is quantized (a float projection runs oneDNN, which C cannot call)."""
+    projection is quantized (a float projection runs oneDNN, which C cannot call) and no layer
+    normalises q and k (Qwen3's q_norm / k_norm run in torch, in the per-op loop)."""
+    if any(layer.q_norm is not None for layer in layers):
+        return None
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
     return cpu_native.DecodeLayers([(layer.input_norm, layer.post_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
-                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin)
+                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin, windows)
 
 
 class _Layer:
@@ -156,6 +174,7 @@ class _Layer:
         layer, p = model.layers[i], f"layers.{i}."
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3), or None
 
         def linear(name, bias=None):
             return PackedLinear(model.weight(p + name), bias, kind, activations=activations)

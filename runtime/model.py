@@ -1,8 +1,9 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
 
 Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
 HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
-(one GEMM instead of three or two), and casts to the model dtype. Then `forward(batch, kv)`
+(one GEMM instead of three or two), and casts to the model dtype (Qwen3's per-head q_norm /
+k_norm weights stay per layer: `Attention` applies them before RoPE). Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
 position and its slot in the paged cache, each sequence its block table. It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
@@ -90,13 +91,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.window = cfg.window(layer)  # sliding window in keys (0: full attention)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # Qwen3: each head's q and k RMS-normalised over the head dim before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(self, x, batch: ForwardBatch, rope: RotaryEmbedding, k_cache, v_cache):
         c = self.cfg
@@ -105,12 +110,14 @@ class Attention(nn.Module):
         q = q.view(T, c.num_heads, c.head_dim)  # (T, H, D)
         k = k.view(T, c.num_kv_heads, c.head_dim)  # (T, KVH, D)
         v = v.view(T, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(batch.positions, q, k)
         paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged.paged_attention(
             q, k_cache, v_cache,
             query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend,
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=self.window,
         )
         return self.o_proj(out.reshape(T, c.q_size))
 
@@ -128,10 +135,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -146,7 +153,7 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
@@ -184,6 +191,9 @@ class LlamaModel(nn.Module):
             if self.cfg.attention_bias:
                 fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([tensors[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
             fused[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+            if self.cfg.qk_norm:
+                fused[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
+                fused[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
             fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
             fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
             fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]

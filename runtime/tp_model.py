@@ -7,7 +7,7 @@ kv_cache)` as it calls runtime.model.LlamaModel's: it first broadcasts the step'
 every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes). Per
 layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
 it reads and writes only those of its worker's whole pool, `my_heads`),
-attention over them, row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
+attention over them (Qwen3's per-head q / k norms, held whole by every rank, first), row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
 down and one all-reduce. The embedding and the LM head are split by vocabulary: partial
 embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
@@ -49,6 +49,10 @@ class _Layer:
         self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
         self.down = linear(t[p + "mlp.down_proj.weight"], None)
         self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype, device)
+        self.window = cfg.window(i)  # sliding window in keys (0: full attention)
+        qk = cfg.qk_norm  # Qwen3: per-head q / k RMSNorm (every rank holds them whole)
+        self.q_norm = _norm(t[a + "q_norm.weight"], cfg.rms_eps, dtype, device) if qk else None
+        self.k_norm = _norm(t[a + "k_norm.weight"], cfg.rms_eps, dtype, device) if qk else None
         self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype, device)
 
 
@@ -82,7 +86,7 @@ class TPModel:
 
         lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
-        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm))]
+        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm, l.q_norm, l.k_norm) if n is not None)]
         return embed + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
 
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -127,11 +131,13 @@ class TPModel:
         q = q.reshape(T, c.num_heads, c.head_dim)  # (T, H / N, D)
         k = k.reshape(T, c.num_kv_heads, c.head_dim)  # (T, KVH / N, D)
         v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = self.rope(batch.positions, q, k)
         paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged.paged_attention(
             q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend)
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=layer.window)
         return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

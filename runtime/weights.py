@@ -1,7 +1,8 @@
 """Weight loading: a GGUF file or a HF checkpoint directory -> (ModelConfig, HF-named tensors).
 
 Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and returns plain
-float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...);
+float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...;
+Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k_norm`);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
@@ -27,7 +28,7 @@ from pdserve.common.model_path import default_model_path, resolve_model_path  # 
 from pdserve.kernels.quant import QTYPES, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
 
-GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,7 +45,10 @@ _GGUF_BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3 (llama.cpp's convert_hf_to_gguf names)
+    "attn_k_norm": "self_attn.k_norm",
 }
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
@@ -106,7 +110,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _check_names(cfg: ModelConfig, tensors: dict, where: str) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
-        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values()]
+        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values() if cfg.qk_norm or n not in _QK_NORMS]
     if not cfg.tie_embeddings:
         need.append("lm_head.weight")
     missing = [n for n in need if n not in tensors]
@@ -251,6 +255,7 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
         rope_scaling=rope,
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
+        qk_norm=arch == "qwen3",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )

@@ -15,8 +15,8 @@ LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
-    """Write a randomly initialised small Llama or Qwen2 checkpoint (safetensors) to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a randomly initialised small Llama, Qwen2, Mistral or Qwen3 checkpoint (safetensors) to `path`."""
+    import transformers
 
     base = dict(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -25,10 +25,14 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
     )
     base.update(overrides)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**base))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**base))
+    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}[arch]
+    config = getattr(transformers, f"{family}Config")(**base)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    if arch == "qwen3":  # q_norm / k_norm start at ones: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(str(path), safe_serialization=True)
     return base
 
@@ -63,11 +67,12 @@ GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3
 }
 
 
 def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None) -> dict:
-    """Convert a tiny HF llama checkpoint to GGUF the way llama.cpp does (Q/K permuted).
+    """Convert a tiny HF llama (qwen2, qwen3) checkpoint to GGUF the way llama.cpp does (llama: Q/K permuted).
 
     Returns the dequantized, un-permuted tensors a correct loader must produce.
     """
@@ -89,6 +94,9 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.add_feed_forward_length(cfg["intermediate_size"])
     wr.add_head_count(heads)
     wr.add_head_count_kv(kv)
+    if cfg.get("head_dim"):  # as convert_hf_to_gguf.py writes it (Qwen3: head_dim need not be hidden / heads)
+        wr.add_key_length(cfg["head_dim"])
+        wr.add_value_length(cfg["head_dim"])
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     wr.add_rope_freq_base(10000.0)
     wr.add_vocab_size(cfg["vocab_size"])

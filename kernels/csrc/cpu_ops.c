@@ -94,19 +94,20 @@ static float *scratch(size_t n) {
 }
 
 /* One (sequence, kv head) item of decode attention: the G query heads qs (G, D), already scaled,
- * against keys/values 0..len-1 of kv head kh, read page by page through `table`. s: G * len
- * scores of scratch, acc: G * D. Always inlined with a constant D so that the D-loops compile
+ * against the len keys/values first..first+len-1 of kv head kh (first > 0: a sliding window),
+ * read page by page through `table`. s: G * len scores of scratch, acc: G * D. Always inlined with a constant D so that the D-loops compile
  * to straight vector code (fused multiply-adds: attention is not bit-matched to torch anyway). */
 static inline __attribute__((always_inline)) void decode_item(
     const float *qs, float *ob, float *s, float *acc, const float *k_cache, const float *v_cache,
-    const int32_t *table, int len, int kh, int G, int KVH, const int BS, const int D) {
+    const int32_t *table, int first, int len, int kh, int G, int KVH, const int BS, const int D) {
     for (int g = 0; g < G; g++) s[(int64_t)g * len] = 0.0f;
     float mx[G];
     for (int g = 0; g < G; g++) mx[g] = -INFINITY;
     const float *kp = k_cache, *vp = v_cache;
     const int64_t row = (int64_t)KVH * D;
     for (int t = 0; t < len; t++) {
-        if (t % BS == 0) kp = k_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * D;
+        const int u = first + t;  /* the key's position */
+        if (t == 0 || u % BS == 0) kp = k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * D + (int64_t)(u % BS) * row;
         else kp += row;
         for (int g = 0; g < G; g++) {
             const float *qg = qs + g * D;
@@ -123,7 +124,8 @@ static inline __attribute__((always_inline)) void decode_item(
     }
     for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (int t = 0; t < len; t++) {
-        if (t % BS == 0) vp = v_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * D;
+        const int u = first + t;
+        if (t == 0 || u % BS == 0) vp = v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * D + (int64_t)(u % BS) * row;
         else vp += row;
         for (int g = 0; g < G; g++) {
             const float w = s[(int64_t)g * len + t];
@@ -150,8 +152,8 @@ static inline __m128 hsum4(const __m512 p[4]) {
 }
 
 static inline __attribute__((always_inline)) void decode_item64(
-    const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table, int len, int kh,
-    int KVH, const int BS, const int G) {
+    const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table, int first, int len,
+    int kh, int KVH, const int BS, const int G) {
     const int64_t row = (int64_t)KVH * 64;
     __m512 q[4][4], a[4][4];
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -159,7 +161,8 @@ static inline __attribute__((always_inline)) void decode_item64(
         for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
     const float *kp = k_cache;
     for (int t = 0; t < len; t++) {
-        kp = t % BS == 0 ? k_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * 64 : kp + row;
+        const int u = first + t;
+        kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * 64 + (int64_t)(u % BS) * row : kp + row;
         __m512 p[4];
         for (int g = 0; g < 4; g++) {
             if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
@@ -179,7 +182,8 @@ static inline __attribute__((always_inline)) void decode_item64(
         for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
     const float *vp = v_cache;
     for (int t = 0; t < len; t++) {
-        vp = t % BS == 0 ? v_cache + ((int64_t)table[t / BS] * BS * KVH + kh) * 64 : vp + row;
+        const int u = first + t;
+        vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * 64 + (int64_t)(u % BS) * row : vp + row;
         const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32), v3 = _mm512_loadu_ps(vp + 48);
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(s[(int64_t)g * len + t]);
@@ -195,23 +199,23 @@ static inline __attribute__((always_inline)) void decode_item64(
 
 /* decode_item64 for the group sizes it takes (1 when it does not: the caller runs decode_item). */
 static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
-                             int len, int kh, int G, int KVH, int BS) {
+                             int first, int len, int kh, int G, int KVH, int BS) {
     switch (G * (BS == 16 ? 1 : -1)) {
-        case 1: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 1); return 0;
-        case 2: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 2); return 0;
-        case 3: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 3); return 0;
-        case 4: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, 16, 4); return 0;
-        case -1: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 1); return 0;
-        case -2: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 2); return 0;
-        case -3: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 3); return 0;
-        case -4: decode_item64(qs, ob, s, k_cache, v_cache, table, len, kh, KVH, BS, 4); return 0;
+        case 1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 1); return 0;
+        case 2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 2); return 0;
+        case 3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 3); return 0;
+        case 4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 4); return 0;
+        case -1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 1); return 0;
+        case -2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 2); return 0;
+        case -3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 3); return 0;
+        case -4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 4); return 0;
         default: return 1;
     }
 }
 #else
 static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
-                             int len, int kh, int G, int KVH, int BS) {
-    (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
+                             int first, int len, int kh, int G, int KVH, int BS) {
+    (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)first; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
     return 1;
 }
 #endif
@@ -226,22 +230,24 @@ static int decode_item64_any(const float *qs, float *ob, float *s, const float *
  *
  * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
  * k_cache, v_cache: (num_blocks, BS, KVH, D) contiguous. block_tables: (B, bt_stride) int32.
- * The sequence sees keys 0..seq_lens[b]-1. Work item = (sequence, kv head): the G = H / KVH
+ * The sequence sees keys 0..seq_lens[b]-1, or with window > 0 only the last `window` of them
+ * (transformers' sliding window: the query at position p sees keys p - window < k <= p). Work item = (sequence, kv head): the G = H / KVH
  * query heads that read one kv head share each key and value load. Returns 0, or 1 when a
  * scratch allocation failed (out then holds garbage for the failed items).
  */
 int pd_paged_decode_attention(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
     const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale) {
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
     const int G = H / KVH;
     int failed = 0;
     int64_t work = 0;
-    for (int b = 0; b < B; b++) work += seq_lens[b];
+    for (int b = 0; b < B; b++) work += window > 0 && seq_lens[b] > window ? window : seq_lens[b];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > ATTN_PARALLEL_WORK) reduction(| : failed)
     for (int b = 0; b < B; b++) {
         for (int kh = 0; kh < KVH; kh++) {
-            const int len = seq_lens[b];
+            const int first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int len = seq_lens[b] - first;
             const int32_t *table = block_tables + (int64_t)b * bt_stride;
             const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
             float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
@@ -249,15 +255,15 @@ int pd_paged_decode_attention(
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
-            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, len, kh, G, KVH, BS))
+            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS))
                 continue;  /* the AVX-512 form took it */
             if (D == 64)
-                (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, 16, 64)
-                         : decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, 64));
+                (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, 16, 64)
+                         : decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64));
             else if (D == 128)
-                decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, 128);
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 128);
             else
-                decode_item(qs, ob, s, acc, k_cache, v_cache, table, len, kh, G, KVH, BS, D);
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, D);
         }
     }
     return failed;

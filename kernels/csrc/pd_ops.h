@@ -33,7 +33,7 @@ enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 /* cpu_ops.c */
 int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
                               const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                              const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale);
+                              const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window);
 void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float *w, float *out, int rows, int dim, float eps);
 void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
 void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
@@ -73,10 +73,12 @@ typedef struct {
     const uint8_t *w16;  /* its pd_q_repack16 copy, or NULL: a step of <= 2 rows with int16 activations then runs pd_q_gemv16 */
 } pd_qweight;
 
-/* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none) and four weights. */
+/* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none), four weights
+ * and its sliding window (0: full attention; pd_paged_decode_attention's window). */
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
     pd_qweight qkv, o, gate_up, down;
+    int64_t window;
 } pd_layer;
 
 int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_stride, int64_t kv_half_stride,

@@ -36,7 +36,7 @@ int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_
                 for (int j = 0; j < ly->qkv.n; j++) qkv[(int64_t)t * ly->qkv.n + j] += ly->qkv_bias[j];
         pd_rope_write_kv(qkv, ly->qkv.n, positions, cos_t, sin_t, k_cache, v_cache, slots, T, H, KVH, D);
         if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, k_cache, v_cache, block_tables, bt_stride,
-                                      seq_lens, T, H, KVH, D, BS, scale))
+                                      seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
             return 1;
         if (q_mm(&ly->o, attn, T, o_out, activations)) return 1;
         pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);

@@ -62,11 +62,12 @@ def make_case(q_lens, seq_lens, *, block_size, heads, kv_heads, head_dim, dtype=
     return q, k_cache, v_cache, kwargs
 
 
-def assert_matches_reference(backend, name, block_size, heads, kv_heads, head_dim, dtype=torch.float32, tol=TOL):
+def assert_matches_reference(backend, name, block_size, heads, kv_heads, head_dim, dtype=torch.float32, tol=TOL, window=0):
     q_lens, seq_lens = scenario(name, block_size)
     q, k_cache, v_cache, kw = make_case(
         q_lens, seq_lens, block_size=block_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
     )
+    kw["window"] = window
     ref = paged.paged_attention(q, k_cache, v_cache, backend="reference", **kw)
     out = paged.paged_attention(q, k_cache, v_cache, backend=backend, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -117,6 +118,37 @@ def test_other_head_dims(backend, head_dim):
     """Beyond 64 and 128: a small and a large power of two, and 80, which triton pads to 128."""
     for name in ("decode", "mixed"):
         assert_matches_reference(backend, name, 16, 4, 2, head_dim)
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+@pytest.mark.parametrize("window", (1, 7, 16))
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_sliding_window_matches_reference(backend, name, window):
+    """A sliding window narrower than some contexts, wider than others, and of one key."""
+    assert_matches_reference(backend, name, 8, 9, 3, 64, window=window)
+    if backend == "torch":
+        assert_matches_reference(backend, name, 16, 4, 4, 128, window=window)
+
+
+def test_reference_window_is_transformers_rule():
+    """The reference's window is transformers' sliding-window causal mask (masking_utils): a chunk of
+    7 queries over a 40-token context, window 16, against sdpa over the mask transformers builds."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    q, k_cache, v_cache, kw = make_case([7], [40], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    out = paged.paged_attention(q, k_cache, v_cache, backend="reference", window=16, **kw)
+    allowed_by = sliding_window_causal_mask_function(16)
+    mask = allowed_by(torch.tensor(0), torch.tensor(0), torch.arange(33, 40)[:, None], torch.arange(40)[None, :])  # (7, 40)
+    k, v = _contiguous_context(k_cache, v_cache, kw["block_tables"][0], 40)
+    dense = F.scaled_dot_product_attention(q.transpose(0, 1)[None], _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=kw["scale"])
+    assert (out - dense[0].transpose(0, 1)).abs().max() < 1e-5
+    assert not mask[0, :18].any() and mask[0, 18:34].all()  # position 33 sees 18..33
+
+
+def test_negative_window_raises():
+    q, k_cache, v_cache, kw = make_case([1], [4], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="window"):
+        paged.paged_attention(q, k_cache, v_cache, window=-1, **kw)
 
 
 @pytest.mark.parametrize("gather_bytes", (1, 40_000))

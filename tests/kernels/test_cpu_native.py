@@ -66,6 +66,23 @@ def test_decode_attention_matches_reference(heads, kv_heads, head_dim, block_siz
     assert torch.isnan(out[untouched]).all(), "rows not asked for were written"
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 1, 64, 8), (4, 4, 128, 8), (8, 2, 40, 32), (6, 1, 64, 16)])
+@pytest.mark.parametrize("window", (1, 5, 16, 40))
+def test_decode_attention_with_window_matches_reference(heads, kv_heads, head_dim, block_size, window, ops):
+    """A sliding window: each sequence reads only its last `window` keys, from mid-page on."""
+    g = torch.Generator().manual_seed(window * head_dim)
+    k_cache = torch.randn(64, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(64, block_size, kv_heads, head_dim, generator=g)
+    lens = torch.tensor([1, window, window + 1, 3 * block_size - 1, 7 * block_size + 3], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(5)]).int()
+    q = torch.randn(5, heads * head_dim, generator=g)
+    out = torch.empty(5, heads * head_dim)
+    ops.decode_attention(q, out, torch.arange(5), k_cache, v_cache, tables, lens, 0.3, window=window)
+    ref = paged_attention_ref(q.view(5, heads, head_dim), k_cache, v_cache, query_start_loc=torch.arange(6, dtype=torch.int32),
+                              seq_lens=lens, block_tables=tables, max_query_len=1, scale=0.3, window=window)
+    close(out.view(5, heads, head_dim), ref)
+
+
 def test_decode_attention_long_context_is_stable(ops):
     """Scores far apart (a large max subtracted) and 2,000 keys: no overflow, same as reference."""
     g = torch.Generator().manual_seed(1)

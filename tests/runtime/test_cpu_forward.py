@@ -23,6 +23,10 @@ MODELS = {
     "qwen2-bias": dict(arch="qwen2"),
     "llama-d64-gqa3-tied": dict(arch="llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True),
     "llama-onednn": dict(arch="llama", linear_kind="onednn"),
+    # sliding windows shorter than most prompts: on every layer, and on layers 1-2 only
+    "mistral-window8": dict(arch="mistral", sliding_window=8),
+    "qwen2-window8-layers12": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3-head32": dict(arch="qwen3", head_dim=32),  # per-head q/k norms between the qkv GEMM and RoPE
 }
 
 

@@ -1,6 +1,6 @@
 """Greedy output equals HF transformers token for token (see tests/helpers.py for the one
-allowed near-tie divergence), on tiny random Llama/Qwen2 checkpoints and on the default model,
-one sequence at a time and as one mixed-length batch."""
+allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3 checkpoints (sliding
+windows included) and on the default model, one sequence at a time and as one mixed-length batch."""
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,13 @@ CONFIGS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-linear-rope": dict(arch="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     "qwen2-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=1),
+    # sliding window 16: prompts of 1-16 tokens fit it, 17-50 do not, and 24 decode steps pass it
+    "mistral-window16": dict(arch="mistral", sliding_window=16),
+    "qwen2-window16-layers12": dict(arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    # Qwen3: per-head q/k RMSNorm before RoPE, head_dim 32 while hidden / heads is 16
+    "qwen3-head32": dict(arch="qwen3", head_dim=32),
+    "qwen3-window16-tied": dict(arch="qwen3", head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=16,
+                                max_window_layers=0),
 }
 
 

@@ -61,6 +61,8 @@ PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(3, 40)), [4] * 17]
 LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
     "qwen2-bias-3": (3, dict(arch="qwen2", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)),
     "mha-tied-odd-vocab-2": (2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, vocab_size=515)),
+    # per-head q/k norms held whole by each rank, a sliding window on layers 1-2
+    "qwen3-window8-2": (2, dict(arch="qwen3", head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 
 

@@ -45,6 +45,46 @@ def test_gguf_f32_greedy_matches_hf_on_the_source_checkpoint(tmp_path, tiny):
     assert assert_greedy_equal(got, ref, logits, "gguf f32") >= 1
 
 
+def test_qwen3_gguf_greedy_matches_hf(tmp_path):
+    """A Qwen3 GGUF as llama.cpp writes it (attn_q_norm / attn_k_norm, key_length 32 while hidden /
+    heads is 16, no Q/K permutation) loads to HF's tensors and decodes as HF does."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model(tmp_path / "hf", arch="qwen3", head_dim=32)
+    expected = write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "F32", arch="qwen3")
+    cfg, tensors = load_checkpoint(tmp_path / "m.gguf", progress=False)
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.attention_bias
+    assert set(tensors) == set(expected) and "model.layers.0.self_attn.q_norm.weight" in tensors
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+    prompt = [5, 9, 33, 100, 7, 250, 3]
+    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    assert assert_greedy_equal(got, ref, logits, "qwen3 gguf f32") >= 1
+
+
+def test_hf_config_windows_per_family():
+    """Sliding windows as transformers reads config.json: Mistral on every layer whenever
+    sliding_window is set (Mistral-7B-v0.1 has no use_sliding_window key); Qwen2 / Qwen3 only with
+    use_sliding_window, on layers from max_window_layers on or as layer_types says; Llama never."""
+    from pdserve.runtime.config import ModelConfig
+
+    base = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    cfg = ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert cfg.layer_windows == (4096,) * 4 and cfg.windowed and cfg.window(3) == 4096
+    assert not ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).windowed
+    assert not ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}).windowed
+    qwen = ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16, "use_sliding_window": True,
+                                "max_window_layers": 2})
+    assert qwen.layer_windows == (0, 0, 16, 16)
+    typed = ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 8, "use_sliding_window": True,
+                                 "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert typed.layer_windows == (8, 0, 8, 0) and typed.qk_norm
+    assert not ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 16}).windowed
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
+
+
 def test_sharded_safetensors_directory(tmp_path, tiny):
     from safetensors.torch import load_file, save_file
 
