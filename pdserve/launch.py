@@ -27,7 +27,7 @@ launcher waits for its roles to start or out a restart's back-off: StopRequested
 SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
 Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
 per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
-coordinator and the workers (restarted ones too); it is removed at stop.
+coordinator and the workers (restarted ones too); the launcher that wrote it removes it at stop.
 Several models (`--model PATH[=NAME]` repeated) run as one coordinator per model, each with the
 same worker layout and its own ports (the first model's --clients and --workers ports, plus 2 for
 each model after it), and one gateway that routes each request to its model's coordinator by its
@@ -293,6 +293,7 @@ class Launcher:
         self.stop_requested = False  # SIGINT/SIGTERM arrived: every wait loop ends at its next check_children
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
         self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
+        self.wrote_secret = False  # whether this launcher wrote secret_file (removed at stop; a Ray actor's is handed over)
         self.alive_dir: str | None = None  # the children's liveness files
         self.next_report = 0.0  # when the next NodeReport is due (tend)
 
@@ -392,6 +393,7 @@ class Launcher:
             from pdserve.wire.security import write_secret
 
             self.secret_file = write_secret()
+            self.wrote_secret = True
         for m in p.models if p.coordinator else ():
             self._spawn(m.prefix + "coordinator", self._coordinator_args(m))
         if p.gateway:
@@ -584,7 +586,7 @@ class Launcher:
             unlink_pool_of(proc.pid)
         if self.core_share and os.path.exists(self.core_share):
             os.unlink(self.core_share)
-        if self.secret_file and os.path.exists(self.secret_file):
+        if self.wrote_secret and os.path.exists(self.secret_file):
             os.unlink(self.secret_file)
             os.rmdir(os.path.dirname(self.secret_file))
         if self.alive_dir:

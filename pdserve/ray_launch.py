@@ -9,21 +9,39 @@ line the launcher builds, its own signals, torch threads and shared-memory pool)
 a hang is restarted on its node by the supervision `pdserve launch` already has. Ray restarts the
 actor (max_restarts=-1), and so its worker under the same worker id, when the actor dies or its
 node is lost; the coordinator drops the silent worker and places its requests again, as for any
-dead worker. The per-launch worker secret and the CurveZMQ keys travel as actor arguments (msgspec
-JSON bytes; Ray's own control plane pickles its actor class and calls, inside the cluster): each
-actor writes them into private files on its own node, never a path another node cannot see.
+dead worker.
 
-Lifecycle: connect to Ray -> start the coordinators (one per model, pdserve/launch.py's
+Credentials (docs/security.md, Ray): each actor gets only what its role's worker needs
+(`role_key_files`: the worker keypair and the server's public key; the KV port's server keypair
+and the admitted worker keys unless it is a fixed prefill worker; never the client keypair, the
+API key or the coordinator's and gateway's flags: an actor's restart counts, which its launcher
+would send to the client port, reach the coordinator through the driver, `report_restarts`). `--ray auto` without a cluster on this machine
+starts a private one (`start_private_cluster`): one node whose every Ray process binds loopback,
+Ray's token authentication on with a per-launch token, no dashboard; its actors run on this node,
+so they are handed *paths* into the launch's 0700 directory (`LaunchFiles`: the token, each role's
+keys) and the launch's secret file, and no key material enters Ray's control store (which also
+records the driver's command line: without --api-key's value, `hide_secret_flags_from_ray`). On a cluster
+given by address (or one `ray start` runs here) the actors may run on nodes that cannot see this
+one's files: the role's key files and the worker secret travel as actor arguments (msgspec JSON
+bytes; Ray's own control plane pickles its actor class and calls, inside the cluster, and keeps
+the arguments to restart the actor: protect that cluster with Ray's token authentication), and
+each actor writes them into a 0700 directory named by its pid (`own_copy_dir`), removed at its stop;
+any such directory whose process is gone (an actor restarted, a launch killed) is removed when the
+next launch or actor starts on that node (`remove_stale_copies`).
+
+Lifecycle: connect to Ray (or start the private cluster) -> start the coordinators (one per model, pdserve/launch.py's
 `NodePlan.models`) and the gateway with a Launcher of no workers (the secret it writes is read
 here to hand on) -> start each model's initial workers (the launch's counts, within the limits),
 each actor's worker pointed at its model's coordinator and path, and wait until they are
 registered -> every TICK_S: tend the local roles (restarts), and for each model (a `ModelPool`:
 its actors and its own Autoscaler, the same --min-replicas/--max-replicas for every model) read
-its coordinator's stats and `Autoscaler.decide` (a role whose phase load is
+its coordinator's stats, report its actors' restart counts (asked every REPORT_S), and
+`Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its
 workers or waiting for a worker, gets one more worker, one at a time; a worker idle for
 --downscale-delay-s is removed while its role has more than its minimum) -> on SIGINT/SIGTERM
-stop every actor's worker (SIGTERM), then the local roles, and leave the cluster.
+stop every actor's worker (SIGTERM), then the local roles, and leave the cluster (a private one
+stops with it; its directory is removed).
 With --min-replicas 0 every model's coordinator runs with --cold-start-s (coordinator/server.py
 hold_for_cold_start): a request that finds no worker waits for the one the autoscaler starts.
 Not built: tensor parallel workers under --ray (their ranks would need a placement group) and a
@@ -36,7 +54,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 
@@ -44,14 +61,17 @@ import msgspec
 import ray
 
 from pdserve.common.errors import NotSupportedError
-from pdserve.launch import ROLES, ConfigError, Launcher, ModelPlan, NodePlan
+from pdserve.launch import REPORT_S, ROLES, ConfigError, Launcher, ModelPlan, NodePlan
 from pdserve.ray_config import Autoscaler, RayConfig, Replica
+from pdserve.ray_credentials import LaunchFiles, own_copy_dir, role_key_files, write_keys, write_private
 
 TICK_S = 1.0  # the autoscaler's period
+SUPERVISE_S = 0.2  # an actor's check of its worker (pdserve launch's)
 STOP_GRACE_S = 15.0  # a removed worker's SIGTERM -> its actor killed
 NAMESPACE = "pdserve"  # the Ray namespace of every launch's actors (named `actor_name`)
 PRIVATE_OBJECT_STORE = 256 * 2**20  # a private cluster's object store: the workers pass nothing through it
 DEFAULT_COLD_START_S = 30.0  # --cold-start-s given to the coordinator with --min-replicas 0, unless set
+LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the loopback address as its node's (ray_constants)
 
 
 def actor_name(worker_addr: str, replica: str) -> str:
@@ -59,36 +79,18 @@ def actor_name(worker_addr: str, replica: str) -> str:
     return f"{worker_addr}/{replica}"
 
 
-def _write_tree(files: dict[str, bytes]) -> str:
-    """A private copy (0700 directory, 0600 files) of a directory handed over as {relative path: bytes}."""
-    root = tempfile.mkdtemp(prefix="pdserve-keys-")
-    for rel, data in files.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    return root
-
-
-def _read_tree(root: str) -> dict[str, bytes]:
-    out = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out
-
-
 class ActorArgs(msgspec.Struct):
     """What a worker actor is started with, as msgspec JSON bytes (Ray carries them opaque: no
-    pickle of ours on its wire): its one-worker plan, the launch's secret and keys directory."""
+    pickle of ours on its wire), kept by Ray to restart it: its one-worker plan and its worker's
+    credentials, either paths on this node (a private cluster: `plan.keys`, its role's keys
+    directory, and `secret_file`, the launch's) or, for a cluster whose nodes cannot see this
+    one's files, the material itself (`key_files`: role_key_files; `secret`)."""
 
     plan: NodePlan
-    secret: str | None
-    keys: dict[str, bytes] | None
     log_dir: str | None
+    secret_file: str | None = None
+    secret: str | None = None
+    key_files: dict[str, bytes] | None = None
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
@@ -97,23 +99,34 @@ class WorkerActor:
     from a thread of this actor (its child dies with this process: PDEATHSIG)."""
 
     def __init__(self, args: bytes):
-        from pdserve.wire.security import is_loopback, write_secret
+        from pdserve.wire.security import is_loopback
 
         a = msgspec.json.decode(args, type=ActorArgs)
-        plan, secret, keys, log_dir = a.plan, a.secret, a.keys, a.log_dir
+        plan, secret_file = a.plan, a.secret_file
+        self.copy = None  # its directory of the material it was handed (removed at stop, or when a later start finds it stale)
+        if a.key_files or a.secret:
+            self.copy = own_copy_dir()
+            if a.key_files:
+                plan = dataclasses.replace(plan, keys=write_keys(self.copy, a.key_files))
+            if a.secret:
+                secret_file = write_private(os.path.join(self.copy, "worker-secret"), a.secret.encode())
         self.node_id = ray.get_runtime_context().get_node_id()
         here = "127.0.0.1" if is_loopback(plan.worker_addr) else ray.util.get_node_ip_address()  # its KV port, where decode workers reach it
-        plan = dataclasses.replace(plan, kv_bind_host=here, keys=_write_tree(keys) if keys else None)
-        self.launcher = Launcher(plan, log_dir and os.path.join(log_dir, plan.name))  # every actor's child is `ROLE-0`
-        self.launcher.secret_file = write_secret(secret) if secret else None
+        plan = dataclasses.replace(plan, kv_bind_host=here)
+        self.launcher = Launcher(plan, a.log_dir and os.path.join(a.log_dir, plan.name))  # every actor's child is `ROLE-0`
+        self.launcher.secret_file = secret_file  # handed over: its Launcher does not remove it
         self.stopped: list = []
         self.error: str | None = None
         threading.Thread(target=self._supervise, daemon=True).start()
 
     def _supervise(self) -> None:
+        """Start its worker and tend it (restarts, hangs) until stopped. Its restart counts reach the coordinator through
+        the driver (`restarts`), not from here: a report goes to the client port, and the actor holds no client key."""
         try:
             self.launcher.start()
-            self.launcher.supervise(self.stopped)
+            while not self.stopped:
+                self.launcher.tend([])
+                time.sleep(SUPERVISE_S)
         except Exception as e:  # ConfigError: this node cannot run it (the model path missing here, ...)
             self.error = f"{type(e).__name__}: {e}"
             print(f"pdserve ray worker {self.launcher.plan.name}: {self.error}", file=sys.stderr, flush=True)
@@ -123,11 +136,17 @@ class WorkerActor:
         procs = self.launcher.procs
         return msgspec.json.encode({"node_id": self.node_id, "pid": procs[0][1].pid if procs else None, "error": self.error})
 
+    def restarts(self) -> bytes:
+        """JSON: its worker's restart count and last exit by role name (a NodeReport's, pdserve/launch.py `report`)."""
+        children = self.launcher.children
+        return msgspec.json.encode({"restarts": {c.name: c.restarts for c in children},
+                                    "last_exit": {c.name: c.last_exit for c in children if c.last_exit}})
+
     def stop(self) -> None:
         self.stopped.append(1)
         self.launcher.stop()
-        if self.launcher.plan.keys:
-            shutil.rmtree(self.launcher.plan.keys, ignore_errors=True)
+        if self.copy:
+            shutil.rmtree(self.copy, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -137,6 +156,8 @@ class ModelPool:
     model: ModelPlan
     scaler: Autoscaler
     replicas: list[Replica] = dataclasses.field(default_factory=list)
+    asked: dict = dataclasses.field(default_factory=dict)  # replica name -> its pending `restarts` call
+    next_ask: float = 0.0  # when its actors are next asked for their restarts (monotonic)
 
 
 class RayLaunch:
@@ -155,8 +176,8 @@ class RayLaunch:
             local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
         self.serial = 0
-        self.secret: str | None = None
-        self.keys: dict[str, bytes] | None = None
+        self.secret: str | None = None  # the launch's worker secret (without --keys)
+        self.files: LaunchFiles | None = None  # a private cluster's directory (its actors are handed paths into it)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -164,18 +185,25 @@ class RayLaunch:
         return [r for pool in self.pools for r in pool.replicas]
 
     def connect(self) -> None:
+        """Join the cluster --ray names, or with `auto` and none on this machine start a private one."""
         address = self.cfg.address
-        if address == "auto":
-            try:
-                ray.init(address="auto", namespace=NAMESPACE, log_to_driver=self.log_dir is None)
-                return
-            except ConnectionError:  # no cluster on this machine: a private one
-                address = None
-        private = {"include_dashboard": False, "object_store_memory": PRIVATE_OBJECT_STORE} if address is None else {}
+        hide_secret_flags_from_ray()
         try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None, **private)
-        except (ConnectionError, ValueError) as e:  # an address nothing answers at, or not an address
-            raise ConfigError(f"--ray {self.cfg.address}: {e}") from None
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=self.log_dir is None)
+        except ConnectionError as e:
+            if address != "auto":
+                raise ConfigError(f"--ray {address}: {e}") from None
+            self.files = LaunchFiles()  # no cluster on this machine: a private one
+            start_private_cluster(self.files.write_token(), self.log_dir is None)
+            print("pdserve launch: ray: no Ray cluster on this machine: started a private one on "
+                  f"{ray.util.get_node_ip_address()} (token authentication on, no dashboard)", file=sys.stderr, flush=True)
+            return
+        except ValueError as e:  # not an address
+            raise ConfigError(f"--ray {address}: {e}") from None
+        print(f"pdserve launch: ray: joined the Ray cluster at {address}", file=sys.stderr, flush=True)
+        if not token_auth_on():
+            print("pdserve launch: ray: warning: the cluster runs without Ray's token authentication: whoever reaches it can run "
+                  "code in it and read the worker actors' arguments, their keys (docs/security.md, Ray)", file=sys.stderr, flush=True)
 
     def start(self) -> None:
         """Join the cluster, start every model's coordinator and the gateway here, then each model's initial workers (ConfigError
@@ -187,7 +215,6 @@ class RayLaunch:
         signal.signal(signal.SIGTERM, handler)  # ray.init sets its own: SIGTERM stops the launch as Ctrl-C does
         self.local.start()
         self.secret = read_secret(self.local.secret_file)
-        self.keys = _read_tree(self.plan.keys) if self.plan.keys else None
         for pool in self.pools:
             for role, n in self.initial.items():
                 for _ in range(n):
@@ -198,17 +225,28 @@ class RayLaunch:
         self.serial += 1
         m = pool.model
         name = f"{m.prefix}ray{self.serial}"
-        plan = dataclasses.replace(self.plan, coordinator=False, gateway=False, worker_secret=False, name=name, keys=None,
-                                   model=m.path, served_model_name=m.name, client_addr=m.client_addr, worker_addr=m.worker_addr,
-                                   more_models=[], threads=self.plan.threads or max(1, int(self.cfg.num_cpus)),
-                                   **{r: int(r == role) for r in ROLES})
         actor = WorkerActor.options(name=actor_name(m.worker_addr, name), num_cpus=self.cfg.num_cpus,
-                                    num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(
-                                        msgspec.json.encode(ActorArgs(plan, self.secret, self.keys, self.log_dir)))
+                                    num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(self.actor_args(m, role, name))
         rep = Replica(name, role, actor, time.monotonic())
         pool.replicas.append(rep)
         print(f"pdserve launch: ray: adding {role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
         return rep
+
+    def actor_args(self, m: ModelPlan, role: str, name: str) -> bytes:
+        """The arguments of the actor `name` running one `role` worker of model m: its one-worker plan (none of the
+        coordinator's, the gateway's or the API key's flags) and only the credentials its role needs (ActorArgs)."""
+        p = self.plan
+        plan = dataclasses.replace(p, coordinator=False, gateway=False, worker_secret=False, name=name, keys=None, api_key=None,
+                                   coordinator_args=[], gateway_args=[], model=m.path, served_model_name=m.name,
+                                   client_addr=m.client_addr, worker_addr=m.worker_addr, more_models=[],
+                                   threads=p.threads or max(1, int(self.cfg.num_cpus)), **{r: int(r == role) for r in ROLES})
+        if self.files is not None:  # the private cluster: its actors run here
+            keys = self.files.role_keys(p.keys, role, p.fixed_roles) if p.keys else None
+            args = ActorArgs(dataclasses.replace(plan, keys=keys), self.log_dir, secret_file=self.local.secret_file)
+        else:
+            args = ActorArgs(plan, self.log_dir, secret=self.secret,
+                             key_files=role_key_files(p.keys, role, p.fixed_roles) if p.keys else None)
+        return msgspec.json.encode(args)
 
     def remove(self, pool: ModelPool, rep: Replica) -> None:
         why = (f"idle for {self.cfg.downscale_delay_s:g} s" if rep.registered is not None else
@@ -229,6 +267,31 @@ class RayLaunch:
             except ClientError:
                 continue  # this coordinator restarts: next tick
             self.scale(pool, stats)
+            self.report_restarts(pool, client)
+
+    def report_restarts(self, pool: ModelPool, client) -> None:
+        """The pool's actors' restart counts to its coordinator, each as the NodeReport its own launcher would send (named
+        by the actor, as `ray3`): asked every REPORT_S, reported when answered (a tick never waits for an actor)."""
+        from pdserve_client.library import ClientError
+
+        now, names = time.monotonic(), {r.name for r in pool.replicas}
+        pool.asked = {name: ref for name, ref in pool.asked.items() if name in names}
+        for r in pool.replicas:
+            ref = pool.asked.get(r.name)
+            if ref is None:
+                if now >= pool.next_ask:
+                    pool.asked[r.name] = r.actor.restarts.remote()
+                continue
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del pool.asked[r.name]
+            try:
+                got = msgspec.json.decode(ray.get(ref))
+                client.report_node(r.name, got["restarts"], got["last_exit"])
+            except (ray.exceptions.RayError, ClientError):
+                pass  # the actor restarts, or the coordinator: the next ask
+        if now >= pool.next_ask:
+            pool.next_ask = now + REPORT_S
 
     def scale(self, pool: ModelPool, stats: dict) -> None:
         """One model's autoscaler on its coordinator's stats: registrations logged, workers added and removed."""
@@ -284,7 +347,9 @@ class RayLaunch:
         for pool in self.pools:
             pool.replicas.clear()
         self.local.stop()
-        ray.shutdown()
+        ray.shutdown()  # a private cluster stops with it
+        if self.files is not None:
+            self.files.remove()
 
     def run_forever(self, on_ready=None) -> int:
         """Launcher's lifecycle (signals, start, ready, supervise, stop; 1 on a configuration error) with these steps."""
@@ -299,6 +364,64 @@ def stop_actors(replicas: list[Replica]) -> None:
         pass
     for r in replicas:
         ray.kill(r.actor, no_restart=True)
+
+
+def start_private_cluster(token_path: str, log_to_driver: bool) -> None:
+    """A one-node Ray cluster of this launch: every Ray process binds loopback (with LOOPBACK_NODE_ENV "0", which its processes
+    inherit and this one's ray_constants reads at import, Ray takes 127.0.0.1 as the node's address; `_node_ip_address`
+    alone is replaced by the routable one), Ray's token authentication on with the token at token_path (RAY_AUTH_MODE and
+    RAY_AUTH_TOKEN_PATH, inherited too; RAY_AUTH_TOKEN would take its place), and no dashboard. RuntimeError if Ray did
+    otherwise."""
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    from pdserve.wire.security import is_loopback
+
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path, LOOPBACK_NODE_ENV: "0"})
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")  # this process reads the mode again,
+    AuthenticationTokenLoader.instance().reset_cache()  # and the token (the attempt to join may have read another)
+    ray.init(namespace=NAMESPACE, log_to_driver=log_to_driver, include_dashboard=False, object_store_memory=PRIVATE_OBJECT_STORE)
+    node = ray.util.get_node_ip_address()
+    if not is_loopback(f"tcp://{node}:0") or not token_auth_on():
+        ray.shutdown()
+        raise RuntimeError(f"the private Ray cluster started on {node} with token authentication {token_auth_on()}: "
+                           "Ray 2.60's loopback node and token settings did not apply")
+
+
+SECRET_FLAGS = ("--api-key",)  # launch flags whose value Ray must not record
+
+
+def without_secret_values(argv: list[str]) -> list[str]:
+    """argv with the value of every SECRET_FLAGS flag (`--flag VALUE` or `--flag=VALUE`) replaced by `***`."""
+    out = []
+    for i, a in enumerate(argv):
+        name = a.split("=", 1)[0]
+        if name in SECRET_FLAGS and "=" in a:
+            a = f"{name}=***"
+        elif i and argv[i - 1] in SECRET_FLAGS:
+            a = "***"
+        out.append(a)
+    return out
+
+
+def hide_secret_flags_from_ray() -> None:
+    """Ray records its driver's command line as the job's entrypoint, in its control store (`ray list jobs`, the
+    dashboard): record this launch's without the values of SECRET_FLAGS (ray._private.utils.get_entrypoint_name,
+    which ray.init calls, is Ray 2.60's)."""
+    import subprocess
+
+    import ray._private.utils as ray_utils
+
+    ray_utils.get_entrypoint_name = lambda: subprocess.list2cmdline(without_secret_values([sys.executable, *sys.argv]))
+
+
+def token_auth_on() -> bool:
+    """Whether this process talks to Ray with token authentication (RAY_AUTH_MODE=token)."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return is_token_auth_enabled()
 
 
 def with_cold_start(args: list[str]) -> list[str]:
