@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.flags import flag, keys_flag
+from pdserve.gateway.errors import MAX_BODY_BYTES
 from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.wire.limits import RequestLimits
@@ -19,6 +20,7 @@ from pdserve_client.library import DEFAULT_ADDRESS
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # the HTTP API key when --api-key is not given (as vLLM reads VLLM_API_KEY)
 STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
+BODY_BUDGET_BYTES = 128 * 2**20  # request body bytes held at once, all requests together (GatewayConfig.body_budget_bytes)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,16 @@ class GatewayConfig:
     stream_buffer_bytes: int = flag(STREAM_BUFFER_BYTES, group="HTTP gateway", name="stream_buffer_kb", scale=1024, min=16,
                                     help="KiB of events one HTTP request may leave unread, past which its streams are aborted "
                                     "(client_too_slow)")
+    # request bodies in flight (gateway/bodies.py): bytes held at once, the time one body has to arrive; the parse lane's queue
+    body_budget_bytes: int = flag(BODY_BUDGET_BYTES, group="HTTP gateway", name="body_budget_mb", scale=2**20, min=8, launch=True,
+                                  help="MiB of request bodies over 64 KiB the gateway holds at once, all requests together (at "
+                                  "least one 8 MiB body); a body that does not fit waits its turn, at most --body-read-timeout "
+                                  "(then a 503 with Retry-After)")
+    body_read_timeout_s: float = flag(30.0, group="HTTP gateway", name="body_read_timeout", min=0.1, launch=True,
+                                      help="seconds a request body has to arrive whole once the gateway reads it: past it a 408 "
+                                      "and the connection closed")
+    parse_queue: int = flag(32, group="HTTP gateway", min=1, launch=True,
+                            help="bodies over 256 KiB waiting for the gateway's parse lane; one more is a 503 with Retry-After")
     tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)
     # the models served besides the first (--model, --served-model-name, --coordinator): `pdserve launch --model` twice or more
     more_models: tuple[ModelRoute, ...] = flag(factory=tuple, group="HTTP gateway", name="more_model", multiple=True,
@@ -103,5 +115,8 @@ class GatewayConfig:
             raise InvalidRequestError("request_timeout_s and stats_timeout_s must be > 0, retry_after_s >= 0, max_inflight >= 1")
         if self.stream_buffer_bytes < 16 * 1024:
             raise InvalidRequestError(f"stream_buffer_bytes must be >= 16 KiB, got {self.stream_buffer_bytes}")
+        if self.body_budget_bytes < MAX_BODY_BYTES or self.body_read_timeout_s <= 0 or self.parse_queue < 1:
+            raise InvalidRequestError(f"body_budget_bytes must be >= one largest body ({MAX_BODY_BYTES >> 20} MiB), "
+                                      "body_read_timeout_s > 0 and parse_queue >= 1")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")

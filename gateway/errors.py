@@ -1,9 +1,9 @@
-"""HTTP errors in OpenAI's JSON shape, and the bounded body read every route starts with.
+"""HTTP errors in OpenAI's JSON shape, and the limit on one request body.
 
 Lifecycle: stateless. A route raises `ApiError` (or `bad_request(...)`, a 400) anywhere while it
-handles a request; the gateway's exception handler turns it into the status and OpenAI's error
-body (`ErrorResponse`). `read_body` reads a request body and refuses it with 413 as soon as it
-passes the limit, never holding more.
+handles a request; the gateway's exception handler turns it into the status, its headers and
+OpenAI's error body (`ErrorResponse`). Bodies are read against MAX_BODY_BYTES, the gateway's
+budget of body bytes and its read timeout by gateway/bodies.py.
 """
 from __future__ import annotations
 
@@ -42,19 +42,3 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorBody
-
-
-async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 once it passes `limit` bytes (it is never held whole)."""
-    size = request.headers.get("content-length", "")
-    chunks, n = [], int(size) if size.isdigit() else 0
-    if n <= limit:
-        n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                break
-            chunks.append(chunk)
-    if n > limit:
-        raise ApiError(413, f"the request body is over the limit of {limit} bytes", "request_too_large")
-    return b"".join(chunks)

@@ -46,13 +46,15 @@ ERRORS = {  # status -> when a route answers it
     400: "bad input: a wrong type or value (naming the field), a bound passed (code limit_exceeded), a prompt too long",
     401: "a missing or wrong API key (only when the gateway has one)",
     404: "an unknown model, or a response this gateway does not hold (previous_response_id, GET /v1/responses/{id})",
+    408: "the request body did not arrive whole within the body read timeout (the connection is closed)",
     413: "a request body over the size limit",
     429: "shed: too many requests in flight or a latency target that cannot be met (Retry-After says when to retry)",
-    503: "no worker can serve (none registered, or one was lost), or the coordinator dropped this gateway's stream",
+    503: "no worker can serve (none registered, or one was lost), the coordinator dropped this gateway's stream, or the "
+         "gateway has no room for the body now (its body budget, its parse queue: Retry-After says when to retry)",
     504: "no answer from the coordinator in time",
 }
-_GENERATE = (400, 401, 404, 413, 429, 503, 504)
-_TOKENIZE = (400, 401, 404, 413)
+_GENERATE = (400, 401, 404, 408, 413, 429, 503, 504)
+_TOKENIZE = (400, 401, 404, 408, 413, 503)
 _STRUCTS = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList,
             TokenizeCompletionRequest, TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse,
             Health, ErrorResponse, ResponsesRequest, ResponseObject, ResponseEvent]

@@ -11,10 +11,13 @@ its child (`python -m gateway.parse_lane LIMITS_JSON`, which lowers its own CPU 
 scan for what is certainly over the bounds (refuse_oversized), the decode, and the checks of every
 field of that kind against the table of bounds; small bodies run it inline on the loop, larger
 ones (`parse`) in the child, one at a time in arrival order on one thread of the gateway (its pipe
-reads and writes release the GIL). The child answers the Struct re-encoded as msgpack (decoding it
-costs a fraction of the JSON, and it is bounded by then) or the ApiError it raised. A request
-cancelled while it waits (its client gone) is never sent; a child that dies is restarted and the
-body it held is answered 503.
+reads and writes release the GIL); at most `max_queued` large bodies wait or run there (each
+also holds its bytes in the gateway's body budget: gateway/bodies.py), one more is a 503
+(parser_busy, with Retry-After). A body nested too deep for the decoder's recursion is a 400
+(gateway/schema.py's too_deep), inline and in the child alike. The child answers the Struct
+re-encoded as msgpack (decoding it costs a fraction of the JSON, and it is bounded by then) or
+the ApiError it raised. A request cancelled while it waits (its client gone) is never sent; a
+child that dies is restarted and the body it held is answered 503.
 """
 from __future__ import annotations
 
@@ -62,8 +65,8 @@ class _Keys(msgspec.Struct):
 def _is_chat(body: bytes) -> bool:
     try:
         return len(msgspec.json.decode(body, type=_Keys).messages) > 0
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False  # decode_body then reports the bad JSON
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False  # refuse_oversized or decode_body then reports the bad JSON
 
 
 def prepare(body: bytes, kind: str, limits: RequestLimits):
@@ -88,8 +91,11 @@ def prepare(body: bytes, kind: str, limits: RequestLimits):
 
 
 class ParseLane:
-    def __init__(self, limits: RequestLimits):
+    def __init__(self, limits: RequestLimits, max_queued: int = 32, retry_after_s: int = 1):
         self.limits = limits
+        self.max_queued = max_queued  # large bodies queued for the child or in it; one more is a 503 (GatewayConfig.parse_queue)
+        self.retry_after_s = retry_after_s
+        self.queued = 0
         self.proc: subprocess.Popen | None = None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="parse-lane")  # one body at a time, in order
         self.lock = threading.Lock()  # the child's pipes: the lane's thread, and close()
@@ -104,7 +110,14 @@ class ParseLane:
         """prepare(body, kind) in the child; cancelling the caller while it waits drops the body."""
         if len(body) <= INLINE_BYTES:
             return prepare(body, kind, self.limits)
-        reply = await asyncio.get_running_loop().run_in_executor(self.thread, self._round_trip, _Job(kind, body))
+        if self.queued >= self.max_queued:
+            raise ApiError(503, f"the gateway's request parser has {self.queued} large bodies queued; retry", "parser_busy",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        self.queued += 1
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(self.thread, self._round_trip, _Job(kind, body))
+        finally:
+            self.queued -= 1
         if reply.status:
             raise ApiError(reply.status, reply.message, reply.code, reply.param)
         return msgspec.msgpack.decode(reply.data, type=KINDS[reply.kind])

@@ -37,12 +37,14 @@ from pdserve.gateway.format import ChatFormatter
 from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.schema import (
     STRUCTURED_WRAPPER_BYTES,
+    WRAPPER_LEVELS,
     ChatCompletionRequest,
     ChatMessageIn,
     ContentPart,
     Job,
     bounded,
     chat_jobs,
+    json_text,
     request_bounds,
     structured_bounds,
 )
@@ -119,11 +121,16 @@ def _responses_bounds(req: ResponsesRequest, limits: RequestLimits) -> None:
     for param in ("model", "user", "previous_response_id"):
         limits.check_name(param, getattr(req, param))
     limits.check_metadata(req.metadata)
-    if req.text is not None and len(msgspec.json.encode(req.text)) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
+    text = json_text("text", req.text, limits) if req.text is not None else b""
+    if len(text) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
         raise FieldLimitExceeded("text", f"text (its format's schema) is over {limits.max_structured_bytes} bytes")
+    limits.check_nesting("text", text, limits.max_json_depth + WRAPPER_LEVELS)
     limits.check_max_tokens("max_output_tokens", req.max_output_tokens)
     tools = req.tools or []
-    limits.check_tools([t.name or "" for t in tools], [len(msgspec.json.encode(t)) for t in tools])
+    tool_json = [json_text("tools", t, limits) for t in tools]
+    limits.check_tools([t.name or "" for t in tools], [len(j) for j in tool_json])
+    for j in tool_json:
+        limits.check_nesting("tools", j, limits.max_json_depth + WRAPPER_LEVELS)
     items = req.input if isinstance(req.input, list) else []
     limits.check_messages(len(items) + 1, max((len(i.content) for i in items if isinstance(i.content, list)), default=0))
     for item in items:

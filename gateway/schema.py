@@ -3,13 +3,15 @@
 Lifecycle: a large body is first scanned by its lengths (`refuse_oversized`: refused before
 it is decoded when certainly over the bounds), then decoded once into `CompletionRequest` or
 `ChatCompletionRequest` (unknown fields are ignored, as OpenAI's own server does; a wrong type
-names the field); `request_bounds()` checks every field a caller controls against the table of
-bounds (wire/limits.py), then `completion_jobs()` or `chat_jobs()` turns it into one coordinator
-job per (prompt, sample) with validated sampling parameters and `structured_bounds()` sizes its
-structured-output spec before it is compiled, each raising `ApiError` (status + OpenAI error
-body; a bound: 400 `limit_exceeded` naming the field) before anything is sent. Responses and stream chunks are built from the response Structs here and
-encoded with msgspec. The same Structs generate `/openapi.json` (gateway/openapi.py), so the schema
-cannot drift from what the code accepts.
+names the field; a body nested too deep for the decoder's recursion is a 400 limit_exceeded
+naming the field that nests: `too_deep`); `request_bounds()` checks every field a caller
+controls against the table of bounds (wire/limits.py; a free-form value's nesting too), then
+`completion_jobs()` or `chat_jobs()` turns it into one coordinator job per (prompt, sample) with
+validated sampling parameters and `structured_bounds()` sizes its structured-output spec before
+it is compiled, each raising `ApiError` (status + OpenAI error body; a bound: 400
+`limit_exceeded` naming the field) before anything is sent. Responses and stream chunks are
+built from the response Structs here and encoded with msgspec. The same Structs generate
+`/openapi.json` (gateway/openapi.py), so the schema cannot drift from what the code accepts.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pdserve_client.protocol import ToolCall as WireToolCall
 # response_format's type and json_schema name around the schema, a choice list's quotes and commas: the
 # structured-output fields of a body may hold this much more than the spec bound (their compact JSON)
 STRUCTURED_WRAPPER_BYTES = 1024
+WRAPPER_LEVELS = 2  # ... and this many levels of nesting around a schema: response_format's json_schema.schema, a tool's function.parameters
 
 
 # ------------------------------------------------------------------ requests
@@ -113,6 +116,56 @@ def decode_body(body: bytes, kind: type):
         raise bad_request(f"invalid request: {e}", _error_param(str(e))) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise too_deep(body) from None
+
+
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]')  # a string (escapes and all) or a bracket
+DEEP_SCAN_TOKENS = 2**16  # strings and brackets too_deep reads to name the field, at most
+_NAMED_DEPTH = RequestLimits.max_json_depth  # a top-level field nesting deeper than this is named
+
+
+def too_deep(body: bytes) -> ApiError:
+    """The 400 for a body nested too deep for the JSON decoder (it recurses: RecursionError ~1000
+    levels down), naming the top-level field whose value nests past max_json_depth when the first
+    DEEP_SCAN_TOKENS strings and brackets show it."""
+    return bad_request(f"the request body nests arrays and objects too deep to decode (a JSON value may nest {_NAMED_DEPTH} "
+                       "levels)", deep_field(body, _NAMED_DEPTH), "limit_exceeded")
+
+
+def deep_field(body: bytes, depth: int) -> str | None:
+    """The top-level key of a JSON object whose value nests more than `depth` levels, from a walk
+    over its strings and brackets that ends there (or after DEEP_SCAN_TOKENS of them: None)."""
+    level, key = 0, None
+    for i, m in enumerate(_JSON_TOKEN.finditer(body)):
+        token = m.group()
+        if i == DEEP_SCAN_TOKENS:
+            return None
+        if token[0] == 0x22:  # '"': a key or a string value; the last one at level 1 names what follows
+            key = token if level == 1 else key
+        elif token in (b"[", b"{"):
+            level += 1
+            if level > depth + 1:
+                return _key_text(key)
+        else:
+            level -= 1
+    return None
+
+
+def _key_text(key: bytes | None) -> str | None:
+    try:
+        return None if key is None else msgspec.json.decode(key, type=str)[:64]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def json_text(param: str, value, limits: RequestLimits) -> bytes:
+    """A free-form value's compact JSON (a schema, a tool); a value nested too deep to encode is
+    refused naming `param` (check its nesting with limits.check_nesting once its size is bounded)."""
+    try:
+        return msgspec.json.encode(value)
+    except RecursionError:
+        raise FieldLimitExceeded(param, f"{param} nests arrays and objects more than {limits.max_json_depth} levels deep") from None
 
 
 class _RawSizes(msgspec.Struct):
@@ -133,6 +186,8 @@ def refuse_oversized(body: bytes, limits: RequestLimits) -> None:
         raw = msgspec.json.decode(body, type=_RawSizes)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return  # the full decode reports it
+    except RecursionError:
+        raise too_deep(body) from None
     if len(raw.stop) > 2 + limits.max_stop * (6 * limits.max_stop_length + 3) and _stop_over(raw.stop, limits):
         raise bad_request(f"stop is over the limits of {limits.max_stop} strings of {limits.max_stop_length} characters "
                           "(--max-stop, --max-stop-length)", "stop", "limit_exceeded")
@@ -173,13 +228,16 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
     limits.check_sampling([req.stop] if isinstance(req.stop, str) else req.stop or [], req.stop_token_ids or [])
     limits.check_max_tokens("max_tokens", req.max_tokens)
     limits.check_scheduling(req.priority, 0.0, 0.0, 0.0, 0.0)
-    given = [v for v in (getattr(req, "response_format", None), req.structured_outputs, req.guided_json, req.guided_regex,
-                         req.guided_choice) if v is not None]
+    given = [(param, json_text(param, v, limits)) for param, v in (
+        ("response_format", getattr(req, "response_format", None)), ("structured_outputs", req.structured_outputs),
+        ("guided_json", req.guided_json), ("guided_regex", req.guided_regex), ("guided_choice", req.guided_choice)) if v is not None]
     # before a spec is built from them (json.dumps on the loop): the spec is at least their compact JSON
     # less its wrapper (and a choice's quotes), so past this allowance it is certainly over its bound
-    if sum(len(msgspec.json.encode(v)) for v in given) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
+    if sum(len(j) for _, j in given) > limits.max_structured_bytes + STRUCTURED_WRAPPER_BYTES:
         raise FieldLimitExceeded("response_format" if getattr(req, "response_format", None) else "structured_outputs",
                                  f"the structured output spec is over {limits.max_structured_bytes} bytes")
+    for param, j in given:  # the schema within (checked again, exactly, as the spec: structured_bounds) and its wrapper
+        limits.check_nesting(param, j, limits.max_json_depth + WRAPPER_LEVELS)
     if isinstance(req, ChatCompletionRequest):
         limits.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
         limits.check_logprobs("top_logprobs", req.top_logprobs)
@@ -211,8 +269,10 @@ def chat_bounds(messages: list[ChatMessageIn], limits: RequestLimits, tools: lis
         limits.check_name("name", m.name)
         for name in (m.tool_call_id, *(t for c in m.tool_calls or () for t in (c.id, c.function.name))):
             limits.check_name("messages", name)
-    tool_json = [msgspec.json.encode(t) for t in tools or ()]
+    tool_json = [json_text("tools", t, limits) for t in tools or ()]
     limits.check_tools([t.function.name for t in tools or ()], [len(j) for j in tool_json])
+    for j in tool_json:
+        limits.check_nesting("tools", j, limits.max_json_depth + WRAPPER_LEVELS)
     texts = _chat_texts(messages)
     limits.check_prompt_bytes([*texts, *(j.decode() for j in tool_json)] if tools else texts, len(messages), "messages")
 

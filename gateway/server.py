@@ -9,8 +9,10 @@ completion request is authorized (bearer key, when one is set), decoded and chec
 (gateway/schema.py) into one job per choice; a `Fanout` runs the jobs on its model's coordinator
 (gateway/stream.py) and the results return as one JSON body or as server-sent events ending in `data: [DONE]` (gateway/format.py).
 Every error leaves in OpenAI's JSON error shape with its status: 400 bad input or a prompt
-longer than the context, 401 bad key, 404 unknown model, 429 shed (with Retry-After), 503 no
-workers (with Retry-After while one starts: cold_start). A client that disconnects aborts its coordinator requests, so their KV blocks are
+longer than the context, 401 bad key, 404 unknown model, 408 a body that did not arrive in time
+(the connection closed), 413 a body over 8 MiB, 429 shed (with Retry-After), 503 no workers
+(with Retry-After while one starts: cold_start) or no room for a body (the body budget, the parse
+lane's queue: gateway/bodies.py, gateway/parse_lane.py). A client that disconnects aborts its coordinator requests, so their KV blocks are
 freed. /metrics wants the API key when one is set and asks every coordinator for its stats on
 every call; /health never wants it and answers from a readiness summary that a task of the
 lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
@@ -41,8 +43,9 @@ from starlette.routing import Route
 
 from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.model_path import served_name  # noqa: F401 (served_name re-exported)
+from pdserve.gateway.bodies import BodyBudget
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.errors import MAX_BODY_BYTES, read_body  # noqa: F401 (MAX_BODY_BYTES re-exported)
+from pdserve.gateway.errors import MAX_BODY_BYTES  # noqa: F401 (MAX_BODY_BYTES re-exported)
 from pdserve.gateway.format import ChatFormatter, CompletionFormatter, usage
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.models import ServedModel, ServedModels
@@ -94,7 +97,8 @@ class Gateway:
         self.models = ServedModels(cfg, tokenizer)
         self.metrics = GatewayMetrics(*(m.name for m in self.models.all))
         self.slots = Slots(cfg.max_inflight)
-        self.parse_lane = ParseLane(cfg.limits)  # large bodies are decoded in its child process
+        self.bodies = BodyBudget(cfg.body_budget_bytes, cfg.retry_after_s)  # request body bytes in flight (gateway/bodies.py)
+        self.parse_lane = ParseLane(cfg.limits, cfg.parse_queue, cfg.retry_after_s)  # large bodies are decoded in its child process
         self.readiness = Health("unavailable", reason="the coordinator has not answered yet")  # what /health answers
         self.openapi_doc = msgspec.json.encode(openapi("pdserve OpenAI-compatible API", package_version()))
 
@@ -143,7 +147,10 @@ class Gateway:
         return m
 
     async def decode_request(self, request, kind):
-        return await self.decode(await read_body(request), kind)
+        """The request's body read within the body budget and its read timeout, decoded and
+        bounded (decode); its bytes count in the budget until it is decoded."""
+        async with self.bodies.read(request, MAX_BODY_BYTES, self.cfg.body_read_timeout_s) as body:
+            return await self.decode(body, kind)
 
     async def decode(self, body: bytes, kind):
         """The body as `kind` (a request Struct, or parse_lane.TOKENIZE), each field within the

@@ -34,14 +34,19 @@ def _bad(message: str, param: str):
 
 
 def _schema_text(schema, param: str) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise _bad(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
-    if not isinstance(schema, dict):
-        raise _bad(f"{param}: the JSON schema must be an object, got {type(schema).__name__}", param)
-    return json.dumps(schema)
+    """The schema as JSON text (its nesting is bounded as the spec's: RequestLimits.check_structured);
+    one nested too deep for json's recursion is a 400 limit_exceeded."""
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise _bad(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
+        if not isinstance(schema, dict):
+            raise _bad(f"{param}: the JSON schema must be an object, got {type(schema).__name__}", param)
+        return json.dumps(schema)
+    except RecursionError:
+        raise bad_request(f"{param}: the JSON schema nests too deep", param, "limit_exceeded") from None
 
 
 def _from_response_format(rf: dict) -> StructuredOutput | None:

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdserve.common.tokenizer import template_message
-from pdserve.gateway.errors import bad_request, read_body
+from pdserve.gateway.errors import bad_request
 from pdserve.gateway.schema import ChatMessageIn, chat_message
 from pdserve.gateway.stream import ClientGone, unless_disconnected
 from pdserve.gateway.tools import Tool
@@ -106,13 +106,9 @@ class TokenizerRoutes:
             Route("/version", self.version_info, methods=["GET"]),
         ]
 
-    async def _body(self, request) -> bytes:
-        self.gw.authorize(request)
-        return await read_body(request)
-
     async def tokenize(self, request):
-        body = await self._body(request)
-        req = await self.gw.decode(body, "tokenize")  # the chat or the completion shape, bounded (gateway/parse_lane.py)
+        self.gw.authorize(request)
+        req = await self.gw.decode_request(request, "tokenize")  # the chat or the completion shape, bounded (gateway/parse_lane.py)
         m = self.gw.model(request, req.model)
         if isinstance(req, TokenizeChatRequest):
             if req.add_generation_prompt and req.continue_final_message:
@@ -154,7 +150,8 @@ class TokenizerRoutes:
         return m.model_context
 
     async def detokenize(self, request):
-        req = await self.gw.decode(await self._body(request), DetokenizeRequest)
+        self.gw.authorize(request)
+        req = await self.gw.decode_request(request, DetokenizeRequest)
         m = self.gw.model(request, req.model)
         vocab = len(m.tok)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)

@@ -21,7 +21,9 @@ if not torch.cuda.is_available():
 
 TESTS = Path(__file__).resolve().parent
 FULL_FOLDERS = {"faults", "serving", "slo", "bench", "security", "install", "gateway"}
-FAST_MODULES = {"gateway/test_schema.py", "gateway/test_tool_parsers.py", "security/test_ray_credentials.py"}  # pure modules in a full folder
+FAST_MODULES = {  # pure modules in a full folder
+    "gateway/test_schema.py", "gateway/test_tool_parsers.py", "gateway/test_body_budget.py", "security/test_ray_credentials.py",
+}
 FULL_MODULES = {  # modules that start processes, outside the full folders
     "coordinator/test_tracing.py", "coordinator/test_slow_client.py", "coordinator/test_welcome.py",
     "client/test_distribution.py", "client/test_cancel.py", "runtime/test_tp.py", "kernels/test_isa.py",

@@ -7,9 +7,12 @@ written here, each with why. The gateway checks a body's fields against it (gate
 request_bounds) and the coordinator a GenerateRequest (coordinator/server.py, check_request),
 so a client of the ZMQ port meets the same bounds as an HTTP one; the bounds that span a whole
 HTTP request are the gateway's alone (max_fanout, max_request_prefill_tokens, max_scored_entries:
-the coordinator sees each choice as a request of its own, bounded by the context). A large frame or body is first scanned by its
-lengths alone (`oversized_frame` here, gateway/schema.py's refuse_oversized) and refused before
-it is decoded when it is certainly over. Each check raises `FieldLimitExceeded`
+the coordinator sees each choice as a request of its own, bounded by the context). A large frame
+or body is first scanned by its lengths alone (`oversized_frame` here, gateway/schema.py's
+refuse_oversized) and refused before it is decoded when it is certainly over. A free-form JSON
+value (a structured-output schema, a tool's JSON) is held to max_json_depth levels of nesting by
+`nests_deeper`, a scan of its brackets that never recurses (the JSON decoders and encoders
+recurse, and raise RecursionError ~1000 levels down). Each check raises `FieldLimitExceeded`
 (HTTP 400 / ErrorReply, code `limit_exceeded`, naming the field and the bound) or, for what is
 not a size, `InvalidRequestError`. Every check costs at most one pass over what the request
 already holds; none allocates more than the request.
@@ -37,6 +40,12 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _MSGPACK_STR_HEADER = 5  # msgpack holds a string's UTF-8 bytes after a header of at most 5 bytes
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes and all (no backtracking)
+# [ and { become (, ] and } become ); everything else is dropped
+_AS_PARENS = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_RUNS = re.compile(rb"\(+|\)+")
+_LEAF_PASSES = 4  # after k passes a change of run needs a subtree k + 1 high to its left: at most len / (2k + 2) runs
 
 
 class FieldLimitExceeded(LimitExceededError):
@@ -80,6 +89,28 @@ def msgpack_count(raw) -> int:
     if t in (0xDD, 0xDF):
         return int.from_bytes(b[1:5], "big")
     return 0
+
+
+def nests_deeper(text: str | bytes, depth: int) -> bool:
+    """Whether JSON text nests arrays and objects more than `depth` levels deep (what its strings
+    hold is skipped), without recursion: its brackets alone (C string operations), a few passes that
+    each drop the innermost pairs (one level, and every leaf: what is left has few runs), then one
+    walk over the runs of what is left. Text that is not JSON may pass; its decoder refuses it."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    brackets = _JSON_STRING.sub(b"", data).translate(_AS_PARENS, _NOT_BRACKETS)
+    if brackets.count(b"(") <= depth:
+        return False
+    if b"(" * (depth + 1) in brackets:
+        return True
+    passes = min(_LEAF_PASSES, depth)
+    for _ in range(passes):
+        brackets = brackets.replace(b"()", b"")
+    level = 0
+    for run in _RUNS.findall(brackets):
+        level += len(run) if run[0] == 0x28 else -len(run)  # 0x28: "("
+        if level > depth - passes:
+            return True
+    return False
 
 
 def utf8_len(text: str) -> int:
@@ -134,6 +165,8 @@ class RequestLimits:
     max_metadata_key: int = 64
     max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
+    max_json_depth: int = 64  # levels of arrays and objects in a free-form JSON value: a structured-output schema (64 levels is
+    # 32 nested objects with properties; OpenAI allows 10), a tool's JSON; grammar compilers and json.dumps recurse on it
 
     def __post_init__(self):
         lo, hi = self.client_target_range
@@ -287,7 +320,8 @@ class RequestLimits:
             self.check_structured(p.structured)
 
     def check_structured(self, s: StructuredOutput, param: str = "structured") -> None:
-        """Before it is compiled: the spec's bytes, a regex's length, the choices' number and length."""
+        """Before it is compiled: the spec's bytes, a regex's length, the choices' number and length,
+        a JSON schema's nesting."""
         if len(s.after) > self.max_structured_after:
             raise FieldLimitExceeded(param, f"the spec's after marker has {len(s.after)} characters; the limit is {self.max_structured_after}")
         if s.kind == "regex" and len(s.spec) > self.max_regex_length:
@@ -299,6 +333,16 @@ class RequestLimits:
         n = utf8_len(s.spec) + sum(map(utf8_len, s.choices))
         if n > self.max_structured_bytes:
             raise FieldLimitExceeded(param, f"the structured output spec has {n} bytes; the limit is {self.max_structured_bytes}")
+        if s.kind == "json":
+            self.check_nesting(param, s.spec)
+
+    def check_nesting(self, param: str, text: str | bytes, depth: int | None = None) -> None:
+        """A free-form JSON value (text, already bounded in bytes) nests at most `depth` levels
+        (default max_json_depth)."""
+        depth = self.max_json_depth if depth is None else depth
+        if nests_deeper(text, depth):
+            raise FieldLimitExceeded(param, f"{param} nests arrays and objects more than {depth} levels deep (a schema or "
+                                            f"other free-form JSON value may nest {self.max_json_depth})")
 
     def check_template_kwargs(self, kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
         """An allow-list: a few plain identifiers, none that apply_chat_template consumes itself
