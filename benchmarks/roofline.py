@@ -223,7 +223,6 @@ def _handoff_once(sender, receiver, src, dst_pool, shape, backend: str, n_blocks
 
 def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: int = 20, backends=("shm", "tcp")) -> list[Handoff]:
     """Median hand-off time of one `tokens`-token prompt's blocks, per backend, with random block ids."""
-    import os
     import threading
 
     import zmq
@@ -236,7 +235,7 @@ def kv_handoff(cfg, tokens: int, threads: int, block_size: int = 16, repeats: in
     n_blocks = -(-tokens // block_size)
     shape = kv_cache_shape(cfg, max(4 * n_blocks, 64), block_size)
     src = torch.rand(shape)
-    dst_pool = KVPool.create(shape, torch.float32, shared=True, name=f"bench-{os.getpid()}")
+    dst_pool = KVPool.create(shape, torch.float32, shared=True)
     ctx = zmq.Context()
     receiver = KVReceiver(ctx, dst_pool.tensor, shm_path=dst_pool.path)
     senders = {b: KVSender(ctx, f"bench-{b}", backend=b) for b in {"shm", *backends}}

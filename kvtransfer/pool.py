@@ -1,32 +1,32 @@
 """A worker's KV pool tensor, in private memory or in a /dev/shm file other processes can map.
 
-Lifecycle: the decode worker `create`s its pool once (shared=True puts it in a file under
-/dev/shm named after the worker), announces `path` in its Hello, and `close`s it at exit, which
-unlinks the file. Creating checks that the pool fits /dev/shm's free space and reserves it
-(fallocate), so a pool too large fails at start with `ShmSpaceError` instead of a SIGBUS on
-first use; it holds an flock on the file while it lives, so a file of the same name nobody
-holds (left by a dead worker whose pid was reused) is stale and removed first. A prefill worker on the same host `attach`es by path and writes granted
-blocks straight into it; attaching never unlinks. torch maps the file MAP_SHARED, so no
-multiprocessing resource tracker is involved (it would unlink a segment when an attacher exits).
-`copy_blocks` moves granted blocks between two pools (shm and cuda_ipc write with it).
+Lifecycle: the decode worker `create`s its pool once; shared=True puts it in a file of this
+user's 0700 pool directory with a random name (kvtransfer.pool_files: /dev/shm/pdserve-<uid>/
+kv-<pid>-<start time>-<random>), after sweeping the pools there whose owners are gone. It announces
+`path` in its Hello (and to its TP ranks) and `close`s the pool at exit, which unlinks the file.
+Creating checks that the pool fits /dev/shm's free space and reserves it (fallocate), so a pool
+too large fails at start with `ShmSpaceError` instead of a SIGBUS on first use; it holds an flock
+on the file while it lives (proof of life for the sweep). A process on the same host (a prefill
+worker, a TP rank) `attach`es by path, only through pool_files.open_peer_pool (a canonical path in
+this user's pool directory, a regular file of ours of the expected size, else PoolRefused and
+nothing mapped), and writes granted blocks straight into it; attaching never unlinks. torch maps
+the file MAP_SHARED (through the checked fd), so no multiprocessing resource tracker is involved
+(it would unlink a segment when an attacher exits). `copy_blocks` moves granted blocks between
+two pools (shm and cuda_ipc write with it).
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import math
 import os
-import uuid
 
 import torch
 
+from pdserve.kvtransfer.pool_files import SHM_DIR, create_pool_file, new_pool_path, open_peer_pool, sweep_dead_pools
 from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
-
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "pdserve-kv-"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class ShmSpaceError(PdserveError):
-    """The KV pool does not fit the shared-memory filesystem (or its name is held by a live process)."""
+    """The KV pool does not fit the shared-memory filesystem."""
 
     code = "shm_space"
 
@@ -54,38 +54,37 @@ class KVPool:
         self.lock_fd = lock_fd  # the creator's open, flocked file: proof it is alive
 
     @classmethod
-    def create(cls, shape, dtype: torch.dtype, shared: bool, name: str | None = None) -> KVPool:
+    def create(cls, shape, dtype: torch.dtype, shared: bool) -> KVPool:
         if not shared:
             return cls(torch.zeros(shape, dtype=dtype))
-        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{name or uuid.uuid4().hex[:12]}")
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        remove_stale(path)
+        sweep_dead_pools()
+        path = new_pool_path()
         free = shm_free_bytes()
         if nbytes > free:
             raise ShmSpaceError(_too_big(nbytes, free))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_pool_file(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.posix_fallocate(fd, 0, nbytes)  # reserved now: another process filling /dev/shm cannot SIGBUS us later
-        except OSError as e:
+            tensor = map_fd(fd, numel, dtype).view(shape)
+        except BaseException as e:
             os.close(fd)
             os.unlink(path)
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise ShmSpaceError(_too_big(nbytes, shm_free_bytes())) from e
             raise
-        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
         return cls(tensor, path, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, path: str, shape, dtype: torch.dtype) -> KVPool:
-        if not path.startswith(os.path.join(SHM_DIR, SHM_PREFIX)):
-            raise ValueError(f"refusing to map {path!r}: not a pdserve KV pool")
+        """Map a pool another process created (pool_files.PoolRefused, nothing mapped, unless it is one of ours of this shape)."""
         numel = math.prod(shape)
-        expect = numel * torch.empty((), dtype=dtype).element_size()
-        if os.path.getsize(path) != expect:
-            raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, expected {expect} for shape {list(shape)}")
-        return cls(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape), path)
+        fd = open_peer_pool(path, numel * torch.empty((), dtype=dtype).element_size())
+        try:
+            return cls(map_fd(fd, numel, dtype).view(shape), path)
+        finally:
+            os.close(fd)
 
     @property
     def nbytes(self) -> int:
@@ -108,21 +107,10 @@ def _too_big(nbytes: int, free: int) -> str:
             "lower --kv-cache-mb (or --num-blocks), enlarge /dev/shm (docker run --shm-size=...), or end what fills it")
 
 
-def remove_stale(path: str) -> None:
-    """Remove a pool file of this name that no live process holds (its creator died, its pid was
-    reused for us); one still held by a live creator is an error, never touched."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ShmSpaceError(f"{path} exists and is held by a live process") from None
-    finally:
-        os.close(fd)
-    log.warning("removing %s: a stale KV pool a dead worker left", path)
-    os.unlink(path)
+def map_fd(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The open file fd mapped MAP_SHARED as numel elements (through /proc/self/fd: the very file
+    that was checked, whatever its path names now)."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
 
 
 def block_runs(src: list[int], dst: list[int]):

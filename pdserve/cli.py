@@ -58,10 +58,12 @@ def _engine_options(f):
 
 def _configs(kv_cache_mb, int8_activations, **values):
     """A worker command's EngineConfig and WorkerConfig from its flags; a bad value is a usage error."""
+    from pdserve.kvtransfer.pool_files import sweep_dead_pools
     from pdserve.runtime.config import auto_kv_cache_mb
 
     engine, worker = field_values(ENGINE, values), field_values(WORKER, values)
     if kv_cache_mb is None:  # not used when --num-blocks or --gpu-memory-utilization sizes the pool
+        sweep_dead_pools()  # pools of workers that are gone would shrink the budget (a SIGKILLed node leaves them)
         kv_cache_mb = auto_kv_cache_mb() if values["num_blocks"] is None and values["gpu_memory_utilization"] is None else 0
     engine["kv_cache_bytes"] = kv_cache_mb * 2**20
     if int8_activations:

@@ -12,9 +12,12 @@ the configuration is checked: the model path, and every child's flags parsed by 
 command (an unknown flag or a bad value stops the launch with click's message). A child that
 exits on its own is restarted with the same arguments (same worker id, same core-share slot)
 after a back-off, with one log line naming its exit status; the shared-memory KV pool it left is
-unlinked first. The back-off is RESTART_BACKOFF_S, doubled for each further exit in a row within
-CRASH_WINDOW_S of its start, up to MAX_BACKOFF_S: a crash-looping role is retried for as long as
-the node runs while the other roles serve. A child whose main loop stops touching its liveness
+unlinked first. Before any worker starts (and sizes its KV from /dev/shm's free space), every pool
+of this user whose worker is gone is removed (`sweep_left_pools`: a SIGKILL of a whole node's
+process group leaves them, nothing of the node being left to unlink them; kvtransfer/pool_files.py).
+The back-off is RESTART_BACKOFF_S, doubled for each further exit in a row within CRASH_WINDOW_S
+of its start, up to MAX_BACKOFF_S: a crash-looping role is retried for as long as the node runs
+while the other roles serve. A child whose main loop stops touching its liveness
 file (wire/liveness.py) for `hang_timeout_s` is hung: SIGTERM (with SIGCONT, for a stopped
 one), SIGKILL HANG_KILL_GRACE_S later, then restarted like a crash (last exit "hung: killed").
 The clock starts at its loop's first touch, so loading a model or a start-up profile is never
@@ -36,7 +39,6 @@ each model after it), and one gateway that routes each request to its model's co
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 import shutil
 import signal
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 from pdserve.common.errors import EX_CONFIG, ModelLoadError
 from pdserve.common.model_path import served_name
 from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, ModelRoute
+from pdserve.kvtransfer.pool_files import sweep_dead_pools
 from pdserve.wire.liveness import LIVENESS_ENV
 from pdserve_client.errors import InvalidRequestError
 
@@ -256,12 +259,17 @@ def exit_status(code: int) -> str:
 
 
 def unlink_pool_of(pid: int) -> None:
-    """Remove the shared-memory KV pool a dead child left (kvtransfer.pool names it after its pid)."""
-    for path in glob.glob(f"/dev/shm/pdserve-kv-{pid}"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    """Remove the shared-memory KV pool a dead child left (kvtransfer.pool_files names it after its pid)."""
+    sweep_dead_pools(pid)
+
+
+def sweep_left_pools() -> None:
+    """Remove the KV pools of workers that are gone (a whole node SIGKILLed leaves them: nothing
+    else unlinks them), before any worker sizes its KV from /dev/shm's free space."""
+    removed = sweep_dead_pools()
+    if removed:
+        print(f"pdserve launch: removed {len(removed)} KV pools ({sum(n for _, n in removed) / 2**20:.1f} MiB) whose workers "
+              f"are gone: {', '.join(os.path.basename(p) for p, _ in removed)}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -388,6 +396,8 @@ class Launcher:
     def start(self) -> None:
         """Check the configuration (ConfigError), then start every role: the coordinator first."""
         p = self.plan
+        if p.num_workers:
+            sweep_left_pools()
         self.alive_dir = tempfile.mkdtemp(prefix="pdserve-alive-")
         if p.worker_secret and not p.keys and p.coordinator:
             from pdserve.wire.security import write_secret

@@ -26,7 +26,6 @@ refuses block ids outside the destination pool.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -74,7 +73,7 @@ class PrefillWorker:
 
         def make_pool(shape, shared: bool):  # private, but for TP n: its ranks share it
             if shared:
-                return KVPool.create(shape, engine_cfg.torch_dtype, shared=True, name=f"{os.getpid()}")
+                return KVPool.create(shape, engine_cfg.torch_dtype, shared=True)
             return KVPool(torch.zeros(shape, dtype=engine_cfg.torch_dtype, device=engine_cfg.device))
 
         model, kv, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)

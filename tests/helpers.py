@@ -7,6 +7,8 @@ comparable, so the check stops there. Anything else is a failure.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdserve.ports import free_port  # noqa: F401  (the one free_port; tests import it from here)
@@ -147,6 +149,15 @@ def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
     cfg.update(overrides)
     save_tiny_model(path, seed=seed, **cfg)
     tok.save_pretrained(str(path))
+
+
+def pools_of(*pids: int) -> list[str]:
+    """The shared KV pool files of these owner pids in this user's pool directory (kvtransfer.pool_files)."""
+    import glob
+
+    from pdserve.kvtransfer.pool_files import pool_dir
+
+    return [p for pid in pids for p in glob.glob(os.path.join(pool_dir(), f"kv-{pid}-*"))]
 
 
 def stream_prompts(n: int) -> list[list[int]]:

@@ -43,12 +43,13 @@ granted token count (prompt + output - 1), or whose token ids, params, top logpr
 scores (one per prompt token after the first, when asked) are out of range fails that request
 (WorkerError kv_transfer_failed, counted in bad_messages; decode/grants.py holds the checks) and frees its
 grant before anything reaches a copy or the engine; a Generate is validated by the engine.
-On exit the shared pool file is unlinked.
+The shared pool is a file of this user's 0700 pool directory with a random name
+(kvtransfer/pool_files.py); on exit it is unlinked, and one a SIGKILL left is removed by the next
+worker or launch to start on this machine.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -140,7 +141,7 @@ class Worker:
         def make_pool(shape, shared: bool):
             if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
                 return gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
-            return KVPool.create(shape, engine_cfg.torch_dtype, shared=shared or wcfg.shared_pool, name=f"{os.getpid()}")
+            return KVPool.create(shape, engine_cfg.torch_dtype, shared=shared or wcfg.shared_pool)
 
         model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
         num_blocks = pool.tensor.shape[2]

@@ -7,7 +7,9 @@ line, no pickle, no secret: it names the group's private rendezvous directory, w
 rank reads there); rank 0 then joins their group (runtime.tp.RankGroup: loopback only, every
 connection proven with the token) and builds its own part of the model (runtime.tp_model), whose
 every forward first broadcasts the step's plan. Each
-other rank loads the checkpoint, keeps its shard, maps the worker's pool (the same blocks; each
+other rank loads the checkpoint, keeps its shard, maps the worker's pool (only through
+kvtransfer.pool_files' checks: a canonical path in this user's 0700 pool directory, a file of
+ours of the pool's size, else PoolRefused and the rank stops; the same blocks; each
 rank reads and writes its own KV heads, so one block id means the same tokens on every rank and
 a hand-off moves whole blocks whatever the TP sizes) and follows rank 0's plans. Liveness both
 ways: a rank whose parent (rank 0) is gone exits at once (a watch thread, and the kernel's

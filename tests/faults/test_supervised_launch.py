@@ -30,7 +30,7 @@ from pdserve.wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Generat
 from pdserve_client.library import Client, ClientError, RequestError, RequestLost
 from pdserve_client.protocol import FinishReason, decoder, encode
 from tests.faults.test_worker_death import run_and_kill
-from tests.helpers import free_port, wait_all_blocks_free
+from tests.helpers import free_port, pools_of, wait_all_blocks_free
 from tests.helpers import stream_prompts as prompts
 
 MAX_TOKENS = 300
@@ -150,7 +150,7 @@ def test_launch_restarts_a_killed_decode_worker_and_every_stream_completes(model
             assert len(stats["workers"]) == 3
             wait_all_blocks_free(c, timeout=10)
         assert f"{role} (pid {victim['pid']}) exited with signal SIGKILL; restarting" in node.stderr()
-        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")  # the dead worker's pool is gone
+        assert not pools_of(victim["pid"])  # the dead worker's pool is gone
     finally:
         assert node.stop() == 0
 
@@ -294,7 +294,7 @@ def test_a_hung_worker_is_killed_and_restarted(model_dir, tmp_path):
             assert node_report["last_exit"] == {"decode-0": "hung: killed"}  # the healthy roles were left alone
             assert sum(node_report["restarts"].values()) == 1
             wait_all_blocks_free(c, timeout=10)
-        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")
+        assert not pools_of(victim["pid"])
     finally:
         assert node.stop() == 0
 

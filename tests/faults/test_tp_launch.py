@@ -8,7 +8,6 @@ the TP 1 tokens. Every test ends with every pool whole. TP 1 against HF transfor
 established elsewhere (tests/runtime/test_hf_equivalence.py). A model that does not split, and
 pipeline parallelism, are refused at start."""
 import asyncio
-import glob
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from pdserve_client.library import AsyncClient, Client
 from pdserve_client.params import SamplingParams
 from tests.faults.test_supervised_launch import Node, poll
 from tests.faults.test_worker_death import check_outcomes, prompts, run_and_kill
-from tests.helpers import free_port, wait_all_blocks_free
+from tests.helpers import free_port, pools_of, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -99,7 +98,7 @@ def test_colocated_tp3_equals_tp1_and_survives_a_killed_rank(model, expected, tm
             assert asyncio.run(_all(node.clients, 2)) == expected[:2]
             wait_all_blocks_free(c, timeout=10)
         assert time.monotonic() - killed_at < 150
-        assert not glob.glob(f"/dev/shm/pdserve-kv-{victim['pid']}")  # the stopped worker's pool is gone
+        assert not pools_of(victim["pid"])  # the stopped worker's pool is gone
         assert f"(pid {victim['pid']}) exited" in node.stderr()
     finally:
         assert node.stop() == 0

@@ -86,7 +86,7 @@ def test_handshake_messages_round_trip():
 def test_the_sender_picks_the_backend_from_the_pool_description(ctx):
     """The decode side describes its pool on KVConnect; the prefill side takes shm for a shared
     pool on its machine, tcp otherwise, or what it was told (a forced backend it cannot use fails typed)."""
-    shared = KVPool.create(SHAPE, torch.float32, shared=True, name=f"test-{os.getpid()}")
+    shared = KVPool.create(SHAPE, torch.float32, shared=True)
     receivers = [KVReceiver(ctx, shared.tensor, shm_path=shared.path), KVReceiver(ctx, torch.zeros(SHAPE))]
     pumps = [Pump(r) for r in receivers]
     auto, tcp = KVSender(ctx, "prefill-1", timeout=5), KVSender(ctx, "prefill-2", timeout=5, backend="tcp")

@@ -1,7 +1,6 @@
 """`pdserve launch` as a user runs it: the whole node comes up, answers, and stops cleanly on
 SIGTERM with no process left behind and its shared-memory pools unlinked; a cluster TOML starts
 each node's roles, and `pdserve generate` / `pdserve stats` talk to it."""
-import glob
 import json
 import os
 import signal
@@ -12,7 +11,7 @@ import time
 import pytest
 
 from pdserve_client.library import Client
-from tests.helpers import free_port, save_tiny_served_model
+from tests.helpers import free_port, pools_of, save_tiny_served_model
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +54,7 @@ def test_launch_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
         assert sorted(w["role"] for w in stats["workers"]) == ["decode", "prefill"]
         kids = children_of(proc.pid)
         assert len(kids) == 4  # coordinator, HTTP gateway, prefill, decode
-        pools = glob.glob("/dev/shm/pdserve-kv-*")
-        assert any(p.endswith(tuple(str(k) for k in kids)) for p in pools)
+        assert pools_of(*kids)
         out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--coordinator", clients, "--raw", "--max-tokens", "6",
                               "--ignore-eos", "Once upon a time"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -69,7 +67,7 @@ def test_launch_serves_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
         proc.wait(timeout=30)
     assert proc.returncode == 0
     assert all(not os.path.exists(f"/proc/{k}") for k in kids), "orphan processes left"
-    assert not any(p.endswith(tuple(str(k) for k in kids)) for p in glob.glob("/dev/shm/pdserve-kv-*"))
+    assert not pools_of(*kids)
 
 
 def test_cluster_toml_two_nodes(model_dir, tmp_path):
