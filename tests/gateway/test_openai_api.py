@@ -71,8 +71,12 @@ def greedy(client, model, prompt, n_tokens, **kw):
 
 
 def test_models_health_and_openapi(service, client, model, model_dir):
-    health = poll(lambda: (r := httpx.get(f"{service.plan.http_url}/health", timeout=10)).status_code == 200 and r, timeout=5)
-    assert health.json() == {"status": "ready", "workers": {"prefill": 1, "decode": 1}}
+    # /health answers from a summary refreshed once a second: right after the launch it may still
+    # count only the worker that registered first (200 already: a decode worker serves alone)
+    expected = {"status": "ready", "workers": {"prefill": 1, "decode": 1}}
+    health = poll(lambda: (r := httpx.get(f"{service.plan.http_url}/health", timeout=10)).status_code == 200 and r.json() == expected and r,
+                  timeout=5)
+    assert health.json() == expected
     models = client.models.list().data
     assert [m.id for m in models] == [model]
     assert models[0].root == models[0].id and str(model_dir) not in str(models) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
