@@ -99,6 +99,9 @@ class GatewayConfig:
     body_read_timeout_s: float = flag(30.0, group="HTTP gateway", name="body_read_timeout", min=0.1, launch=True,
                                       help="seconds a request body has to arrive whole once the gateway reads it: past it a 408 "
                                       "and the connection closed")
+    max_connections: int = flag(2048, group="HTTP gateway", min=1, launch=True,
+                                help="HTTP connections and requests in progress at once; one more is answered 503 at once "
+                                "(each connection holds ~64-320 KiB while its body arrives)")
     parse_queue: int = flag(32, group="HTTP gateway", min=1, launch=True,
                             help="bodies over 256 KiB waiting for the gateway's parse lane; one more is a 503 with Retry-After")
     tools: ToolConfig = field(default_factory=ToolConfig)  # tool calling and reasoning (gateway/tools.py)

@@ -321,4 +321,4 @@ def serve(cfg: GatewayConfig) -> None:
     # 15 s): with uvicorn's default of 5 s a client could send on a connection in the instant the
     # server closed it, and see a ReadError (1 request of 1,000 in the soak under a loaded suite).
     uvicorn.run(app, host=cfg.host, port=cfg.port, loop=loop, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                timeout_keep_alive=KEEP_ALIVE_S)
+                timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=cfg.max_connections)

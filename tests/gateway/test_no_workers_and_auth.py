@@ -107,3 +107,57 @@ def test_pdserve_launch_takes_the_key_from_the_environment(model_dir, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0
+
+
+def test_connections_past_max_connections_are_answered_503_at_once(model_dir, tmp_path):
+    """`pdserve launch --max-connections 4`: four connections that stall mid-headers hold the
+    gateway's four places; a fifth request is answered 503 at once (not queued, not held), and once
+    they close the gateway answers again."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--prefill", "0", "--decode", "0",
+                             "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}",
+                             "--http-port", str(port), "--log-dir", str(tmp_path), "--max-connections", "4"],
+                            env={**os.environ, "PDSERVE_API_KEY": KEY}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, stalled = f"http://127.0.0.1:{port}", []
+    try:
+        deadline, r = time.monotonic() + 60, None
+        while time.monotonic() < deadline and r is None:
+            assert proc.poll() is None, "launch exited"
+            try:
+                r = httpx.get(f"{url}/health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert r is not None and r.status_code in (200, 503)
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never end
+            stalled.append(s)
+        deadline = time.monotonic() + 10
+        while True:  # until the server has taken the four (accepting is asynchronous)
+            t0 = time.monotonic()
+            over = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+            if over.status_code == 503:
+                break
+            assert time.monotonic() < deadline, f"never refused past 4 connections: {over.status_code}"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 < 2.0  # answered at once, not queued
+        for s in stalled:
+            s.close()
+        stalled.clear()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the gateway did not answer again after the connections closed"
+            time.sleep(0.1)
+    finally:
+        for s in stalled:
+            s.close()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
