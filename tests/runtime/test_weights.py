@@ -246,3 +246,15 @@ def test_phi3_128k_checkpoints_are_refused_on_load(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="longrope"):
         load_checkpoint(tmp_path / "hf", progress=False)
+
+
+def test_phi3_fused_matrix_of_the_wrong_height_is_refused(tmp_path):
+    """A qkv_proj whose rows are not q + k + v heads is refused, not split at the wrong rows."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model(tmp_path, arch="phi3")
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["model.layers.1.self_attn.qkv_proj.weight"] = w["model.layers.1.self_attn.qkv_proj.weight"][:-16].contiguous()
+    save_file(w, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="qkv_proj.weight has 112 rows, expected 128"):
+        load_checkpoint(tmp_path, progress=False)
