@@ -2,8 +2,9 @@
 
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
 metadata) and then only read (its per-layer sliding windows as transformers reads them:
-`hf_layer_windows`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags
-(each field a flag sets declares it: common/flags.py) or by tests. Nothing here reads
+`hf_layer_windows`; the Phi-3 variants it does not implement are refused while it is built:
+`check_phi3`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
+flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.
 """
@@ -17,8 +18,9 @@ from pdserve.common.errors import NotSupportedError, UnsupportedModelError
 from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
 from pdserve_client.errors import InvalidRequestError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
@@ -119,6 +121,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         if arch == "Qwen3ForCausalLM" and d.get("attention_bias"):
             raise UnsupportedModelError("Qwen3 with attention_bias (q/k/v and o biases) is not supported")
+        if arch == "Phi3ForCausalLM":
+            check_phi3(d, rope)
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -141,13 +145,30 @@ class ModelConfig:
         )
 
 
+def check_phi3(d: dict, rope: dict) -> None:
+    """Refuse the Phi-3 configs this runtime would serve wrong: rope scaling other than the
+    default (the 128k variants' "longrope", called "su" or "yarn" in older configs: per-frequency
+    short / long factors), a partial rotary factor below 1 (RoPE on part of each head) and an
+    activation other than SiLU. Phi-3-mini/medium 4k (default rope, full rotary) pass."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UnsupportedModelError(f"Phi-3 rope scaling {kind!r} (the 128k variants' longrope) is not supported; "
+                                    "only the default rope (Phi-3 4k variants) is")
+    partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"Phi-3 partial_rotary_factor {partial} is not supported (RoPE on every head dimension only)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Phi-3 hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+
+
 def hf_layer_windows(arch: str, d: dict) -> tuple[int, ...]:
-    """Each layer's sliding window (0: full) as transformers reads a config.json: Mistral slides
-    every layer when `sliding_window` is set (no `use_sliding_window` key: Mistral-7B-v0.1 has
-    4096); Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
-    "sliding_attention" (default: those from `max_window_layers` on); Llama never."""
+    """Each layer's sliding window (0: full) as transformers reads a config.json: Mistral and
+    Phi-3 slide every layer when `sliding_window` is set (no `use_sliding_window` key:
+    Mistral-7B-v0.1 has 4096, Phi-3-mini-4k 2047); Qwen2 / Qwen3 only with `use_sliding_window`,
+    on the layers `layer_types` marks "sliding_attention" (default: those from
+    `max_window_layers` on); Llama never."""
     layers, window = int(d["num_hidden_layers"]), d.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window),) * layers if window else ()
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (window and d.get("use_sliding_window", False)):
         return ()

@@ -2,7 +2,9 @@
 
 Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and returns plain
 float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...;
-Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k_norm`);
+Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k_norm`;
+Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up`, are split
+into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
@@ -28,7 +30,7 @@ from pdserve.common.model_path import default_model_path, resolve_model_path  # 
 from pdserve.kernels.quant import QTYPES, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
 
-GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,6 +51,8 @@ _GGUF_BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# Phi-3's fused matrices (HF names), split at load; a phi3 GGUF's ffn_up is the fused gate_up
+_GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
@@ -86,6 +90,7 @@ def _load_hf_dir(path: Path, progress: bool):
                     tensors[name] = st.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"cannot read {f}: truncated or corrupt safetensors ({e})") from e
+    split_fused(cfg, tensors, str(path))
     _check_names(cfg, tensors, str(path))
     return cfg, tensors
 
@@ -105,6 +110,34 @@ def _safetensors_files(path: Path) -> list[Path]:
     if missing:
         raise ModelLoadError(f"weight shard missing: {missing[0]}")
     return files
+
+
+def split_fused(cfg: ModelConfig, tensors: dict, where: str) -> None:
+    """Replace, in place, each layer's fused Phi-3 matrices by their parts: `self_attn.qkv_proj`
+    (q, k, v rows stacked, as transformers' Phi3Attention slices them) -> q/k/v_proj, and
+    `mlp.gate_up_proj` (gate rows then up rows: Phi3MLP's chunk(2)) -> gate/up_proj. Rows are
+    independent, so a QuantTensor splits by taking rows. Other architectures pass unchanged."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return
+    parts = {"self_attn.qkv_proj": (("self_attn.q_proj", cfg.q_size), ("self_attn.k_proj", cfg.kv_size), ("self_attn.v_proj", cfg.kv_size)),
+             "mlp.gate_up_proj": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size))}
+    for i in range(cfg.num_layers):
+        for fused, split in parts.items():
+            name = f"model.layers.{i}.{fused}.weight"
+            if name not in tensors:
+                continue  # _check_names reports the missing parts
+            w, start = tensors.pop(name), 0
+            if w.shape[0] != sum(rows for _, rows in split):
+                raise ModelLoadError(f"{where}: {name} has {w.shape[0]} rows, expected {sum(rows for _, rows in split)}")
+            for part, rows in split:
+                tensors[f"model.layers.{i}.{part}.weight"] = _rows(w, start, start + rows)
+                start += rows
+
+
+def _rows(w, start: int, stop: int):
+    if isinstance(w, QuantTensor):
+        return w.take_rows(torch.arange(start, stop))
+    return w[start:stop].clone()
 
 
 def _check_names(cfg: ModelConfig, tensors: dict, where: str) -> None:
@@ -146,7 +179,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
                                     f"{gguf_version()} cannot dequantize them (supported: {', '.join(supported_gguf_types())})")
     tensors = {}
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
-        name = _gguf_name(t.name)
+        name = _gguf_name(t.name, meta.get("general.architecture"))
         if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 2:
             tensors[name] = _quant_tensor(t, name, cfg)
             continue
@@ -160,6 +193,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             w = unpermute_qk(w, heads)
         tensors[name] = w
+    split_fused(cfg, tensors, path.name)
     _check_names(cfg, tensors, path.name)
     return cfg, tensors
 
@@ -213,12 +247,16 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _gguf_name(name: str) -> str | None:
+def _gguf_name(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else _GGUF_BLOCK_NAMES
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
+    if name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        raise UnsupportedModelError("GGUF rope_factors_long / rope_factors_short (Phi-3 128k longrope) are not supported; "
+                                    "only the default rope (Phi-3 4k variants) is")
     if name == "rope_freqs.weight":
         raise UnsupportedModelError("GGUF rope_freqs (llama3 rope factors stored as a tensor) is not supported; load the HF checkpoint instead")
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
@@ -237,6 +275,10 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {rotary} differs from head_dim {head_dim}: partial rotary is not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     rope = RopeScaling(kind=scaling, factor=float(get("rope.scaling.factor"))) if scaling and scaling != "none" else RopeScaling()
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -248,7 +290,7 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position=int(get("context_length")),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),

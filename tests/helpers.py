@@ -17,7 +17,7 @@ LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
-    """Write a randomly initialised small Llama, Qwen2, Mistral or Qwen3 checkpoint (safetensors) to `path`."""
+    """Write a randomly initialised small Llama, Qwen2, Mistral, Qwen3 or Phi-3 checkpoint (safetensors) to `path`."""
     import transformers
 
     base = dict(
@@ -27,7 +27,7 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
     )
     base.update(overrides)
     torch.manual_seed(seed)
-    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}[arch]
+    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3"}[arch]
     config = getattr(transformers, f"{family}Config")(**base)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     if arch == "qwen3":  # q_norm / k_norm start at ones: make them matter
@@ -70,13 +70,16 @@ GGUF_NAMES = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3 (fused; llama.cpp's phi3 names)
 }
 
 
-def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None) -> dict:
-    """Convert a tiny HF llama (qwen2, qwen3) checkpoint to GGUF the way llama.cpp does (llama: Q/K permuted).
+def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None) -> dict:
+    """Convert a tiny HF llama (qwen2, qwen3, phi3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
+    permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written).
 
-    Returns the dequantized, un-permuted tensors a correct loader must produce.
+    extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
+    Returns the dequantized, un-permuted tensors a correct loader must produce (phi3: still fused).
     """
     import json
     import re
@@ -99,6 +102,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     if cfg.get("head_dim"):  # as convert_hf_to_gguf.py writes it (Qwen3: head_dim need not be hidden / heads)
         wr.add_key_length(cfg["head_dim"])
         wr.add_value_length(cfg["head_dim"])
+    if arch == "phi3":
+        wr.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     wr.add_rope_freq_base(10000.0)
     wr.add_vocab_size(cfg["vocab_size"])
@@ -131,6 +136,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
 
             back = unpermute_qk(torch.from_numpy(np.ascontiguousarray(back)), heads if "q_proj" in name else kv).numpy()
         expected[name] = back
+    for gname, arr in (extra or {}).items():
+        wr.add_tensor(gname, arr)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

@@ -1,5 +1,5 @@
 """Greedy output equals HF transformers token for token (see tests/helpers.py for the one
-allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3 checkpoints (sliding
+allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3/Phi-3 checkpoints (sliding
 windows included) and on the default model, one sequence at a time and as one mixed-length batch."""
 from pathlib import Path
 
@@ -25,6 +25,9 @@ CONFIGS = {
     "qwen3-head32": dict(arch="qwen3", head_dim=32),
     "qwen3-window16-tied": dict(arch="qwen3", head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=16,
                                 max_window_layers=0),
+    # Phi-3: fused qkv_proj / gate_up_proj (split at load); its sliding_window slides every layer
+    "phi3": dict(arch="phi3"),
+    "phi3-window16-mha": dict(arch="phi3", sliding_window=16, num_key_value_heads=4),
 }
 
 

@@ -63,6 +63,8 @@ LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
     "mha-tied-odd-vocab-2": (2, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, vocab_size=515)),
     # per-head q/k norms held whole by each rank, a sliding window on layers 1-2
     "qwen3-window8-2": (2, dict(arch="qwen3", head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # fused qkv_proj / gate_up_proj split at load, then sharded like Llama's; a window on every layer
+    "phi3-window8-2": (2, dict(arch="phi3", sliding_window=8)),
 }
 
 

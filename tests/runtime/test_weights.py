@@ -175,3 +175,86 @@ def test_pickled_weights_are_refused(tmp_path, tiny):
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(ModelLoadError, match="pickled"):
         load_checkpoint(d, progress=False)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_phi3_gguf_splits_fused_tensors_and_decodes_as_hf(tmp_path, qtype):
+    """A Phi-3 GGUF as llama.cpp writes it (fused attn_qkv and ffn_up holding gate then up, no Q/K
+    permutation, no window: llama.cpp and transformers' GGUF loader both ignore it) loads to HF's
+    q/k/v and gate/up rows, kept quantized too, and (F32) decodes as HF does without a window."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.kernels.quant import QuantTensor
+    from pdserve.runtime.weights import dequantize_all, split_fused
+
+    save_tiny_model(tmp_path / "hf", arch="phi3")
+    expected = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch="phi3").items()}
+    cfg, tensors = load_checkpoint(tmp_path / "m.gguf", progress=False, keep_quantized=True)
+    assert cfg.architecture == "Phi3ForCausalLM" and not cfg.windowed and not cfg.attention_bias
+    split_fused(cfg, expected, "expected")
+    assert set(tensors) == set(expected) and "model.layers.0.mlp.gate_proj.weight" in tensors
+    assert isinstance(tensors["model.layers.0.self_attn.k_proj.weight"], QuantTensor) == (qtype == "Q8_0")
+    for name, got in dequantize_all(tensors).items():
+        torch.testing.assert_close(got, expected[name], rtol=0, atol=0, msg=name)
+    if qtype != "F32":
+        return
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+    prompt = [5, 9, 33, 100, 7, 250, 3]
+    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    assert assert_greedy_equal(got, ref, logits, "phi3 gguf f32") >= 1
+
+
+PHI3_BASE = dict(architectures=["Phi3ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_phi3_config_reads_window_and_refuses_what_it_does_not_implement():
+    """Phi-3 4k (default rope, full rotary, silu; sliding_window on every layer as transformers
+    applies it) is read; longrope / su (128k), partial rotary and another activation are refused."""
+    from pdserve.runtime.config import ModelConfig
+
+    cfg = ModelConfig.from_hf({**PHI3_BASE, "sliding_window": 2047, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                                        "partial_rotary_factor": 1.0}})
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.layer_windows == (2047, 2047) and cfg.head_dim == 16
+    assert not ModelConfig.from_hf({**PHI3_BASE, "sliding_window": None}).windowed
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 4096}
+    for rope in ({"rope_scaling": {"type": "su", **factors}}, {"rope_scaling": {"type": "longrope", **factors}},
+                 {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **factors}}):
+        with pytest.raises(UnsupportedModelError, match="Phi-3 rope scaling .* not supported"):
+            ModelConfig.from_hf({**PHI3_BASE, **rope})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+        ModelConfig.from_hf({**PHI3_BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5"):
+        ModelConfig.from_hf({**PHI3_BASE, "partial_rotary_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf({**PHI3_BASE, "hidden_act": "gelu"})
+
+
+def test_phi3_128k_checkpoints_are_refused_on_load(tmp_path):
+    """A longrope Phi-3 directory and a GGUF holding rope_factors_long / short are refused with a
+    clear error, never served with the default rope."""
+    save_tiny_model(tmp_path / "hf", arch="phi3")
+    write_gguf(tmp_path / "long.gguf", tmp_path / "hf", "F32", arch="phi3", extra={"rope_factors_long.weight": np.ones(8, np.float32),
+                                                                                  "rope_factors_short.weight": np.ones(8, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="rope_factors_long.*128k longrope"):
+        load_checkpoint(tmp_path / "long.gguf", progress=False)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                              "original_max_position_embeddings": 64}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        load_checkpoint(tmp_path / "hf", progress=False)
+
+
+def test_phi3_fused_matrix_of_the_wrong_height_is_refused(tmp_path):
+    """A qkv_proj whose rows are not q + k + v heads is refused, not split at the wrong rows."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model(tmp_path, arch="phi3")
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["model.layers.1.self_attn.qkv_proj.weight"] = w["model.layers.1.self_attn.qkv_proj.weight"][:-16].contiguous()
+    save_file(w, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="qkv_proj.weight has 112 rows, expected 128"):
+        load_checkpoint(tmp_path, progress=False)
