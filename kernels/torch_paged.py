@@ -121,24 +121,18 @@ def attend_one(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     """
     q_len, heads = q.shape[0], q.shape[1]
     seq_len, kv_heads = k.shape[0], k.shape[1]
-    if 0 < window < seq_len:
-        if q_len == 1:
-            k, v, seq_len = k[seq_len - window:], v[seq_len - window:], window
-        else:
-            q4 = q.unsqueeze(0).transpose(1, 2)
-            k4, v4 = _kv_heads_for_sdpa(k, v, heads // kv_heads)
-            kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
-            mask = _bottom_right_causal(q_len, seq_len, q.device, window)
-            return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **kwargs)[0].transpose(0, 1)
+    windowed = 0 < window < seq_len
+    if windowed and q_len == 1:  # the last `window` keys, unmasked
+        k, v, seq_len, windowed = k[seq_len - window:], v[seq_len - window:], window, False
     q4 = q.unsqueeze(0).transpose(1, 2)  # (1, H, L, D)
     k4, v4 = _kv_heads_for_sdpa(k, v, heads // kv_heads)  # (1, KVH or H, S, D)
     kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
-    if q_len == seq_len:
+    if q_len == seq_len and not windowed:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=q_len > 1, scale=scale, **kwargs)
     elif q_len == 1:
         out = F.scaled_dot_product_attention(q4, k4, v4, scale=scale, **kwargs)
     else:
-        mask = _bottom_right_causal(q_len, seq_len, q.device)
+        mask = _bottom_right_causal(q_len, seq_len, q.device, window if windowed else 0)
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **kwargs)
     return out[0].transpose(0, 1)
 

@@ -115,7 +115,7 @@ class CpuForward:
                 self._qk_norm(layer, qkv)
             ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads,
                               check=check)
-            self._attention(plan, qkv, attn, k_cache, v_cache, check, c.window(i))
+            self._attention(plan, qkv, attn, k_cache, v_cache, check, layer.window)
             ops.rms_norm(layer.o(attn, o_out), layer.post_norm, x, self.eps, residual=h, check=check)
             ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
             delta = layer.down(act, down_out)
@@ -175,6 +175,7 @@ class _Layer:
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3), or None
+        self.window = layer.self_attn.window  # sliding window in keys (0: full attention), read once
 
         def linear(name, bias=None):
             return PackedLinear(model.weight(p + name), bias, kind, activations=activations)
