@@ -175,7 +175,7 @@ class _Layer:
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3), or None
-        self.window = layer.self_attn.window  # sliding window in keys (0: full attention), read once
+        self.window = model.cfg.window(i)  # sliding window in keys (0: full attention), read once at build
 
         def linear(name, bias=None):
             return PackedLinear(model.weight(p + name), bias, kind, activations=activations)
