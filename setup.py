@@ -19,6 +19,7 @@ _spec = importlib.util.spec_from_file_location("native_build", Path(__file__).pa
 native_build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(native_build)
 PREFIX = "pdserve.kernels._native.pd_ops_"
+native_build.INSTALLED.mkdir(exist_ok=True)  # (the package pdserve.kernels._native maps onto it; an sdist may lack it)
 
 
 class BuildNative(build_ext):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -243,3 +244,22 @@ def test_the_client_distribution_imports_only_pyzmq_and_msgspec():
     assert found <= allowed, f"pdserve_client imports beyond pyzmq and msgspec: {sorted(found - allowed)}"
     deps = tomllib.loads((CLIENT_DIST / "pyproject.toml").read_text())["project"]["dependencies"]
     assert sorted(re.match(r"[\w-]+", d).group() for d in deps) == ["msgspec", "pyzmq"]
+
+
+def test_every_listed_package_folder_is_in_a_clean_clone():
+    """setuptools refuses to build (`package directory 'kernels/_native' does not exist`) when a
+    listed package's folder is missing, and a clean clone holds only the tracked files: each
+    package's folder (package-dir mapping, the rest by its dotted path) holds a file git tracks."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    folders = {str(Path(f).parent) for f in tracked}
+
+    def folder(package: str) -> str:
+        parts = package.split(".")
+        for n in range(len(parts), 0, -1):
+            if (mapped := setuptools["package-dir"].get(".".join(parts[:n]))) is not None:
+                return str(Path(mapped, *parts[n:]))
+        return str(Path(*parts))
+
+    missing = [p for p in setuptools["packages"] if folder(p) not in folders]
+    assert not missing, f"listed packages whose folder a clean clone lacks: {missing}"
