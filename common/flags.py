@@ -55,8 +55,3 @@ def keys_flag(**spec) -> dataclasses.Field:
 def insecure_flag(**spec) -> dataclasses.Field:
     return flag(False, group="security", help="allow binding beyond loopback without CurveZMQ keys", **spec)
 
-
-def secret_flag() -> dataclasses.Field:
-    """--worker-secret-file: the coordinator and its workers take it (wire/security.py)."""
-    return flag(None, group="security", existing_file=True,
-                help="without --keys: the per-launch worker secret (a 0600 file; `pdserve launch` writes one)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.common.flags import flag, insecure_flag, keys_flag, secret_flag
+from pdserve.common.flags import flag, insecure_flag, keys_flag
 from pdserve.coordinator.paths import PathRule
 from pdserve.coordinator.planner import PlannerConfig
 from pdserve.coordinator.slo import SloTargets
@@ -55,7 +55,6 @@ class CoordinatorConfig:
                                      launch=True, help="OTLP transport of --otlp-traces-endpoint")
     served_model_name: str | None = flag(None, group="tracing", help="the model's name in the traces and stats (default: the file or directory name)")
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry (wire/limits.py)
-    worker_secret_file: str | None = secret_flag()  # without keys: workers must present this per-launch secret (wire/security.py)
     paths: str = flag("auto", group="paths and roles", choices=PATHS, launch=True,
                       help="auto: each request prefilled on its decode worker (local) or on a prefill worker (remote): with "
                       "SLO control the way that meets its targets, local first where the two share a node's cores (what "

@@ -145,8 +145,7 @@ class Coordinator:
         for addr in (cfg.client_addr, cfg.worker_addr):
             security.check_bind(addr, cfg.keys, cfg.insecure)
         self.ctx = zmq.Context()  # plain sockets read from the loop by SocketIO (wire/loop_io.py)
-        secret = security.read_secret(cfg.worker_secret_file)
-        self.auth = security.start_authenticator(self.ctx, cfg.keys, secret)
+        self.auth = security.start_authenticator(self.ctx, cfg.keys)
         self.workers: dict[str, WorkerState] = {}
         self.prefix_secret = new_secret()  # keys prefix-cache blocks: this view's and (told in Welcome) every worker's
         self.requests: dict[str, RequestState] = {}
@@ -178,7 +177,7 @@ class Coordinator:
         self.epoch = os.urandom(4).hex()  # in every request id: ids never repeat across restarts
         self.nodes: dict[str, dict] = {}  # launcher reports: node -> restarts per role
         self.client_sock = self._router(cfg.client_addr, security.server_options(cfg.keys, security.CLIENTS))
-        self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS, secret))  # roles apart
+        self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS))  # roles apart
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
         self.client_io, self.worker_io = SocketIO(self.client_sock), SocketIO(self.worker_sock)
         self.by_ident: dict[bytes, str] = {}  # worker socket identity -> worker id

@@ -28,9 +28,10 @@ its config rejects). Restart counts and last exits reach `pdserve stats` (`nodes
 NodeReport the launcher sends the coordinator every REPORT_S. SIGINT/SIGTERM stops everything at once (also while the
 launcher waits for its roles to start or out a restart's back-off: StopRequested): SIGTERM to each child,
 SIGKILL after a grace period, and every shared-memory KV pool a child left is unlinked.
-Without CurveZMQ keys, a launch that runs every role itself (not a cluster TOML's node) writes a
-per-launch worker secret into a 0600 file (wire/security.py) and hands its path to the
-coordinator and the workers (restarted ones too); the launcher that wrote it removes it at stop.
+Without --keys, a launch that runs its coordinator (not a cluster TOML's node) makes CurveZMQ keys
+of its own (wire/security.py `write_launch_keys`: loopback only, in this user's 0700 run
+directory, found by the same user's clients by the coordinator's port) and hands them to every
+role (restarted ones too) as --keys; the launcher removes them at stop.
 Several models (`--model PATH[=NAME]` repeated) run as one coordinator per model, each with the
 same worker layout and its own ports (the first model's --clients and --workers ports, plus 2 for
 each model after it), and one gateway that routes each request to its model's coordinator by its
@@ -178,16 +179,12 @@ class NodePlan:
     insecure: bool = False  # allow binds beyond loopback without keys
     served_model_name: str | None = None  # the gateway's model name
     more_models: list[tuple[str, str | None]] = field(default_factory=list)  # (path, name or None) of each model after the first
-    worker_secret: bool = True  # without keys: authenticate this launch's workers with a per-launch secret
+    launch_keys: bool = True  # without keys: this launch makes CurveZMQ keys of its own (loopback only) for every role
     hang_timeout_s: float = HANG_TIMEOUT_S  # a child whose loop has not run for this long is killed and restarted
     # False: every worker is `pdserve worker --role ROLE` (worker/any_role.py), which the coordinator may move to another
     # role; True: dedicated prefill workers (`pdserve prefill`, private pool) and `pdserve decode` workers
     fixed_roles: bool = False
     base_gpu_id: int = 0  # workers on `--device cuda` take GPUs of their own from this one on (plan_gpus; SGLang's flag)
-
-    @property
-    def security_args(self) -> list[str]:
-        return (["--keys", self.keys] if self.keys else []) + (["--insecure"] if self.insecure else [])
 
     @property
     def num_workers(self) -> int:
@@ -233,7 +230,7 @@ def plan_from_toml(path: str, node: str) -> NodePlan:
         coordinator=bool(n.get("coordinator", False)),
         prefill=int(n.get("prefill", 0)), decode=int(n.get("decode", 0)), colocated=int(n.get("colocated", 0)),
         client_addr=f"tcp://{host}:{cluster.get('client_port', 5555)}",
-        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", worker_secret=False,  # workers of other nodes: keys
+        worker_addr=f"tcp://{host}:{cluster.get('worker_port', 5556)}", launch_keys=False,  # workers of other nodes: the operator's keys
         kv_bind_host=n.get("host", "127.0.0.1"), model=cluster.get("model"), kv_backend=cluster.get("kv_backend", "auto"),
         base_gpu_id=int(n.get("base_gpu_id", 0)),
         engine_args=engine_args, threads=n.get("threads"), name=node,
@@ -300,8 +297,7 @@ class Launcher:
         self.stopping = False
         self.stop_requested = False  # SIGINT/SIGTERM arrived: every wait loop ends at its next check_children
         self.core_share: str | None = None  # runtime.cores flags, when the workers share the cores
-        self.secret_file: str | None = None  # the per-launch worker secret (wire/security.py)
-        self.wrote_secret = False  # whether this launcher wrote secret_file (removed at stop; a Ray actor's is handed over)
+        self.own_keys: str | None = None  # the keys this launch made for itself (wire/security.py write_launch_keys; removed at stop)
         self.alive_dir: str | None = None  # the children's liveness files
         self.next_report = 0.0  # when the next NodeReport is due (tend)
 
@@ -358,7 +354,7 @@ class Launcher:
         if m.path:
             args += ["--model", m.path]
         threads = p.threads or max(1, (os.cpu_count() or 1) // max(1, p.num_workers * len(p.models)))
-        return args + ["--threads", str(threads)] + p.security_args + self._secret_args()
+        return args + ["--threads", str(threads)] + self._security_args()
 
     def _role_command(self, role: str) -> list[str]:
         """How a worker starting in `role` is started: `pdserve worker --role ROLE` (it can change
@@ -371,8 +367,13 @@ class Launcher:
             return ["prefill", "--kv-backend", p.kv_backend]
         return ["decode", *kv_bind, *(["--colocated"] if role == "colocated" else [])]
 
-    def _secret_args(self) -> list[str]:
-        return ["--worker-secret-file", self.secret_file] if self.secret_file else []
+    @property
+    def keys(self) -> str | None:
+        """The CurveZMQ keys every role of this node gets: the operator's (--keys), else the launch's own."""
+        return self.plan.keys or self.own_keys
+
+    def _security_args(self) -> list[str]:
+        return (["--keys", self.keys] if self.keys else []) + (["--insecure"] if self.plan.insecure else [])
 
     def _gateway_args(self) -> list[str]:
         p = self.plan
@@ -381,13 +382,13 @@ class Launcher:
         args += ["--served-model-name", p.served_model_name] if p.served_model_name else []
         more = zip(p.models[1:], self.served_names()[1:])
         args += [a for m, name in more for a in ("--more-model", ModelRoute(name, m.path, m.client_addr).spec())]
-        return args + (["--keys", p.keys] if p.keys else []) + p.gateway_args  # the API key goes in its environment (ps shows argv)
+        return args + (["--keys", self.keys] if self.keys else []) + p.gateway_args  # the API key goes in its environment (ps shows argv)
 
     def _coordinator_args(self, m: ModelPlan) -> list[str]:
         p = self.plan
         args = ["coordinator", "--clients", m.client_addr, "--workers", m.worker_addr] + (["--model", m.path] if m.path else [])
         args += ["--served-model-name", m.name] if m.name else []  # its traces' and stats' name
-        return args + p.coordinator_args + p.security_args + self._secret_args()
+        return args + p.coordinator_args + self._security_args()
 
     def worker_ids(self, m: ModelPlan) -> set[str]:
         """The ids of model m's workers on this node."""
@@ -399,11 +400,10 @@ class Launcher:
         if p.num_workers:
             sweep_left_pools()
         self.alive_dir = tempfile.mkdtemp(prefix="pdserve-alive-")
-        if p.worker_secret and not p.keys and p.coordinator:
-            from pdserve.wire.security import write_secret
+        if p.launch_keys and not p.keys and p.coordinator:
+            from pdserve.wire.security import write_launch_keys
 
-            self.secret_file = write_secret()
-            self.wrote_secret = True
+            self.own_keys = write_launch_keys([m.client_addr for m in p.models])
         for m in p.models if p.coordinator else ():
             self._spawn(m.prefix + "coordinator", self._coordinator_args(m))
         if p.gateway:
@@ -444,7 +444,7 @@ class Launcher:
         """A client to each model's coordinator (the caller closes them)."""
         from pdserve_client.library import Client
 
-        return [Client(m.client_addr, timeout=2.0, keys=self.plan.keys) for m in self.plan.models]
+        return [Client(m.client_addr, timeout=2.0, keys=self.keys) for m in self.plan.models]
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with their coordinators; returns the first model's stats."""
@@ -596,9 +596,10 @@ class Launcher:
             unlink_pool_of(proc.pid)
         if self.core_share and os.path.exists(self.core_share):
             os.unlink(self.core_share)
-        if self.wrote_secret and os.path.exists(self.secret_file):
-            os.unlink(self.secret_file)
-            os.rmdir(os.path.dirname(self.secret_file))
+        if self.own_keys:
+            from pdserve.wire.security import remove_launch_keys
+
+            remove_launch_keys(self.own_keys)
         if self.alive_dir:
             shutil.rmtree(self.alive_dir, ignore_errors=True)
 

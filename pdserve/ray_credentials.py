@@ -4,13 +4,13 @@ directories those files live in on each node. Nothing here imports ray (tested w
 A worker needs, of the `--keys` directory (wire/security.py): the worker keypair and the server's
 public key (its connections to the coordinator and to decode workers' KV ports), and, unless it is
 a fixed prefill worker, the server keypair and the admitted worker keys (its own KV port, a CURVE
-server with a ZAP domain of workers); never the client keypair (`role_key_files`). Without keys it
-needs the per-launch worker secret.
+server with a ZAP domain of workers); never the client keypair (`role_key_files`). Without --keys
+these come from the keys the launch made for itself (wire/security.py), marker LOOPBACK_ONLY with them.
 
 Lifecycle: every directory written here is `copies_root()/<pid>` (0700, in this user's 0700
 folder in the node's temp directory), named by the process it belongs to: the launch's
 (`LaunchFiles`: a private cluster's Ray token and each role's keys, read by its actors by path) or
-a worker actor's (`own_copy_dir`: the key files or the secret it was handed as arguments). Its
+a worker actor's (`own_copy_dir`: the key files it was handed as arguments). Its
 owner removes it at stop; one whose process is gone (an actor Ray restarted, a launch killed) is
 removed by the next launch or actor that starts on the node (`remove_stale_copies`).
 """
@@ -23,17 +23,19 @@ import stat
 import tempfile
 
 from pdserve.launch import ConfigError
+from pdserve.wire.security import LOOPBACK_ONLY
 from pdserve_client.keys import SERVER, WORKER
 
 ADMITTED_WORKERS = "authorized-workers"  # the worker public keys a KV port admits
 CLIENTS_ADMITTED = "authorized"  # the client public keys: a worker's authenticator wants the folder, it admits no client
-SECRET_NAME = "worker-secret"
 TOKEN_NAME = "ray-token"
 
 
 def role_key_files(keys: str, role: str, fixed_roles: bool) -> dict[str, bytes]:
     """{relative path: bytes} of the keys directory `keys` that a worker of `role` needs."""
     names = [f"{SERVER}.key", f"{WORKER}.key", f"{WORKER}.key_secret"]
+    if os.path.exists(os.path.join(keys, LOOPBACK_ONLY)):  # a launch's own keys: its workers' binds stay on loopback too
+        names.append(LOOPBACK_ONLY)
     folder = os.path.join(keys, ADMITTED_WORKERS)
     if not (fixed_roles and role == "prefill"):  # every other worker binds a KV port (worker/any_role.py)
         admitted = sorted(os.listdir(folder)) if os.path.isdir(folder) else []

@@ -19,10 +19,10 @@ would send to the client port, reach the coordinator through the driver, `report
 starts a private one (`start_private_cluster`): one node whose every Ray process binds loopback,
 Ray's token authentication on with a per-launch token, no dashboard; its actors run on this node,
 so they are handed *paths* into the launch's 0700 directory (`LaunchFiles`: the token, each role's
-keys) and the launch's secret file, and no key material enters Ray's control store (which also
+keys: the operator's --keys or the launch's own), and no key material enters Ray's control store (which also
 records the driver's command line: without --api-key's value, `hide_secret_flags_from_ray`). On a cluster
 given by address (or one `ray start` runs here) the actors may run on nodes that cannot see this
-one's files: the role's key files and the worker secret travel as actor arguments (msgspec JSON
+one's files: the role's key files travel as actor arguments (msgspec JSON
 bytes; Ray's own control plane pickles its actor class and calls, inside the cluster, and keeps
 the arguments to restart the actor: protect that cluster with Ray's token authentication), and
 each actor writes them into a 0700 directory named by its pid (`own_copy_dir`), removed at its stop;
@@ -30,8 +30,8 @@ any such directory whose process is gone (an actor restarted, a launch killed) i
 next launch or actor starts on that node (`remove_stale_copies`).
 
 Lifecycle: connect to Ray (or start the private cluster) -> start the coordinators (one per model, pdserve/launch.py's
-`NodePlan.models`) and the gateway with a Launcher of no workers (the secret it writes is read
-here to hand on) -> start each model's initial workers (the launch's counts, within the limits),
+`NodePlan.models`) and the gateway with a Launcher of no workers (the keys it makes without --keys
+are handed on from it) -> start each model's initial workers (the launch's counts, within the limits),
 each actor's worker pointed at its model's coordinator and path, and wait until they are
 registered -> every TICK_S: tend the local roles (restarts), and for each model (a `ModelPool`:
 its actors and its own Autoscaler, the same --min-replicas/--max-replicas for every model) read
@@ -63,7 +63,7 @@ import ray
 from pdserve.common.errors import NotSupportedError
 from pdserve.launch import REPORT_S, ROLES, ConfigError, Launcher, ModelPlan, NodePlan
 from pdserve.ray_config import Autoscaler, RayConfig, Replica
-from pdserve.ray_credentials import LaunchFiles, own_copy_dir, role_key_files, write_keys, write_private
+from pdserve.ray_credentials import LaunchFiles, own_copy_dir, role_key_files, write_keys
 
 TICK_S = 1.0  # the autoscaler's period
 SUPERVISE_S = 0.2  # an actor's check of its worker (pdserve launch's)
@@ -82,14 +82,12 @@ def actor_name(worker_addr: str, replica: str) -> str:
 class ActorArgs(msgspec.Struct):
     """What a worker actor is started with, as msgspec JSON bytes (Ray carries them opaque: no
     pickle of ours on its wire), kept by Ray to restart it: its one-worker plan and its worker's
-    credentials, either paths on this node (a private cluster: `plan.keys`, its role's keys
-    directory, and `secret_file`, the launch's) or, for a cluster whose nodes cannot see this
-    one's files, the material itself (`key_files`: role_key_files; `secret`)."""
+    credentials, either a path on this node (a private cluster: `plan.keys`, its role's keys
+    directory) or, for a cluster whose nodes cannot see this one's files, the material itself
+    (`key_files`: role_key_files)."""
 
     plan: NodePlan
     log_dir: str | None
-    secret_file: str | None = None
-    secret: str | None = None
     key_files: dict[str, bytes] | None = None
 
 
@@ -102,19 +100,15 @@ class WorkerActor:
         from pdserve.wire.security import is_loopback
 
         a = msgspec.json.decode(args, type=ActorArgs)
-        plan, secret_file = a.plan, a.secret_file
+        plan = a.plan
         self.copy = None  # its directory of the material it was handed (removed at stop, or when a later start finds it stale)
-        if a.key_files or a.secret:
+        if a.key_files:
             self.copy = own_copy_dir()
-            if a.key_files:
-                plan = dataclasses.replace(plan, keys=write_keys(self.copy, a.key_files))
-            if a.secret:
-                secret_file = write_private(os.path.join(self.copy, "worker-secret"), a.secret.encode())
+            plan = dataclasses.replace(plan, keys=write_keys(self.copy, a.key_files))
         self.node_id = ray.get_runtime_context().get_node_id()
         here = "127.0.0.1" if is_loopback(plan.worker_addr) else ray.util.get_node_ip_address()  # its KV port, where decode workers reach it
         plan = dataclasses.replace(plan, kv_bind_host=here)
         self.launcher = Launcher(plan, a.log_dir and os.path.join(a.log_dir, plan.name))  # every actor's child is `ROLE-0`
-        self.launcher.secret_file = secret_file  # handed over: its Launcher does not remove it
         self.stopped: list = []
         self.error: str | None = None
         threading.Thread(target=self._supervise, daemon=True).start()
@@ -176,7 +170,6 @@ class RayLaunch:
             local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
         self.serial = 0
-        self.secret: str | None = None  # the launch's worker secret (without --keys)
         self.files: LaunchFiles | None = None  # a private cluster's directory (its actors are handed paths into it)
 
     @property
@@ -208,13 +201,10 @@ class RayLaunch:
     def start(self) -> None:
         """Join the cluster, start every model's coordinator and the gateway here, then each model's initial workers (ConfigError
         if a role cannot start)."""
-        from pdserve.wire.security import read_secret
-
         handler = signal.getsignal(signal.SIGTERM)
         self.connect()
         signal.signal(signal.SIGTERM, handler)  # ray.init sets its own: SIGTERM stops the launch as Ctrl-C does
         self.local.start()
-        self.secret = read_secret(self.local.secret_file)
         for pool in self.pools:
             for role, n in self.initial.items():
                 for _ in range(n):
@@ -236,16 +226,16 @@ class RayLaunch:
         """The arguments of the actor `name` running one `role` worker of model m: its one-worker plan (none of the
         coordinator's, the gateway's or the API key's flags) and only the credentials its role needs (ActorArgs)."""
         p = self.plan
-        plan = dataclasses.replace(p, coordinator=False, gateway=False, worker_secret=False, name=name, keys=None, api_key=None,
+        plan = dataclasses.replace(p, coordinator=False, gateway=False, launch_keys=False, name=name, keys=None, api_key=None,
                                    coordinator_args=[], gateway_args=[], model=m.path, served_model_name=m.name,
                                    client_addr=m.client_addr, worker_addr=m.worker_addr, more_models=[],
                                    threads=p.threads or max(1, int(self.cfg.num_cpus)), **{r: int(r == role) for r in ROLES})
+        keys = self.local.keys  # the operator's, or the ones the local Launcher made for this launch
         if self.files is not None:  # the private cluster: its actors run here
-            keys = self.files.role_keys(p.keys, role, p.fixed_roles) if p.keys else None
-            args = ActorArgs(dataclasses.replace(plan, keys=keys), self.log_dir, secret_file=self.local.secret_file)
+            role_keys = self.files.role_keys(keys, role, p.fixed_roles) if keys else None
+            args = ActorArgs(dataclasses.replace(plan, keys=role_keys), self.log_dir)
         else:
-            args = ActorArgs(plan, self.log_dir, secret=self.secret,
-                             key_files=role_key_files(p.keys, role, p.fixed_roles) if p.keys else None)
+            args = ActorArgs(plan, self.log_dir, key_files=role_key_files(keys, role, p.fixed_roles) if keys else None)
         return msgspec.json.encode(args)
 
     def remove(self, pool: ModelPool, rep: Replica) -> None:

@@ -83,8 +83,7 @@ class PrefillWorker:
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0, long_prompts=(1, 512))
         ctx = zmq.Context()
-        sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file)),
-                          backend=wcfg.kv_backend)
+        sender = KVSender(ctx, wid, security.worker_options(wcfg.keys), backend=wcfg.kv_backend)
         link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
         worker = cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores)
         worker.closing = ([ranks.close] if ranks is not None else []) + [kv.close]

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import NotSupportedError, UnsupportedModelError
-from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag, secret_flag
+from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag
 from pdserve_client.errors import InvalidRequestError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
@@ -378,7 +378,6 @@ class WorkerConfig:
                                   help="PATH:SLOT from the launcher: share the node's cores with its other busy workers")
     keys: str | None = keys_flag()
     insecure: bool = insecure_flag()  # allow a non-loopback kv bind without keys
-    worker_secret_file: str | None = secret_flag()  # without keys: the per-launch secret (wire/security.py) workers present
 
     def __post_init__(self):
         if self.kv_backend not in KV_BACKENDS:

@@ -176,12 +176,12 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
                   coordinator_args=(), keys=None, timeout=120.0, threads=1, **plan):
     """A coordinator and workers as real processes on loopback; returns the started Launcher.
     threads: each worker's (None: the node's workers share its cores by who is busy, runtime/cores.py).
-    `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key). The per-launch
-    worker secret is off unless `worker_secret=True`: many tests speak to the worker port with raw
-    sockets (tests/security/test_worker_auth.py checks the secret itself)."""
+    `plan` sets further NodePlan fields (e.g. gateway=True, http_port, api_key). The launch's own
+    CurveZMQ keys are off unless `launch_keys=True`: many tests speak to the worker port with raw
+    sockets (tests/security/test_worker_auth.py checks the launch's keys themselves)."""
     from pdserve.launch import Launcher, NodePlan
 
-    plan.setdefault("worker_secret", False)
+    plan.setdefault("launch_keys", False)
     if not any(a.startswith(("--kv-cache-mb", "--num-blocks")) for a in engine_args):
         # the workers' default budget is up to 2 GiB each (reserved in /dev/shm when shared): tests
         # keep the old 512 MiB, which start faster

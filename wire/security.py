@@ -7,12 +7,19 @@ the worker's under DIR/authorized-workers. Every node gets a copy of DIR. Roles 
 authenticated apart: each server socket names its ZAP domain (`clients` for the coordinator's
 client port, `workers` for its worker port and the kv ports), and a process given `keys=DIR`
 starts a ZAP authenticator that admits only the client keys in `clients` and only the worker
-keys in `workers`, so a client key cannot register a worker. Without keys, `pdserve launch`
-writes a per-launch secret into a 0600 file (`write_secret`) and hands its path to the
-coordinator and its workers: the worker port and the kv ports then run ZMQ PLAIN, admitting
-only connections that present the secret (over loopback; beyond it keys are required). A bind
-to anything but loopback without keys is refused (`check_bind`) unless the operator said
-`insecure` explicitly. Without keys or a secret nothing changes. Reading a keypair and a
+keys in `workers`, so a client key cannot register a worker.
+
+Without --keys, `pdserve launch` (a node that runs its coordinator) makes a keys directory of
+its own (`write_launch_keys`, in this user's 0700 run directory, pdserve_client/keys.py) and
+hands it to every role as if the operator had: every port of the launch is CURVE, so no other
+user's process registers a worker or sends a request (the client port too: the API key cannot be
+bypassed), and a process that binds a port during a restart gap learns nothing (it cannot finish
+a handshake without the server's secret key). The same user's client programs find it by the
+coordinator's port (`launch_keys_for`). Such a directory holds a LOOPBACK_ONLY marker: with it a
+bind beyond loopback is still refused (`check_bind`: its keys never leave the machine, so a
+remote peer could not use that bind). The launcher removes it at stop; one whose launcher is gone
+is removed by the next launch (`sweep_launch_keys`). A bind to anything but loopback without
+keys is refused unless the operator said `insecure` explicitly. Reading a keypair and a
 connecting socket's CURVE options is the client distribution's pdserve_client/keys.py.
 """
 from __future__ import annotations
@@ -20,19 +27,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import secrets
 import shutil
-import stat
-import tempfile
 from pathlib import Path
 
 import zmq
 import zmq.auth
 
-from pdserve_client.keys import CLIENT, SERVER, WORKER, InsecureBindError, client_options, keypair
+from pdserve_client.keys import CLIENT, SERVER, WORKER, InsecureBindError, client_options, keypair, launcher_alive, loopback_port, run_dir
 
 CLIENTS, WORKERS = "clients", "workers"  # ZAP domains of the client port and of the worker-facing ports
-PLAIN_USER = b"pdserve-worker"
+LOOPBACK_ONLY = "LOOPBACK_ONLY"  # the marker of a launch's own keys directory
 
 
 def is_loopback(addr: str) -> bool:
@@ -49,7 +53,9 @@ def is_loopback(addr: str) -> bool:
 
 
 def check_bind(addr: str, keys: str | None, insecure: bool) -> None:
-    if keys is None and not insecure and not is_loopback(addr):
+    """InsecureBindError for a bind beyond loopback without the operator's keys (a launch's own do not count) or --insecure."""
+    operators = keys is not None and not (Path(keys) / LOOPBACK_ONLY).exists()
+    if not operators and not insecure and not is_loopback(addr):
         raise InsecureBindError(
             f"refusing to bind {addr} without CurveZMQ keys: create them with `pdserve keygen DIR` and pass --keys DIR "
             "on every node, or pass --insecure to accept unauthenticated, unencrypted traffic"
@@ -70,40 +76,53 @@ def keygen(directory: str) -> Path:
     return d
 
 
-def server_options(keys: str | None, domain: str = CLIENTS, secret: str | None = None) -> dict:
-    """Options of a bound socket: CURVE with keys; PLAIN with a secret (the worker-facing ports)."""
+def server_options(keys: str | None, domain: str = CLIENTS) -> dict:
+    """Options of a bound socket: CURVE with keys (its ZAP domain says whom it admits), none without."""
     if keys is None:
-        return {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: domain.encode()} if secret is not None else {}
+        return {}
     public, key = keypair(keys, SERVER)
     return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: key, zmq.ZAP_DOMAIN: domain.encode()}
 
 
-def worker_options(keys: str | None, secret: str | None = None) -> dict:
+def worker_options(keys: str | None) -> dict:
     """Options of a worker's connections (to the coordinator, to a decode worker's kv port)."""
-    if keys is None:
-        return {zmq.PLAIN_USERNAME: PLAIN_USER, zmq.PLAIN_PASSWORD: secret.encode()} if secret is not None else {}
-    return client_options(keys, WORKER)
+    return client_options(keys, WORKER) if keys is not None else {}
 
 
-def write_secret(value: str | None = None) -> str:
-    """A per-launch secret (fresh, or `value`: one a launcher handed over) in a new 0600 file (in a
-    0700 directory); returns its path."""
-    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-"), "worker-secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value or secrets.token_urlsafe(32))
-    return path
+def write_launch_keys(client_addrs: list[str]) -> str:
+    """A launch's own keys directory, run_dir()/launch-<this pid> (0700, LOOPBACK_ONLY marked), linked
+    as coordinator-<port> for each of its coordinators' client addresses on loopback; returns its path."""
+    sweep_launch_keys()
+    root = run_dir()
+    d = root / f"launch-{os.getpid()}"
+    d.mkdir(mode=0o700)
+    keygen(str(d))
+    (d / LOOPBACK_ONLY).write_text("the keys of one `pdserve launch`: they never leave this machine; binds stay on loopback\n")
+    for port in filter(None, map(loopback_port, client_addrs)):
+        link = root / f"coordinator-{port}"
+        if not os.path.islink(link):  # (after the sweep a link is a live launch's: it holds the port, our coordinator fails to bind)
+            os.symlink(d.name, link)
+    return str(d)
 
 
-def read_secret(path: str | None) -> str | None:
-    """The secret in path (None for no path); refused unless only its owner can read it."""
-    if path is None:
-        return None
-    mode = os.stat(path).st_mode
-    if stat.S_IMODE(mode) & 0o077:
-        raise InsecureBindError(f"the worker secret {path} must be readable by its owner only (chmod 600)")
-    with open(path) as f:
-        return f.read().strip()
+def remove_launch_keys(keys: str) -> None:
+    """Remove a launch's keys directory and the links to it."""
+    root, name = Path(keys).parent, Path(keys).name
+    for link in root.glob("coordinator-*"):
+        if os.path.islink(link) and os.readlink(link) == name:
+            link.unlink(missing_ok=True)
+    shutil.rmtree(keys, ignore_errors=True)
+
+
+def sweep_launch_keys() -> None:
+    """Remove this user's launch keys directories whose launcher is gone, and links to nothing live."""
+    root = run_dir()
+    for d in root.glob("launch-*"):
+        if not launcher_alive(d.name):
+            remove_launch_keys(str(d))
+    for link in root.glob("coordinator-*"):
+        if os.path.islink(link) and not launcher_alive(os.readlink(link)):
+            link.unlink(missing_ok=True)
 
 
 def apply(sock: zmq.Socket, options: dict) -> None:
@@ -111,24 +130,19 @@ def apply(sock: zmq.Socket, options: dict) -> None:
         sock.setsockopt(opt, value)
 
 
-def start_authenticator(ctx: zmq.Context, keys: str | None, secret: str | None = None):
-    """A ZAP handler (None without keys or secret) admitting, with keys, the public keys in
-    KEYS/authorized on the `clients` domain and those in KEYS/authorized-workers on `workers`;
-    with a secret, PLAIN connections presenting it on `workers`. It runs on its own thread, so
-    the handshakes never wait on a server's event loop."""
-    if keys is None and secret is None:
+def start_authenticator(ctx: zmq.Context, keys: str | None):
+    """A ZAP handler (None without keys) admitting the public keys in KEYS/authorized on the
+    `clients` domain and those in KEYS/authorized-workers on `workers`. It runs on its own
+    thread, so the handshakes never wait on a server's event loop."""
+    if keys is None:
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
+    workers = Path(keys) / "authorized-workers"
+    if not workers.is_dir():
+        raise InsecureBindError(f"no worker keys at {workers}: run `pdserve keygen {keys}` again (workers have their own keypair)")
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    if keys is not None:
-        workers = Path(keys) / "authorized-workers"
-        if not workers.is_dir():
-            auth.stop()
-            raise InsecureBindError(f"no worker keys at {workers}: run `pdserve keygen {keys}` again (workers have their own keypair)")
-        auth.configure_curve(domain=CLIENTS, location=str(Path(keys) / "authorized"))
-        auth.configure_curve(domain=WORKERS, location=str(workers))
-    else:
-        auth.configure_plain(domain=WORKERS, passwords={PLAIN_USER.decode(): secret})
+    auth.configure_curve(domain=CLIENTS, location=str(Path(keys) / "authorized"))
+    auth.configure_curve(domain=WORKERS, location=str(workers))
     return auth

@@ -157,12 +157,11 @@ class Worker:
             profile = engine.profile()
         security.check_bind(wcfg.kv_bind, wcfg.keys, wcfg.insecure)
         ctx = zmq.Context()
-        secret = security.read_secret(wcfg.worker_secret_file)
-        auth = security.start_authenticator(ctx, wcfg.keys, secret)
+        auth = security.start_authenticator(ctx, wcfg.keys)
         kv = tp_ranks.handoff_pool(pool)  # on CUDA with TP n: every rank's part
-        receiver = KVReceiver(ctx, kv, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS, secret),
+        receiver = KVReceiver(ctx, kv, wcfg.kv_bind, security.server_options(wcfg.keys, security.WORKERS),
                               ipc=pool.accept() if isinstance(pool, (CudaKVPool, tp_ranks.RankPools)) else None, shm_path=pool.path)
-        sender = KVSender(ctx, wid, security.worker_options(wcfg.keys, secret), backend=wcfg.kv_backend)  # as the prefill worker's
+        sender = KVSender(ctx, wid, security.worker_options(wcfg.keys), backend=wcfg.kv_backend)  # as the prefill worker's
         link = process.connect(ctx, wcfg, process.hello(role, wid, wcfg, engine, kv, profile, receiver.endpoint, ALL_ROLES))
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []

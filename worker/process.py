@@ -76,7 +76,7 @@ def announce_role(link, role: Role) -> None:
 
 def connect(ctx: zmq.Context, wcfg: WorkerConfig, h: Hello) -> WorkerLink:
     """The link to the coordinator that says h; the worker starts it with its heartbeat."""
-    curve = security.worker_options(wcfg.keys, security.read_secret(wcfg.worker_secret_file))  # the worker's own credential
+    curve = security.worker_options(wcfg.keys)  # the worker's own credential
     return WorkerLink(ctx, wcfg.coordinator, h, interval=wcfg.heartbeat_s, curve=curve)
 
 

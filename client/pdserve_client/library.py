@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve_client.keys import client_options
+from pdserve_client.keys import client_options, launch_keys_for, loopback_port
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import (
     MAX_CONTROL_MESSAGE,
@@ -227,12 +227,39 @@ def _socket(ctx, address: str, curve: dict | None, keys: str | None = None):
     return sock
 
 
+class _Endpoint:
+    """A client's socket to `address`: with the keys or curve options it was given, or, for a
+    loopback address given neither, with the keys a running launch of this user made for it
+    (keys.py launch_keys_for). Those are looked up again before each request (`renew`: a readlink
+    and a kill(pid, 0)), and the socket made anew when they changed: a client made before its
+    launch wrote them, or outliving it, finds the next one's."""
+
+    def __init__(self, ctx, address: str, curve: dict | None, keys: str | None):
+        self.ctx, self.address = ctx, address
+        self.found = keys is None and curve is None and loopback_port(address) is not None
+        self.keys = launch_keys_for(address) if self.found else keys
+        self.sock = _socket(ctx, address, curve, self.keys)
+
+    def renew(self, before=None) -> None:
+        """Make the socket anew if the launch's keys changed (`before()` runs first: e.g. stop a reader of the old one)."""
+        if not self.found or (keys := launch_keys_for(self.address)) == self.keys:
+            return
+        if before is not None:
+            before()
+        self.sock.close(linger=0)
+        self.keys, self.sock = keys, _socket(self.ctx, self.address, None, keys)
+
+
 class Client:
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None, keys: str | None = None):
         self.timeout = timeout
         self.ctx = zmq.Context()
-        self.sock = _socket(self.ctx, address, curve, keys)
+        self.endpoint = _Endpoint(self.ctx, address, curve, keys)
         self.dec = decoder(CoordinatorToClient)
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.endpoint.sock
 
     def __enter__(self):
         return self
@@ -262,6 +289,7 @@ class Client:
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
+        self.endpoint.renew()
         _send_now(self.sock, encode_request(req))
         done = False
         try:
@@ -297,9 +325,11 @@ class Client:
 
     def report_node(self, node: str, restarts: dict[str, int], last_exit: dict[str, str]) -> None:
         """The launcher's restart counts for its node (no answer comes back)."""
+        self.endpoint.renew()
         _send_now(self.sock, encode(NodeReport(node, restarts, last_exit)))
 
     def stats(self, timeout: float = 10.0) -> dict:
+        self.endpoint.renew()
         _send_now(self.sock, encode(StatsRequest()))
         deadline = time.monotonic() + timeout
         while True:
@@ -312,11 +342,23 @@ class AsyncClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 120.0, curve: dict | None = None, keys: str | None = None):
         self.timeout = timeout
         self.ctx = zmq.asyncio.Context()
-        self.sock = _socket(self.ctx, address, curve, keys)
+        self.endpoint = _Endpoint(self.ctx, address, curve, keys)
         self.dec = decoder(CoordinatorToClient)
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
+
+    @property
+    def sock(self) -> zmq.asyncio.Socket:
+        return self.endpoint.sock
+
+    def _renew(self) -> None:
+        """Before a request: the launch's keys looked up again (_Endpoint); a new socket gets a new reader."""
+        def stop_reader():
+            if self._reader is not None:
+                self._reader.cancel()
+                self._reader = None
+        self.endpoint.renew(stop_reader)
 
     async def __aenter__(self):
         return self
@@ -356,6 +398,7 @@ class AsyncClient:
                ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, **sampling):
         req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools)
         data = encode_request(req)
+        self._renew()
         self._ensure_reader()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q
@@ -405,6 +448,7 @@ class AsyncClient:
         await _send_now(self.sock, encode(AbortRequest(request_id)))
 
     async def stats(self, timeout: float = 10.0) -> dict:
+        self._renew()
         self._ensure_reader()
         fut = asyncio.get_running_loop().create_future()
         self.stats_waiters.append(fut)

@@ -4,7 +4,8 @@ the test's own work never delays the probe's reads.
 
 Lifecycle: `Probe(url, model)` -> `start()` -> poll `count` -> `finish()` -> `gaps()`.
 `launched(tmp_path_factory, *flags)` starts the node they run against (`pdserve launch`, a tiny
-random model with the default model's tokenizer, 4096 positions) and stops it.
+random model with the default model's tokenizer, 4096 positions) and stops it; `client_socket`
+is a raw socket to its coordinator's client port with the launch's own keys.
 """
 import contextlib
 import multiprocessing
@@ -13,9 +14,21 @@ import sys
 import time
 
 import httpx
+import zmq
 
+from pdserve_client.keys import client_options, launch_keys_for
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model
+
+
+def client_socket(clients: str) -> zmq.Socket:
+    """A DEALER connected to the client port `clients` with the keys a Client would find (the launch's own)."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    for opt, value in client_options(launch_keys_for(clients)).items():
+        s.setsockopt(opt, value)
+    s.connect(clients)
+    return s
 
 
 @contextlib.contextmanager

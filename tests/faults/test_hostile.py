@@ -26,12 +26,11 @@ import time
 
 import httpx
 import pytest
-import zmq
 
 from pdserve_client.library import Client
 from pdserve_client.params import SamplingParams, StructuredOutput
 from pdserve_client.protocol import CoordinatorToClient, ErrorReply, GenerateRequest, decoder, encode
-from tests.faults.probe import Probe, launched
+from tests.faults.probe import Probe, client_socket, launched
 from tests.gateway.helpers import poll
 from tests.helpers import wait_all_blocks_free
 
@@ -74,8 +73,8 @@ def rss(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def send_shorts(url: str, model: str, stop, conn) -> None:
-    """Once a second a short streamed completion; sends [(sent at, TTFT or None, error)] on conn."""
+def send_shorts(url: str, model: str, stop, done, conn) -> None:
+    """Once a second a short streamed completion (`done` counts them); sends [(sent at, TTFT or None, error)] on conn."""
     body = {"model": model, "prompt": "Hello there", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}
     out = []
     with httpx.Client(timeout=30) as http:
@@ -92,6 +91,7 @@ def send_shorts(url: str, model: str, stop, conn) -> None:
             except Exception as e:
                 error = repr(e)
             out.append((t0, ttft, error))
+            done.value += 1
             stop.wait(max(0.0, 1.0 - (time.monotonic() - t0)))
     conn.send(out)
 
@@ -100,8 +100,9 @@ class Shorts:
     def __init__(self, url: str, model: str):
         mp = multiprocessing.get_context("spawn")
         self.stop = mp.Event()
+        self.done = mp.Value("i", 0)
         self.conn, child = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=send_shorts, args=(url, model, self.stop, child), daemon=True)
+        self.proc = mp.Process(target=send_shorts, args=(url, model, self.stop, self.done, child), daemon=True)
 
     def start(self):
         self.proc.start()
@@ -119,9 +120,7 @@ def direct(clients: str, msg, read: bool = True):
     data = encode(msg)
 
     def send():
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(clients)
+        s = client_socket(clients)
         try:
             s.send(data)
             return decoder(CoordinatorToClient).decode(s.recv()) if s.poll(30_000) else None
@@ -221,8 +220,7 @@ def test_hostile_corpus_is_bounded_and_nobody_stalls(node):
     probe.start()
     poll(lambda: probe.count.value >= 30 or not probe.proc.is_alive(), timeout=60)
     shorts.start()
-    idle_until = time.monotonic() + 5.5  # ~5 short requests before the corpus: their TTFT is the idle value
-    poll(lambda: time.monotonic() >= idle_until, timeout=10)
+    poll(lambda: shorts.done.value >= 5 or not shorts.proc.is_alive(), timeout=60)  # 5 short requests before the corpus: the idle TTFT
     mp = multiprocessing.get_context("spawn")
     conn, child = mp.Pipe(duplex=False)
     sender = mp.Process(target=send_corpus, args=(url, model, clients, child), daemon=True)

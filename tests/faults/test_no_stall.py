@@ -19,12 +19,11 @@ import time
 
 import httpx
 import pytest
-import zmq
 
 from pdserve_client.library import Client
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import CoordinatorToClient, ErrorReply, Final, FinishReason, GenerateRequest, StatusRequest, decoder, encode
-from tests.faults.probe import Probe, launched
+from tests.faults.probe import Probe, client_socket, launched
 from tests.gateway.helpers import poll
 from tests.helpers import wait_all_blocks_free
 
@@ -60,9 +59,7 @@ def test_heavy_and_oversized_requests_do_not_stall_a_stream(service):
         data = encode(GenerateRequest(rid, SamplingParams(max_tokens=4, stop=kw.pop("stop", [])), **kw))
 
         def send():
-            s = zmq.Context.instance().socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(service["clients"])
+            s = client_socket(service["clients"])
             try:
                 s.send(data)
                 return decoder(CoordinatorToClient).decode(s.recv()) if s.poll(60_000) else None

@@ -78,10 +78,10 @@ class Node:
                 assert time.monotonic() < deadline, "node not ready in time"
                 time.sleep(0.2)
 
-    def worker_secret(self) -> str | None:
-        """The per-launch worker secret the launcher handed its coordinator (wire/security.py)."""
+    def keys(self) -> str | None:
+        """The CurveZMQ keys the launcher handed its coordinator (without --keys: the launch's own, wire/security.py)."""
         args = open(f"/proc/{self.child('coordinator')}/cmdline").read().split("\0")
-        return security.read_secret(args[args.index("--worker-secret-file") + 1]) if "--worker-secret-file" in args else None
+        return args[args.index("--keys") + 1] if "--keys" in args else None
 
     def child(self, role: str) -> int | None:
         """The pid of the launcher's live child running `pdserve ROLE` or `pdserve worker ... --role ROLE` (None between a
@@ -159,12 +159,12 @@ class FakeWorker:
     """A colocated worker speaking the protocol by hand on its own thread: registers (again after
     Reject "unregistered"), heartbeats, and queues every Generate it receives."""
 
-    def __init__(self, address: str, wid: str, secret: str | None = None):
+    def __init__(self, address: str, wid: str, keys: str | None = None):
         self.wid = wid
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        for opt, value in security.worker_options(None, secret).items():  # a worker of this launch presents its secret
+        for opt, value in security.worker_options(keys).items():  # a worker of this launch: its worker keypair
             self.sock.setsockopt(opt, value)
         self.sock.connect(address)
         self.lock = threading.Lock()
@@ -211,7 +211,7 @@ def test_coordinator_and_gateway_restart_with_fresh_request_ids_and_identity_che
     pool = ThreadPoolExecutor(2)
     try:
         node.wait_workers(0)
-        worker = FakeWorker(node.workers, "fake-0", node.worker_secret())
+        worker = FakeWorker(node.workers, "fake-0", node.keys())
         with Client(node.clients, timeout=30) as c:
             poll("the fake worker's registration", lambda: len(c.stats()["workers"]) == 1, 10)
             epoch = c.stats()["epoch"]
@@ -226,7 +226,7 @@ def test_coordinator_and_gateway_restart_with_fresh_request_ids_and_identity_che
             new = worker.generates.get(timeout=10).request_id
             assert new != old  # ids carry the coordinator's epoch
             worker.send(TokenBatch([TokenOut(old, 42, finish_reason=FinishReason.STOP)]))  # late, from before the restart
-            rogue = FakeWorker(node.workers, "fake-1", node.worker_secret())
+            rogue = FakeWorker(node.workers, "fake-1", node.keys())
             poll("the rogue's registration", lambda: len(c.stats()["workers"]) == 2, 10)
             rogue.send(TokenBatch([TokenOut(new, 43, finish_reason=FinishReason.STOP)]))  # not placed there
             poll("the rogue's message counted", lambda: c.stats()["requests"].get("wrong_worker_messages", 0) >= 1, 10)

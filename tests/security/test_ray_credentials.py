@@ -7,6 +7,7 @@ is gone are removed, the others kept."""
 import base64
 import importlib.util
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import zmq.auth
 
 from pdserve.launch import ConfigError, NodePlan
-from pdserve.ray_credentials import LaunchFiles, copies_root, own_copy_dir, role_key_files
+from pdserve.ray_credentials import LaunchFiles, copies_root, own_copy_dir, role_key_files, write_keys
 from pdserve.wire.security import keygen
 
 API_KEY = "sk-test-ray-credentials-0123456789"
@@ -45,8 +46,6 @@ def test_role_key_files_are_the_roles_only(keys, role, fixed, extra):
 
 
 def test_keys_without_worker_keys_stop_the_launch_with_a_config_error(keys):
-    import shutil
-
     shutil.rmtree(os.path.join(keys, "authorized-workers"))
     with pytest.raises(ConfigError, match="keygen"):
         role_key_files(keys, "decode", False)
@@ -71,7 +70,7 @@ def test_actor_args_on_another_cluster_carry_the_roles_keys_only(keys, fixed_rol
     args = launch_args(keys, fixed_roles)
     for role, a in args.items():
         raw = msgspec.json.encode(a)
-        assert a["plan"]["keys"] is None and a["secret_file"] is None
+        assert a["plan"]["keys"] is None
         assert not any(n in raw for n in secret_needles(keys, "client")), role
         assert API_KEY.encode() not in raw and a["plan"]["api_key"] is None, role
         assert a["plan"]["gateway_args"] == [] and a["plan"]["coordinator_args"] == [], role
@@ -132,3 +131,26 @@ def test_the_command_line_ray_records_hides_the_api_key():
 
     argv = ["pdserve", "launch", "--api-key", API_KEY, f"--api-key={API_KEY}", "--keys", "/k", "--model", "m"]
     assert without_secret_values(argv) == ["pdserve", "launch", "--api-key", "***", "--api-key=***", "--keys", "/k", "--model", "m"]
+
+
+@needs_ray
+def test_without_keys_the_actors_get_the_launchs_own_and_bind_loopback_only():
+    """Without --keys the local Launcher's own keys (wire/security.py write_launch_keys) are what a
+    worker actor is handed, LOOPBACK_ONLY marker included: its KV port stays on loopback."""
+    from pdserve.ray_config import RayConfig
+    from pdserve.ray_launch import RayLaunch
+    from pdserve.wire import security
+
+    plan = NodePlan(coordinator=True, gateway=True, api_key=API_KEY, model="m")
+    launch = RayLaunch(plan, RayConfig(address="127.0.0.1:6379"))
+    launch.local.own_keys = security.write_launch_keys([plan.client_addr])
+    try:
+        a = msgspec.json.decode(launch.actor_args(plan.models[0], "decode", "ray1"))
+        assert set(a["key_files"]) == ALWAYS | KV_SERVER | {security.LOOPBACK_ONLY}
+        assert not any(n in msgspec.json.encode(a) for n in secret_needles(launch.local.own_keys, "client"))
+        role_keys = write_keys(own_copy_dir(), {k: base64.b64decode(v) for k, v in a["key_files"].items()})
+        with pytest.raises(security.InsecureBindError):
+            security.check_bind("tcp://0.0.0.0:7", role_keys, insecure=False)
+    finally:
+        security.remove_launch_keys(launch.local.own_keys)
+        shutil.rmtree(os.path.join(copies_root(), str(os.getpid())), ignore_errors=True)
