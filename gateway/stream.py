@@ -38,13 +38,14 @@ SEND_IDS_PER_TURN = 131072  # prompt token ids the fan-out sends per turn of the
 
 
 def event_bytes(item) -> int:
-    """What a queued event holds in memory, roughly (an upper estimate for text: 4 bytes a character)."""
+    """What a queued event holds in memory, roughly (an upper estimate for text: 4 bytes a character).
+    A prompt's scores are not counted: they come once per choice, bounded before the request ran
+    (max_scored_entries), and counted here they made one delta of a 1,525-token prompt's 20
+    prompt_logprobs outgrow the whole buffer (client_too_slow before anyone could read it)."""
     if not isinstance(item, StreamDelta):
         return 0  # errors and end markers: at most two per stream, not counted
     top = sum(map(len, item.top_logprobs)) if item.top_logprobs else 0
-    scored = len(item.prompt_logprobs) if item.prompt_logprobs else 0  # a prompt's scores: a rank and a top list each
-    top += sum(len(t) for _, _, t in item.prompt_logprobs) + scored if scored else 0
-    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ()) + 2 * scored) + TOP_BYTES * top
+    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ())) + TOP_BYTES * top
 
 
 def send_turns(jobs: list[Job]) -> dict[int, int]:
