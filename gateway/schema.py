@@ -15,8 +15,11 @@ built from the response Structs here and encoded with msgspec. The same Structs 
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
@@ -33,6 +36,7 @@ from pdserve_client.protocol import ToolCall as WireToolCall
 # response_format's type and json_schema name around the schema, a choice list's quotes and commas: the
 # structured-output fields of a body may hold this much more than the spec bound (their compact JSON)
 STRUCTURED_WRAPPER_BYTES = 1024
+CHECK_IDS_PER_TURN = 65536  # prompt token ids checked per turn of the event loop (checked_inputs: ~1 ms)
 WRAPPER_LEVELS = 2  # ... and this many levels of nesting around a schema: response_format's json_schema.schema, a tool's function.parameters
 
 
@@ -339,12 +343,14 @@ class Job:
     scores_from: int | None = None  # the choice whose prompt scores this one shares (gateway/scoring.py: share_prompt_scores)
 
 
-def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None) -> list[Job]:
+def completion_jobs(req: CompletionRequest, vocab_size: int, max_len: int | None = None, inputs: list[dict] | None = None) -> list[Job]:
+    """inputs: completion_inputs(req.prompt, ...) if already made (checked_inputs, on the event loop)."""
     _common_checks(req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     echo = echo_options(req)
-    inputs = completion_inputs(req.prompt, vocab_size, max_len)
+    if inputs is None:
+        inputs = completion_inputs(req.prompt, vocab_size, max_len)
     max_tokens = 1 if echo.drop_output else req.max_tokens if req.max_tokens is not None else 16  # max_tokens 0: 1 sampled, dropped
     sampling = sampling_kwargs(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs_asked(req, echo))
     return share_prompt_scores(_fan_out(inputs, sampling, req.n, req.priority))
@@ -376,6 +382,21 @@ def _common_checks(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
 
 
+async def checked_inputs(prompt, vocab_size: int, max_len: int | None = None) -> list[dict]:
+    """completion_inputs of a list of prompts, about CHECK_IDS_PER_TURN token ids at a time with the
+    event loop's other work between (8 prompts of 131,072 ids took 12-36 ms at once)."""
+    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, list) for p in prompt)):
+        return completion_inputs(prompt, vocab_size, max_len)
+    out, ids = [], 0
+    for p in prompt:
+        out += completion_inputs([p], vocab_size, max_len)
+        ids += len(p)
+        if ids >= CHECK_IDS_PER_TURN:
+            await asyncio.sleep(0)
+            ids = 0
+    return out
+
+
 def completion_inputs(prompt, vocab_size: int, max_len: int | None = None) -> list[dict]:
     """max_len: the context, when known; a longer list of token ids is refused before its ids are
     checked one by one (an 8 MB body holds millions)."""
@@ -388,16 +409,29 @@ def completion_inputs(prompt, vocab_size: int, max_len: int | None = None) -> li
                           "prompt_too_long")
     if prompt and all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
-    if _token_ids(prompt, vocab_size):
-        return [{"token_ids": list(prompt)}]
-    if prompt and all(isinstance(p, list) and _token_ids(p, vocab_size) for p in prompt):
-        return [{"token_ids": list(p)} for p in prompt]
+    if (one := token_ids(prompt, vocab_size)) is not None:
+        return [{"token_ids": one}]
+    many = [token_ids(p, vocab_size) if isinstance(p, list) else None for p in prompt] if prompt else [None]
+    if None not in many:
+        return [{"token_ids": p} for p in many]
     raise bad_request(f"prompt must be a string, a list of strings, or (lists of) token ids in [0, {vocab_size})", "prompt")
 
 
-def _token_ids(ids: list, vocab_size: int) -> bool:
-    # bool is an int in Python; JSON true is not a token id
-    return bool(ids) and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+def token_ids(ids: list, vocab_size: int) -> list[int] | None:
+    """ids as a new list if it is a non-empty list of token ids in [0, vocab_size), else None;
+    checked in C (msgspec: ~1 ms for 131,072 ids, a Python loop took 7), as the event loop does it.
+    JSON true is not a token id (bool is an int in Python; msgspec refuses it)."""
+    if not ids:
+        return None
+    try:
+        return msgspec.convert(ids, _ids_type(vocab_size))
+    except msgspec.ValidationError:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _ids_type(vocab_size: int):
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
 
 
 def chat_message(m: ChatMessageIn) -> ChatMessage:

@@ -60,6 +60,7 @@ from pdserve.gateway.schema import (
     ModelList,
     bounded,
     chat_jobs,
+    checked_inputs,
     completion_jobs,
     structured_bounds,
 )
@@ -190,7 +191,8 @@ class Gateway:
         req = await self.decode_request(request, CompletionRequest)
         m = self.model(request, req.model)
         trace = self.check_limits(request, req)
-        jobs = completion_jobs(req, len(m.tok), m.max_model_len)
+        inputs = await checked_inputs(req.prompt, len(m.tok), m.max_model_len)
+        jobs = completion_jobs(req, len(m.tok), m.max_model_len, inputs)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", int(time.time()), m.name, m.text, echo_options(req), jobs)

@@ -34,16 +34,29 @@ log = logging.getLogger("pdserve.gateway")
 EVENT_OVERHEAD = 256  # bytes counted per queued delta beyond its contents (the delta, its tuple, the queue slot)
 ITEM_BYTES = 32  # per token id or logprob held in a delta (a list slot and a Python number)
 TOP_BYTES = 128  # per (token id, logprob) pair of top_logprobs (a tuple and two numbers)
+SEND_IDS_PER_TURN = 131072  # prompt token ids the fan-out sends per turn of the event loop (~3 ms to copy and encode)
 
 
 def event_bytes(item) -> int:
-    """What a queued event holds in memory, roughly (an upper estimate for text: 4 bytes a character)."""
+    """What a queued event holds in memory, roughly (an upper estimate for text: 4 bytes a character).
+    A prompt's scores are not counted: they come once per choice, bounded before the request ran
+    (max_scored_entries), and counted here they made one delta of a 1,525-token prompt's 20
+    prompt_logprobs outgrow the whole buffer (client_too_slow before anyone could read it)."""
     if not isinstance(item, StreamDelta):
         return 0  # errors and end markers: at most two per stream, not counted
     top = sum(map(len, item.top_logprobs)) if item.top_logprobs else 0
-    scored = len(item.prompt_logprobs) if item.prompt_logprobs else 0  # a prompt's scores: a rank and a top list each
-    top += sum(len(t) for _, _, t in item.prompt_logprobs) + scored if scored else 0
-    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ()) + 2 * scored) + TOP_BYTES * top
+    return EVENT_OVERHEAD + 4 * len(item.text) + ITEM_BYTES * (len(item.token_ids) + len(item.logprobs or ())) + TOP_BYTES * top
+
+
+def send_turns(jobs: list[Job]) -> dict[int, int]:
+    """The loop turns each job waits before its request is built and sent, in the order given: about
+    SEND_IDS_PER_TURN prompt token ids a turn, so that 8 prompts of 131,072 ids go out over 8 turns
+    with other streams between (at once they held the loop ~40 ms). {choice index: turns}."""
+    turns, ids = {}, 0
+    for j in jobs:
+        turns[j.index] = ids // SEND_IDS_PER_TURN
+        ids += len(j.inputs.get("token_ids") or ())
+    return turns
 
 
 class ClientGone(Exception):
@@ -63,6 +76,7 @@ class Fanout:
         # a scoring choice's (prompt ids, scores), or None if it ended without them, for the choices that share them
         self.shared: dict[int, asyncio.Future] = {j.scores_from: loop.create_future() for j in jobs if j.scores_from is not None}
         order = sorted(jobs, key=lambda j: j.scores_from is not None)  # the scoring choices first: the others wait for them
+        self.turns = send_turns(order)
         self.lease = slots.lease()
         self.tasks: list[asyncio.Future] = []
         while len(self.tasks) < len(order) and self.lease.try_take():
@@ -88,6 +102,8 @@ class Fanout:
         ended = False
         scores = self.shared.get(job.index)  # this choice scores the prompt for others
         try:
+            for _ in range(self.turns.get(job.index, 0)):  # its turn to be built and sent
+                await asyncio.sleep(0)
             shared = await self._shared_scores(job)
             async for d in self.client.stream(**job.inputs, request_id=rid, timeout=self.timeout, priority=job.priority, **job.sampling):
                 if scores is not None and d.prompt_logprobs is not None and not scores.done():
