@@ -8,7 +8,10 @@ this package never pulls in triton) or `reference` (kernels.reference, the slow 
 others are tested against). `auto` means triton for CUDA tensors and torch otherwise. Each
 backend switches to its decode specialisation when max_query_len == 1. Every backend takes a
 sliding window (`window` > 0: a query at position p sees keys p - window < k <= p, as
-transformers masks Mistral's and Qwen2's sliding layers); 0 is full causal attention.
+transformers masks Mistral's and Qwen2's sliding layers); 0 is full causal attention. A
+soft-cap (`softcap` > 0, Gemma 2: scores s -> softcap * tanh(s / softcap) before the softmax) is
+taken by `torch` and `reference`; `triton` lacks it and refuses it (NotImplementedError; the
+engine refuses such a model on CUDA before building it: runtime.engine.check_attention_backend).
 """
 from __future__ import annotations
 
@@ -44,22 +47,27 @@ def paged_attention(
     scale: float,
     backend: str = "auto",
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of the varlen query tokens q (T, H, D) over their pages; returns (T, H, D).
 
     Query token j of sequence i sits at position p = seq_lens[i] - q_len_i + j and sees keys
     0..p, or with window > 0 only p - window + 1..p; query head h reads kv head h // (H // KVH).
+    softcap > 0: each score s = q.k * scale becomes softcap * tanh(s / softcap) before the softmax.
     """
-    if window < 0:
-        raise ValueError(f"window must be >= 0, got {window}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0, got {window}, {softcap}")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
+    if softcap and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        raise NotImplementedError(f"attention logit soft-capping (Gemma 2) is not supported by the Triton paged attention kernel "
+                                f"(backend {backend!r}); the torch and reference backends take it")
     impl = _backend_impl(backend, q)
     if seq_lens.numel() == 0:
         return q.new_empty(q.shape)
     return impl(
         q, k_cache, v_cache,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        max_query_len=max_query_len, scale=scale, window=window,
+        max_query_len=max_query_len, scale=scale, window=window, **({"softcap": softcap} if softcap else {}),
     )
 
 

@@ -32,14 +32,15 @@ def paged_attention_torch(
     max_query_len: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of the varlen query tokens `q` (T, H, D) over their paged context; returns (T, H, D)."""
     if max_query_len == 1 and seq_lens.numel() > 1:
-        return decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale, window)
-    return varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window)
+        return decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale, window, softcap)
+    return varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap)
 
 
-def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, window: int = 0) -> torch.Tensor:
+def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence, q (B, H, D): batched gather + masked sdpa, in chunks of sequences.
 
     On CPU the chunks share one gather buffer of about _GATHER_BYTES per cache: a gather of the
@@ -58,7 +59,7 @@ def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, wi
         pages = block_tables[s:e, :n_blocks].reshape(-1).long()  # (r*NB,)
         k = torch.index_select(k_cache, 0, pages, out=k_buf[: pages.numel()])
         v = torch.index_select(v_cache, 0, pages, out=v_buf[: pages.numel()])
-        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window)
+        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window, softcap)
     return out
 
 
@@ -70,7 +71,7 @@ def _rows_per_chunk(k_cache, max_len: int) -> int:
     return max(1, _GATHER_BYTES // bytes_per_seq)
 
 
-def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
+def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D);
     window > 0: each sees only its last `window` keys.
 
@@ -85,6 +86,8 @@ def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0) 
     valid = key_pos < seq_lens[:, None]  # (B, NB*bs)
     if window > 0:
         valid &= key_pos >= seq_lens[:, None] - window
+    if softcap:
+        return eager(q[:, :, None], k, v, scale, valid[:, None, None, :], softcap)[:, :, 0]
     # GQA by folding each KV head's query group into sdpa's query-length axis: no K/V repeat,
     # and faster than enable_gqa on CPU.
     q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # (B, KVH, group, D)
@@ -92,14 +95,15 @@ def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0) 
     return out.reshape(batch, heads, head_dim)
 
 
-def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, window: int = 0):
+def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, window: int = 0,
+                        softcap: float = 0.0):
     """Any mix of query lengths: one gather and one sdpa per sequence."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len)
-        out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale, window)
+        out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale, window, softcap)
     return out
 
 
@@ -111,7 +115,7 @@ def gather_pages(k_cache, v_cache, block_table, seq_len: int):
     return k, v_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
 
 
-def attend_one(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
+def attend_one(q, k, v, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q (L, H, D) against k, v (S, KVH, D), query j at position S - L + j; returns (L, H, D).
 
     Laid out as transformers' Llama sdpa call: (1, heads, len, D) views, is_causal only when
@@ -127,6 +131,9 @@ def attend_one(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     q4 = q.unsqueeze(0).transpose(1, 2)  # (1, H, L, D)
     k4, v4 = _kv_heads_for_sdpa(k, v, heads // kv_heads)  # (1, KVH or H, S, D)
     kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
+    if softcap:
+        mask = _bottom_right_causal(q_len, seq_len, q.device, window if windowed else 0)
+        return eager(q4, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), scale, mask, softcap)[0].transpose(0, 1)
     if q_len == seq_len and not windowed:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=q_len > 1, scale=scale, **kwargs)
     elif q_len == 1:
@@ -137,7 +144,7 @@ def attend_one(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def attend_fresh(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
+def attend_fresh(q, k, v, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """n prompts of one length L with no cached prefix, in one causal sdpa call: q (n, L, H, D),
     k, v (n, L, KVH, D) (any strides with contiguous heads: views of the fused qkv rows, so no
     page is read back); returns (n, L, H, D). attend_one per prompt is its twin: the same sdpa
@@ -145,6 +152,9 @@ def attend_fresh(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
     heads, kv_heads = q.shape[2], k.shape[2]
     q4 = q.transpose(1, 2)  # (n, H, L, D)
     k4, v4 = k.transpose(1, 2), v.transpose(1, 2)
+    if softcap:
+        mask = _bottom_right_causal(q.shape[1], q.shape[1], q.device, window if 0 < window < q.shape[1] else 0)
+        return eager(q4, k4, v4, scale, mask, softcap).transpose(1, 2)
     if not _SDPA_HAS_GQA and heads != kv_heads:
         k4, v4 = k4.repeat_interleave(heads // kv_heads, dim=1), v4.repeat_interleave(heads // kv_heads, dim=1)
     kwargs = {"enable_gqa": True} if _SDPA_HAS_GQA and heads != kv_heads else {}
@@ -153,6 +163,25 @@ def attend_fresh(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
         mask = _bottom_right_causal(length, length, q.device, window)
         return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **kwargs).transpose(1, 2)
     return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, **kwargs).transpose(1, 2)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (cap 0: x), in transformers' op order: Gemma 2's attention scores and logits."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def eager(q4, k4, v4, scale: float, allowed, softcap: float = 0.0) -> torch.Tensor:
+    """Attention as transformers' eager_attention_forward computes it: q4 (B, H, L, D) against
+    k4, v4 (B, KVH, S, D) (each KV head repeated for its query group), scores times scale,
+    soft-capped (softcap > 0: s -> softcap * tanh(s / softcap)), masked where `allowed`
+    (boolean, broadcast to (B, H, L, S)) is False, float32 softmax, then the values; (B, H, L, D).
+    The twin of the sdpa calls above where there is no soft-cap; the only path where there is."""
+    group = q4.shape[1] // k4.shape[1]
+    k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
+    scores = soft_cap(torch.matmul(q4, k4.transpose(2, 3)) * scale, softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q4.dtype)
+    return torch.matmul(probs, v4)
 
 
 def _kv_heads_for_sdpa(k, v, group: int):

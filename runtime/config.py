@@ -3,7 +3,7 @@
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
 metadata) and then only read (its per-layer sliding windows as transformers reads them:
 `hf_layer_windows`; the Phi-3 variants it does not implement are refused while it is built:
-`check_phi3`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
+`check_phi3`; Gemma 2 / 3's fields and refusals: `gemma_fields`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
 flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.
@@ -18,9 +18,12 @@ from pdserve.common.errors import NotSupportedError, UnsupportedModelError
 from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag
 from pdserve_client.errors import InvalidRequestError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SiLU (SwiGLU), or GELU's tanh form (Gemma's GeGLU)
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
@@ -76,7 +79,19 @@ class ModelConfig:
     # full attention, w for a window of w keys (a query at position p sees keys p - w < k <= p,
     # transformers' masking_utils.sliding_window_overlay)
     layer_windows: tuple[int, ...] = ()
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm) before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k (self_attn.q_norm / k_norm) before RoPE
+    # Gemma 2 / 3 (all off for the other families). Gemma's RMSNorm scales by (1 + weight): the
+    # loaders hand over its norm weights with the 1 added (runtime.weights; llama.cpp's converter
+    # stores them so), so every path multiplies by the stored weight as Llama's RMSNorm does, in
+    # float32, then casts (`norm_plus_one`: those weights stay float32 in any model dtype)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False  # post_attention_layernorm on the attention's output, pre-/post_feedforward_layernorm around the MLP
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden), rounded to the model dtype)
+    query_pre_attn_scalar: float = 0.0  # attention scale query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5)
+    attn_softcap: float = 0.0  # attention scores s -> cap * tanh(s / cap) before the softmax (0: none)
+    final_softcap: float = 0.0  # logits likewise (0: none)
+    activation: str = "silu"  # ACTIVATIONS
+    rope_local_theta: float = 0.0  # Gemma 3: the RoPE base of the sliding-window layers, unscaled (0: rope_theta, as the others)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -90,12 +105,26 @@ class ModelConfig:
             raise UnsupportedModelError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if min(self.attn_softcap, self.final_softcap, self.query_pre_attn_scalar, self.rope_local_theta) < 0 or self.embed_scale <= 0:
+            raise UnsupportedModelError("soft-caps, query_pre_attn_scalar and rope_local_theta must be >= 0 and embed_scale > 0")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise UnsupportedModelError(f"layer_windows must give one window >= 0 per layer ({self.num_layers}), got {self.layer_windows}")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in keys, 0 for full attention."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by the local table (Gemma 3's sliding layers: base
+        rope_local_theta, unscaled) instead of the global one (rope_theta, rope_scaling)."""
+        return bool(self.rope_local_theta and self.window(layer))
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax (and its soft-cap)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def windowed(self) -> bool:
@@ -123,6 +152,9 @@ class ModelConfig:
             raise UnsupportedModelError("Qwen3 with attention_bias (q/k/v and o biases) is not supported")
         if arch == "Phi3ForCausalLM":
             check_phi3(d, rope)
+        gemma = gemma_fields(arch, d) if arch in GEMMA else {}
+        if arch == "Gemma3ForCausalLM":  # the global layers' rope (and scaling) as the others' rope
+            rope, theta = gemma.pop("global_rope"), gemma.pop("global_theta")
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -131,18 +163,59 @@ class ModelConfig:
             num_layers=int(d["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            head_dim=int(d.get("head_dim") or (256 if arch in GEMMA else d["hidden_size"] // heads)),  # Gemma's default: 256
             max_position=int(d.get("max_position_embeddings", 2048)),
             rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=RopeScaling.from_hf(rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_windows=hf_layer_windows(arch, d),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            **gemma,
         )
+
+
+def gemma_fields(arch: str, d: dict) -> dict:
+    """The ModelConfig fields a Gemma 2 / Gemma 3 text config.json sets, with transformers'
+    defaults where a key is absent (Gemma 2 soft-caps 50 / 30, Gemma 3 none; query_pre_attn_scalar
+    256); refused: bidirectional attention, attention biases, an activation other than
+    gelu_pytorch_tanh, a rope scaling on Gemma 3's sliding layers. Gemma 3's RoPE comes back as
+    `global_rope` / `global_theta` (its full layers') besides `rope_local_theta` (its sliding
+    layers': transformers 5's rope_parameters per layer type, or older configs' rope_theta,
+    rope_scaling and rope_local_base_freq)."""
+    g2 = arch == "Gemma2ForCausalLM"
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{arch} with use_bidirectional_attention is not supported (causal attention only)")
+    if d.get("attention_bias"):
+        raise UnsupportedModelError(f"{arch} with attention_bias (q/k/v/o biases) is not supported")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{arch} hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+
+    def cap(key: str, default: float | None) -> float:
+        v = d.get(key, default)
+        return float(v) if v else 0.0
+
+    out = dict(norm_plus_one=True, sandwich_norms=True, embed_scale=float(d["hidden_size"]) ** 0.5, activation="gelu_tanh",
+               query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
+               attn_softcap=cap("attn_logit_softcapping", 50.0 if g2 else None),
+               final_softcap=cap("final_logit_softcapping", 30.0 if g2 else None))
+    if not g2:
+        params = d.get("rope_parameters") or {}
+        full = dict(params.get("full_attention") or {"rope_type": "default"})
+        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+        if not params and d.get("rope_scaling"):
+            full.update(d["rope_scaling"])
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise UnsupportedModelError(f"Gemma 3 rope scaling {local.get('rope_type', local.get('type'))!r} on the sliding layers "
+                                        "is not supported (their rope is unscaled in every published Gemma 3)")
+        out["rope_local_theta"] = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+        out["global_theta"] = float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0)))
+        out["global_rope"] = full
+    return out
 
 
 def check_phi3(d: dict, rope: dict) -> None:
@@ -168,16 +241,27 @@ def hf_layer_windows(arch: str, d: dict) -> tuple[int, ...]:
     on the layers `layer_types` marks "sliding_attention" (default: those from
     `max_window_layers` on); Llama never."""
     layers, window = int(d["num_hidden_layers"]), d.get("sliding_window")
+    if arch in GEMMA:  # sliding layers from layer_types (default: every 2nd / 6th layer full, as transformers)
+        window = d.get("sliding_window", 4096)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
+        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        if "sliding_attention" in types and not window:
+            raise UnsupportedModelError(f"{arch}: sliding_attention layers without a sliding_window")
+        return _windows_of(types, layers, int(window or 0))
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window),) * layers if window else ()
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (window and d.get("use_sliding_window", False)):
         return ()
     types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
                                      for i in range(layers)]
+    return _windows_of(types, layers, int(window))
+
+
+def _windows_of(types: list, layers: int, window: int) -> tuple[int, ...]:
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown or len(types) != layers:
         raise UnsupportedModelError(f"layer_types {sorted(unknown) or types} not supported (full_attention / sliding_attention per layer)")
-    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     return windows if any(windows) else ()
 
 

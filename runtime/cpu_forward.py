@@ -23,7 +23,13 @@ length with no cached prefix, adjacent in the step, attend in one sdpa call inst
 (runtime.linear_plan) each projection runs the back-end its row count was given, and the one-call
 decode step runs only where that is the C kernel it calls. Qwen3's per-head q / k RMSNorm runs
 between the qkv GEMM and the rotary call, in torch (the module forward's RMSNorm modules), so
-such a model never takes the one-call step. A layer with a sliding window
+such a model never takes the one-call step (`one_call_blocker` names what keeps a model off it:
+the C step is the Llama layer only). Gemma's options run here as in the module forward: the
+embedding scale and the final soft-cap around the layers, each layer's own RoPE table (Gemma 3),
+the attention output's and the MLP output's norms (`sandwich_norms`: the C RMSNorm without a
+residual, then the usual fused add + norm), GeGLU in torch, and a soft-capped attention
+(Gemma 2) through kernels.torch_paged's eager path for every row, decode rows included (the C
+decode kernel has no soft-cap). A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
 `window` keys, the sdpa calls take transformers' sliding-window mask (kernels.torch_paged).
 """
@@ -34,7 +40,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear
-from pdserve.kernels.torch_paged import attend_fresh, attend_one, gather_pages
+from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap
 
 
 class CpuForward:
@@ -44,9 +50,10 @@ class CpuForward:
         self.ops = ops
         self.activations = activations
         self.eps = c.rms_eps
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
         embed = model.weight("embed_tokens.weight")
         self.embed = embed.rows_float if isinstance(embed, quant.QuantTensor) else lambda ids: F.embedding(ids, embed)
+        self.embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32) if c.embed_scale != 1.0 else None
         self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
         self.layers = [_Layer(model, i, linear_kind, activations) for i in range(c.num_layers)]
         self.final_norm = model.norm.weight
@@ -57,7 +64,9 @@ class CpuForward:
         self._kv_key, self._kv = None, []
         # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
         # fused_step False keeps the per-op loop, the twin it is tested against
-        self.step_layers = _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin, c.layer_windows)
+        self.one_call_blocker = one_call_blocker(c)
+        self.step_layers = None if self.one_call_blocker else _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin,
+                                                                          c.layer_windows)
         self.fused_step = self.step_layers is not None
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
@@ -80,6 +89,8 @@ class CpuForward:
         tokens = batch.input_ids.numel()
         plan = _AttentionPlan.of(batch, self.batch_fresh)
         h = self.embed(batch.input_ids)  # (T, hidden): the residual stream, updated in place
+        if self.embed_scale is not None:
+            h.mul_(self.embed_scale)
         x = torch.empty_like(h)
         ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
@@ -93,7 +104,7 @@ class CpuForward:
         rows = batch.logits_indices
         last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
         ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
-        return self.lm_head(last).float()  # (N, vocab)
+        return soft_cap(self.lm_head(last), c.final_softcap).float()  # (N, vocab)
 
     def _c_step(self, tokens: int) -> bool:
         """Whether the layers' back-ends at this many rows are the C kernel the one-call step runs."""
@@ -105,6 +116,7 @@ class CpuForward:
         into the residual stream h)."""
         c, ops = self.cfg, self.ops
         qkv_out, attn, o_out, gate_up_out, act, down_out = bufs
+        normed = torch.empty_like(o_out) if c.sandwich_norms else None  # Gemma: an output's norm before it joins h
         delta = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._kv_views(kv_cache))):
             check = i == 0  # every layer passes tensors of the same kinds and shapes: the first one checks them
@@ -113,12 +125,23 @@ class CpuForward:
             qkv = layer.qkv(x, qkv_out)  # (T, q + 2 kv)
             if layer.q_norm is not None:
                 self._qk_norm(layer, qkv)
-            ops.rope_write_kv(qkv, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads, c.num_kv_heads,
-                              check=check)
+            ops.rope_write_kv(qkv, batch.positions, layer.cos, layer.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads,
+                              c.num_kv_heads, check=check)
             self._attention(plan, qkv, attn, k_cache, v_cache, check, layer.window)
-            ops.rms_norm(layer.o(attn, o_out), layer.post_norm, x, self.eps, residual=h, check=check)
-            ops.silu_mul(layer.gate_up(x, gate_up_out), act, check=check)
+            o = layer.o(attn, o_out)
+            if normed is not None:
+                ops.rms_norm(o, layer.attn_out_norm, normed, self.eps, check=check)
+                o = normed
+            ops.rms_norm(o, layer.post_norm, x, self.eps, residual=h, check=check)
+            gate_up = layer.gate_up(x, gate_up_out)
+            if c.activation == "silu":
+                ops.silu_mul(gate_up, act, check=check)
+            else:  # GeGLU: gelu_pytorch_tanh(gate) * up, in torch
+                torch.mul(F.gelu(gate_up[:, :c.intermediate_size], approximate="tanh"), gate_up[:, c.intermediate_size:], out=act)
             delta = layer.down(act, down_out)
+            if normed is not None:
+                ops.rms_norm(delta, layer.mlp_out_norm, normed, self.eps, check=check)
+                delta = normed
         return delta
 
     def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> None:
@@ -138,8 +161,12 @@ class CpuForward:
         return self._kv
 
     def _attention(self, plan: _AttentionPlan, qkv, attn, k_cache, v_cache, check: bool = True, window: int = 0) -> None:
-        c = self.cfg
-        if plan.decode_rows is not None:
+        c, cap = self.cfg, self.cfg.attn_softcap
+        if plan.decode_rows is not None and cap:  # the C kernel has no soft-cap: torch's eager path
+            q = qkv[plan.decode_rows, : c.q_size].view(-1, c.num_heads, c.head_dim)
+            out = decode_batched(q, k_cache, v_cache, plan.decode_lens, plan.decode_tables, self.scale, window, cap)
+            attn[plan.decode_rows] = out.reshape(-1, c.q_size)
+        elif plan.decode_rows is not None:
             self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
                                       check=check, window=window)
         for start, n, length in plan.fresh:  # n prompts of one length, no cached prefix: one sdpa, K/V straight from qkv
@@ -147,19 +174,36 @@ class CpuForward:
             q = rows[:, : c.q_size].view(n, length, c.num_heads, c.head_dim)
             k = rows[:, c.q_size:c.q_size + c.kv_size].view(n, length, c.num_kv_heads, c.head_dim)
             v = rows[:, c.q_size + c.kv_size:].view(n, length, c.num_kv_heads, c.head_dim)
-            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale, window).reshape(n * length, c.q_size)
+            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale, window, cap).reshape(n * length, c.q_size)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len)
-            attn[start:end] = attend_one(q, k, v, self.scale, window).reshape(end - start, c.q_size)
+            attn[start:end] = attend_one(q, k, v, self.scale, window, cap).reshape(end - start, c.q_size)
+
+
+def one_call_blocker(cfg) -> str | None:
+    """What in this model the one-call C decode step (kernels/csrc/step_ops.c, the Llama layer:
+    norm, qkv, one RoPE table, C attention, o, add + norm, SwiGLU, down) does not compute, or
+    None. Such a model decodes through the per-op loop, its twin. The attention scale, the
+    embedding scale and the final soft-cap lie outside the layers' C code (an argument, or
+    before and after it), so they do not block it."""
+    if cfg.qk_norm:
+        return "per-head q/k norms (Qwen3, Gemma 3)"
+    if cfg.sandwich_norms:
+        return "norms on the attention and MLP outputs (Gemma)"
+    if cfg.activation != "silu":
+        return f"the {cfg.activation} MLP activation (Gemma's GeGLU)"
+    if cfg.attn_softcap:
+        return "attention soft-capping (Gemma 2)"
+    if any(cfg.local_rope(i) for i in range(cfg.num_layers)):
+        return "a second RoPE table for the sliding layers (Gemma 3)"
+    return None
 
 
 def _step_layers(layers: list, heads: int, activations: str, cos, sin, windows: tuple = ()) -> cpu_native.DecodeLayers | None:
     """The C description of the layers for the one-call decode step, or None unless every
-    projection is quantized (a float projection runs oneDNN, which C cannot call) and no layer
-    normalises q and k (Qwen3's q_norm / k_norm run in torch, in the per-op loop)."""
-    if any(layer.q_norm is not None for layer in layers):
-        return None
+    projection is quantized (a float projection runs oneDNN, which C cannot call); the caller
+    first rules out the models whose layer the C step does not compute (`one_call_blocker`)."""
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
@@ -173,8 +217,16 @@ class _Layer:
     def __init__(self, model, i: int, kind: str, activations: str):
         layer, p = model.layers[i], f"layers.{i}."
         self.input_norm = layer.input_layernorm.weight
-        self.post_norm = layer.post_attention_layernorm.weight
-        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3), or None
+        # post_norm: the MLP input's norm (fused with the residual add); Gemma's sandwich adds the attention
+        # output's (its post_attention_layernorm) and the MLP output's norms, applied without a residual
+        if model.cfg.sandwich_norms:
+            self.post_norm = layer.pre_feedforward_layernorm.weight
+            self.attn_out_norm, self.mlp_out_norm = layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight
+        else:
+            self.post_norm = layer.post_attention_layernorm.weight
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3, Gemma 3), or None
+        rope = model.layer_rope(i)  # Gemma 3's sliding layers: the local table
+        self.cos, self.sin = rope.cos.contiguous(), rope.sin.contiguous()
         self.window = model.cfg.window(i)  # sliding window in keys (0: full attention), read once at build
 
         def linear(name, bias=None):

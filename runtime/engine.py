@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.common.errors import PromptTooLongError
+from pdserve.common.errors import NotSupportedError, PromptTooLongError
 from pdserve.common.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from pdserve.kernels import cpu_native
 from pdserve.kernels.quant import QuantTensor
@@ -81,6 +81,7 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=Non
     where the CPU fast path can run them and are dequantized, with a log line saying why, elsewhere.
     Its linear layers' back-ends follow econf.linear_backend (runtime.linear_plan; source, the
     checkpoint's path or None for the default model, names the tokenizer its accuracy check reads)."""
+    check_attention_backend(cfg, econf)
     quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, QuantTensor)})
     why_not = _why_not_quantized(econf) if quantized else None
     if why_not:
@@ -97,6 +98,16 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=Non
     kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype
     log.info("weights: %.1f MiB (%s)", model.weight_bytes() / 2**20, kinds)
     return model
+
+
+def check_attention_backend(cfg: ModelConfig, econf: EngineConfig) -> None:
+    """Refuse, before a model is built, an attention option the backend this engine would run
+    lacks: attention soft-capping (Gemma 2) on CUDA, where attention is Triton's
+    (kernels.paged refuses it there too, per call)."""
+    backend = econf.attention_backend
+    if cfg.attn_softcap and backend in ("auto", "triton") and (backend == "triton" or econf.device.startswith("cuda")):
+        raise NotSupportedError(f"{cfg.architecture}: attention logit soft-capping ({cfg.attn_softcap:g}) is not supported by the "
+                                "Triton attention kernel that serves CUDA devices; serve this model on the CPU (--device cpu)")
 
 
 def _why_not_quantized(econf: EngineConfig) -> str | None:

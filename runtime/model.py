@@ -1,9 +1,11 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM) over a paged KV cache.
 
 Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
 HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
 (one GEMM instead of three or two), and casts to the model dtype (Qwen3's per-head q_norm /
-k_norm weights stay per layer: `Attention` applies them before RoPE). Then `forward(batch, kv)`
+k_norm weights stay per layer: `Attention` applies them before RoPE; Gemma's options are
+ModelConfig's: scaled embeddings, four norms a layer (`sandwich_norms`), GeGLU, the attention
+scale and soft-caps, and Gemma 3's own RoPE table for its sliding layers). Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
 position and its slot in the paged cache, each sequence its block table. It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
@@ -17,6 +19,7 @@ elsewhere).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +28,8 @@ from torch import nn
 
 from pdserve.kernels import paged
 from pdserve.kernels.quant import QuantTensor
-from pdserve.runtime.config import ModelConfig
+from pdserve.kernels.torch_paged import soft_cap
+from pdserve.runtime.config import ModelConfig, RopeScaling
 from pdserve.runtime.rope import RotaryEmbedding
 
 
@@ -77,17 +81,29 @@ class QuantLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """weight * normalised x. float_scale (Gemma): the product in float32, then cast, as Gemma's
+    RMSNorm takes it (its weight holds the 1 + w it scales by, runtime.weights.add_one_to_norms);
+    else cast first, as Llama's. The two agree bit for bit in float32."""
+
+    def __init__(self, dim: int, eps: float, float_scale: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.float_scale = float_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm, so float32 results are bit-identical.
+        # Same op order as transformers' LlamaRMSNorm (Gemma: Gemma2RMSNorm), so float32 results are bit-identical.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float_scale:
+            return (x * self.weight.float()).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def activation(name: str):
+    """The MLP's gate activation by ModelConfig.activation: SiLU, or GELU's tanh form (gelu_pytorch_tanh)."""
+    return F.silu if name == "silu" else functools.partial(F.gelu, approximate="tanh")
 
 
 class Attention(nn.Module):
@@ -98,10 +114,10 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)  # sliding window in keys (0: full attention)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
-        # Qwen3: each head's q and k RMS-normalised over the head dim before RoPE
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        # Qwen3, Gemma 3: each head's q and k RMS-normalised over the head dim before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.norm_plus_one) if cfg.qk_norm else None
 
     def forward(self, x, batch: ForwardBatch, rope: RotaryEmbedding, k_cache, v_cache):
         c = self.cfg
@@ -118,6 +134,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache,
             query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
             max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=self.window,
+            softcap=self.cfg.attn_softcap,
         )
         return self.o_proj(out.reshape(T, c.q_size))
 
@@ -128,23 +145,37 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.activation)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks; with sandwich_norms (Gemma) the attention's and the MLP's outputs
+    are normalised too before they join the residual stream: post_attention_layernorm is then the
+    attention output's norm and pre_feedforward_layernorm the MLP input's (transformers' names)."""
+
     def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        f = cfg.norm_plus_one
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
         self.self_attn = Attention(cfg, backend, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
+        self.sandwich = cfg.sandwich_norms
         self.mlp = MLP(cfg)
 
     def forward(self, h, batch, rope, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), batch, rope, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), batch, rope, k_cache, v_cache)
+        if not self.sandwich:
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -154,12 +185,19 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: the sliding layers' own table (ModelConfig.local_rope); layer_rope(i) is layer i's
+        self.rope_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta, RopeScaling()) \
+            if any(cfg.local_rope(i) for i in range(cfg.num_layers)) else None
         self.requires_grad_(False)
         self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
         self.quantized: dict[str, QuantTensor] = {}  # weight name -> its GGUF blocks (a QuantLinear module holds them)
+
+    def layer_rope(self, i: int) -> RotaryEmbedding:
+        """Layer i's RoPE table (Gemma 3's sliding layers: the local one)."""
+        return self.rope_local if self.cfg.local_rope(i) else self.rope
 
     def weight(self, name: str) -> torch.Tensor | QuantTensor:
         """A parameter by name, or its QuantTensor where the model keeps it quantized."""
@@ -198,6 +236,9 @@ class LlamaModel(nn.Module):
             fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
             fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
             fused[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+            if self.cfg.sandwich_norms:
+                for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                    fused[f"layers.{i}.{n}.weight"] = tensors[p + n + ".weight"]
         params = dict(self.named_parameters())
         if set(params) != set(fused):
             raise ValueError(f"weight names do not cover the model: {sorted(set(params) ^ set(fused))[:3]}")
@@ -217,7 +258,8 @@ class LlamaModel(nn.Module):
                 continue
             if name.endswith(".bias") and isinstance(fused.get(name[:-5] + ".weight"), QuantTensor):
                 continue  # taken by the QuantLinear above
-            param.data = src.to(self.dtype).contiguous()
+            keep_float = self.cfg.norm_plus_one and name.endswith("norm.weight")  # Gemma's (1 + w), float32 as it scales
+            param.data = src.to(torch.float32 if keep_float else self.dtype).contiguous()
         self.quantized = self._blocks()
 
     def _blocks(self) -> dict[str, QuantTensor]:
@@ -240,9 +282,11 @@ class LlamaModel(nn.Module):
             h = self.embed_tokens.rows(batch.input_ids, self.dtype)
         else:
             h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if self.cfg.embed_scale != 1.0:  # Gemma: times sqrt(hidden) rounded to the model dtype, as transformers
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, self.rope, kv_cache[i, 0], kv_cache[i, 1])
+            h = layer(h, batch, self.layer_rope(i), kv_cache[i, 0], kv_cache[i, 1])
         h = self.norm(h[batch.logits_indices])  # (N, hidden): the final norm is per row
         if isinstance(self.lm_head, QuantLinear):
-            return self.lm_head(h).float()
-        return F.linear(h, self.lm_head.weight).float()  # (N, vocab)
+            return soft_cap(self.lm_head(h), self.cfg.final_softcap).float()
+        return soft_cap(F.linear(h, self.lm_head.weight), self.cfg.final_softcap).float()  # (N, vocab)

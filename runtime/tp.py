@@ -199,8 +199,9 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
                 out[p + name + ".bias"] = column_part(tensors[p + name + ".bias"].unsqueeze(1), rank, n).squeeze(1)
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             out[p + name + ".weight"] = row_part(tensors[p + name + ".weight"], rank, n, p + name)
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-            if p + name + ".weight" in tensors:  # q_norm / k_norm: Qwen3's, over the head dim, whole on every rank
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            if p + name + ".weight" in tensors:  # q_norm / k_norm (Qwen3, Gemma 3) and Gemma's other norms: whole on every rank
                 out[p + name + ".weight"] = tensors[p + name + ".weight"]
     return out
 

@@ -8,7 +8,9 @@ every rank runs `run` on it (the others from `follow`, their loop until rank 0 c
 layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
 it reads and writes only those of its worker's whole pool, `my_heads`),
 attention over them (Qwen3's per-head q / k norms, held whole by every rank, first), row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
-down and one all-reduce. The embedding and the LM head are split by vocabulary: partial
+down and one all-reduce (Gemma: each of the two sums is normalised after its all-reduce, by norms
+every rank holds whole; GeGLU, soft-caps, the embedding scale and Gemma 3's local RoPE table as
+runtime.model has them). The embedding and the LM head are split by vocabulary: partial
 embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
 On CUDA each rank runs on its own GPU (econf.device: runtime.tp.rank_devices), the all-reduces and
@@ -22,15 +24,18 @@ import torch.nn.functional as F
 from pdserve.kernels import paged
 from pdserve.kernels.linear import PackedLinear
 from pdserve.kernels.quant import QuantTensor
-from pdserve.runtime.config import EngineConfig, ModelConfig
-from pdserve.runtime.model import RMSNorm
+from pdserve.kernels.torch_paged import soft_cap
+from pdserve.runtime.config import EngineConfig, ModelConfig, RopeScaling
+from pdserve.runtime.model import RMSNorm, activation
 from pdserve.runtime.rope import RotaryEmbedding
 from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
 
 
-def _norm(w: torch.Tensor, eps: float, dtype, device) -> RMSNorm:
-    n = RMSNorm(w.shape[0], eps)
-    n.weight.data = w.to(dtype).to(device).contiguous()
+def _norm(w: torch.Tensor, eps: float, dtype, device, cfg: ModelConfig | None = None) -> RMSNorm:
+    """An RMSNorm over w; Gemma's (cfg.norm_plus_one) keeps its (1 + w) in float32, as runtime.model does."""
+    gemma = cfg is not None and cfg.norm_plus_one
+    n = RMSNorm(w.shape[0], eps, gemma)
+    n.weight.data = w.to(torch.float32 if gemma else dtype).to(device).contiguous()
     return n
 
 
@@ -48,12 +53,19 @@ class _Layer:
         self.o = linear(t[a + "o_proj.weight"], None)
         self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
         self.down = linear(t[p + "mlp.down_proj.weight"], None)
-        self.in_norm = _norm(t[p + "input_layernorm.weight"], cfg.rms_eps, dtype, device)
+        def norm(name):
+            return _norm(t[p + name + ".weight"], cfg.rms_eps, dtype, device, cfg)
+
+        self.in_norm = norm("input_layernorm")
         self.window = cfg.window(i)  # sliding window in keys (0: full attention)
-        qk = cfg.qk_norm  # Qwen3: per-head q / k RMSNorm (every rank holds them whole)
-        self.q_norm = _norm(t[a + "q_norm.weight"], cfg.rms_eps, dtype, device) if qk else None
-        self.k_norm = _norm(t[a + "k_norm.weight"], cfg.rms_eps, dtype, device) if qk else None
-        self.post_norm = _norm(t[p + "post_attention_layernorm.weight"], cfg.rms_eps, dtype, device)
+        self.local_rope = cfg.local_rope(i)  # Gemma 3's sliding layers rotate by the local table
+        qk = cfg.qk_norm  # Qwen3, Gemma 3: per-head q / k RMSNorm (every rank holds them whole)
+        self.q_norm = norm("self_attn.q_norm") if qk else None
+        self.k_norm = norm("self_attn.k_norm") if qk else None
+        # post_norm: the MLP input's; Gemma's attn_out_norm / mlp_out_norm normalise the all-reduced outputs
+        self.post_norm = norm("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
+        self.attn_out_norm = norm("post_attention_layernorm") if cfg.sandwich_norms else None
+        self.mlp_out_norm = norm("post_feedforward_layernorm") if cfg.sandwich_norms else None
 
 
 class TPModel:
@@ -74,9 +86,12 @@ class TPModel:
         self.vocab_start, self.vocab_end = vocab_range(full.vocab_size, group.rank, group.size)
         # tied: the LM head reads the embedding's own device copy (a second .to(device) would copy it again)
         self.lm_head = linear(self.embed if full.tie_embeddings else tensors["lm_head.weight"], None)
-        self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype, self.device)
+        self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype, self.device, full)
         self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling).to(self.device)
-        self.scale = full.head_dim**-0.5
+        self.rope_local = RotaryEmbedding(full.head_dim, full.max_position, full.rope_local_theta, RopeScaling()).to(self.device) \
+            if any(layer.local_rope for layer in self.layers) else None
+        self.scale = full.attention_scale
+        self.act = activation(full.activation)
         self.kv_heads = slice(*kv_head_range(full.num_kv_heads, group.rank, group.size))  # this rank's KV heads in a whole worker's pool
 
     def weight_bytes(self) -> int:
@@ -86,7 +101,8 @@ class TPModel:
 
         lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
-        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm, l.q_norm, l.k_norm) if n is not None)]
+        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm, l.q_norm, l.k_norm, l.attn_out_norm, l.mlp_out_norm)
+                              if n is not None)]
         return embed + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
 
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -117,12 +133,16 @@ class TPModel:
     def run(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
         kv_cache = self.my_heads(kv_cache)
         h = self._embed(batch.input_ids)  # (T, hidden)
+        if self.full.embed_scale != 1.0:  # Gemma, as runtime.model
+            h = h * torch.tensor(self.full.embed_scale, dtype=torch.float32).to(h.dtype)
         for i, layer in enumerate(self.layers):
-            h = h + self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))
+            a = self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))
+            h = h + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))
             gate, up = layer.gate_up(layer.post_norm(h)).split(self.cfg.intermediate_size, dim=-1)
-            h = h + self.group.all_reduce(layer.down(F.silu(gate) * up))
+            m = self.group.all_reduce(layer.down(self.act(gate) * up))
+            h = h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         h = self.norm(h[batch.logits_indices])  # (N, hidden)
-        return self._logits(self.lm_head(h).float())
+        return self._logits(soft_cap(self.lm_head(h), self.full.final_softcap).float())
 
     def _attention(self, layer: _Layer, x, batch, k_cache, v_cache) -> torch.Tensor:
         c = self.cfg
@@ -133,11 +153,11 @@ class TPModel:
         v = v.reshape(T, c.num_kv_heads, c.head_dim)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = self.rope(batch.positions, q, k)
+        q, k = (self.rope_local if layer.local_rope else self.rope)(batch.positions, q, k)
         paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged.paged_attention(
             q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=layer.window)
+            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=layer.window, softcap=self.full.attn_softcap)
         return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -164,9 +184,10 @@ def build_tp_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, group: 
     """This rank's model from the whole checkpoint's tensors (the rest is dropped by the caller);
     GGUF blocks stay blocks where TP 1 would keep them on the CPU (runtime.engine), else (and
     always on CUDA) are dequantized."""
-    from pdserve.runtime.engine import _why_not_quantized
+    from pdserve.runtime.engine import _why_not_quantized, check_attention_backend
     from pdserve.runtime.weights import dequantize_all
 
+    check_attention_backend(cfg, econf)
     part = shard(cfg, tensors, group.rank, group.size)
     if any(isinstance(v, QuantTensor) for v in part.values()) and (econf.device.startswith("cuda") or _why_not_quantized(econf)):
         part = dequantize_all(part)

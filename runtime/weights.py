@@ -4,7 +4,9 @@ Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and ret
 float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...;
 Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k_norm`;
 Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up`, are split
-into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them);
+into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them;
+Gemma's norm weights w come back as the 1 + w they scale by, `add_one_to_norms`, as a Gemma
+GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
@@ -30,7 +32,8 @@ from pdserve.common.model_path import default_model_path, resolve_model_path  # 
 from pdserve.kernels.quant import QTYPES, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
 
-GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,6 +56,10 @@ _GGUF_BLOCK_NAMES = {
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # Phi-3's fused matrices (HF names), split at load; a phi3 GGUF's ffn_up is the fused gate_up
 _GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2 / 3's four norms a layer (llama.cpp's names): ffn_norm is the MLP's input norm there
+_GGUF_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+_SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
@@ -92,7 +99,17 @@ def _load_hf_dir(path: Path, progress: bool):
             raise ModelLoadError(f"cannot read {f}: truncated or corrupt safetensors ({e})") from e
     split_fused(cfg, tensors, str(path))
     _check_names(cfg, tensors, str(path))
+    if cfg.norm_plus_one:
+        add_one_to_norms(tensors)
     return cfg, tensors
+
+
+def add_one_to_norms(tensors: dict) -> None:
+    """Gemma's RMSNorm weights w as the (1 + w) it multiplies by, in float32 (transformers' Gemma
+    RMSNorm computes 1.0 + w.float()), in place: what llama.cpp's converter stores in a Gemma
+    GGUF, so both loaders hand the model the same tensors."""
+    for name in [n for n in tensors if n.endswith("norm.weight")]:
+        tensors[name] = 1.0 + tensors[name].float()
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -144,6 +161,7 @@ def _check_names(cfg: ModelConfig, tensors: dict, where: str) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
         need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values() if cfg.qk_norm or n not in _QK_NORMS]
+        need += [f"model.layers.{i}.{n}.weight" for n in _SANDWICH if cfg.sandwich_norms]
     if not cfg.tie_embeddings:
         need.append("lm_head.weight")
     missing = [n for n in need if n not in tensors]
@@ -252,6 +270,8 @@ def _gguf_name(name: str, arch: str | None = None) -> str | None:
         return _GGUF_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else _GGUF_BLOCK_NAMES
+    if arch in ("gemma2", "gemma3"):
+        block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_GEMMA_NAMES}
     if m and m.group(2) in block_names:
         return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     if name in ("rope_factors_long.weight", "rope_factors_short.weight"):
@@ -282,6 +302,7 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     rope = RopeScaling(kind=scaling, factor=float(get("rope.scaling.factor"))) if scaling and scaling != "none" else RopeScaling()
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    gemma = _gguf_gemma(arch, meta, hidden, heads, head_dim, int(get("block_count")), rope) if arch in ("gemma2", "gemma3") else {}
     return ModelConfig(
         architecture=GGUF_ARCHES[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or 0) or _gguf_vocab(names, meta),
@@ -297,10 +318,37 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
         rope_scaling=rope,
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        **gemma,
     )
+
+
+def _gguf_gemma(arch: str, meta: dict, hidden: int, heads: int, head_dim: int, layers: int, rope: RopeScaling) -> dict:
+    """A gemma2 / gemma3 GGUF's Gemma fields, read as llama.cpp reads them: soft-caps from
+    metadata (gemma2); the sliding pattern from attention.sliding_window_pattern where written,
+    else llama.cpp's fixed one (gemma2 every 2nd layer full, gemma3 every 6th); the sliding layers'
+    rope base from rope.freq_base_swa (default 10000); and the attention scale, which a GGUF does
+    not carry, by llama.cpp's rule: hidden / heads for the 27B models (46 / 62 layers), else
+    head_dim. Its norm weights are stored with the 1 added already (llama.cpp's converter)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, (list, tuple)):  # one bool per layer: sliding or not
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) if int(pattern) else True for i in range(layers)]
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if len(sliding) != layers or (any(sliding) and not window):
+        raise UnsupportedModelError(f"GGUF {arch}: a sliding-window pattern {pattern!r} for {layers} layers, window {window}, is not supported")
+    big = layers == (46 if arch == "gemma2" else 62)
+    out = dict(norm_plus_one=True, sandwich_norms=True, embed_scale=float(hidden) ** 0.5, activation="gelu_tanh",
+               query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+               attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
+               final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+               layer_windows=tuple(window if s else 0 for s in sliding) if any(sliding) else ())
+    if arch == "gemma3":
+        out["rope_local_theta"] = float(meta.get(f"{arch}.rope.freq_base_swa") or 10000.0)
+    return out
 
 
 def _gguf_vocab(names, meta) -> int:

@@ -17,7 +17,9 @@ LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
-    """Write a randomly initialised small Llama, Qwen2, Mistral, Qwen3 or Phi-3 checkpoint (safetensors) to `path`."""
+    """Write a randomly initialised small Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2 or Gemma 3 (text)
+    checkpoint (safetensors) to `path`. Norm weights that transformers starts at ones (Qwen3's q/k
+    norms) or zeros (Gemma's, which scale by 1 + w) are drawn at random, so that they act."""
     import transformers
 
     base = dict(
@@ -27,16 +29,39 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
     )
     base.update(overrides)
     torch.manual_seed(seed)
-    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3"}[arch]
-    config = getattr(transformers, f"{family}Config")(**base)
+    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2",
+              "gemma3": "Gemma3"}[arch]
+    config = getattr(transformers, f"{family}TextConfig" if arch == "gemma3" else f"{family}Config")(**base)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     if arch == "qwen3":  # q_norm / k_norm start at ones: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if arch.startswith("gemma"):  # every RMSNorm starts at zeros (a scale of 1 + 0): draw them, so 1 + w differs from w
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(-0.5, 0.5)
     model.save_pretrained(str(path), safe_serialization=True)
     return base
+
+
+def all_position_logits(model, ids: list[int], dtype) -> torch.Tensor:
+    """(L, vocab) float32 logits of every position of one sequence, in one prefill of a model
+    (runtime.model.LlamaModel) on a fresh KV cache."""
+    from pdserve.runtime.kv_cache import allocate_kv_cache
+    from pdserve.runtime.model import ForwardBatch
+
+    n, block = len(ids), 16
+    blocks = -(-n // block)
+    kv = allocate_kv_cache(model.cfg, blocks, block, dtype)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, logits_indices=torch.arange(n),
+    )
+    return model(batch, kv).float()
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = True):
@@ -72,11 +97,16 @@ GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3 (fused; llama.cpp's phi3 names)
 }
+# Gemma 2 / 3's norms (llama.cpp's gemma2 / gemma3 names): its ffn_norm is the MLP's input norm
+GGUF_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None) -> dict:
-    """Convert a tiny HF llama (qwen2, qwen3, phi3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
-    permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written).
+    """Convert a tiny HF llama (qwen2, qwen3, phi3, gemma2, gemma3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
+    permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
+    norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
+    (gemma3: rope.freq_base_swa) and rope scaling written as convert_hf_to_gguf.py writes them).
 
     extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
     Returns the dequantized, un-permuted tensors a correct loader must produce (phi3: still fused).
@@ -105,7 +135,22 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     if arch == "phi3":
         wr.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    wr.add_rope_freq_base(10000.0)
+    gemma = arch in ("gemma2", "gemma3")
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        full, local = rope["full_attention"], rope["sliding_attention"]
+        wr.add_rope_freq_base(full["rope_theta"])
+        wr.add_float32(f"{arch}.rope.freq_base_swa", local["rope_theta"])
+        if full.get("rope_type") == "linear":
+            wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            wr.add_rope_scaling_factor(full["factor"])
+    else:
+        wr.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if gemma:
+        wr.add_sliding_window(cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                wr.add_float32(f"{arch}.{key}", cfg[key])
     wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
@@ -116,10 +161,12 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         if m:
-            gname = f"blk.{m.group(1)}.{GGUF_NAMES[m.group(2)]}.{m.group(3)}"
+            gname = f"blk.{m.group(1)}.{(GGUF_GEMMA_NAMES.get(m.group(2)) if gemma else None) or GGUF_NAMES[m.group(2)]}.{m.group(3)}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
         arr = t.astype(np.float32)
+        if gemma and name.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp's converter stores Gemma's (1 + w)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             arr = permute_qk(arr, heads if "q_proj" in name else kv)
         if arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:

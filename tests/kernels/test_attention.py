@@ -8,6 +8,7 @@ test runs it natively in a subprocess, since the interpreter choice is fixed at 
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -301,3 +302,48 @@ def native_cuda_check() -> None:
 @pytest.mark.gpu
 def test_triton_native_cuda_matches_reference():
     run_native_cuda_check(__file__)
+
+
+@pytest.mark.parametrize("window", (0, 7))
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_softcap_matches_reference(name, window):
+    """Soft-capped scores (Gemma 2: s -> cap * tanh(s / cap)) on the torch backend's every path
+    (batched decode, per-sequence prefill and chunks: its eager twin of sdpa) against the
+    reference; a cap of 0.5 on scores of about 1 changes the output, so the check binds."""
+    q, k_cache, v_cache, kw = make_case(*scenario(name, 8), block_size=8, heads=9, kv_heads=3, head_dim=64)
+    ref = paged.paged_attention(q, k_cache, v_cache, backend="reference", window=window, softcap=0.5, **kw)
+    out = paged.paged_attention(q, k_cache, v_cache, backend="torch", window=window, softcap=0.5, **kw)
+    assert (out - ref).abs().max() <= TOL
+    uncapped = paged.paged_attention(q, k_cache, v_cache, backend="reference", window=window, **kw)
+    assert (uncapped - ref).abs().max() > 100 * TOL
+
+
+@pytest.mark.parametrize("window", (0, 5))
+def test_softcapped_fresh_prompts_equal_one_by_one(window):
+    """attend_fresh (n prompts of one length in one call) soft-capped, against attend_one per prompt, its twin."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 12, 8, 32, generator=g), torch.randn(3, 12, 2, 32, generator=g), torch.randn(3, 12, 2, 32, generator=g)
+    together = torch_paged.attend_fresh(q, k, v, 32**-0.5, window, softcap=0.7)
+    for i in range(3):
+        assert torch.equal(together[i], torch_paged.attend_one(q[i], k[i], v[i], 32**-0.5, window, softcap=0.7))
+
+
+def test_softcap_is_refused_where_the_kernel_lacks_it():
+    """The Triton kernel has no soft-cap: asked for one, kernels.paged refuses it by name (before
+    importing Triton), and an engine on CUDA refuses a soft-capped model with a typed error
+    before building it."""
+    from pdserve.common.errors import NotSupportedError
+    from pdserve.runtime.config import EngineConfig, ModelConfig
+    from pdserve.runtime.engine import check_attention_backend
+
+    q, k_cache, v_cache, kw = make_case([1], [4], block_size=8, heads=4, kv_heads=2, head_dim=64)
+    with pytest.raises(NotImplementedError, match="soft-capping.*Triton"):
+        paged.paged_attention(q, k_cache, v_cache, backend="triton", softcap=50.0, **kw)
+    with pytest.raises(ValueError, match="softcap"):
+        paged.paged_attention(q, k_cache, v_cache, softcap=-1.0, **kw)
+    gemma2 = ModelConfig.from_hf(dict(architectures=["Gemma2ForCausalLM"], vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2, head_dim=8))
+    with pytest.raises(NotSupportedError, match="soft-capping.*CUDA"):
+        check_attention_backend(gemma2, EngineConfig(device="cuda"))
+    check_attention_backend(gemma2, EngineConfig())  # the CPU serves it
+    check_attention_backend(dataclasses.replace(gemma2, attn_softcap=0.0), EngineConfig(device="cuda"))

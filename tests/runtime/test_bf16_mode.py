@@ -14,25 +14,11 @@ import torch
 from pdserve.common.tokenizer import render_chat
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine, build_model
-from pdserve.runtime.kv_cache import allocate_kv_cache
-from pdserve.runtime.model import ForwardBatch
 from pdserve.runtime.weights import load_checkpoint
 from pdserve_client.params import SamplingParams
+from tests.helpers import all_position_logits
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers and explain why."]
-
-
-def all_position_logits(model, ids: list[int], dtype) -> torch.Tensor:
-    """(L, vocab) float32 logits of every position of one sequence, in one prefill."""
-    n, block = len(ids), 16
-    blocks = -(-n // block)
-    kv = allocate_kv_cache(model.cfg, blocks, block, dtype)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, logits_indices=torch.arange(n),
-    )
-    return model(batch, kv).float()
 
 
 @pytest.mark.slow

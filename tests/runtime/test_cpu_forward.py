@@ -27,6 +27,15 @@ MODELS = {
     "mistral-window8": dict(arch="mistral", sliding_window=8),
     "qwen2-window8-layers12": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "qwen3-head32": dict(arch="qwen3", head_dim=32),  # per-head q/k norms between the qkv GEMM and RoPE
+    # Gemma 2: soft-capped attention (decode rows too: torch's eager path, not the C kernel), four
+    # norms a layer, GeGLU, scaled embeddings, final soft-cap, window 8 on layers 0 and 2
+    "gemma2-softcap-window8": dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+                                   final_logit_softcapping=4.0, tie_word_embeddings=True),
+    # Gemma 3: q/k norms, the sliding layers' own RoPE table, linear scaling on the full layer's
+    "gemma3-localrope-window8": dict(arch="gemma3", head_dim=32, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
 }
 
 

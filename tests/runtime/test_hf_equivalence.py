@@ -1,15 +1,31 @@
 """Greedy output equals HF transformers token for token (see tests/helpers.py for the one
-allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3/Phi-3 checkpoints (sliding
-windows included) and on the default model, one sequence at a time and as one mixed-length batch."""
+allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3/Phi-3/Gemma 2/Gemma 3
+checkpoints (sliding windows included) and on the default model, one sequence at a time and as
+one mixed-length batch. Gemma's options each bind in its test configs: every one, removed from
+our model, moves its logits far from HF's (`test_gemma_features_bind`)."""
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.runtime.config import EngineConfig
-from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.config import EngineConfig, RopeScaling
+from pdserve.runtime.engine import LLMEngine, build_model
+from pdserve.runtime.weights import load_checkpoint
 from pdserve_client.params import SamplingParams
-from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model
+from tests.helpers import all_position_logits, assert_greedy_equal, hf_greedy, save_tiny_model
+
+# Gemma 2: soft-caps small enough for random weights' scores and logits to pass them, window 8 on
+# layers 0 and 2 (transformers' default pattern), head_dim 32 while hidden / heads is 16,
+# query_pre_attn_scalar 24 (not head_dim), tied embeddings (Gemma's default)
+GEMMA2 = dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+              final_logit_softcapping=4.0, tie_word_embeddings=True)
+# Gemma 3: q/k norms, sliding layers 0 and 2 on a local rope base of 1000, the full layer on
+# 100000 with linear scaling x4 (as Gemma 3 4B+), no attention soft-cap (its default), a final one
+GEMMA3 = dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=4.0,
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
 
 CONFIGS = {
     "llama": dict(arch="llama"),
@@ -28,6 +44,10 @@ CONFIGS = {
     # Phi-3: fused qkv_proj / gate_up_proj (split at load); its sliding_window slides every layer
     "phi3": dict(arch="phi3"),
     "phi3-window16-mha": dict(arch="phi3", sliding_window=16, num_key_value_heads=4),
+    "gemma2-softcap-window8-tied": GEMMA2,
+    "gemma3-qknorm-localrope-window8": GEMMA3,
+    # transformers 5's defaults otherwise: Gemma 3 untied, without any soft-cap, every 6th layer full
+    "gemma3-defaults-untied": dict(arch="gemma3", head_dim=16, sliding_window=8, num_hidden_layers=6, query_pre_attn_scalar=16),
 }
 
 
@@ -55,6 +75,54 @@ def test_tiny_random_models_match_hf(tmp_path, name):
         compared += assert_greedy_equal(batched[i], tokens, logits, f"{name} prompt {i} in batch")
     assert compared >= 0.9 * 2 * sum(len(t) for t, _ in refs)  # near-ties are rare, not the rule
     assert engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
+def _without(feature: str, cfg, tensors: dict):
+    """(config, tensors) of our model with one Gemma feature taken out: what serving the
+    checkpoint without that feature would compute."""
+    r = dataclasses.replace
+    if feature == "norms 1 + w":  # the norms' stored (1 + w) back to w
+        return cfg, {k: v - 1 if k.endswith("norm.weight") else v for k, v in tensors.items()}
+    if feature == "sandwich norms":  # the Llama layer: pre_feedforward_layernorm as its post-attention norm, the others unused
+        return r(cfg, sandwich_norms=False), {**tensors, **{k.replace("pre_feedforward", "post_attention"): v for k, v in tensors.items()
+                                                             if "pre_feedforward" in k}}
+    return r(cfg, **{"embedding scale": dict(embed_scale=1.0), "GeGLU": dict(activation="silu"),
+                     "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0), "attention soft-cap": dict(attn_softcap=0.0),
+                     "final soft-cap": dict(final_softcap=0.0), "sliding windows": dict(layer_windows=()),
+                     "q/k norms": dict(qk_norm=False), "local rope base": dict(rope_local_theta=0.0),
+                     "global rope scaling": dict(rope_scaling=RopeScaling())}[feature]), tensors
+
+
+_COMMON = ["embedding scale", "norms 1 + w", "sandwich norms", "GeGLU", "query_pre_attn_scalar", "final soft-cap"]
+
+
+@pytest.mark.parametrize("name,overrides,features", [
+    ("gemma2", GEMMA2, [*_COMMON, "attention soft-cap", "sliding windows"]),
+    ("gemma3", GEMMA3, [*_COMMON, "q/k norms", "local rope base", "global rope scaling"]),
+])
+def test_gemma_features_bind(tmp_path, name, overrides, features):
+    """Every position's logits of a 40-token prompt (past the window 8), from our model (fast path
+    and module forward) and from HF: equal to float32 rounding, and with any one feature taken
+    out of ours, off by more than 5% of the logits' scale, so the greedy tests above would see
+    a missing feature. (The final soft-cap is monotonic, so greedy tokens alone cannot show it.)"""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model(tmp_path, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    scale = ref.abs().max().item()
+    cfg, tensors = load_checkpoint(str(tmp_path), progress=False)
+
+    def error(c, t, fast=True) -> float:
+        model = build_model(c, t, EngineConfig(fast_path=fast))
+        assert (model.fast is not None) == fast
+        return (all_position_logits(model, ids, torch.float32) - ref).abs().max().item() / scale
+
+    assert error(cfg, tensors) <= 1e-4 and error(cfg, tensors, fast=False) <= 1e-4
+    off = {f: error(*_without(f, cfg, tensors)) for f in features}
+    assert min(off.values()) > 0.05, f"{name}: features that do not change the logits: {[f for f, e in off.items() if e <= 0.05]}"
 
 
 CHAT_PROMPTS = [

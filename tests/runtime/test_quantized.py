@@ -207,6 +207,36 @@ def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch,
     assert calls == [1] * 3 + [3] * 3 + [7] * 3  # each fused decode step made the one call; the loop never did
 
 
+@pytest.mark.parametrize("arch,blocker", [("gemma2", "norms on the attention and MLP outputs"), ("gemma3", "per-head q/k norms"),
+                                         ("qwen3", "per-head q/k norms")])
+def test_models_the_one_call_step_does_not_compute_take_the_layer_loop(tmp_path, monkeypatch, arch, blocker):
+    """Gemma 2 / 3 (and Qwen3) served from a Q8_0 GGUF keep their blocks on the fast path, but
+    step_ops.c's one call is the Llama layer: one_call_blocker names why, the step is never built
+    or called, and every decode runs the per-op loop, which matches the float twin."""
+    from pdserve.runtime.cpu_forward import one_call_blocker
+
+    extra = dict(head_dim=32, sliding_window=8, tie_word_embeddings=True, query_pre_attn_scalar=32) if arch != "qwen3" else {}
+    save_tiny_model(tmp_path / "hf", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=3, **extra)
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q8_0", arch=arch)
+    quant = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, quant_activations="float"), progress=False,
+                           tokenizer=False)
+    fast = quant.model.fast
+    assert quant.model.quantized and fast is not None
+    assert one_call_blocker(quant.model.cfg).startswith(blocker) and fast.one_call_blocker == one_call_blocker(quant.model.cfg)
+    assert fast.step_layers is None and not fast.fused_step
+    llama = dataclasses.replace(quant.model.cfg, architecture="LlamaForCausalLM", qk_norm=False, sandwich_norms=False, activation="silu",
+                                attn_softcap=0.0, rope_local_theta=0.0)
+    assert one_call_blocker(llama) is None  # the embedding scale, attention scale and final soft-cap do not block it
+    monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: pytest.fail("the one-call step ran"))
+    twin = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, quantization="none"), progress=False,
+                          tokenizer=False)
+    prompts = [[5, 9, 12, 30, 7], list(range(3, 40)), [17]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    for got, want in zip(quant.generate(prompts, params), twin.generate(prompts, params)):
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-3
+
+
 def shipped_prompts() -> list[str]:
     path = Path(__file__).resolve().parents[2] / "pdserve" / "data" / "prompts.jsonl"
     return [json.loads(line)["conversations"][0]["value"] for line in path.read_text().splitlines() if line.strip()]

@@ -65,6 +65,14 @@ LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
     "qwen3-window8-2": (2, dict(arch="qwen3", head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     # fused qkv_proj / gate_up_proj split at load, then sharded like Llama's; a window on every layer
     "phi3-window8-2": (2, dict(arch="phi3", sliding_window=8)),
+    # Gemma: four norms a layer (whole on each rank, two of them after the all-reduces), soft-caps
+    # (the final one on each rank's vocabulary columns), scaled embeddings, GeGLU, windows; Gemma 3's local RoPE
+    "gemma2-softcap-window8-2": (2, dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+                                         final_logit_softcapping=4.0, tie_word_embeddings=True)),
+    "gemma3-localrope-window8-2": (2, dict(arch="gemma3", head_dim=32, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
 }
 
 

@@ -1,5 +1,6 @@
 """Weight loading: GGUF (every supported quant type, Q/K permutation undone) and HF directories,
 and one clear typed error for each kind of bad input, with nothing half-loaded."""
+import dataclasses
 import json
 import shutil
 
@@ -258,3 +259,69 @@ def test_phi3_fused_matrix_of_the_wrong_height_is_refused(tmp_path):
     save_file(w, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="qkv_proj.weight has 112 rows, expected 128"):
         load_checkpoint(tmp_path, progress=False)
+
+
+GEMMA_GGUF = {  # llama.cpp's assumptions: query_pre_attn_scalar = head_dim; gemma2 slides every 2nd layer, gemma3 5 of 6
+    "gemma2": dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=32, sliding_window=8, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=4.0, tie_word_embeddings=True),
+    "gemma3": dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=32, sliding_window=8, num_hidden_layers=6, tie_word_embeddings=True,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+}
+
+
+@pytest.mark.parametrize("arch", list(GEMMA_GGUF))
+def test_gemma_gguf_loads_as_the_hf_checkpoint_and_decodes_as_hf(tmp_path, arch):
+    """A gemma2 / gemma3 GGUF as llama.cpp's converter writes it (norms stored as 1 + w;
+    post_attention_norm, ffn_norm as the MLP input's norm, post_ffw_norm; soft-caps, window,
+    rope.freq_base_swa and linear scaling in metadata) gives the config and tensors the HF
+    directory gives, and decodes as HF does (prompts past the window)."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model(tmp_path / "hf", **GEMMA_GGUF[arch])
+    expected = write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "F32", arch=arch)
+    hf_cfg, hf_tensors = load_checkpoint(tmp_path / "hf", progress=False)
+    cfg, tensors = load_checkpoint(tmp_path / "m.gguf", progress=False)
+    assert cfg.rms_eps == pytest.approx(hf_cfg.rms_eps)  # float32 in a GGUF
+    assert dataclasses.replace(cfg, rms_eps=hf_cfg.rms_eps) == hf_cfg, (cfg, hf_cfg)
+    assert set(tensors) == set(expected) == set(hf_tensors) - {"lm_head.weight"}
+    for name, want in hf_tensors.items():  # the HF loader's (1 + w) norms are what the GGUF stores
+        if name != "lm_head.weight":
+            torch.testing.assert_close(tensors[name], want.float(), rtol=0, atol=0, msg=name)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+    for prompt in ([5, 9, 33, 100, 7, 250, 3], list(range(40, 60))):
+        ref, logits = hf_greedy(hf, prompt, 16, eos=False)
+        got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+        assert assert_greedy_equal(got, ref, logits, f"{arch} gguf f32") >= 8
+
+
+def test_gemma_config_defaults_and_refusals():
+    """A config.json read as transformers reads it, older keys included (Gemma 2 without
+    layer_types or soft-cap keys: 50 / 30 and every 2nd layer full; Gemma 3 with rope_theta,
+    rope_local_base_freq and rope_scaling); what this runtime does not compute refused by name."""
+    from pdserve.runtime.config import ModelConfig, RopeScaling
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    g2 = ModelConfig.from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 16})
+    assert (g2.attn_softcap, g2.final_softcap, g2.query_pre_attn_scalar, g2.head_dim) == (50.0, 30.0, 256.0, 256)
+    assert g2.layer_windows == (16, 0, 16, 0) and g2.tie_embeddings and g2.embed_scale == 8.0 and g2.activation == "gelu_tanh"
+    assert g2.norm_plus_one and g2.sandwich_norms and not g2.qk_norm and g2.attention_scale == 256**-0.5
+    g3 = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "head_dim": 16, "rope_theta": 1e6,
+                              "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert g3.architecture == "Gemma3ForCausalLM" and g3.qk_norm and (g3.attn_softcap, g3.final_softcap) == (0.0, 0.0)
+    assert g3.layer_windows == (4096,) * 5 + (0, 4096)
+    assert (g3.rope_theta, g3.rope_scaling, g3.rope_local_theta) == (1e6, RopeScaling("linear", 8.0), 1e4)
+    assert [g3.local_rope(i) for i in range(7)] == [True] * 5 + [False, True]
+    refused = {
+        "bidirectional": {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+        "attention_bias": {"architectures": ["Gemma2ForCausalLM"], "attention_bias": True},
+        "hidden_activation": {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"},
+        "sliding layers": {"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+        "'yarn'": {"architectures": ["Gemma3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        "Gemma3ForConditionalGeneration": {"architectures": ["Gemma3ForConditionalGeneration"]},
+    }
+    for words, d in refused.items():
+        with pytest.raises(UnsupportedModelError, match=words):
+            ModelConfig.from_hf({**base, **d})
