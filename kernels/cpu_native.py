@@ -157,6 +157,7 @@ _SIGNATURES = {
 
 
 GEMV16_ROWS = 2  # pd_ops.h PD_GEMV16_ROWS: the rows gemv16_ops.c pd_q_gemv16 takes
+GEMV16_QTYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types gemv16_ops.c repacks (the others run pd_q_matmul's int16 path)
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 
@@ -321,8 +322,9 @@ class NativeOps:
     def gemv16_copy(self, w) -> torch.Tensor | None:
         """The 16-row interleaved copy of a kernels.quant.QuantTensor (gemv16_ops.c
         pd_q_repack16), made once per weight and kept on it; None where this variant has no
-        16-row GEMV or the weight's rows are not a multiple of 16."""
-        if not self.has_gemv16 or w.shape[0] % 16:
+        16-row GEMV, the weight's rows are not a multiple of 16 or its type is not one the GEMV
+        takes (GEMV16_QTYPES)."""
+        if not self.has_gemv16 or w.shape[0] % 16 or w.qtype not in GEMV16_QTYPES:
             return None
         copy = w.__dict__.get("_gemv16")
         if copy is None:
@@ -335,9 +337,10 @@ class NativeOps:
     def q_linear_i8_gemm(self, w):
         """x -> x @ w^T for a kernels.quant.QuantTensor w at any row count, activations rounded to
         int8 per 32-wide block (kernels.quant.matmul_int_twin "int8"), by the AVX-512 VNNI GEMM
-        (quant_ops.c pd_q_gemm_i8, vpdpbusd); None where this variant does not build it."""
+        (quant_ops.c pd_q_gemm_i8, vpdpbusd); None where this variant does not build it or the
+        weight is a K-quant (which it does not take: 3)."""
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_gemm_i8, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
-        if fn(None, k, wp, stride, qt, 0, n, k, None, n) == 2:  # no rows: 0 where the kernel is built
+        if fn(None, k, wp, stride, qt, 0, n, k, None, n) != 0:  # no rows: 0 where the kernel is built and takes the type
             return None
         return _bound_linear("q_linear_i8_gemm", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k,
                                                                            out.data_ptr(), n))

@@ -1,4 +1,5 @@
-"""GGUF block-quantized weights kept as they are (Q4_0, Q4_1, Q8_0), their matmul and their twin.
+"""GGUF block-quantized weights kept as they are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K,
+Q5_K, Q6_K), their matmul and their twin.
 
 Lifecycle: runtime.weights wraps each quantized 2-D tensor of a GGUF file in a `QuantTensor`
 (its bytes copied once out of the file map, rows in the file's order) when asked to keep
@@ -11,9 +12,24 @@ the tests compare the quantized one with.
 Blocks (32 weights each), as llama.cpp writes them:
   Q4_0 (18 bytes): fp16 d, 16 bytes of 4-bit codes   w = d * (q - 8)
   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of codes  w = d * q + m
+  Q5_0 (22 bytes): fp16 d, 4 bytes qh, 16 bytes of codes           w = d * (q - 16)
+  Q5_1 (24 bytes): fp16 d, fp16 m, 4 bytes qh, 16 bytes of codes   w = d * q + m
   Q8_0 (34 bytes): fp16 d, 32 int8 codes              w = d * q
-Low nibbles hold weights 0..15 of a block, high nibbles 16..31. Other GGUF types (K-quants,
-I-quants) are dequantized to float at load, as before.
+Low nibbles hold weights 0..15 of a block, high nibbles 16..31; Q5's fifth bit of weight j is
+bit j of qh (little-endian uint32). Super-blocks of 256 weights (the K-quants; llama.cpp's
+ggml-common.h), eight sub-blocks of 32 (Q6_K: sixteen of 16) with their own scales:
+  Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins mn (packed, see
+      _k_scale_min), 128 bytes of nibbles (byte 32c + l: weight l of sub-block 2c low, of 2c + 1
+      high)                                                         w = d * sc * q - dmin * mn
+  Q5_K (176 bytes): as Q4_K with 32 bytes qh after the scales (bit i of qh[l]: the fifth bit of
+      weight l of sub-block i)
+  Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales (one per
+      16 weights), fp16 d                                           w = d * sc * (q - 32)
+(llama-quantize writes Q5_0 / Q5_1 where a K-quant was asked for and rows are not a multiple of
+256.) Every one of them is multiplied from its blocks by the C kernels (kernels/csrc/quant_ops.c;
+also in the one-call decode step, step_ops.c); the Triton CUDA kernel (kernels.triton_quant)
+takes Q4_0 / Q4_1 / Q8_0 only (TRITON_QTYPES), and runtime.engine dequantizes the others at load
+on CUDA. Other GGUF types (I-quants, ...) are dequantized to float at load, as before.
 """
 from __future__ import annotations
 
@@ -22,15 +38,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# name -> (ggml type id, bytes per 32-weight block)
-QTYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-BLOCK = 32
+# name -> (ggml type id, bytes per block); a block is 32 weights, a K-quant's 256 (block_weights)
+QTYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q8_0": (8, 34),
+          "Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 weights
+TRITON_QTYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types kernels.triton_quant multiplies (CUDA); the others are dequantized there
+BLOCK = 32  # weights in a block (K-quants: in a sub-block); activations are rounded per BLOCK
+SUPER_BLOCK = 256
 DIRECT_ROWS = 128  # float / int8 activations: up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
 ANY_ROWS = 1 << 62
 # rows up to which the C kernel rounds activations to integers (quant_ops.c): int8 in small decode
 # steps only; int16 at every row count (above 7 rows, quant_ops.c q_gemm: 1.1-1.2x dequantize + MKL at
 # prompt sizes, 1.3-1.5x the float tiled kernel at 32-64 rows)
 DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
+
+
+def block_weights(qtype: str) -> int:
+    """Weights in one block of `qtype` (the unit a row's bytes come in)."""
+    return SUPER_BLOCK if qtype in K_QTYPES else BLOCK
+
+
+def row_bytes(qtype: str, cols: int) -> int:
+    return cols // block_weights(qtype) * QTYPES[qtype][1]
 
 
 def kernel_rows(activations: str) -> int:
@@ -50,7 +79,7 @@ class QuantTensor:
         if self.qtype not in QTYPES:
             raise ValueError(f"{self.qtype} is not a natively served quant type ({', '.join(QTYPES)})")
         rows, cols = self.shape
-        if cols % BLOCK or self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (rows, cols // BLOCK * QTYPES[self.qtype][1]):
+        if cols % block_weights(self.qtype) or self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (rows, row_bytes(self.qtype, cols)):
             raise ValueError(f"{self.qtype} bytes {tuple(self.raw.shape)} do not hold a {self.shape} matrix")
         if not self.raw.is_contiguous():
             raise ValueError("QuantTensor rows must be contiguous")
@@ -71,7 +100,8 @@ class QuantTensor:
     @staticmethod
     def cat(parts: list) -> QuantTensor | None:
         """Rows of several matrices stacked (q/k/v, gate/up); None unless all are QuantTensors of
-        one type and width (the caller then fuses float copies instead)."""
+        one type and width (the caller then fuses float copies instead: a Q4_K_M file's q/k/v
+        mix Q4_K and Q6_K in some layers, whose fused qkv is then float32)."""
         if not all(isinstance(p, QuantTensor) for p in parts) or len({(p.qtype, p.shape[1]) for p in parts}) != 1:
             return None
         raw = torch.cat([p.raw for p in parts])
@@ -95,19 +125,80 @@ class QuantTensor:
         return ops.q_dequant(self, index.reshape(-1).to(torch.int64).contiguous())
 
 
-def dequantize_raw(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """(rows, cols) float32 from rows of blocks, in plain torch."""
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """(..., 2) little-endian fp16 bytes -> (..., 1) float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q5_codes(b: torch.Tensor) -> torch.Tensor:
+    """A Q5 block's codes 0..31 (uint8, 32 wide) from its 4 bytes qh and 16 bytes of nibbles."""
+    qh = b[..., 0:4].to(torch.int64)
+    bits = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+    high = ((bits.unsqueeze(-1) >> torch.arange(32)) & 1).to(torch.uint8)
+    nib = b[..., 4:20]
+    return torch.cat([nib & 15, nib >> 4], dim=-1) | high << 4
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 packed bytes -> eight 6-bit scales and mins (uint8 each): j < 4: the low
+    6 bits of bytes j and j + 4; j >= 4: byte j + 4's nibbles below the top two bits of bytes
+    j - 4 (scale) and j (min)."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([a & 63, (c & 15) | (a >> 6) << 4], dim=-1)
+    mn = torch.cat([b & 63, (c >> 4) | (b >> 6) << 4], dim=-1)
+    return sc, mn
+
+
+def k_subblocks(raw: torch.Tensor, qtype: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A K-quant matrix as (codes (rows, cols) int16, scales (rows, cols / 16) float32, offsets
+    (rows, cols / 32) float32) with w[j] = scale[j // 16] * codes[j] + offset[j // 32], the form
+    the C kernels take (quant_ops.c qk_unpack): Q4_K / Q5_K scale d * sc (both halves of a
+    sub-block alike), offset -(dmin * mn), codes q; Q6_K scale d * sc, codes q - 32, offset 0."""
     rows = raw.shape[0]
+    blocks = raw.reshape(rows, cols // SUPER_BLOCK, QTYPES[qtype][1])
+    if qtype == "Q6_K":
+        ql, qh = blocks[..., 0:128].reshape(rows, -1, 2, 64), blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        d = _half(blocks[..., 208:210])
+        scale = d * blocks[..., 192:208].contiguous().view(torch.int8).float()  # (rows, nsb, 16)
+        low = torch.cat([ql & 15, ql >> 4], dim=-1).reshape(rows, -1, 2, 4, 32)  # weight 32k + l of each half
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
+        codes = (low | high << 4).to(torch.int16) - 32
+        return codes.reshape(rows, cols), scale.reshape(rows, -1), torch.zeros(rows, cols // BLOCK)
+    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    sc, mn = _k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 48:176] if qtype == "Q5_K" else blocks[..., 16:144]
+    qs = qs.reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(rows, -1, 8, 32)  # sub-block 2c low, 2c + 1 high
+    if qtype == "Q5_K":
+        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
+        codes = codes | ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4
+    scale = d * sc.float()  # (rows, nsb, 8)
+    offset = -(dmin * mn.float())
+    return codes.to(torch.int16).reshape(rows, cols), scale.repeat_interleave(2, -1).reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def dequantize_raw(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """(rows, cols) float32 from rows of blocks, in plain torch: gguf's values, bit for bit."""
+    rows = raw.shape[0]
+    if qtype in K_QTYPES:
+        codes, scale, offset = k_subblocks(raw, qtype, cols)
+        w = scale.unsqueeze(-1) * codes.float().reshape(rows, -1, 16)  # (d * sc) * q, as gguf rounds it
+        if qtype != "Q6_K":
+            w = w.reshape(rows, -1, BLOCK) + offset.unsqueeze(-1)  # ... - dmin * mn
+        return w.reshape(rows, cols)
     blocks = raw.reshape(rows, cols // BLOCK, QTYPES[qtype][1])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (rows, nb, 1)
+    d = _half(blocks[..., 0:2])  # (rows, nb, 1)
     if qtype == "Q8_0":
         q = blocks[..., 2:34].contiguous().view(torch.int8).float()
         w = d * q
+    elif qtype in ("Q5_0", "Q5_1"):
+        q = _q5_codes(blocks[..., 4:24] if qtype == "Q5_1" else blocks[..., 2:22]).float()
+        w = d * q + _half(blocks[..., 2:4]) if qtype == "Q5_1" else d * (q - 16)
     else:
         codes = blocks[..., 4:20] if qtype == "Q4_1" else blocks[..., 2:18]
         q = torch.cat([codes & 15, codes >> 4], dim=-1).float()
         if qtype == "Q4_1":
-            w = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
+            w = d * q + _half(blocks[..., 2:4])
         else:
             w = d * (q - 8)
     return w.reshape(rows, cols)
@@ -155,20 +246,38 @@ def quantize_activations(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Ten
     return codes.reshape(rows, cols), amax / limit, blocks.sum(-1)
 
 
-def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
-    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
-    per block d * dx * (codes . xq) + m * sum(x). Its difference from `matmul_twin` is the
-    activations' rounding to int8 or int16, which is the price of those paths."""
-    rows, cols = x.shape
-    nb = cols // BLOCK
-    xq, dx, xsum = quantize_activations(x, kind)
-    blocks = w.raw.reshape(w.shape[0], nb, QTYPES[w.qtype][1])
+def int_form(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w as the integer paths take it: (codes (N, K) int, scales (N, K / 16) float64, offsets
+    (N, K / 32) float64) with w[j] = scale[j // 16] * codes[j] + offset[j // 32] (the C kernels'
+    q_block_head / qk_unpack: Q4_0 / Q5_0 unsigned codes with offset -8 d / -16 d, Q8_0 signed
+    codes, Q6_K signed codes q - 32 with a scale per 16 weights, the rest a scale per 32)."""
+    n, cols = w.shape
+    if w.qtype in K_QTYPES:
+        codes, scale, offset = k_subblocks(w.raw, w.qtype, cols)
+        return codes, scale.double(), offset.double()
+    blocks = w.raw.reshape(n, cols // BLOCK, QTYPES[w.qtype][1])
     d = blocks[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # (N, nb)
     if w.qtype == "Q8_0":
         q, m = blocks[..., 2:34].contiguous().view(torch.int8), torch.zeros_like(d)
+    elif w.qtype in ("Q5_0", "Q5_1"):
+        q = _q5_codes(blocks[..., 4:24] if w.qtype == "Q5_1" else blocks[..., 2:22])
+        m = blocks[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1) if w.qtype == "Q5_1" else -16 * d
     else:
         codes = blocks[..., 4:20] if w.qtype == "Q4_1" else blocks[..., 2:18]
         q = torch.cat([codes & 15, codes >> 4], dim=-1)
         m = blocks[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1) if w.qtype == "Q4_1" else -8 * d
-    dots = torch.einsum("nbj,mbj->mnb", q.double(), xq.reshape(rows, nb, BLOCK).double())  # exact integers
-    return (dots * d.unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1) + xsum.double() @ m.T
+    return q.reshape(n, cols).to(torch.int16), d.repeat_interleave(2, -1), m
+
+
+def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
+    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
+    per 32-wide block of activations dx * sum over its halves of scale * (codes . xq), plus
+    offset * sum(x) (int_form). Its difference from `matmul_twin` is the activations' rounding to
+    int8 or int16, which is the price of those paths."""
+    rows, cols = x.shape
+    xq, dx, xsum = quantize_activations(x, kind)
+    q, scale, m = int_form(w)
+    halves = cols // 16
+    dots = torch.einsum("nhj,mhj->mnh", q.double().reshape(-1, halves, 16), xq.reshape(rows, halves, 16).double())  # exact integers
+    dxh = dx.double().repeat_interleave(2, -1)  # (M, halves)
+    return (dots * scale.unsqueeze(0) * dxh.unsqueeze(1)).sum(-1) + xsum.double() @ m.T

@@ -1,5 +1,6 @@
 """The weight-only quantized matmul as a Triton kernel: y = x @ W^T with W in GGUF's Q4_0 / Q4_1 /
-Q8_0 blocks (kernels.quant.QuantTensor), for CUDA; on CPU tensors it runs under TRITON_INTERPRET=1
+Q8_0 blocks (kernels.quant.QuantTensor; kernels.quant.TRITON_QTYPES: Q5_0 / Q5_1 and the K-quants
+are dequantized at load on CUDA by runtime.engine.build_model, with a log line), for CUDA; on CPU tensors it runs under TRITON_INTERPRET=1
 (how the tests check it where no GPU is lent).
 
 Lifecycle: imported lazily by kernels.quant.matmul_triton the first time a quantized linear layer
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.quant import QTYPES, QuantTensor
+from pdserve.kernels.quant import QTYPES, TRITON_QTYPES, QuantTensor
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -74,6 +75,9 @@ def matmul(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) ->
     and w.raw on one CUDA device (or on the CPU under TRITON_INTERPRET=1)."""
     M, K = x.shape
     N = w.shape[0]
+    if w.qtype not in TRITON_QTYPES:
+        raise ValueError(f"triton quant matmul: {w.qtype} is not a type this kernel takes ({', '.join(TRITON_QTYPES)}); "
+                         "runtime.engine dequantizes the others at load on CUDA")
     if K != w.shape[1] or x.stride(1) != 1:
         raise ValueError(f"triton quant matmul: x must be (M, {w.shape[1]}) with contiguous rows, got {tuple(x.shape)}")
     if x.device != w.raw.device or (x.device.type != "cuda" and not _INTERPRETED):

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.errors import NotSupportedError, UnsupportedModelError
-from pdserve.kernels.quant import BLOCK, QTYPES, QuantTensor
+from pdserve.kernels.quant import QuantTensor, block_weights, row_bytes
 from pdserve.runtime.config import ModelConfig
 from pdserve_client.errors import InvalidRequestError
 
@@ -168,11 +168,11 @@ def row_part(w, rank: int, n: int, name: str = "weight"):
         raise UnsupportedModelError(f"{name}: input width {w.shape[1]} does not split {n} ways")
     if not isinstance(w, QuantTensor):
         return _own(w[:, rank * cols:(rank + 1) * cols])
-    if cols % BLOCK:
+    if cols % block_weights(w.qtype):
         raise UnsupportedModelError(
-            f"{name}: {w.qtype} blocks hold {BLOCK} weights; a {n}-way split of width {w.shape[1]} gives {cols} per rank, "
+            f"{name}: {w.qtype} blocks hold {block_weights(w.qtype)} weights; a {n}-way split of width {w.shape[1]} gives {cols} per rank, "
             f"not whole blocks (serve it with --quantization none, or another tensor parallel size)")
-    width = cols // BLOCK * QTYPES[w.qtype][1]
+    width = row_bytes(w.qtype, cols)
     return QuantTensor(_own(w.raw[:, rank * width:(rank + 1) * width]), w.qtype, (w.shape[0], cols))
 
 

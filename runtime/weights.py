@@ -11,7 +11,7 @@ on any problem it raises one typed error before anything is handed to a model, s
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
 found by trying one zero block of each type a file holds), and the llama.cpp Q/K row
-permutation is undone. With keep_quantized, Q4_0/Q4_1/Q8_0 matrices stay in their blocks
+permutation is undone. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
 (kernels.quant.QuantTensor) for the quantized linear layers; `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
 """
@@ -64,7 +64,7 @@ _SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
                     keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantTensor]]:
-    """keep_quantized: a GGUF's Q4_0/Q4_1/Q8_0 matrices come back as kernels.quant.QuantTensor
+    """keep_quantized: a GGUF's kernels.quant.QTYPES matrices come back as kernels.quant.QuantTensor
     (their blocks as stored, Q/K rows un-permuted) instead of float32; everything else as before."""
     path = resolve_model_path(model)
     if path.is_dir():

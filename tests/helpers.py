@@ -155,7 +155,6 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
     expected = {}
-    qt = gguf.GGMLQuantizationType[qtype]
     for name, t in w.items():
         if name == "lm_head.weight" and (tie or cfg.get("tie_word_embeddings")):
             continue
@@ -169,8 +168,9 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             arr = arr + 1  # llama.cpp's converter stores Gemma's (1 + w)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             arr = permute_qk(arr, heads if "q_proj" in name else kv)
+        qt = gguf.GGMLQuantizationType[tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
         if arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
-            data = quants.quantize(arr, qt)
+            data = quantize_blocks(arr, qt.name)
             back = quants.dequantize(data, qt)
             wr.add_tensor(gname, data, raw_dtype=qt)
         else:
@@ -190,6 +190,96 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.write_tensors_to_file()
     wr.close()
     return expected
+
+
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama-quantize's type where rows are not a multiple of 256
+
+
+def tensor_qtype(qtype: str, gname: str, shape: tuple, layers: int) -> str:
+    """The type write_gguf gives one tensor: `qtype` itself, or for the mixes "Q4_K_M" / "Q5_K_M"
+    llama-quantize's choice (attn_v and ffn_down in Q6_K on the layers use_more_bits picks: the
+    first and last eighth and every third between; output in Q6_K; the rest Q4_K / Q5_K); a
+    K-quant's rows not a multiple of 256 fall back as llama-quantize does (K_FALLBACK)."""
+    if len(shape) != 2:
+        return "F32"
+    if qtype in ("Q4_K_M", "Q5_K_M"):
+        layer = int(gname.split(".")[1]) if gname.startswith("blk.") else -1
+        more_bits = layer >= 0 and (layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2)
+        big = gname == "output.weight" or (more_bits and (".attn_v." in gname or ".ffn_down." in gname))
+        qtype = "Q6_K" if big else qtype[:4]
+    return K_FALLBACK[qtype] if qtype in K_FALLBACK and shape[-1] % 256 else qtype
+
+
+def quantize_blocks(arr, qtype: str):
+    """(rows, cols) float32 -> (rows, bytes) uint8 GGUF blocks: gguf's numpy quantizer where it
+    has one; for Q4_K / Q5_K / Q6_K (which it lacks) a plain round-to-nearest one here, laid out as
+    llama.cpp's ggml-common.h says (tests/kernels/test_kquant.py checks it against gguf's
+    dequantizer)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype not in ("Q4_K", "Q5_K", "Q6_K"):
+        return quants.quantize(arr, GGMLQuantizationType[qtype])
+    rows, cols = arr.shape
+    x = arr.reshape(-1, 256).astype(np.float32)
+    n = x.shape[0]
+
+    def half(v):
+        return v.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    def safe(v):
+        return np.where(v > 0, v, 1.0)
+
+    if qtype == "Q6_K":
+        group = np.abs(x.reshape(n, 16, 16)).max(-1) / 31  # each 16 weights' scale, codes q - 32 in -31..31
+        d = half(group.max(-1) / 127)
+        df = d.view(np.float16).astype(np.float32)
+        sc = np.clip(np.round(group / safe(df)), 0, 127)
+        q = np.clip(np.round(x.reshape(n, 16, 16) / safe(df * sc)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(n, 2, 4, 32)
+        ql = np.concatenate([(q[:, :, 0] & 15) | (q[:, :, 2] & 15) << 4, (q[:, :, 1] & 15) | (q[:, :, 3] & 15) << 4], -1)
+        qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+        out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), d], -1)
+        return out.reshape(rows, -1)
+    top = 15 if qtype == "Q4_K" else 31
+    sub = x.reshape(n, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - low) / top, -low
+    d, dmin = half(scale.max(-1) / 63), half(mins.max(-1) / 63)
+    df, dmf = d.view(np.float16).astype(np.float32), dmin.view(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / safe(df)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(mins / safe(dmf)), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmf * mn)[..., None]) / safe(df * sc)[..., None]), 0, top).astype(np.uint8)  # (n, 8, 32)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6, (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4], -1)
+    qs = ((q[:, 0::2] & 15) | (q[:, 1::2] & 15) << 4).reshape(n, 128)  # byte 32c + l: sub-blocks 2c (low) and 2c + 1 (high)
+    parts = [d, dmin, packed]
+    if qtype == "Q5_K":
+        parts.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=1))  # bit i of qh[l]: sub-block i
+    return np.concatenate(parts + [qs], -1).reshape(rows, -1)
+
+
+def quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
+    """A random (rows, cols) kernels.quant.QuantTensor of `qtype`: gguf-quantized Gaussian weights
+    for the 32-weight types; for the K-quants random bytes (every code, scale, min and high bit
+    pattern, both halves of the packed scales) under fp16 scales d / dmin of sane size."""
+    import numpy as np
+
+    from pdserve.kernels.quant import K_QTYPES, QTYPES, QuantTensor
+
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QTYPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return QuantTensor(torch.from_numpy(quantize_blocks(w, qtype)), qtype, (rows, cols))
+    nsb = cols // 256
+    raw = rng.integers(0, 256, (rows, nsb, QTYPES[qtype][1]), dtype=np.uint8)
+
+    def half(lo, hi):
+        return rng.uniform(lo, hi, (rows, nsb)).astype(np.float16).view(np.uint8).reshape(rows, nsb, 2)
+
+    if qtype == "Q6_K":
+        raw[..., 208:210] = half(1e-4, 1e-3)
+    else:
+        raw[..., 0:2], raw[..., 2:4] = half(1e-3, 3e-3), half(1e-3, 3e-3)
+    return QuantTensor(torch.from_numpy(raw.reshape(rows, -1)), qtype, (rows, cols))
 
 
 def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:

@@ -23,10 +23,11 @@ int pd_build_isa(void);
 /* The hash of the sources it was compiled from (kernels/native_build.py source_hash). */
 const char *pd_source_hash(void);
 
-/* The ggml type ids of the quantized weights (quant_ops.c, gemv16_ops.c), how a small decode
- * batch's activations meet them (quant_ops.c ACT_*: kernels/cpu_native.py ACTIVATION_MODES), and
- * the rows the 16-row GEMV takes (gemv16_ops.c; cpu_native.GEMV16_ROWS). */
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
+/* The ggml type ids of the quantized weights (quant_ops.c, gemv16_ops.c: Q4_0 / Q4_1 / Q8_0 only),
+ * how a small decode batch's activations meet them (quant_ops.c ACT_*: kernels/cpu_native.py
+ * ACTIVATION_MODES), and the rows the 16-row GEMV takes (gemv16_ops.c; cpu_native.GEMV16_ROWS).
+ * Q4_0..Q8_0 are blocks of 32 weights; the K-quants (Q4_K, Q5_K, Q6_K) super-blocks of 256. */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 #define PD_GEMV16_ROWS 2
 
@@ -46,7 +47,8 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
 int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K, float *out, int64_t os);
 
 /* The int8-activation GEMM (ACT_INT8 products, any row count) on AVX-512 VNNI (vpdpbusd);
- * returns 2 where not built (the avx2 and baseline variants: callers never offer it there). */
+ * returns 2 where not built (the avx2 and baseline variants: callers never offer it there), 3 for
+ * a type it does not take (the K-quants). */
 int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
                  int64_t os);
 

@@ -82,22 +82,177 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-static inline int q_block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
+/* Bytes of one block: 32 weights, or for the K-quants a super-block of 256. */
+static inline int q_block_bytes(int qt) {
+    switch (qt) {
+        case QT_Q4_0: return 18;
+        case QT_Q4_1: return 20;
+        case QT_Q5_0: return 22;
+        case QT_Q5_1: return 24;
+        case QT_Q4_K: return 144;
+        case QT_Q5_K: return 176;
+        case QT_Q6_K: return 210;
+        default: return 34;
+    }
+}
 
-/* Block scale d, offset m (so that w = d * q + m, with q the raw code) and the codes' address. */
+static inline int q_is_k(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+static inline int q_is_5(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
+
+/* Block scale d, offset m (so that w = d * q + m, with q the raw code) and the codes' address
+ * (Q5_0 / Q5_1: their 4 bytes of fifth bits, then the 16 bytes of nibbles). 32-weight blocks only. */
 static inline const uint8_t *q_block_head(const uint8_t *blk, int qt, float *d, float *m) {
     *d = half_to_float(blk);
-    if (qt == QT_Q4_1) {
+    if (qt == QT_Q4_1 || qt == QT_Q5_1) {
         *m = half_to_float(blk + 2);
         return blk + 4;
     }
-    *m = qt == QT_Q4_0 ? -8.0f * *d : 0.0f;
+    *m = qt == QT_Q4_0 ? -8.0f * *d : qt == QT_Q5_0 ? -16.0f * *d : 0.0f;
     return blk + 2;
 }
 
+/* Code j (0..31) of a 32-weight block whose codes start at q (q_block_head): Q8_0's signed, the
+ * others' unsigned (Q5: the nibble, plus 16 where bit j of the fifth bits is set). */
+static inline int q_code(const uint8_t *q, int qt, int j) {
+    if (qt == QT_Q8_0) return (int8_t)q[j];
+    if (q_is_5(qt)) {
+        uint32_t qh;
+        memcpy(&qh, q, 4);
+        return (j < 16 ? q[4 + j] & 15 : q[4 + j - 16] >> 4) | (int)((qh >> j) & 1) << 4;
+    }
+    return j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+}
+
+/* The K-quants, 256-weight super-blocks as llama.cpp's ggml-common.h lays them out:
+ *   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes holding eight 6-bit scales sc and mins mn
+ *     (qk_scale_min), 128 bytes of nibbles: byte 32c + l holds weight l of sub-block 2c (low
+ *     nibble) and of sub-block 2c + 1 (high)                         w = d * sc * q - dmin * mn
+ *   Q5_K (176 bytes): the same with 32 bytes qh between the scales and the nibbles: bit i of qh[l]
+ *     is the fifth bit of weight l of sub-block i
+ *   Q6_K (210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d; in
+ *     each half of 128 weights (ql + 64h, qh + 32h) weight 32k + l is nibble (k & 1 ? ql[l + 32] :
+ *     ql[l]) (low for k < 2, high for k >= 2) with bits 2k, 2k+1 of qh[l] above it   w = d * sc * (q - 32)
+ * qk_unpack spells a super-block out as signed codes c (int16), scales s and offsets m, the form
+ * every kernel below takes: Q4_K / Q5_K w[j] = s[j / 32] * c[j] + m[j / 32] (eight sub-blocks of
+ * 32, s = d * sc, m = -(dmin * mn)); Q6_K w[j] = s[j / 16] * c[j] (sixteen halves of 16, s = d *
+ * sc, c = q - 32, no offset). s and m are exact float32 products (11 bits times 6 or 8), so that
+ * s * c (+ m) rounds exactly as gguf's dequantizer does. */
+static inline void qk_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
+        *mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+    }
+}
+
+#ifdef __AVX2__
+/* 32 code bytes (unsigned, or signed if sgn) widened to int16 at c[0..31]. */
+static inline void qk_store_codes(int16_t *c, __m256i v, int sgn) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_si256((__m256i *)c, sgn ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo));
+    _mm256_storeu_si256((__m256i *)(c + 16), sgn ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi));
+}
+#endif
+
+static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, float *restrict s, float *restrict m) {
+#ifdef __AVX2__
+    /* the codes as the plain C below spells them, 32 bytes at a time (byte shifts by 16-bit lanes, then masked) */
+    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    if (qt == QT_Q6_K) {
+        for (int half = 0; half < 2; half++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)), bias = _mm256_set1_epi8(32);
+            const __m256i nib[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
+            for (int k = 0; k < 4; k++) {
+                const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), low2), 4);
+                qk_store_codes(c + 128 * half + 32 * k, _mm256_sub_epi8(_mm256_or_si256(nib[k], top), bias), 1);
+            }
+        }
+    } else {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
+        for (int k = 0; k < 4; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (qt == QT_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+            }
+            qk_store_codes(c + 64 * k, lo, 0);
+            qk_store_codes(c + 64 * k + 32, hi, 0);
+        }
+    }
+#endif
+    if (qt == QT_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = half_to_float(blk + 208);
+        for (int h = 0; h < 16; h++) s[h] = d * (float)sc[h];
+#ifndef __AVX2__
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, c += 128)
+            for (int l = 0; l < 32; l++) {
+                c[l] = (int16_t)(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+                c[l + 32] = (int16_t)(((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4) - 32);
+                c[l + 64] = (int16_t)(((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4) - 32);
+                c[l + 96] = (int16_t)(((ql[l + 32] >> 4) | (qh[l] >> 6 & 3) << 4) - 32);
+            }
+#else
+        (void)ql; (void)qh;
+#endif
+        return;
+    }
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    /* qk_scale_min four bytes at a time: u[0..2] are the 12 packed bytes */
+    uint32_t u[3], sc[2], mn[2];
+    memcpy(u, blk + 4, 12);
+    sc[0] = u[0] & 0x3f3f3f3f;
+    sc[1] = (u[2] & 0x0f0f0f0f) | (u[0] >> 6 & 0x03030303) << 4;
+    mn[0] = u[1] & 0x3f3f3f3f;
+    mn[1] = (u[2] >> 4 & 0x0f0f0f0f) | (u[1] >> 6 & 0x03030303) << 4;
+#ifdef __AVX2__
+    const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
+    const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0)));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), scv));
+    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnv), _mm256_set1_ps(-0.0f)));
+#else
+    for (int i = 0; i < 8; i++) {
+        s[i] = d * (float)(sc[i >> 2] >> 8 * (i & 3) & 255);
+        m[i] = -(dmin * (float)(mn[i >> 2] >> 8 * (i & 3) & 255));
+    }
+#endif
+#ifndef __AVX2__
+    const uint8_t *qh = blk + 16, *qs = blk + (qt == QT_Q5_K ? 48 : 16);
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * k + l] & 15, hi = qs[32 * k + l] >> 4;
+            if (qt == QT_Q5_K) {
+                lo |= (qh[l] >> (2 * k) & 1) << 4;
+                hi |= (qh[l] >> (2 * k + 1) & 1) << 4;
+            }
+            c[64 * k + l] = (int16_t)lo;
+            c[64 * k + 32 + l] = (int16_t)hi;
+        }
+#endif
+}
+
+/* One super-block's 256 weights as float32: gguf's values, bit for bit (see qk_unpack). */
+static inline void qk_dequant(const uint8_t *blk, int qt, float *out) {
+    int16_t c[256];
+    float s[16], m[8];
+    qk_unpack(blk, qt, c, s, m);
+    if (qt == QT_Q6_K) {
+        for (int j = 0; j < 256; j++) out[j] = s[j >> 4] * (float)c[j];
+    } else {
+        for (int j = 0; j < 256; j++) out[j] = s[j >> 5] * (float)c[j] + m[j >> 5];
+    }
+}
+
 /* One block's 32 dequantised weights, float32, in order. The same arithmetic as the torch twin
- * (d * q + m for Q4_1, d * (q - 8) for Q4_0, d * q for Q8_0) so dequantised values match it bit
- * for bit. */
+ * (d * q + m for Q4_1 / Q5_1, d * (q - 8) for Q4_0, d * (q - 16) for Q5_0, d * q for Q8_0) so
+ * dequantised values match it bit for bit. */
 static inline void q_block_dequant(const uint8_t *blk, int qt, float *out) {
     float d = half_to_float(blk);
     if (qt == QT_Q8_0) {
@@ -110,6 +265,11 @@ static inline void q_block_dequant(const uint8_t *blk, int qt, float *out) {
             out[j] = d * (float)(q[j] & 15) + m;
             out[j + 16] = d * (float)(q[j] >> 4) + m;
         }
+    } else if (qt == QT_Q5_1) {
+        float m = half_to_float(blk + 2);
+        for (int j = 0; j < 32; j++) out[j] = d * (float)q_code(blk + 4, qt, j) + m;
+    } else if (qt == QT_Q5_0) {
+        for (int j = 0; j < 32; j++) out[j] = d * (float)(q_code(blk + 2, qt, j) - 16);
     } else {
         const uint8_t *q = blk + 2;
         for (int j = 0; j < 16; j++) {
@@ -119,13 +279,19 @@ static inline void q_block_dequant(const uint8_t *blk, int qt, float *out) {
     }
 }
 
-void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int64_t *rows, int n, float *out) {
-    const int nb = K / 32, bb = q_block_bytes(qt);
-#pragma omp parallel for schedule(static) if (n > 16)
-    for (int i = 0; i < n; i++) {
-        const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
-        for (int b = 0; b < nb; b++) q_block_dequant(row + (int64_t)b * bb, qt, out + (int64_t)i * K + b * 32);
+/* A row of K weights as float32, block by block (the twin's values). */
+static void q_row_dequant(const uint8_t *row, int qt, int K, float *out) {
+    const int bb = q_block_bytes(qt);
+    if (q_is_k(qt)) {
+        for (int b = 0; b < K / 256; b++) qk_dequant(row + (int64_t)b * bb, qt, out + b * 256);
+    } else {
+        for (int b = 0; b < K / 32; b++) q_block_dequant(row + (int64_t)b * bb, qt, out + b * 32);
     }
+}
+
+void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int64_t *rows, int n, float *out) {
+#pragma omp parallel for schedule(static) if (n > 16)
+    for (int i = 0; i < n; i++) q_row_dequant(w + (rows ? rows[i] : i) * row_bytes, qt, K, out + (int64_t)i * K);
 }
 
 /* Per-thread float32 scratch for a dequantised tile, grown on demand, kept for the process. */
@@ -148,14 +314,36 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A Q5_0 / Q5_1 block's 32 codes (0..31) as bytes in order; q points at its 4 bytes of fifth bits
+ * (bit j: weight j), followed by its 16 bytes of nibbles (low: weights 0..15, high: 16..31). */
+static inline __m256i q5_codes(const uint8_t *q) {
+    uint32_t qh;
+    memcpy(&qh, q, 4);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(q + 4)), mask = _mm_set1_epi8(15);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    /* byte j: byte j / 8 of qh, tested for its bit j % 8 */
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), sel);
+    return _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(bits, sel), _mm256_set1_epi8(16)));
+}
+
 /* The 32 codes of a block as four vectors of 8 floats (unscaled). */
 static inline void q_block_codes(const uint8_t *q, int qt, __m256 c[4]) {
     if (qt == QT_Q8_0) {
         for (int j = 0; j < 4; j++) c[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j))));
         return;
     }
-    __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m128i lo, hi;
+    if (q_is_5(qt)) {
+        const __m256i v = q5_codes(q);
+        lo = _mm256_castsi256_si128(v);
+        hi = _mm256_extracti128_si256(v, 1);
+    } else {
+        __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+        lo = _mm_and_si128(raw, mask);
+        hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    }
     c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
@@ -169,10 +357,10 @@ static inline void q_block_dequant8(const uint8_t *blk, int qt, float *out) {
     __m256 c[4], dv = _mm256_set1_ps(d);
     q_block_codes(q, qt, c);
     for (int j = 0; j < 4; j++) {
-        if (qt == QT_Q4_1) {
+        if (qt == QT_Q4_1 || qt == QT_Q5_1) {
             _mm256_store_ps(out + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv, c[j]), _mm256_set1_ps(m)));
-        } else if (qt == QT_Q4_0) {
-            _mm256_store_ps(out + 8 * j, _mm256_mul_ps(dv, _mm256_sub_ps(c[j], _mm256_set1_ps(8.0f))));
+        } else if (qt == QT_Q4_0 || qt == QT_Q5_0) {
+            _mm256_store_ps(out + 8 * j, _mm256_mul_ps(dv, _mm256_sub_ps(c[j], _mm256_set1_ps(qt == QT_Q4_0 ? 8.0f : 16.0f))));
         } else {
             _mm256_store_ps(out + 8 * j, _mm256_mul_ps(dv, c[j]));
         }
@@ -244,6 +432,10 @@ static inline void q_codes_i16(const uint8_t *q, const int qt, __m256i *w0, __m2
     if (qt == QT_Q8_0) {
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
         *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    } else if (q_is_5(qt)) {
+        const __m256i v = q5_codes(q);
+        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
     } else {
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
         *w0 = _mm256_and_si256(v, _mm256_set1_epi16(15));
@@ -291,7 +483,7 @@ static inline __attribute__((always_inline)) void q_direct_i16(
 static inline __attribute__((always_inline)) void q_direct8_i16(
     const uint8_t *w, int64_t row_bytes, const int qt, int K, const int16_t *xq, const float *dx, const float *xsum,
     float *out, int64_t os, int n, const int R) {
-    const int nb = K / 32, bb = q_block_bytes(qt), code_at = qt == QT_Q4_1 ? 4 : 2;
+    const int nb = K / 32, bb = q_block_bytes(qt), has_m = qt == QT_Q4_1 || qt == QT_Q5_1, code_at = has_m ? 4 : 2;
     const uint8_t *row = w + (int64_t)n * row_bytes;
     __m256 acc[2], moff[2];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); moff[r] = _mm256_setzero_ps(); }
@@ -306,7 +498,7 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
         for (int i = 0; i < 8; i++) {
             const uint8_t *bi = blk + i * row_bytes;
             memcpy(dh + i, bi, 2);
-            if (qt == QT_Q4_1) memcpy(mh + i, bi + 2, 2);
+            if (has_m) memcpy(mh + i, bi + 2, 2);
             __m256i w0, w1;
             q_codes_i16(bi + code_at, qt, &w0, &w1);
             for (int r = 0; r < R; r++) {
@@ -316,8 +508,9 @@ static inline __attribute__((always_inline)) void q_direct8_i16(
             }
         }
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
-        const __m256 m8 = qt == QT_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh))
+        const __m256 m8 = has_m           ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh))
                           : qt == QT_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), d8)
+                          : qt == QT_Q5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), d8)
                                           : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             /* lane i of s: row n+i's block sum */
@@ -466,22 +659,25 @@ typedef __m256i qv_i;
 /* One micro-tile: the first QL * V (constant, 1 or 2) rows of an activation tile (packed) times
  * weight rows wc[0..NR) (codes, int16 or, I8, int8: K each), scales d / offsets m [NR][nb] and,
  * I8, the accumulators' start values w0 [NR][nb] (-128 * the block's code sum); the QL*V x NR
- * results go to res[NR][MT]. V = 1 for a last tile of at most QL rows. */
+ * results go to res[NR][MT]. V = 1 for a last tile of at most QL rows. H = 2 (Q6_K, int16 only):
+ * each half of a block (16 weights, words 0..7 and 8..15) has its own scale, the first's in wd
+ * and the second's in wm (Q6_K has no offset), so each half's int32 sums are scaled alone. */
 static inline __attribute__((always_inline)) void q_gemm_tile(
     const int32_t *xp, const float *dxp, const float *sump, const uint8_t *wc, const float *wd, const float *wm, const int32_t *w0,
-    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V, const int I8) {
+    int nb, int K, int qt, float res[Q_GEMM_NR][Q_GEMM_MT], const int V, const int I8, const int H) {
     const int P = I8 ? 8 : 16;  /* 32-bit words in a block */
     const int64_t row = (int64_t)K * (I8 ? 1 : 2);  /* bytes of a weight row's codes */
     qv_f f[Q_GEMM_NR][2];
     for (int j = 0; j < Q_GEMM_NR; j++)
         for (int v = 0; v < V; v++) f[j][v] = qv_zero_f();
-    for (int b = 0; b < nb; b++) {
+    for (int b = 0; b < nb; b++)
+      for (int h = 0; h < H; h++) {
         const int32_t *xb = xp + (int64_t)b * P * Q_GEMM_MT;
         qv_i a[Q_GEMM_NR][2];
         for (int j = 0; j < Q_GEMM_NR; j++)
             for (int v = 0; v < V; v++) a[j][v] = I8 ? qv_set1_i(w0[j * nb + b]) : qv_zero_i();
 #pragma GCC unroll 16
-        for (int p = 0; p < P; p++) {
+        for (int p = h * P / H; p < (h + 1) * P / H; p++) {
             qv_i xv[2];
             for (int v = 0; v < V; v++) {
                 xv[v] = qv_load_i(xb + p * Q_GEMM_MT + QL * v);
@@ -500,9 +696,10 @@ static inline __attribute__((always_inline)) void q_gemm_tile(
         }
         for (int v = 0; v < V; v++) {
             const qv_f dx = qv_load_f(dxp + b * Q_GEMM_MT + QL * v);
+            const float *sc = h ? wm : wd;
             for (int j = 0; j < Q_GEMM_NR; j++)
-                f[j][v] = qv_fmadd(qv_cvt(a[j][v]), qv_mul(qv_set1_f(wd[j * nb + b]), dx), f[j][v]);
-            if (qt != QT_Q8_0) {
+                f[j][v] = qv_fmadd(qv_cvt(a[j][v]), qv_mul(qv_set1_f(sc[j * nb + b]), dx), f[j][v]);
+            if (H == 1 && qt != QT_Q8_0) {
                 const qv_f s = qv_load_f(sump + b * Q_GEMM_MT + QL * v);
                 for (int j = 0; j < Q_GEMM_NR; j++) f[j][v] = qv_fmadd(qv_set1_f(wm[j * nb + b]), s, f[j][v]);
             }
@@ -517,6 +714,24 @@ static inline __attribute__((always_inline)) void q_gemm_tile(
 static void q_gemm_unpack_panel(const uint8_t *w, int64_t row_bytes, int qt, int K, int n0, int np, uint8_t *wc, float *wd, float *wm,
                                 int32_t *w0, int i8) {
     const int nb = K / 32, bb = q_block_bytes(qt), cb = i8 ? 32 : 64;  /* code bytes a block */
+    if (q_is_k(qt)) {  /* int16 only: a super-block's codes are its 8 blocks' (qk_unpack); Q6_K's half scales in wd, wm */
+        for (int i = 0; i < Q_GEMM_NP; i++)
+            for (int sb = 0; sb < K / 256; sb++) {
+                float *d = wd + i * nb + 8 * sb, *m = wm + i * nb + 8 * sb, sc[16], mn[8];
+                int16_t *dst = (int16_t *)(wc + ((int64_t)i * nb + 8 * sb) * cb);
+                if (i >= np) {
+                    memset(dst, 0, 256 * sizeof(int16_t));
+                    for (int j = 0; j < 8; j++) d[j] = m[j] = 0.0f;
+                    continue;
+                }
+                qk_unpack(w + (int64_t)(n0 + i) * row_bytes + (int64_t)sb * bb, qt, dst, sc, mn);
+                for (int j = 0; j < 8; j++) {
+                    d[j] = qt == QT_Q6_K ? sc[2 * j] : sc[j];
+                    m[j] = qt == QT_Q6_K ? sc[2 * j + 1] : mn[j];
+                }
+            }
+        return;
+    }
     for (int i = 0; i < Q_GEMM_NP; i++)
         for (int b = 0; b < nb; b++) {
             uint8_t *dst = wc + ((int64_t)i * nb + b) * cb;
@@ -536,6 +751,8 @@ static void q_gemm_unpack_panel(const uint8_t *w, int64_t row_bytes, int qt, int
             }
             if (qt == QT_Q8_0) {
                 memcpy(dst, q, 32);
+            } else if (q_is_5(qt)) {
+                _mm256_storeu_si256((__m256i *)dst, q5_codes(q));
             } else {
                 const __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
                 _mm_storeu_si128((__m128i *)dst, _mm_and_si128(raw, mask));
@@ -582,11 +799,14 @@ static int q_gemm(const float *x, int64_t xs, const uint8_t *w, int64_t row_byte
                 const float *dj = wd + j0 * nb, *mj = wm + j0 * nb;
                 const int32_t *zj = w0 + j0 * nb;
                 if (Q_GEMM_I8 && i8) {  /* (the compiler drops these where the int8 kind is not built) */
-                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 1);
-                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 1);
+                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 1, 1);
+                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 1, 1);
+                } else if (qt == QT_Q6_K) {
+                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 0, 2);
+                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 0, 2);
                 } else {
-                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 0);
-                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 0);
+                    if (mr > Q_GEMM_MT / 2) q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 2, 0, 1);
+                    else q_gemm_tile(xt, dxt, st, wj, dj, mj, zj, nb, K, qt, res, 1, 0, 1);
                 }
                 const int nr = np - j0 < Q_GEMM_NR ? np - j0 : Q_GEMM_NR;
                 for (int r = 0; r < mr; r++)
@@ -643,6 +863,8 @@ static inline __attribute__((always_inline)) void q_direct_i8(
         __m256i codes;
         if (qt == QT_Q8_0) {
             codes = _mm256_loadu_si256((const __m256i *)q);
+        } else if (q_is_5(qt)) {
+            codes = q5_codes(q);
         } else {
             __m128i raw = _mm_loadu_si128((const __m128i *)q);
             codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
@@ -657,6 +879,116 @@ static inline __attribute__((always_inline)) void q_direct_i8(
         }
     }
     for (int r = 0; r < R; r++) out[r * os + n] = hsum8(acc[r]) + moff[r];
+}
+
+/* K-quant direct path, R (constant, 1..Q_DIRECT_INT16_ROWS) rows of integer activations (I8: int8
+ * codes, else int16) times weight row n: out[r][n] = sum over sub-blocks b of s * dx * (c . xq) +
+ * m * sum(x) (Q6_K: per half of 16, both halves under their sub-block's dx; no offset). Each
+ * super-block is spelled out once into L1 (qk_unpack) and read by every row; madd_epi16 gives a
+ * sub-block's (or half's) products as eight exact int32 pair sums (|c| <= 32, |xq| <= 32767, each
+ * < 2^24, so its float conversion is exact too), scaled by s * dx (computed eight at a time) into
+ * eight float lanes, which are summed once at the end; the eight offsets m * sum(x) take one FMA.
+ * (Folding each sub-block's lanes first, as q_direct8_i16 does, measured about 1.2x slower here.) */
+static inline __attribute__((always_inline)) void qk_direct_int(
+    const uint8_t *w, int64_t row_bytes, const int qt, int K, const void *xq, const float *dx, const float *xsum,
+    float *out, int64_t os, int n, const int R, const int I8) {
+    const int nb = K / 32, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    const __m256i lo_half = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi_half = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    __m256 acc[Q_DIRECT_INT16_ROWS], moff[Q_DIRECT_INT16_ROWS];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); moff[r] = _mm256_setzero_ps(); }
+    int16_t c[256] __attribute__((aligned(32)));
+    float s[16] __attribute__((aligned(32))), m[8] __attribute__((aligned(32)));
+    for (int sb = 0; sb < K / 256; sb++) {
+        if (sb + 1 < K / 256)
+            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)row + (int64_t)(sb + 1) * bb + off, _MM_HINT_T0);
+        qk_unpack(row + (int64_t)sb * bb, qt, c, s, m);
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (int64_t)r * K + sb * 256;  /* this row's activations of the super-block */
+            float sd[16] __attribute__((aligned(32)));  /* each sub-block's (Q6_K: half's) s * dx */
+            const __m256 d8 = _mm256_loadu_ps(dx + r * nb + 8 * sb);
+            if (qt == QT_Q6_K) {  /* halves 0..7 are sub-blocks 0..3's, 8..15 sub-blocks 4..7's */
+                _mm256_store_ps(sd, _mm256_mul_ps(_mm256_load_ps(s), _mm256_permutevar8x32_ps(d8, lo_half)));
+                _mm256_store_ps(sd + 8, _mm256_mul_ps(_mm256_load_ps(s + 8), _mm256_permutevar8x32_ps(d8, hi_half)));
+            } else {
+                _mm256_store_ps(sd, _mm256_mul_ps(_mm256_load_ps(s), d8));
+                moff[r] = _mm256_fmadd_ps(_mm256_load_ps(m), _mm256_loadu_ps(xsum + r * nb + 8 * sb), moff[r]);
+            }
+            for (int i = 0; i < 8; i++) {
+                __m256i x0, x1;
+                if (I8) {
+                    const int8_t *xr = (const int8_t *)xq + at + 32 * i;
+                    x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xr));
+                    x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xr + 16)));
+                } else {
+                    const int16_t *xr = (const int16_t *)xq + at + 32 * i;
+                    x0 = _mm256_loadu_si256((const __m256i *)xr);
+                    x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
+                }
+                const __m256i a0 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(c + 32 * i)), x0);
+                const __m256i a1 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(c + 32 * i + 16)), x1);
+                if (qt == QT_Q6_K) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_broadcast_ss(sd + 2 * i), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_broadcast_ss(sd + 2 * i + 1), acc[r]);
+                } else {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), _mm256_broadcast_ss(sd + i), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r], moff[r]));
+}
+
+/* K-quant direct path with float activations, R (constant, 1..Q_DIRECT_ROWS) rows: each
+ * super-block dequantised (qk_dequant: the twin's values) and multiplied into every row in float32. */
+static inline __attribute__((always_inline)) void qk_direct_f32(
+    const uint8_t *w, int64_t row_bytes, int qt, int K, const float *x, int64_t xs, float *out, int64_t os, int n, const int R) {
+    const int bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    float wf[256] __attribute__((aligned(32)));
+    __m256 acc[Q_DIRECT_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++) {
+        qk_dequant(row + (int64_t)sb * bb, qt, wf);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * xs + sb * 256;
+            for (int j = 0; j < 256; j += 16) {
+                acc[r][0] = _mm256_fmadd_ps(_mm256_load_ps(wf + j), _mm256_loadu_ps(xr + j), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_load_ps(wf + j + 8), _mm256_loadu_ps(xr + j + 8), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* One weight row of a K-quant through the direct path at M rows (activations as pd_q_matmul's). */
+static void qk_direct_row(const uint8_t *w, int64_t row_bytes, int qt, int K, const float *x, int64_t xs, const void *xq,
+                          const float *dx, const float *xsum, float *out, int64_t os, int n, int M, int activations) {
+    if (activations == ACT_INT16) {
+        switch (M) {
+            case 1: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1, 0); break;
+            case 2: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2, 0); break;
+            case 3: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 3, 0); break;
+            case 4: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 4, 0); break;
+            case 5: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 5, 0); break;
+            case 6: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 6, 0); break;
+            default: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 7, 0); break;
+        }
+    } else if (activations == ACT_INT8) {
+        switch (M) {
+            case 1: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1, 1); break;
+            case 2: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2, 1); break;
+            case 3: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 3, 1); break;
+            default: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 4, 1); break;
+        }
+    } else {
+        switch (M) {
+            case 1: qk_direct_f32(w, row_bytes, qt, K, x, xs, out, os, n, 1); break;
+            case 2: qk_direct_f32(w, row_bytes, qt, K, x, xs, out, os, n, 2); break;
+            case 3: qk_direct_f32(w, row_bytes, qt, K, x, xs, out, os, n, 3); break;
+            default: qk_direct_f32(w, row_bytes, qt, K, x, xs, out, os, n, 4); break;
+        }
+    }
 }
 
 /* Tiled path (M > Q_DIRECT_ROWS): x transposed once per call into xt (K, Mp),
@@ -787,9 +1119,14 @@ static int tiled_matmul(const float *x, int64_t xs, int M, int N, int K, float *
         const float *tile = wf ? wf + (int64_t)n0 * K : q_scratch((size_t)T_ROWS * K);
         if (!tile) { failed = 1; continue; }
         if (!wf)
-            for (int i = 0; i < nt; i++)
+            for (int i = 0; i < nt; i++) {
+                if (q_is_k(qt)) {
+                    q_row_dequant(w + (int64_t)(n0 + i) * row_bytes, qt, K, (float *)tile + (int64_t)i * K);
+                    continue;
+                }
                 for (int b = 0; b < nb; b++)
                     q_block_dequant8(w + (int64_t)(n0 + i) * row_bytes + (int64_t)b * q_block_bytes(qt), qt, (float *)tile + (int64_t)i * K + b * 32);
+            }
         tile_gemm(tile, nt, K, xt, Mp, M, out + n0, os, wf ? (int64_t)T_ROWS * K : 0);  /* float rows in place: prefetch the next tile's */
     }
     free(xt);
@@ -831,17 +1168,36 @@ static void q_scalar_activations(const float *x, int64_t xs, int M, int K, float
         }
 }
 
-/* One weight row times one row of integer activations: sum over blocks of d * dx * (q . xq) + m * sum(x). */
+/* One weight row times one row of integer activations: sum over blocks of d * dx * (q . xq) + m * sum(x)
+ * (K-quants: over their sub-blocks, qk_unpack's scales and offsets; Q6_K's per half). */
 static float q_scalar_row_int(const uint8_t *row, int qt, int nb, const int32_t *xq, const float *dx, const float *xsum) {
     const int bb = q_block_bytes(qt);
     float acc = 0.0f, moff = 0.0f;
+    if (q_is_k(qt)) {
+        for (int sb = 0; sb < nb / 8; sb++) {
+            int16_t c[256];
+            float s[16], m[8];
+            qk_unpack(row + (int64_t)sb * bb, qt, c, s, m);
+            for (int i = 0; i < 8; i++) {
+                const int b = 8 * sb + i;
+                int32_t dot[2] = {0, 0};
+                for (int j = 0; j < 32; j++) dot[j >> 4] += c[32 * i + j] * xq[b * 32 + j];
+                if (qt == QT_Q6_K) {
+                    acc += (float)dot[0] * (s[2 * i] * dx[b]) + (float)dot[1] * (s[2 * i + 1] * dx[b]);
+                } else {
+                    acc += (float)(dot[0] + dot[1]) * (s[i] * dx[b]);
+                    moff += m[i] * xsum[b];
+                }
+            }
+        }
+        return acc + moff;
+    }
     for (int b = 0; b < nb; b++) {
         float d, m;
         const uint8_t *q = q_block_head(row + (int64_t)b * bb, qt, &d, &m);
         const int32_t *xb = xq + b * 32;
         int32_t dot = 0;
-        for (int j = 0; j < 32; j++)
-            dot += (qt == QT_Q8_0 ? (int32_t)(int8_t)q[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4) * xb[j];
+        for (int j = 0; j < 32; j++) dot += q_code(q, qt, j) * xb[j];
         acc += (float)dot * (d * dx[b]);
         moff += m * xsum[b];
     }
@@ -877,7 +1233,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         /* int16, one or two rows: groups of 8 weight rows (q_direct8_i16); the last N % 8 weight
          * rows, and 3 or more rows of x, one weight row at a time below */
 #ifdef __F16C__
-        const int n8 = activations == ACT_INT16 && M <= Q_DIRECT8_ROWS ? N / 8 * 8 : 0;
+        const int n8 = activations == ACT_INT16 && M <= Q_DIRECT8_ROWS && !q_is_k(qt) ? N / 8 * 8 : 0;
 #pragma omp parallel for schedule(static)
         for (int g = 0; g < n8; g += 8) {
             switch (qt * 2 + M) {  /* constant qt and R: the compiler specialises each */
@@ -885,6 +1241,10 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
                 case QT_Q4_1 * 2 + 2: q_direct8_i16(w, row_bytes, QT_Q4_1, K, xq16, dx, xsum, out, os, g, 2); break;
                 case QT_Q4_0 * 2 + 1: q_direct8_i16(w, row_bytes, QT_Q4_0, K, xq16, dx, xsum, out, os, g, 1); break;
                 case QT_Q4_0 * 2 + 2: q_direct8_i16(w, row_bytes, QT_Q4_0, K, xq16, dx, xsum, out, os, g, 2); break;
+                case QT_Q5_0 * 2 + 1: q_direct8_i16(w, row_bytes, QT_Q5_0, K, xq16, dx, xsum, out, os, g, 1); break;
+                case QT_Q5_0 * 2 + 2: q_direct8_i16(w, row_bytes, QT_Q5_0, K, xq16, dx, xsum, out, os, g, 2); break;
+                case QT_Q5_1 * 2 + 1: q_direct8_i16(w, row_bytes, QT_Q5_1, K, xq16, dx, xsum, out, os, g, 1); break;
+                case QT_Q5_1 * 2 + 2: q_direct8_i16(w, row_bytes, QT_Q5_1, K, xq16, dx, xsum, out, os, g, 2); break;
                 case QT_Q8_0 * 2 + 1: q_direct8_i16(w, row_bytes, QT_Q8_0, K, xq16, dx, xsum, out, os, g, 1); break;
                 default: q_direct8_i16(w, row_bytes, QT_Q8_0, K, xq16, dx, xsum, out, os, g, 2); break;
             }
@@ -895,7 +1255,9 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         if (n8 < N)  /* (every row in groups of 8: no second parallel region in the decode step) */
 #pragma omp parallel for schedule(static) if (N - n8 > 8)
         for (int n = n8; n < N; n++) {
-            if (activations == ACT_INT16) {
+            if (q_is_k(qt)) {
+                qk_direct_row(w, row_bytes, qt, K, x, xs, activations == ACT_INT16 ? (const void *)xq16 : xq, dx, xsum, out, os, n, M, activations);
+            } else if (activations == ACT_INT16) {
                 switch (M) {
                     case 1: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 1); break;
                     case 2: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 2); break;
@@ -945,7 +1307,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
         }
         float *wrow = q_scratch((size_t)K);
         if (!wrow) { failed = 1; continue; }
-        for (int b = 0; b < nb; b++) q_block_dequant(row + (int64_t)b * q_block_bytes(qt), qt, wrow + b * 32);
+        q_row_dequant(row, qt, K, wrow);
         for (int m = 0; m < M; m++) {
             float s = 0.0f;
             for (int k = 0; k < K; k++) s += x[m * xs + k] * wrow[k];
@@ -964,6 +1326,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
 int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
                  int64_t os) {
 #if defined(__AVX2__) && Q_GEMM_I8
+    if (q_is_k(qt)) return 3;
     if (M <= 0) return 0;  /* (and how a caller asks whether the kernel is built) */
     return q_gemm(x, xs, w, row_bytes, qt, M, N, K, out, os, 1);
 #else

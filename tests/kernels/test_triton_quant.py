@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels.quant import QTYPES, matmul_twin
+from pdserve.kernels.quant import TRITON_QTYPES, matmul_twin
 from tests.helpers import run_native_cuda_check
 from tests.runtime.test_quantized import random_quant
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("qtype", TRITON_QTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_triton_quant_matmul_equals_the_float_twin(qtype, rows):
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -29,6 +29,8 @@ def test_triton_quant_matmul_equals_the_float_twin(qtype, rows):
         assert got.shape == ref.shape and float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     with pytest.raises(ValueError, match="contiguous rows"):
         triton_quant.matmul(torch.randn(rows, 192)[:, ::2], w)
+    with pytest.raises(ValueError, match="Q4_K is not a type this kernel takes"):  # dequantized at load on CUDA instead
+        triton_quant.matmul(x, random_quant("Q4_K", 70, 256))
 
 
 def native_cuda_check():

@@ -8,7 +8,7 @@
   stays within 1e-4 of the float path. Each runs on every instruction-set variant the machine
   runs (tests/kernels/variants.py): the avx512 one's int16 GEMM (vpdpwssd) and the baseline's
   plain C compute the same integer products as the avx2 one.
-- A tiny random Llama written as Q4_0 / Q4_1 / Q8_0 GGUF decodes greedily like its float twin
+- A tiny random Llama written as Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 GGUF decodes greedily like its float twin
   (the same file loaded with quantization none), keeps its matrices quantized, and its
   weights take about the quantization ratio of the float bytes.
 - The one-call decode step (kernels/csrc/step_ops.c) equals the per-op layer loop it replaces
@@ -30,25 +30,25 @@ import torch
 
 from pdserve.common.tokenizer import render_chat
 from pdserve.kernels import backends, cpu_native
-from pdserve.kernels.quant import DIRECT_INT_ROWS, QTYPES, QuantTensor, matmul, matmul_int_twin, matmul_twin
+from pdserve.kernels.quant import DIRECT_INT_ROWS, K_QTYPES, QTYPES, QuantTensor, block_weights, matmul, matmul_int_twin, matmul_twin
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine, load_model
 from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.model import ForwardBatch
 from pdserve_client.params import SamplingParams
-from tests.helpers import save_tiny_model, write_gguf
+from tests.helpers import quant_blocks, save_tiny_model, write_gguf
 from tests.kernels.variants import isa  # noqa: F401  (the fixture: a test taking it runs on every instruction-set variant)
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
+BLOCK32 = [q for q in QTYPES if q not in K_QTYPES]  # the 32-weight types (the K-quants: tests/kernels/test_kquant.py, test_kquant_model.py)
 
 
 def random_quant(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-    return QuantTensor(torch.from_numpy(raw), qtype, (rows, cols))
+    """Random blocks (tests.helpers.quant_blocks); a K-quant's width rounded up to whole super-blocks."""
+    return quant_blocks(qtype, rows, -(-cols // block_weights(qtype)) * block_weights(qtype), seed)
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_dequantize_c_equals_twin_equals_gguf(qtype, isa):  # noqa: F811
     w = random_quant(qtype, 40, 96)
     ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(40, 96).astype(np.float32))
@@ -58,7 +58,7 @@ def test_dequantize_c_equals_twin_equals_gguf(qtype, isa):  # noqa: F811
     assert torch.equal(w.rows_float(rows), ref[rows])
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33, 45, 128, 131])
 def test_matmul_paths_equal_their_twins(qtype, rows, isa):  # noqa: F811
     # 53: float tile (24) and register-block (3) tails, int16 panel (48) and micro-tile (4) tails;
@@ -85,7 +85,7 @@ def test_matmul_paths_equal_their_twins(qtype, rows, isa):  # noqa: F811
         assert err <= (1e-4 if kind == "int16" else 3e-2), (kind, err)
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_int8_vnni_gemm_equals_its_twin_and_runs_only_where_built(qtype, isa):  # noqa: F811
     """pd_q_gemm_i8 (vpdpbusd, activations offset by 128, the weight sums' correction): only the
     avx512 variant builds it; elsewhere the c-int8-vnni back-end does not bind, so the selector
@@ -110,7 +110,7 @@ def test_int8_vnni_gemm_equals_its_twin_and_runs_only_where_built(qtype, isa):  
     assert torch.allclose(bound(few), matmul(few, w, activations="int8"), rtol=0, atol=1e-5 * float(matmul(few, w).abs().max()))
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_tiny_quantized_gguf_decodes_like_its_float_twin(tmp_path, qtype):
     save_tiny_model(tmp_path / "hf", arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)

@@ -1,0 +1,90 @@
+"""A tiny Llama (written by HF transformers) converted to GGUF K-quants and served from its blocks.
+
+- "Q4_K_M" as llama-quantize mixes it (tests.helpers.tensor_qtype): Q4_K matrices, attn_v and
+  ffn_down in Q6_K on the layers use_more_bits picks, output in Q6_K, and Q5_0 / Q8_0 where a
+  row (ffn_down's, 640 wide) is not a multiple of 256. Loaded packed (`--quantization auto`, int16
+  activations) and dequantized (`none`): every matrix stays in its type, the weights take about
+  the blocks' bytes, and greedy decoding agrees with the float twin token for token, allowing a
+  divergence only where the twin's own top-two logits are within LOGIT_GAP. The int16 activation
+  rounding (1/32767 of each 32-wide block's largest value) moves this random model's logits (largest
+  ~16) by up to 1.8e-2, measured; the unchanged Q8_0 path on the same model by 0.9e-2, and float
+  activations (summation order only) by 5e-5; the figure is printed. A layer whose q/k/v mix Q4_K and Q6_K has its fused qkv in float32
+  (QuantTensor.cat declines; model.load_weights fuses float copies), and so the one-call decode
+  step declines the model (cpu_forward._step_layers: not every projection quantized) and the
+  per-op loop runs.
+- Files of one K-quant each (Q4_K, Q6_K: every projection packed) run the one-call decode step
+  (kernels/csrc/step_ops.c), which equals the per-op loop bit for bit (logits), at the direct
+  (1, 3 rows) and the integer-GEMM (7+ rows) row counts, int16 and float activations.
+"""
+import pytest
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import QTYPES, block_weights
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import LLMEngine, load_model
+from pdserve_client.params import SamplingParams
+from tests.helpers import save_tiny_model, write_gguf
+from tests.runtime.test_quantized import greedy_scored, teacher_forced
+
+pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
+
+LOGIT_GAP = 5e-2  # absolute: the int16 activations' rounding (logits moved <= ~2e-2) may flip only a near-tie of the float twin
+SHAPE = dict(arch="llama", hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_q4_k_m_file_decodes_like_its_float_twin(tmp_path):
+    save_tiny_model(tmp_path / "hf", **SHAPE)
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q4_K_M")
+    cfg = EngineConfig(num_blocks=64, block_size=8)
+    quant = LLMEngine.load(tmp_path / "m.gguf", cfg, progress=False, tokenizer=False)
+    twin = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, quantization="none"), progress=False, tokenizer=False)
+    kept = {n: q.qtype for n, q in quant.model.quantized.items()}
+    assert set(kept.values()) == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}, kept
+    assert kept["layers.0.self_attn.qkv_proj.weight"] == "Q4_K"  # layer 0: q, k, v all Q4_K, fused as blocks
+    assert "layers.1.self_attn.qkv_proj.weight" not in kept  # layer 1: v in Q6_K, the fused qkv is float32
+    assert kept["layers.0.mlp.down_proj.weight"] == "Q5_0" and kept["layers.1.mlp.down_proj.weight"] == "Q8_0"  # 640 wide
+    assert kept["lm_head.weight"] == "Q6_K" and kept["layers.1.mlp.gate_up_proj.weight"] == "Q4_K"
+    packed = sum(q.nbytes for q in quant.model.quantized.values())
+    as_float = sum(q.shape[0] * q.shape[1] * 4 for q in quant.model.quantized.values())
+    ratio = max(QTYPES[t][1] / (block_weights(t) * 4) for t in kept.values())
+    assert packed <= as_float * ratio and quant.model.weight_bytes() < twin.model.weight_bytes() - as_float + packed + 1024
+    assert quant.model.fast is not None and quant.model.fast.step_layers is None  # a float qkv: the per-op loop
+
+    prompts = [[5, 9, 12, 30, 7], list(range(3, 40)), [17]]
+    seqs_t, scores_t = greedy_scored(twin.model, prompts, 16, set())
+    seqs_q, scores_q = greedy_scored(quant.model, prompts, 16, set())
+    worst = 0.0
+    for p, st, sq, lt, lq in zip(prompts, seqs_t, seqs_q, scores_t, scores_q):
+        for i, (a, b) in enumerate(zip(sq[len(p):], st[len(p):])):
+            worst = max(worst, float((lq[i] - lt[i]).abs().max()))
+            if a != b:  # allowed only at the twin's near-tie; past it the sequences are not comparable
+                gap = float(lt[i][b] - lt[i][a])
+                assert gap <= LOGIT_GAP, f"token {i} differs ({a} vs twin {b}) with twin logit gap {gap:.2e}"
+                break
+    print(f"Q4_K_M packed vs dequantized: largest logit difference before any divergence {worst:.2e}")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # the engine's generate takes the same path
+    assert [c.token_ids for c in quant.generate(prompts, params)] == [s[len(p):] for p, s in zip(prompts, seqs_q)]
+
+
+@pytest.mark.parametrize("qtype,acts", [("Q4_K", "int16"), ("Q6_K", "int16"), ("Q4_K", "float"), ("Q5_K", "int8")])
+def test_one_call_decode_step_takes_k_quants_and_equals_the_layer_loop(tmp_path, monkeypatch, qtype, acts):
+    save_tiny_model(tmp_path / "hf", **{**SHAPE, "intermediate_size": 512})
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)
+    _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, quant_activations=acts))
+    assert {q.qtype for q in model.quantized.values()} == {qtype}
+    fast = model.fast
+    assert fast.step_layers is not None and fast.fused_step
+    calls = []
+    one_call = fast.ops.decode_layers
+    monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: calls.append(a[3].shape[0]) or one_call(*a))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 20, 5, 33, 14, 7, 26)]  # 7 rows: int16's GEMM
+    for live in (seqs[:1], seqs[:3], seqs):
+        prompts = [len(s) - 3 for s in live]
+        fast.fused_step = True
+        fused = teacher_forced(model, live, prompts, decode=True)
+        fast.fused_step = False
+        loop = teacher_forced(model, live, prompts, decode=True)
+        assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
+    assert calls == [1] * 2 + [3] * 2 + [7] * 2  # each fused decode step made the one call; the loop never did
