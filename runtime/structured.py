@@ -30,12 +30,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 import threading
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
-from pdserve.runtime.grammar_lane import LRU, CompileJob, CompileLane
+from pdserve.common.errors import LimitExceededError
+from pdserve.runtime.grammar_lane import LRU, CompileJob, CompileLane, Probe, serve_probes
 from pdserve_client.errors import InvalidRequestError
 from pdserve_client.params import StructuredOutput
 
@@ -47,6 +50,13 @@ _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "json
 # default): enough for a newline and the indentation of 7 levels; unbounded, the default model
 # wrote newlines until max_tokens on one schema of five (vLLM does not bound them)
 MAX_WHITESPACE = 16
+# counts of a regex's (or a schema pattern's) counted repetitions {m,n}, multiplied through nesting: xgrammar
+# unrolls up to 128 into its automaton; past that it keeps a counter whose masks it checks token by token at
+# every step (on the default tokenizer, `.{0,200}` in a pattern: 20-25 ms a token, up to 250 ms; `.{0,100000}`
+# as a regex: up to 1.25 s; `.{0,128}`: 0.05 ms), time every other row of that worker's batch waits for.
+# A JSON schema's minLength/maxLength/minItems/maxItems are not counted: xgrammar's masks for them stay cheap
+# (maxLength 100000: 0.06 ms a token, as a plain string)
+MAX_REPEAT = 128
 CACHE_ENTRIES = 128  # compiled grammars kept for reuse (an LRU), at most this many
 CACHE_BYTES = 64 * 2**20  # ... and this many bytes (a 200-property schema compiles to ~12 MB)
 
@@ -76,8 +86,75 @@ def _whitespace(spec: StructuredOutput) -> dict:
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE} if spec.any_whitespace else {"any_whitespace": False}
 
 
+_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def repeat_count(regex: str) -> int:
+    """The largest count of a counted repetition in `regex`, multiplied through its nesting
+    (`(a{0,10}){5}`: 50; `a{3,}`: 3; none: 1). Escapes and character classes hold no counts."""
+    levels, last, i = [1], 1, 0  # levels: the largest count inside each open group; last: the atom before i
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            i, last = i + 2, 1
+            continue
+        if c == "[":
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            while j < len(regex) and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i, last = j + 1, 1
+            continue
+        m = _COUNT.match(regex, i) if c == "{" else None
+        if m:
+            last *= max(int(m.group(3) or m.group(1)), 1)  # {n}, {m,}: n, m; {m,n}: n
+            levels[-1] = max(levels[-1], last)
+            i = m.end()
+            continue
+        if c == "(":
+            levels.append(1)
+        elif c == ")" and len(levels) > 1:
+            last = levels.pop()
+            levels[-1] = max(levels[-1], last)
+            i += 1
+            continue
+        last = 1
+        i += 1
+    return max(levels)
+
+
+def _patterns(node):
+    """Every regex in a JSON schema: `pattern` strings and `patternProperties` keys, at any depth."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "pattern" and isinstance(v, str):
+                yield v
+            if k == "patternProperties" and isinstance(v, dict):
+                yield from v
+            yield from _patterns(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _patterns(v)
+
+
+def check_repeats(spec: StructuredOutput, schema=None) -> None:
+    """Raise LimitExceededError if a regex of the spec counts a repetition past MAX_REPEAT."""
+    if spec.kind == "regex":
+        regexes = [spec.spec]
+    elif spec.kind == "json":
+        regexes = _patterns(json.loads(spec.spec) if schema is None else schema)
+    else:
+        return
+    for regex in regexes:
+        n = repeat_count(regex)
+        if n > MAX_REPEAT:
+            raise LimitExceededError(f"a counted repetition {{m,n}} of {n} in {regex[:60]!r} (nested counts multiply); "
+                                     f"the limit is {MAX_REPEAT}: a larger one makes every token's mask slow")
+
+
 def check(spec: StructuredOutput) -> None:
-    """Raise InvalidRequestError if the spec does not compile (an invalid schema or regex)."""
+    """Raise InvalidRequestError if the spec does not compile (an invalid schema or regex), or
+    LimitExceededError (a subclass) if a regex of it counts a repetition past MAX_REPEAT."""
+    schema = None
     if spec.kind == "json":
         try:
             schema = json.loads(spec.spec)
@@ -85,6 +162,7 @@ def check(spec: StructuredOutput) -> None:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise InvalidRequestError("the JSON schema must be a JSON object")
+    check_repeats(spec, schema)
     try:
         _grammar(spec)
     except (RuntimeError, ValueError, TypeError) as e:
@@ -121,8 +199,10 @@ class Constrainer:
         self.rows: dict[int, _Row] = {}  # id(output list) -> its pinned grammar and matcher
         self.lock = threading.Lock()
         self.warned = False  # a row without a pinned grammar was seen (logged once)
+        self.info_json = None  # the compiler's tokenizer table as xgrammar's JSON: what the probe process compiles with
+        self.probe = Probe([sys.executable, "-P", "-c", "from pdserve.runtime.structured import _serve; _serve()"])
         self.lane = CompileLane(self._compile, threads=1, cache=LRU(CACHE_ENTRIES, CACHE_BYTES, _compiled_bytes),
-                                prepare=self._prepare)
+                                prepare=self._prepare, probe=self._probe)
 
     def configure(self, model=None, tokenizer=None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -161,9 +241,23 @@ class Constrainer:
             # xgrammar's own cache is unbounded: the lane's LRU keeps what is reused
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self.compiler_key = (vocab, eos, generation)
+            self.info_json = info.serialize_json()
+        self.probe.start(self.info_json)  # a fresh helper process if it is not running (seconds: it imports xgrammar)
+
+    def _probe(self, key, budget_s: float) -> bool:
+        """Compile key's spec in the probe process (runtime/grammar_lane.py Probe): True in budget,
+        False stopped at it; raises InvalidRequestError for a spec that does not compile."""
+        check_repeats(key[0])
+        status, text = self.probe.run(msgspec.msgpack.encode(key[0]), budget_s)
+        if status == "invalid":
+            raise InvalidRequestError(text)
+        if status == "failed":
+            raise RuntimeError(text)  # an internal failure: reported, not remembered
+        return status == "ok"
 
     def _compile(self, key):
         spec, compiler = key[0], self.compiler
+        check_repeats(spec)
         try:
             if spec.kind == "json":
                 return compiler.compile_json_schema(spec.spec, strict_mode=True, **_whitespace(spec))
@@ -249,6 +343,20 @@ class Constrainer:
                 return i + 1
         row.scanned = len(out)
         return None
+
+
+def _serve() -> None:
+    """The probe process (runtime/grammar_lane.py serve_probes): compiles specs for the tokenizer table
+    its first frame carries."""
+    import xgrammar as xgr
+
+    def make(info_json):
+        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False)
+        constrainer = Constrainer.__new__(Constrainer)
+        constrainer.compiler = compiler
+        return lambda request: constrainer._compile((msgspec.msgpack.decode(request, type=StructuredOutput),))
+
+    serve_probes(make)
 
 
 _CONSTRAINER = Constrainer()

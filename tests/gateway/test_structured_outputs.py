@@ -253,3 +253,17 @@ def test_an_unconstrained_request_imports_no_grammar_machinery():
             "print('torch' in sys.modules, 'xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_the_gateway_refuses_a_counted_repetition_past_the_limit_before_any_worker():
+    """Issue 38: `.{0,100000}` made every token's mask of a decode worker slow (15-25 ms, up to 1.25 s)."""
+    from pdserve.gateway import structured as gs
+    from pdserve.gateway.errors import ApiError
+    from pdserve_client.params import StructuredOutput
+
+    for spec, param in [(StructuredOutput("regex", ".{0,100000}"), "structured_outputs"),
+                        (StructuredOutput("json", json.dumps({"type": "string", "pattern": "[a-z]{300}"})), "response_format")]:
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(gs.check_jobs(_spec_jobs(spec)))
+        assert refused.value.status == 400 and refused.value.code == "limit_exceeded" and refused.value.param == param
+        assert "the limit is 128" in refused.value.message, refused.value.message
