@@ -160,7 +160,7 @@ class Coordinator:
         self.writers: dict[str, Writer] = {}  # iid -> its last Prefill's writer, until it reports PrefillDone
         self.handed_off: dict[str, Writer] = {}  # iid -> writer done, no token yet; oldest first (handoff_timeouts)
         self.next_writer_sweep = 0.0
-        self.twins: dict[tuple, str] = {}  # (client, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
+        self.twins: dict[tuple, str] = {}  # (client, cache salt, prompt) -> the request prefilling it; its twins wait (wait_for_twin)
         self.slo = SloRecorder()
         self.calibration = Calibration()  # prediction errors -> admission headroom (coordinator/calibration.py)
         self.handoff_times = HandoffTimes()  # a hand-off's cost beyond its predicted first step, per decode worker
@@ -563,7 +563,7 @@ class Coordinator:
         scoring request (it computes its whole prompt whatever is cached; it may lead)."""
         if st.tokens or len(st.prompt) <= block_size or not all(w.prefix_cache for w in self.workers.values()):
             return False
-        key = (st.client, tuple(st.prompt))
+        key = (st.client, st.req.params.cache_salt, tuple(st.prompt))  # a twin of another salt would find nothing cached
         lead = self.requests.get(self.twins.get(key, ""))
         if lead is None or lead is st:
             self.twins[key] = st.iid
@@ -615,7 +615,7 @@ class Coordinator:
         st.admissions += 1
         bs = d.hello.block_size  # d confirms the blocks it holds against their tokens: sent if it is thought to hold some
         self.send_worker(d, Admit(st.iid, st.num_tokens, st.admissions, p.hello.pid, p.hello.host, p.hello.boot_id,
-                                  st.prefix_tokens((st.num_tokens - 1) // bs, bs) if held else []))
+                                  st.prefix_tokens((st.num_tokens - 1) // bs, bs) if held else [], st.req.params.cache_salt))
 
     def generate_on(self, st: RequestState, w: WorkerState, decision: Decision, now: float) -> None:
         """Generate on w (a colocated worker, or a decode worker: the LOCAL path). The blocks w

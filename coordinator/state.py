@@ -170,7 +170,7 @@ class RequestState:
     prefill_end: float = 0.0  # REMOTE: when its prefill worker began sending its KV (PrefillDone less its kv_seconds)
     first_token_at: float = 0.0  # REMOTE: when its first token came, until its hand-off is measured (Coordinator.note_handoff)
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
-    twin_key: tuple | None = None  # (client, prompt) while it leads its twins (Coordinator.wait_for_twin)
+    twin_key: tuple | None = None  # (client, cache salt, prompt) while it leads its twins (Coordinator.wait_for_twin)
     scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)
 
     @property
@@ -189,12 +189,13 @@ class RequestState:
         return self.req.priority
 
     def prefix_hashes(self, block_size: int, secret: bytes) -> list[bytes]:
-        """The chained keys (keyed with the deployment's secret) of its full blocks but the one
-        holding its last token (what a prefix cache may hold for it), kept until its tokens or
-        the block size change."""
+        """The chained keys (keyed with the deployment's secret, from its cache_salt's root) of its
+        full blocks but the one holding its last token (what a prefix cache may hold for it), kept
+        until its tokens or the block size change."""
         n = self.num_tokens
         if self._hashes is None or self._hashes[:3] != (block_size, n, secret):
-            self._hashes = (block_size, n, secret, chain_hashes(self.prompt + self.tokens, block_size, secret, (n - 1) // block_size))
+            self._hashes = (block_size, n, secret, chain_hashes(self.prompt + self.tokens, block_size, secret, (n - 1) // block_size,
+                                                                  salt=self.req.params.cache_salt))
         return self._hashes[3]
 
     def prefix_tokens(self, blocks: int, block_size: int) -> list[int]:

@@ -59,7 +59,7 @@ def grant_blocks(blocks, msg: Admit) -> tuple[list[int], int] | None:
     (nothing taken) if the pool is short. At most all but the last block come from the
     prefix cache, so every hand-off carries at least one block."""
     need = blocks.blocks_for(msg.num_tokens)
-    cached = blocks.match_tokens(msg.prefix_token_ids, need - 1)
+    cached = blocks.match_tokens(msg.prefix_token_ids, need - 1, msg.cache_salt)
     rest = blocks.allocate(need - len(cached))
     if rest is None:
         blocks.free(cached)

@@ -38,6 +38,7 @@ from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.schema import (
     STRUCTURED_WRAPPER_BYTES,
     WRAPPER_LEVELS,
+    CacheSalt,
     ChatCompletionRequest,
     ChatMessageIn,
     ContentPart,
@@ -109,6 +110,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     truncation: str | None = None
     structured_outputs: dict | None = None  # vLLM's extra (gateway/structured.py), e.g. {"disable_any_whitespace": true}
+    cache_salt: CacheSalt | None = None  # vLLM's extra: only requests with this salt share its prefix-cache blocks
 
 
 def responses_bounds(req: ResponsesRequest, limits: RequestLimits) -> None:
@@ -226,7 +228,8 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessageIn]) -> ChatCom
     return ChatCompletionRequest(model=req.model, messages=system + history + input_messages(req), max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, stream=req.stream, user=req.user,
                                  response_format=response_format(req.text), tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=req.parallel_tool_calls, structured_outputs=req.structured_outputs)
+                                 parallel_tool_calls=req.parallel_tool_calls, structured_outputs=req.structured_outputs,
+                                 cache_salt=req.cache_salt)
 
 
 # ------------------------------------------------------------------ responses and events

@@ -29,7 +29,7 @@ from pdserve.gateway.structured import structured_output, whitespace
 from pdserve.gateway.tools import DeltaToolCall, NamedToolChoice, Tool, ToolCall, ToolPlan, forced_spec, template_tools
 from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
 from pdserve_client.errors import InvalidRequestError
-from pdserve_client.params import SamplingParams, StructuredOutput
+from pdserve_client.params import MAX_CACHE_SALT, SamplingParams, StructuredOutput
 from pdserve_client.protocol import ChatMessage
 from pdserve_client.protocol import ToolCall as WireToolCall
 
@@ -38,6 +38,8 @@ from pdserve_client.protocol import ToolCall as WireToolCall
 STRUCTURED_WRAPPER_BYTES = 1024
 CHECK_IDS_PER_TURN = 65536  # prompt token ids checked per turn of the event loop (checked_inputs: ~1 ms)
 WRAPPER_LEVELS = 2  # ... and this many levels of nesting around a schema: response_format's json_schema.schema, a tool's function.parameters
+# vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (common/prefix_hash.py)
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
 # ------------------------------------------------------------------ requests
@@ -75,6 +77,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     priority: int = 0  # vLLM's extra: the priority class (higher is more important; bounded by --max-client-priority)
+    cache_salt: CacheSalt | None = None  # vLLM's extra: only requests with this salt share its prefix-cache blocks
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -459,6 +462,8 @@ def sampling_kwargs(req: _Sampling, max_tokens: int, logprobs: int | None, force
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
+    if req.cache_salt is not None:
+        kw["cache_salt"] = req.cache_salt
     spec = structured_output(req)
     if spec is not None and forced is not None:
         raise bad_request("You can only either use constraints for structured outputs or tools, not both.", "tool_choice")

@@ -158,11 +158,11 @@ class BlockManager:
             ids.append(i)
         return ids
 
-    def match_tokens(self, tokens: list[int], upto_blocks: int) -> list[int]:
-        """`match` for the full blocks of tokens (at most upto_blocks), keyed here."""
+    def match_tokens(self, tokens: list[int], upto_blocks: int, salt: str | None = None) -> list[int]:
+        """`match` for the full blocks of tokens (at most upto_blocks), keyed here from salt's root."""
         if not self.prefix_cache:
             return []
-        return self.match(chain_hashes(tokens, self.block_size, self.prefix_key, upto_blocks), tokens)
+        return self.match(chain_hashes(tokens, self.block_size, self.prefix_key, upto_blocks, salt=salt), tokens)
 
     def count_lookup(self, tokens_queried: int, tokens_hit: int) -> None:
         self.queries += tokens_queried

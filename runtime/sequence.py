@@ -65,12 +65,13 @@ class Sequence:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     def hashes(self, block_size: int, upto_blocks: int, secret: bytes) -> list[bytes]:
-        """The chained keys of its first upto_blocks full blocks, keyed with secret (computed
-        once, then extended; made again if the secret changes)."""
+        """The chained keys of its first upto_blocks full blocks, keyed with secret, from its
+        params' cache_salt's root (computed once, then extended; made again if the secret changes)."""
         if secret != self.hash_secret:
             self.block_hashes, self.hash_secret = [], secret
         if len(self.block_hashes) < upto_blocks:
-            self.block_hashes = chain_hashes(self.tokens(0, upto_blocks * block_size), block_size, secret, upto_blocks, self.block_hashes)
+            self.block_hashes = chain_hashes(self.tokens(0, upto_blocks * block_size), block_size, secret, upto_blocks, self.block_hashes,
+                                             salt=self.params.cache_salt)
         return self.block_hashes[:upto_blocks]
 
     @property

@@ -397,7 +397,7 @@ def force_colliding_keys(monkeypatch) -> bytes:
 
     key = b"k" * 16
 
-    def chain_hashes(tokens, block_size, secret, upto_blocks=None, known=None):
+    def chain_hashes(tokens, block_size, secret, upto_blocks=None, known=None, salt=None):
         n = len(tokens) // block_size
         return [key] * (n if upto_blocks is None else min(upto_blocks, n))
 

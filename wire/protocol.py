@@ -109,6 +109,7 @@ class Admit(_Msg):
     # the tokens of its full blocks the decode worker may already hold: it keys them itself and confirms a
     # cached block's tokens before reusing it (runtime.kv_cache); empty when its cache is not thought to hold any
     prefix_token_ids: list[int] = []
+    cache_salt: str | None = None  # the request's params.cache_salt: the root its block keys chain from (common/prefix_hash.py)
 
 
 class Granted(_Msg):

@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _INT_MAX = 2**63 - 1  # every integer travels as msgpack int64; JSON may carry bigger ones
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
@@ -57,6 +58,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=False):
     # None = none; k = each prompt token's logprob (after the first), its rank and the top-k
     # alternatives, computed in the prefill pass (runtime/scoring.py; vLLM's prompt_logprobs)
     prompt_logprobs: int | None = None
+    # None = the shared prefix cache; a salt = only requests with this same salt share its cached
+    # blocks (common/prefix_hash.py: its chain starts from the salt's root; vLLM's cache_salt)
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +103,9 @@ def _first_problem(p: SamplingParams) -> str | None:
         return f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs!r}"
     if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
         return f"min_tokens must be an integer in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
+    if p.cache_salt is not None and not (isinstance(p.cache_salt, str) and 0 < len(p.cache_salt) <= MAX_CACHE_SALT):
+        got = f"{len(p.cache_salt)} characters" if isinstance(p.cache_salt, str) else type(p.cache_salt).__name__
+        return f"cache_salt must be None or a non-empty string of at most {MAX_CACHE_SALT} characters, got {got}"
     s = p.structured
     if s is not None:
         if s.kind not in STRUCTURED_KINDS:

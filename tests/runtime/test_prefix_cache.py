@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from pdserve.common.prefix_hash import ROOT_HASH, chain_hashes, new_secret
+from pdserve.common.prefix_hash import ROOT_HASH, SALT_PERSON, chain_hashes, new_secret, root_hash
 from pdserve.runtime import kv_cache
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
@@ -33,6 +33,38 @@ def test_keys_are_keyed_128_bit_chains():
     other = chain_hashes(list(range(40)), 8, new_secret())  # another deployment's secret: no key in common
     assert not set(other) & set(a)
     assert new_secret() != new_secret() and len(new_secret()) == 32
+
+
+def test_a_cache_salt_starts_its_own_chain():
+    """No salt: today's root (unsalted requests share as before); a salt: a root of its own, keyed
+    with the secret in a domain apart from block keys; the same salt gives the same keys, another
+    salt or none shares not one key."""
+    toks = list(range(40))
+    assert root_hash(SECRET) == root_hash(SECRET, None) == ROOT_HASH
+    assert chain_hashes(toks, 8, SECRET, salt=None) == chain_hashes(toks, 8, SECRET)
+    a = root_hash(SECRET, "tenant-a")
+    assert a == hashlib.blake2b(b"tenant-a", digest_size=16, key=SECRET, person=SALT_PERSON).digest()
+    assert len({ROOT_HASH, a, root_hash(SECRET, "tenant-b"), root_hash(new_secret(), "tenant-a")}) == 4
+    salted = chain_hashes(toks, 8, SECRET, salt="tenant-a")
+    assert salted[0] == hashlib.blake2b(a + array("q", range(8)).tobytes(), digest_size=16, key=SECRET).digest()
+    assert salted == chain_hashes(toks, 8, SECRET, salt="tenant-a")
+    assert chain_hashes(toks, 8, SECRET, known=salted[:2], salt="tenant-a") == salted
+    for other in (chain_hashes(toks, 8, SECRET), chain_hashes(toks, 8, SECRET, salt="tenant-b")):
+        assert not set(other) & set(salted)
+    assert root_hash(SECRET, "\ud800") != ROOT_HASH  # even a lone surrogate hashes (no UnicodeEncodeError in a worker)
+
+
+def test_salted_blocks_match_only_the_same_salt():
+    bm = BlockManager(8, 4)
+    toks = list(range(12))
+    t = bm.allocate(3)
+    bm.register(t, chain_hashes(toks, 4, bm.prefix_key, salt="a"), 0, toks)
+    bm.free_table(list(t))
+    assert bm.match_tokens(toks, 3, "b") == [] and bm.match_tokens(toks, 3) == [] and bm.mismatches == 0
+    got = bm.match_tokens(toks, 3, "a")
+    assert got == t and bm.mismatches == 0  # confirmed against tokens and parents as any hit
+    bm.free(got)
+    assert bm.free_blocks == 8 and bm.leaked() == []
 
 
 def blocks_with_keys(tokens, bm):
@@ -231,6 +263,27 @@ def test_prefill_mode_reuses_its_cache(tiny, reference):
     assert eng.blocks.hits == 4 * (len(SYSTEM) // 8 * 8)
     assert [c.token_ids for c in eng.generate(shared_prompts(), GREEDY)] == first
     assert eng.blocks.hits >= sum((len(p) - 1) // 8 * 8 for p in shared_prompts())  # released blocks stay cached
+    assert_whole(eng)
+
+
+def test_cache_salt_shares_only_within_a_salt(tiny, reference):
+    """The engine's scheduler keys each sequence from its params' cache_salt: a prompt run again
+    with its salt hits, with another salt or none it hits nothing, and unsalted prompts share with
+    each other as before; the tokens are the cache-off ones throughout."""
+    eng = engine(tiny)
+    p = shared_prompts()[3]
+    blocks = (len(p) - 1) // 8
+
+    def run(salt):
+        before = eng.blocks.hits
+        out = eng.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, cache_salt=salt))[0].token_ids
+        assert out == reference[3]
+        return eng.blocks.hits - before
+
+    assert run("a") == 0
+    assert run("a") == blocks * 8
+    assert run("b") == 0 and run(None) == 0
+    assert run(None) == blocks * 8 and run("b") == blocks * 8
     assert_whole(eng)
 
 

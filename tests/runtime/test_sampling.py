@@ -50,6 +50,9 @@ INVALID = [
     ("seed", -(2**63) - 1),
     ("stop", ["ok", ""]),
     ("stop_token_ids", [-1]),
+    ("cache_salt", ""),
+    ("cache_salt", "x" * 257),
+    ("cache_salt", 5),
 ]
 
 
@@ -69,6 +72,8 @@ def test_validate_accepts_defaults_and_edges():
     )
     SamplingParams(**edges).validate()
     SamplingParams(top_k=-1, seed=-(2**63), logprobs=0).validate()
+    SamplingParams(cache_salt="x" * 256).validate()
+    SamplingParams(cache_salt="\u00e9").validate()
 
 
 def test_params_travel_on_the_wire_with_defaults_omitted():

@@ -143,3 +143,30 @@ def test_n_choices_share_the_prompt_on_the_decode_worker(model_dir, shm_cluster)
     assert decode_hits(stats) - decode_hits(before) == 2 * 5 * BLOCK, json.dumps(stats)
     # one whole prompt, then its last block twice
     assert stats["kv_transfer"]["bytes"] - before["kv_transfer"]["bytes"] == (6 + 1 + 1) * block_bytes(model_dir)
+
+
+def test_cache_salt_shares_only_within_a_salt(model_dir, shm_cluster):
+    """A fresh prompt on the shm pair, one request at a time: run again with its cache_salt, the
+    prefill worker skips its cached blocks and the decode worker grants them (the hand-off's
+    blocks registered under the same salt on both sides); with another salt, or none, neither hits;
+    unsalted requests share with each other as before. Every answer is the cache-off one."""
+    prompt = [2000 + (j * 31) % 1500 for j in range(45)]  # 5 full blocks and a part
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=64, block_size=BLOCK, prefix_cache=False), progress=False, tokenizer=False)
+    want = eng.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    addr = shm_cluster.plan.client_addr
+
+    def hits(stats):
+        return {w["role"]: w["prefix_cache"]["hits"] for w in stats["workers"]}
+
+    def run(salt):
+        with Client(addr) as c:
+            before = hits(wait_all_blocks_free(c))
+            assert c.generate(token_ids=prompt, cache_salt=salt, **GREEDY).token_ids == want
+            after = hits(wait_all_blocks_free(c))
+        return {role: after[role] - before[role] for role in after}
+
+    run("tenant-a")
+    assert run("tenant-a") == {"prefill": 5 * BLOCK, "decode": 5 * BLOCK}
+    assert run("tenant-b") == {"prefill": 0, "decode": 0}
+    assert run(None) == {"prefill": 0, "decode": 0}
+    assert run(None) == {"prefill": 5 * BLOCK, "decode": 5 * BLOCK}
