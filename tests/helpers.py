@@ -16,10 +16,15 @@ from pdserve.ports import free_port  # noqa: F401  (the one free_port; tests imp
 LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
+MOE_ARCHES = ("mixtral", "qwen3_moe", "qwen2_moe")
+ROUTER_SCALE = 1.5  # MoE routers' random weights times this (router logits of std ~3: far from ties, yet no expert dominates)
+
+
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
     """Write a randomly initialised small Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2 or Gemma 3 (text)
-    checkpoint (safetensors) to `path`. Norm weights that transformers starts at ones (Qwen3's q/k
-    norms) or zeros (Gemma's, which scale by 1 + w) are drawn at random, so that they act."""
+    checkpoint (safetensors) to `path`; or a Mixtral, Qwen3-MoE or Qwen2-MoE (MOE_ARCHES; 8 experts,
+    top 2 unless overridden; routers scaled by ROUTER_SCALE). Norm weights that transformers starts
+    at ones (Qwen3's q/k norms) or zeros (Gemma's, which scale by 1 + w) are drawn at random, so that they act."""
     import transformers
 
     base = dict(
@@ -27,13 +32,24 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.25,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    if arch == "mixtral":
+        base.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
+    elif arch in MOE_ARCHES:
+        base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+        if arch == "qwen2_moe":
+            base.update(shared_expert_intermediate_size=96)
     base.update(overrides)
     torch.manual_seed(seed)
     family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2",
-              "gemma3": "Gemma3"}[arch]
+              "gemma3": "Gemma3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}[arch]
     config = getattr(transformers, f"{family}TextConfig" if arch == "gemma3" else f"{family}Config")(**base)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
-    if arch == "qwen3":  # q_norm / k_norm start at ones: make them matter
+    if arch in MOE_ARCHES:  # routers far from ties
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(ROUTER_SCALE)
+    if arch in ("qwen3", "qwen3_moe"):  # q_norm / k_norm start at ones: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
