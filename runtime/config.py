@@ -3,7 +3,8 @@
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
 metadata) and then only read (its per-layer sliding windows as transformers reads them:
 `hf_layer_windows`; the Phi-3 variants it does not implement are refused while it is built:
-`check_phi3`; Gemma 2 / 3's fields and refusals: `gemma_fields`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
+`check_phi3`; Gemma 2 / 3's fields and refusals: `gemma_fields`; Mixtral's, Qwen3-MoE's and Qwen2-MoE's
+experts: `moe_fields`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
 flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.

@@ -6,7 +6,10 @@ Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k
 Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up`, are split
 into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them;
 Gemma's norm weights w come back as the 1 + w they scale by, `add_one_to_norms`, as a Gemma
-GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms);
+GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms; a mixture of experts'
+matrices as one 3-D stack each, `mlp.experts.gate_proj` / `up_proj` / `down_proj` (`stack_experts`
+from HF's per-expert or fused names, or a GGUF's ffn_*_exps, whose quantized stacks are
+dequantized here), the router as `mlp.gate.weight`);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
