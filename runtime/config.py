@@ -3,7 +3,8 @@
 Lifecycle: a `ModelConfig` is built once by the weight loader (from config.json or GGUF
 metadata) and then only read (its per-layer sliding windows as transformers reads them:
 `hf_layer_windows`; the Phi-3 variants it does not implement are refused while it is built:
-`check_phi3`; Gemma 2 / 3's fields and refusals: `gemma_fields`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
+`check_phi3`; Gemma 2 / 3's fields and refusals: `gemma_fields`; Mixtral's, Qwen3-MoE's and Qwen2-MoE's
+experts: `moe_fields`); an `EngineConfig` and a `WorkerConfig` are built from CLI flags (each field a
 flag sets declares it: common/flags.py) or by tests. Nothing here reads
 environment variables, and nothing imports torch until a method needs it, so the command line
 builds its flags from these classes without loading the engine.
@@ -19,10 +20,12 @@ from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag
 from pdserve_client.errors import InvalidRequestError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")  # mixture-of-experts families (moe_fields)
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SiLU (SwiGLU), or GELU's tanh form (Gemma's GeGLU)
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
@@ -92,6 +95,19 @@ class ModelConfig:
     final_softcap: float = 0.0  # logits likewise (0: none)
     activation: str = "silu"  # ACTIVATIONS
     rope_local_theta: float = 0.0  # Gemma 3: the RoPE base of the sliding-window layers, unscaled (0: rope_theta, as the others)
+    # mixture-of-experts (Mixtral, Qwen3-MoE, Qwen2-MoE; runtime.moe): num_experts 0 = every layer dense.
+    # A MoE layer's router picks experts_per_tok of num_experts per token (softmax in float32, then
+    # torch.topk; norm_topk_prob: the chosen weights renormalised to sum 1, which is Mixtral's softmax
+    # over the top-k logits); each expert is a SwiGLU MLP of width moe_intermediate_size; Qwen2-MoE
+    # adds a shared expert (width shared_expert_intermediate_size) scaled by sigmoid(its gate). The
+    # layers in dense_layers (Qwen's mlp_only_layers / decoder_sparse_step) keep the dense MLP
+    # (intermediate_size)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -111,6 +127,21 @@ class ModelConfig:
             raise UnsupportedModelError("soft-caps, query_pre_attn_scalar and rope_local_theta must be >= 0 and embed_scale > 0")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise UnsupportedModelError(f"layer_windows must give one window >= 0 per layer ({self.num_layers}), got {self.layer_windows}")
+        if self.num_experts and not (1 <= self.experts_per_tok <= self.num_experts and self.moe_intermediate_size >= 1):
+            raise UnsupportedModelError(f"mixture of experts: experts_per_tok must be in 1..num_experts ({self.num_experts}) and "
+                                        f"moe_intermediate_size >= 1, got {self.experts_per_tok} and {self.moe_intermediate_size}")
+        if self.shared_expert_intermediate_size < 0 or any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise UnsupportedModelError("shared_expert_intermediate_size must be >= 0 and dense_layers name layers of the model")
+
+    def moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else the dense MLP)."""
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    @property
+    def router_weights_float(self) -> bool:
+        """Whether the routing weights multiply the experts' outputs in float32 (Mixtral, as
+        transformers') or are first cast to the model dtype (Qwen2 / Qwen3-MoE); equal in float32."""
+        return self.architecture == "MixtralForCausalLM"
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in keys, 0 for full attention."""
@@ -148,11 +179,12 @@ class ModelConfig:
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if arch == "Qwen3ForCausalLM" and d.get("attention_bias"):
-            raise UnsupportedModelError("Qwen3 with attention_bias (q/k/v and o biases) is not supported")
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and d.get("attention_bias"):
+            raise UnsupportedModelError(f"{arch} with attention_bias (q/k/v and o biases) is not supported")
         if arch == "Phi3ForCausalLM":
             check_phi3(d, rope)
         gemma = gemma_fields(arch, d) if arch in GEMMA else {}
+        moe = moe_fields(arch, d) if arch in MOE else {}
         if arch == "Gemma3ForCausalLM":  # the global layers' rope (and scaling) as the others' rope
             rope, theta = gemma.pop("global_rope"), gemma.pop("global_theta")
         return cls(
@@ -168,14 +200,45 @@ class ModelConfig:
             rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=RopeScaling.from_hf(rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None),
-            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(d.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM" else d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             tie_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_windows=hf_layer_windows(arch, d),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             **gemma,
+            **moe,
         )
+
+
+def moe_fields(arch: str, d: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / Qwen2-MoE config.json, with
+    transformers' defaults where a key is absent. Mixtral: num_local_experts (8) SwiGLU experts of
+    width intermediate_size, top num_experts_per_tok (2), its softmax over the top-k logits (the
+    softmax over all, renormalised: norm_topk_prob). Qwen3-MoE / Qwen2-MoE: num_experts (128 / 60;
+    transformers 5 writes Qwen3-MoE's as num_local_experts), top num_experts_per_tok (8 / 4),
+    width moe_intermediate_size, norm_topk_prob (default false), Qwen2-MoE's shared expert; the
+    layers that mlp_only_layers names or decoder_sparse_step skips keep the dense MLP, as
+    transformers' decoder layer decides. Refused: an activation other than SiLU."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch} hidden_act {act!r} is not supported (silu only)")
+    layers = int(d["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        experts = int(d.get("num_local_experts", d.get("num_experts", 8)))
+        return dict(num_experts=experts, experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
+    qwen3 = arch == "Qwen3MoeForCausalLM"
+    experts = int(d.get("num_experts", d.get("num_local_experts", 128 if qwen3 else 60)))
+    step = int(d.get("decoder_sparse_step", 1) or 1)
+    only = set(int(i) for i in d.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    if not experts:
+        return {}
+    return dict(num_experts=experts, experts_per_tok=int(d.get("num_experts_per_tok", 8 if qwen3 else 4)),
+                moe_intermediate_size=int(d.get("moe_intermediate_size", 768 if qwen3 else 1408)),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), dense_layers=dense,
+                shared_expert_intermediate_size=0 if qwen3 else int(d.get("shared_expert_intermediate_size", 5632)))
 
 
 def gemma_fields(arch: str, d: dict) -> dict:
@@ -248,8 +311,16 @@ def hf_layer_windows(arch: str, d: dict) -> tuple[int, ...]:
         if "sliding_attention" in types and not window:
             raise UnsupportedModelError(f"{arch}: sliding_attention layers without a sliding_window")
         return _windows_of(types, layers, int(window or 0))
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return (int(window),) * layers if window else ()
+    if arch == "Qwen3MoeForCausalLM":  # every layer, with use_sliding_window (transformers' Qwen3MoeAttention)
+        return (int(window),) * layers if window and d.get("use_sliding_window", False) else ()
+    if arch == "Qwen2MoeForCausalLM":  # layer_types, else its own default: odd-numbered (1-based) layers below max_window_layers
+        if not (window and d.get("use_sliding_window", False)):
+            return ()
+        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < int(d.get("max_window_layers", 28)) else "full_attention"
+                                         for i in range(layers)]
+        return _windows_of(types, layers, int(window))
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not (window and d.get("use_sliding_window", False)):
         return ()
     types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"

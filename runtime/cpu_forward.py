@@ -32,6 +32,10 @@ residual, then the usual fused add + norm), GeGLU in torch, and a soft-capped at
 decode kernel has no soft-cap). A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
 `window` keys, the sdpa calls take transformers' sliding-window mask (kernels.torch_paged).
+A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
+calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
+that chose it, reading only that expert's slice of the stacked weights (never the others'), and
+Qwen2-MoE's shared expert through PackedLinears; such a model decodes through the per-op loop.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap
+from pdserve.runtime.moe import MoEBlock
 
 
 class CpuForward:
@@ -71,7 +76,7 @@ class CpuForward:
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
-        for lin in [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
+        for lin in [self.lm_head, *(x for layer in self.layers for x in layer.linears())]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
         for lin in shapes.values():
             lin.warm()
@@ -133,6 +138,9 @@ class CpuForward:
                 ops.rms_norm(o, layer.attn_out_norm, normed, self.eps, check=check)
                 o = normed
             ops.rms_norm(o, layer.post_norm, x, self.eps, residual=h, check=check)
+            if layer.moe is not None:  # router, the chosen experts only (runtime.moe), Qwen2-MoE's shared expert
+                delta = layer.moe(x)
+                continue
             gate_up = layer.gate_up(x, gate_up_out)
             if c.activation == "silu":
                 ops.silu_mul(gate_up, act, check=check)
@@ -197,6 +205,8 @@ def one_call_blocker(cfg) -> str | None:
         return "attention soft-capping (Gemma 2)"
     if any(cfg.local_rope(i) for i in range(cfg.num_layers)):
         return "a second RoPE table for the sliding layers (Gemma 3)"
+    if cfg.num_experts:
+        return "mixture-of-experts layers (Mixtral, Qwen-MoE; the C step's MLP is dense)"
     return None
 
 
@@ -234,8 +244,29 @@ class _Layer:
 
         self.qkv = linear("self_attn.qkv_proj.weight", layer.self_attn.qkv_proj.bias)
         self.o = linear("self_attn.o_proj.weight")
-        self.gate_up = linear("mlp.gate_up_proj.weight")
-        self.down = linear("mlp.down_proj.weight")
+        self.moe = self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
+        if not model.cfg.moe(i):
+            self.gate_up = linear("mlp.gate_up_proj.weight")
+            self.down = linear("mlp.down_proj.weight")
+            return
+        # a mixture of experts: the stacks are the module's own tensors (read by expert, runtime.moe)
+        mlp, shared = layer.mlp, None
+        if mlp.shared_expert is not None:  # Qwen2-MoE: its shared expert runs as a dense MLP does here
+            self.shared_gate_up, self.shared_down = linear("mlp.shared_expert.gate_up_proj.weight"), linear("mlp.shared_expert.down_proj.weight")
+            ops = cpu_native.native()
+
+            def shared(x):
+                gate_up = self.shared_gate_up(x)
+                act = torch.empty((x.shape[0], gate_up.shape[1] // 2), dtype=x.dtype)
+                ops.silu_mul(gate_up.contiguous(), act)
+                return self.shared_down(act)
+
+        self.moe = MoEBlock(model.cfg, mlp.gate.weight, mlp.experts_gate_up, mlp.experts_down, shared,
+                            None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
+
+    def linears(self) -> list:
+        """This layer's PackedLinears (a MoE layer's experts are not: they are read by expert)."""
+        return [x for x in (self.qkv, self.o, self.gate_up, self.down, self.shared_gate_up, self.shared_down) if x is not None]
 
 
 class _AttentionPlan:

@@ -40,7 +40,7 @@ GATE_BLOCK = 16
 
 def linears(fast) -> list:
     """Every PackedLinear of a CpuForward: the LM head, then each layer's qkv, o, gate_up, down."""
-    return [fast.lm_head, *(lin for layer in fast.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    return [fast.lm_head, *(lin for layer in fast.layers for lin in layer.linears())]
 
 
 def rules_choice(key: str, rows: int, activations: str) -> str:

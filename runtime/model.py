@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM; Mixtral, Qwen3-MoE and
+Qwen2-MoE with their mixture-of-experts MLPs, `MoE`) over a paged KV cache.
 
 Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
 HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
@@ -30,6 +31,7 @@ from pdserve.kernels import paged
 from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.config import ModelConfig, RopeScaling
+from pdserve.runtime.moe import MoEBlock
 from pdserve.runtime.rope import RotaryEmbedding
 
 
@@ -48,6 +50,28 @@ class ForwardBatch:
 def _stack_rows(parts: list) -> torch.Tensor | QuantTensor:
     """q/k/v or gate/up as one matrix: quantized blocks stay blocks when all parts share a type."""
     return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
+
+
+def _float(w) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantTensor) else w
+
+
+def moe_tensors(tensors: dict, src: str, dst: str, shared: bool) -> dict:
+    """One MoE layer's loader tensors (runtime.weights: `mlp.gate.weight`, the stacks
+    `mlp.experts.gate_proj` / `up_proj` / `down_proj`, Qwen2-MoE's `mlp.shared_expert.*` and
+    `mlp.shared_expert_gate.weight`) under `src`, as the MoE module's parameters under `dst`: gate
+    and up rows stacked per expert; the router and the experts float (blocks dequantized), the
+    shared expert's matrices kept as blocks where they can be."""
+    m = src + "mlp."
+    out = {dst + "gate.weight": _float(tensors[m + "gate.weight"]),
+           dst + "experts_gate_up": torch.cat([_float(tensors[m + "experts.gate_proj"]), _float(tensors[m + "experts.up_proj"])], dim=1),
+           dst + "experts_down": _float(tensors[m + "experts.down_proj"])}
+    if shared:
+        s = m + "shared_expert."
+        out[dst + "shared_expert.gate_up_proj.weight"] = _stack_rows([tensors[s + "gate_proj.weight"], tensors[s + "up_proj.weight"]])
+        out[dst + "shared_expert.down_proj.weight"] = tensors[s + "down_proj.weight"]
+        out[dst + "shared_expert_gate.weight"] = _float(tensors[m + "shared_expert_gate.weight"])
+    return out
 
 
 class QuantLinear(nn.Module):
@@ -140,16 +164,41 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, inter: int | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = inter or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.act = activation(cfg.activation)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (runtime.moe): the router `gate` (E, hidden), the experts' gate
+    and up rows stacked per expert (E, 2 I, hidden) and their down matrices (E, hidden, I); for
+    Qwen2-MoE a shared expert (an MLP) scaled by sigmoid(shared_expert_gate). Only the chosen
+    experts' slices are read (runtime.moe.experts_grouped; `dense` True: the dense twin)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        s = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, s) if s else None
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if s else None
+        self.dense = False
+
+    def forward(self, x):
+        block = MoEBlock(self.cfg, self.gate.weight, self.experts_gate_up, self.experts_down, self.shared_expert,
+                         None if self.shared_expert_gate is None else self.shared_expert_gate.weight)
+        block.dense = self.dense
+        return block(x)
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +216,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
         self.sandwich = cfg.sandwich_norms
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe(layer) else MLP(cfg)
 
     def forward(self, h, batch, rope, k_cache, v_cache):
         a = self.self_attn(self.input_layernorm(h), batch, rope, k_cache, v_cache)
@@ -232,8 +281,11 @@ class LlamaModel(nn.Module):
             if self.cfg.qk_norm:
                 fused[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
                 fused[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
-            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
-            fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+            if self.cfg.moe(i):
+                fused.update(moe_tensors(tensors, p, f"layers.{i}.mlp.", self.cfg.shared_expert_intermediate_size > 0))
+            else:
+                fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+                fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
             fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
             fused[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
             if self.cfg.sandwich_norms:

@@ -66,7 +66,10 @@ def check_split(cfg: ModelConfig, n: int) -> None:
     """Refuse a model whose attention heads, KV heads or MLP width do not divide by n."""
     if n < 1:
         raise UnsupportedModelError(f"tensor parallel size must be >= 1, got {n}")
-    for what, count in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), ("MLP width", cfg.intermediate_size)):
+    widths = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), ("MLP width", cfg.intermediate_size)]
+    if cfg.num_experts:  # each rank holds every expert, a 1/n share of each one's width (and of the shared expert's)
+        widths += [("experts' MLP width", cfg.moe_intermediate_size), ("shared expert's MLP width", cfg.shared_expert_intermediate_size)]
+    for what, count in widths:
         if count % n:
             raise UnsupportedModelError(
                 f"tensor parallel size {n} does not divide the model's {count} {what} "
@@ -78,7 +81,8 @@ def rank_config(cfg: ModelConfig, n: int) -> ModelConfig:
     heads); hidden size and vocabulary stay whole (the vocabulary split is the model's own)."""
     check_split(cfg, n)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
-                               intermediate_size=cfg.intermediate_size // n)
+                               intermediate_size=cfg.intermediate_size // n, moe_intermediate_size=cfg.moe_intermediate_size // n,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n)
 
 
 def kv_head_range(num_kv_heads: int, rank: int, n: int) -> tuple[int, int]:
@@ -153,6 +157,10 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _dense(w):
+    return w.dequantize() if isinstance(w, QuantTensor) else w
+
+
 def column_part(w, rank: int, n: int):
     """Rank's whole output rows of w (out, in): a float slice, or the rows of GGUF blocks."""
     rows = w.shape[0] // n
@@ -193,12 +201,25 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
         out["lm_head.weight"] = vocab_part(tensors["lm_head.weight"], rank, n)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        moe = cfg.moe(i)
+        mlp = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") if moe and cfg.shared_expert_intermediate_size else \
+            () if moe else ("mlp.gate_proj", "mlp.up_proj")
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *mlp):
             out[p + name + ".weight"] = column_part(tensors[p + name + ".weight"], rank, n)
             if p + name + ".bias" in tensors:
                 out[p + name + ".bias"] = column_part(tensors[p + name + ".bias"].unsqueeze(1), rank, n).squeeze(1)
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
+        down = ("mlp.shared_expert.down_proj",) if moe and cfg.shared_expert_intermediate_size else () if moe else ("mlp.down_proj",)
+        for name in ("self_attn.o_proj", *down):
             out[p + name + ".weight"] = row_part(tensors[p + name + ".weight"], rank, n, p + name)
+        if moe:  # every expert on every rank, a 1/n share of its width: gate / up rows, down columns; the router whole
+            e = p + "mlp.experts."
+            width = cfg.moe_intermediate_size // n
+            for name in ("gate_proj", "up_proj"):
+                out[e + name] = _own(_dense(tensors[e + name])[:, rank * width:(rank + 1) * width])
+            out[e + "down_proj"] = _own(_dense(tensors[e + "down_proj"])[:, :, rank * width:(rank + 1) * width])
+            for name in ("mlp.gate.weight", "mlp.shared_expert_gate.weight"):
+                if p + name in tensors:
+                    out[p + name] = tensors[p + name]
         for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             if p + name + ".weight" in tensors:  # q_norm / k_norm (Qwen3, Gemma 3) and Gemma's other norms: whole on every rank

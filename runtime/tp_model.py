@@ -12,6 +12,10 @@ down and one all-reduce (Gemma: each of the two sums is normalised after its all
 every rank holds whole; GeGLU, soft-caps, the embedding scale and Gemma 3's local RoPE table as
 runtime.model has them). The embedding and the LM head are split by vocabulary: partial
 embeddings (zero rows for ids another rank holds) are all-reduced, partial logits gathered.
+A mixture-of-experts layer (runtime.moe) holds every expert on every rank, each cut to a 1/N
+share of its width (gate / up rows, down columns; Qwen2-MoE's shared expert as the dense MLP),
+and the router whole: every rank routes its identical input alike, computes its share of the
+chosen experts, and one all-reduce sums them.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
 On CUDA each rank runs on its own GPU (econf.device: runtime.tp.rank_devices), the all-reduces and
 the logits' gather are NCCL's, and GGUF blocks are dequantized (the Triton block kernel is TP 1's).
@@ -27,6 +31,7 @@ from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.config import EngineConfig, ModelConfig, RopeScaling
 from pdserve.runtime.model import RMSNorm, activation
+from pdserve.runtime.moe import MoEBlock
 from pdserve.runtime.rope import RotaryEmbedding
 from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
 
@@ -51,8 +56,28 @@ class _Layer:
         bias = torch.cat([t[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]) if a + "q_proj.bias" in t else None
         self.qkv = linear(_fused([t[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]), bias)
         self.o = linear(t[a + "o_proj.weight"], None)
-        self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
-        self.down = linear(t[p + "mlp.down_proj.weight"], None)
+        self.gate_up = self.down = self.moe = None
+        if cfg.moe(i):  # this rank's share of every expert's width (runtime.moe); Qwen2-MoE's shared expert split likewise
+            m = p + "mlp."
+            shared = None
+            if cfg.shared_expert_intermediate_size:
+                s_gate_up = linear(_fused([t[m + "shared_expert.gate_proj.weight"], t[m + "shared_expert.up_proj.weight"]]), None)
+                s_down = linear(t[m + "shared_expert.down_proj.weight"], None)
+                act = activation(cfg.activation)
+
+                def shared(x):
+                    gate, up = s_gate_up(x).split(cfg.shared_expert_intermediate_size, dim=-1)
+                    return s_down(act(gate) * up)
+
+            def dense(w):
+                return (w.dequantize() if isinstance(w, QuantTensor) else w).to(dtype).to(device).contiguous()
+
+            self.moe = MoEBlock(cfg, dense(t[m + "gate.weight"]), torch.cat([dense(t[m + "experts.gate_proj"]), dense(t[m + "experts.up_proj"])], 1),
+                                dense(t[m + "experts.down_proj"]), shared, dense(t[m + "shared_expert_gate.weight"]) if shared else None)
+            self.moe_linears = [s_gate_up, s_down] if shared else []
+        else:
+            self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
+            self.down = linear(t[p + "mlp.down_proj.weight"], None)
         def norm(name):
             return _norm(t[p + name + ".weight"], cfg.rms_eps, dtype, device, cfg)
 
@@ -99,11 +124,14 @@ class TPModel:
         def size(w):
             return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
 
-        lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down))]
+        lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down) if x is not None),
+                *(x for l in self.layers if l.moe is not None for x in l.moe_linears)]
+        experts = sum(size(w) for l in self.layers if l.moe is not None
+                      for w in (l.moe.router, l.moe.gate_up, l.moe.down, l.moe.shared_gate) if w is not None)
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
         norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm, l.q_norm, l.k_norm, l.attn_out_norm, l.mlp_out_norm)
                               if n is not None)]
-        return embed + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
+        return embed + experts + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
 
     def __call__(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
         return self.forward(batch, kv_cache)
@@ -138,8 +166,11 @@ class TPModel:
         for i, layer in enumerate(self.layers):
             a = self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))
             h = h + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))
-            gate, up = layer.gate_up(layer.post_norm(h)).split(self.cfg.intermediate_size, dim=-1)
-            m = self.group.all_reduce(layer.down(self.act(gate) * up))
+            if layer.moe is not None:  # every rank routes the same (whole) input alike; its experts' partial sums
+                m = self.group.all_reduce(layer.moe(layer.post_norm(h)))
+            else:
+                gate, up = layer.gate_up(layer.post_norm(h)).split(self.cfg.intermediate_size, dim=-1)
+                m = self.group.all_reduce(layer.down(self.act(gate) * up))
             h = h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         h = self.norm(h[batch.logits_indices])  # (N, hidden)
         return self._logits(soft_cap(self.lm_head(h), self.full.final_softcap).float())

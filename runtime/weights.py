@@ -6,7 +6,10 @@ Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k
 Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up`, are split
 into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them;
 Gemma's norm weights w come back as the 1 + w they scale by, `add_one_to_norms`, as a Gemma
-GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms);
+GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms; a mixture of experts'
+matrices as one 3-D stack each, `mlp.experts.gate_proj` / `up_proj` / `down_proj` (`stack_experts`
+from HF's per-expert or fused names, or a GGUF's ffn_*_exps, whose quantized stacks are
+dequantized here), the router as `mlp.gate.weight`);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
@@ -33,7 +36,8 @@ from pdserve.kernels.quant import QTYPES, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
 
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+               "qwen3moe": "Qwen3MoeForCausalLM"}  # llama with expert_count: Mixtral
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,6 +64,12 @@ _GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_pro
 _GGUF_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
 _SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+# mixture of experts (llama.cpp's names): the router, the experts' 3-D stacks (no .weight in ours),
+# Qwen2-MoE's shared expert and its gate
+_GGUF_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                   "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_GGUF_EXPERT_STACKS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+_DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def load_checkpoint(model: str | os.PathLike | None, progress: bool = True,
@@ -98,6 +108,7 @@ def _load_hf_dir(path: Path, progress: bool):
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"cannot read {f}: truncated or corrupt safetensors ({e})") from e
     split_fused(cfg, tensors, str(path))
+    stack_experts(cfg, tensors, str(path))
     _check_names(cfg, tensors, str(path))
     if cfg.norm_plus_one:
         add_one_to_norms(tensors)
@@ -151,6 +162,41 @@ def split_fused(cfg: ModelConfig, tensors: dict, where: str) -> None:
                 start += rows
 
 
+def stack_experts(cfg: ModelConfig, tensors: dict, where: str) -> None:
+    """A MoE checkpoint's experts as one stack per matrix, in place: `model.layers.N.mlp.experts.
+    gate_proj` / `up_proj` (E, I, hidden) and `down_proj` (E, hidden, I), the router as
+    `mlp.gate.weight`. Read from the per-expert names HF writes (Mixtral's `block_sparse_moe.
+    experts.{e}.w1` / `w3` / `w2`, Qwen's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`) or
+    from transformers 5's fused 3-D parameters (`experts.gate_up_proj` (E, 2 I, hidden): gate rows
+    then up rows, as its experts chunk them; `experts.down_proj`). Dense models pass unchanged."""
+    if not cfg.num_experts:
+        return
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for old in [n for n in tensors if n.startswith(p + "block_sparse_moe.")]:  # Mixtral's module name
+            tensors[p + "mlp." + old[len(p + "block_sparse_moe."):]] = tensors.pop(old)
+        if not cfg.moe(i):
+            continue
+        e = p + "mlp.experts."
+        fused = tensors.pop(e + "gate_up_proj", None)
+        if fused is not None:
+            if tuple(fused.shape) != (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size):
+                raise ModelLoadError(f"{where}: {e}gate_up_proj has shape {tuple(fused.shape)}, expected "
+                                     f"{(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)}")
+            tensors[e + "gate_proj"], tensors[e + "up_proj"] = fused.chunk(2, dim=1)
+        for ours, names in (("gate_proj", ("gate_proj", "w1")), ("up_proj", ("up_proj", "w3")), ("down_proj", ("down_proj", "w2"))):
+            if e + ours in tensors:
+                continue
+            per = [next((tensors.pop(f"{e}{x}.{n}.weight") for n in names if f"{e}{x}.{n}.weight" in tensors), None)
+                   for x in range(cfg.num_experts)]
+            if any(w is None for w in per):
+                raise ModelLoadError(f"{where} lacks expert {per.index(None)}'s {ours} in layer {i} ({cfg.num_experts} experts)")
+            tensors[e + ours] = torch.stack([w.dequantize() if isinstance(w, QuantTensor) else w for w in per])
+        extra = [n for n in tensors if n.startswith(e) and n[len(e):].split(".")[0].isdigit()]
+        if extra:
+            raise ModelLoadError(f"{where}: {extra[0]} names an expert beyond the config's {cfg.num_experts}")
+
+
 def _rows(w, start: int, stop: int):
     if isinstance(w, QuantTensor):
         return w.take_rows(torch.arange(start, stop))
@@ -159,14 +205,28 @@ def _rows(w, start: int, stop: int):
 
 def _check_names(cfg: ModelConfig, tensors: dict, where: str) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
+    shapes = {}  # MoE tensors: the shape the config implies
     for i in range(cfg.num_layers):
-        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values() if cfg.qk_norm or n not in _QK_NORMS]
+        moe = cfg.moe(i)
+        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_BLOCK_NAMES.values()
+                 if (cfg.qk_norm or n not in _QK_NORMS) and not (moe and n in _DENSE_MLP)]
         need += [f"model.layers.{i}.{n}.weight" for n in _SANDWICH if cfg.sandwich_norms]
+        if moe:
+            p, e, m, h = f"model.layers.{i}.mlp.", cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+            shapes.update({p + "gate.weight": (e, h), p + "experts.gate_proj": (e, m, h), p + "experts.up_proj": (e, m, h),
+                           p + "experts.down_proj": (e, h, m)})
+            if cfg.shared_expert_intermediate_size:
+                s = cfg.shared_expert_intermediate_size
+                shapes.update({p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
+                               p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)})
     if not cfg.tie_embeddings:
         need.append("lm_head.weight")
-    missing = [n for n in need if n not in tensors]
+    missing = [n for n in [*need, *shapes] if n not in tensors]
     if missing:
         raise ModelLoadError(f"{where} lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+    bad = [(n, tuple(tensors[n].shape), want) for n, want in shapes.items() if tuple(tensors[n].shape) != want]
+    if bad:
+        raise ModelLoadError(f"{where}: {bad[0][0]} has shape {bad[0][1]}, the config implies {bad[0][2]}")
 
 
 # ---------------------------------------------------------------- GGUF
@@ -207,9 +267,11 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
             raise ModelLoadError(f"cannot dequantize {t.name} in {path.name}: truncated or corrupt GGUF ({e})") from e
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
-        if cfg.architecture == "LlamaForCausalLM" and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
+        if cfg.architecture in _PERMUTED and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             w = unpermute_qk(w, heads)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp stores it as a vector (hidden,)
         tensors[name] = w
     split_fused(cfg, tensors, path.name)
     _check_names(cfg, tensors, path.name)
@@ -218,10 +280,13 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
 
 def _quant_tensor(t, name: str, cfg: ModelConfig) -> QuantTensor:
     qt = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
-    if cfg.architecture == "LlamaForCausalLM" and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
+    if cfg.architecture in _PERMUTED and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
         heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
         qt = qt.take_rows(unpermute_qk(torch.arange(qt.shape[0]).unsqueeze(1), heads).squeeze(1))  # rows are independent
     return qt
+
+
+_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's llama arch: Q/K rows permuted at conversion
 
 
 def dequantize_all(tensors: dict) -> dict[str, torch.Tensor]:
@@ -269,7 +334,9 @@ def _gguf_name(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else _GGUF_BLOCK_NAMES
+    if m and m.group(2) in _GGUF_EXPERT_STACKS and m.group(3) == "weight":  # a 3-D stack (experts, rows, columns)
+        return f"model.layers.{m.group(1)}.{_GGUF_EXPERT_STACKS[m.group(2)]}"
+    block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else {**_GGUF_BLOCK_NAMES, **_GGUF_MOE_NAMES}
     if arch in ("gemma2", "gemma3"):
         block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_GEMMA_NAMES}
     if m and m.group(2) in block_names:
@@ -286,6 +353,7 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHES)})")
+    moe = _gguf_moe(arch, meta, names)
 
     def get(key, default=None):
         v = meta.get(f"{arch}.{key}", default)
@@ -304,10 +372,10 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     gemma = _gguf_gemma(arch, meta, hidden, heads, head_dim, int(get("block_count")), rope) if arch in ("gemma2", "gemma3") else {}
     return ModelConfig(
-        architecture=GGUF_ARCHES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHES[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size") or 0) or _gguf_vocab(names, meta),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"))),
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -318,11 +386,42 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
         rope_scaling=rope,
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         **gemma,
+        **moe,
     )
+
+
+def _gguf_moe(arch: str, meta: dict, names: set[str]) -> dict:
+    """A MoE GGUF's ModelConfig fields, read as llama.cpp reads them: expert_count and
+    expert_used_count; the experts' width from expert_feed_forward_length (qwen2moe / qwen3moe;
+    llama (Mixtral): feed_forward_length); the shared expert's from expert_shared_feed_forward_length
+    (qwen2moe); the top-k weights renormalised as llama.cpp's graphs do (llama and qwen3moe yes,
+    qwen2moe no) unless expert_weights_norm says otherwise; dense layers: those without a router
+    (ffn_gate_inp)."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_count")
+        return {}
+    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise UnsupportedModelError(f"GGUF {arch} with experts ({experts}) is not supported (MoE: llama (Mixtral), qwen2moe, qwen3moe)")
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_used_count")
+    width = meta.get(f"{arch}.expert_feed_forward_length" if arch != "llama" else f"{arch}.feed_forward_length")
+    if width is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.expert_feed_forward_length")
+    layers = int(meta.get(f"{arch}.block_count") or 0)
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0) if arch == "qwen2moe" else 0
+    if arch == "qwen2moe" and not shared:
+        raise ModelLoadError("GGUF metadata lacks qwen2moe.expert_shared_feed_forward_length")
+    return dict(num_experts=experts, experts_per_tok=int(used), moe_intermediate_size=int(width),
+                norm_topk_prob=bool(arch != "qwen2moe" if norm is None else norm), shared_expert_intermediate_size=shared,
+                dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
 
 
 def _gguf_gemma(arch: str, meta: dict, hidden: int, heads: int, head_dim: int, layers: int, rope: RopeScaling) -> dict:

@@ -16,10 +16,15 @@ from pdserve.ports import free_port  # noqa: F401  (the one free_port; tests imp
 LOGIT_GAP_TOL = 1e-3  # absolute logit gap, float32
 
 
+MOE_ARCHES = ("mixtral", "qwen3_moe", "qwen2_moe")
+ROUTER_SCALE = 1.5  # MoE routers' random weights times this (router logits of std ~3: far from ties, yet no expert dominates)
+
+
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> dict:
     """Write a randomly initialised small Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2 or Gemma 3 (text)
-    checkpoint (safetensors) to `path`. Norm weights that transformers starts at ones (Qwen3's q/k
-    norms) or zeros (Gemma's, which scale by 1 + w) are drawn at random, so that they act."""
+    checkpoint (safetensors) to `path`; or a Mixtral, Qwen3-MoE or Qwen2-MoE (MOE_ARCHES; 8 experts,
+    top 2 unless overridden; routers scaled by ROUTER_SCALE). Norm weights that transformers starts
+    at ones (Qwen3's q/k norms) or zeros (Gemma's, which scale by 1 + w) are drawn at random, so that they act."""
     import transformers
 
     base = dict(
@@ -27,13 +32,24 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0, **overrides) -> di
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.25,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    if arch == "mixtral":
+        base.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
+    elif arch in MOE_ARCHES:
+        base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+        if arch == "qwen2_moe":
+            base.update(shared_expert_intermediate_size=96)
     base.update(overrides)
     torch.manual_seed(seed)
     family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2",
-              "gemma3": "Gemma3"}[arch]
+              "gemma3": "Gemma3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}[arch]
     config = getattr(transformers, f"{family}TextConfig" if arch == "gemma3" else f"{family}Config")(**base)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
-    if arch == "qwen3":  # q_norm / k_norm start at ones: make them matter
+    if arch in MOE_ARCHES:  # routers far from ties
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(ROUTER_SCALE)
+    if arch in ("qwen3", "qwen3_moe"):  # q_norm / k_norm start at ones: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
@@ -96,10 +112,34 @@ GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3 (fused; llama.cpp's phi3 names)
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",  # MoE
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Gemma 2 / 3's norms (llama.cpp's gemma2 / gemma3 names): its ffn_norm is the MLP's input norm
 GGUF_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                     "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+GGUF_EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _moe_for_gguf(w: dict) -> tuple[dict, dict]:
+    """(the other tensors, with Mixtral's block_sparse_moe renamed mlp; the experts' stacks
+    (E, rows, columns) by our loader's name, as llama.cpp's converter merges them)."""
+    import re
+
+    import numpy as np
+
+    rest, per = {}, {}
+    for name, t in w.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if not m:
+            rest[name] = t
+            continue
+        kind = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(m.group(3), m.group(3))
+        per.setdefault(f"{m.group(1)}.{kind}", {})[int(m.group(2))] = t
+    return rest, {k: np.stack([v[e] for e in sorted(v)]) for k, v in per.items()}
 
 
 def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None) -> dict:
@@ -107,6 +147,10 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
     norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
     (gemma3: rope.freq_base_swa) and rope scaling written as convert_hf_to_gguf.py writes them).
+    A mixture of experts (arch llama for Mixtral, qwen2moe, qwen3moe): expert_count / expert_used_count
+    (and the experts' and shared expert's widths), the router as ffn_gate_inp, each matrix of every
+    expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too), Qwen2-MoE's shared expert
+    as ffn_*_shexp and its gate as the F32 vector ffn_gate_inp_shexp.
 
     extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
     Returns the dequantized, un-permuted tensors a correct loader must produce (phi3: still fused).
@@ -154,12 +198,24 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:  # llama.cpp's MoE metadata (llama: Mixtral, whose feed_forward_length is the experts' width)
+        wr.add_expert_count(experts)
+        wr.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch != "llama":
+            wr.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            wr.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     expected = {}
-    for name, t in w.items():
+    w, stacks = _moe_for_gguf(w)
+    for name, t in [*w.items(), *stacks.items()]:
         if name == "lm_head.weight" and (tie or cfg.get("tie_word_embeddings")):
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-        if m:
+        if name in stacks:  # a 3-D stack of every expert's matrix (our loader's name has no .weight)
+            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)", name)
+            gname = f"blk.{m.group(1)}.{GGUF_EXPERT_STACKS[m.group(2)]}.weight"
+        elif m:
             gname = f"blk.{m.group(1)}.{(GGUF_GEMMA_NAMES.get(m.group(2)) if gemma else None) or GGUF_NAMES[m.group(2)]}.{m.group(3)}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
@@ -168,9 +224,12 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             arr = arr + 1  # llama.cpp's converter stores Gemma's (1 + w)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             arr = permute_qk(arr, heads if "q_proj" in name else kv)
-        qt = gguf.GGMLQuantizationType[tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
-        if arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
-            data = quantize_blocks(arr, qt.name)
+        if name.endswith("shared_expert_gate.weight"):
+            arr = arr.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector (hidden,), kept in F32
+        stack = arr.ndim == 3 and qtype not in ("Q4_K_M", "Q5_K_M")  # an expert stack: the plain type asked (gguf's quantizer)
+        qt = gguf.GGMLQuantizationType[qtype if stack else tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
+        if arr.ndim >= 2 and qt != gguf.GGMLQuantizationType.F32:
+            data = quants.quantize(arr, qt) if stack else quantize_blocks(arr, qt.name)
             back = quants.dequantize(data, qt)
             wr.add_tensor(gname, data, raw_dtype=qt)
         else:
@@ -182,7 +241,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             from pdserve.runtime.weights import unpermute_qk
 
             back = unpermute_qk(torch.from_numpy(np.ascontiguousarray(back)), heads if "q_proj" in name else kv).numpy()
-        expected[name] = back
+        expected[name] = back.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else back
     for gname, arr in (extra or {}).items():
         wr.add_tensor(gname, arr)
     wr.write_header_to_file()

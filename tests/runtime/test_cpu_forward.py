@@ -36,6 +36,10 @@ MODELS = {
                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    # mixture of experts: the router and the chosen experts (runtime.moe) in place of the MLP calls
+    "moe-mixtral-window8": dict(arch="mixtral", sliding_window=8),
+    "moe-qwen3-norm-dense1": dict(arch="qwen3_moe", head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "moe-qwen2-shared": dict(arch="qwen2_moe"),
 }
 
 

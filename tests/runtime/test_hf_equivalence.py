@@ -27,6 +27,16 @@ GEMMA3 = dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_wind
               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
 
+# Mixtral (softmax over the top-2 logits) with a sliding window 16; Qwen3-MoE (q/k norms,
+# norm_topk_prob, top 3, layer 1 dense by mlp_only_layers); Qwen2-MoE (shared expert with its
+# sigmoid gate, top-k weights not renormalised, q/k/v biases, layer 1 dense by decoder_sparse_step 2)
+MOE = {
+    "mixtral-window16": dict(arch="mixtral", sliding_window=16),
+    "qwen3-norm-top3-dense1": dict(arch="qwen3_moe", head_dim=32, norm_topk_prob=True, num_experts_per_tok=3, mlp_only_layers=[1]),
+    "qwen2-shared-sparse2": dict(arch="qwen2_moe", decoder_sparse_step=2, num_hidden_layers=4),
+}
+ROUTER_GAP_TOL = 1e-3  # the least gap between a token's k-th and (k+1)-th router logit in the MoE tests (float32 rounding: ~1e-6)
+
 CONFIGS = {
     "llama": dict(arch="llama"),
     "llama-tied-mha": dict(arch="llama", tie_word_embeddings=True, num_key_value_heads=4),
@@ -48,6 +58,8 @@ CONFIGS = {
     "gemma3-qknorm-localrope-window8": GEMMA3,
     # transformers 5's defaults otherwise: Gemma 3 untied, without any soft-cap, every 6th layer full
     "gemma3-defaults-untied": dict(arch="gemma3", head_dim=16, sliding_window=8, num_hidden_layers=6, query_pre_attn_scalar=16),
+    # mixture of experts: 8 experts, top 2, routers scaled far from ties (tests/helpers.py ROUTER_SCALE)
+    **{f"moe-{k}": v for k, v in MOE.items()},
 }
 
 
@@ -182,3 +194,66 @@ def test_transformers_sees_hugging_faces_kernels_package_not_ours():
 
     assert import_utils.is_kernels_available() == hasattr(kernels, "CUDAProperties")  # HF's, when installed
     assert not Path(kernels.__file__ or "").is_relative_to(Path(__file__).resolve().parents[2] / "kernels")
+
+
+def _hf_router_gaps(hf, ids: list[int], top_k: int) -> float:
+    """The least gap between the k-th and (k+1)-th router logit (the softmax keeps their order)
+    over every token and MoE layer of HF's forward of `ids`: how far the test's routing is from a tie."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    gaps = [p[:, top_k - 1] - p[:, top_k] for p in (r.float().sort(-1, descending=True).values for r in out.router_logits)]
+    return min(g.min().item() for g in gaps)
+
+
+def _moe_off(feature: str, cfg, tensors: dict, monkeypatch):
+    """(config, tensors) of our model with one MoE feature taken out (the route patched where it must be)."""
+    r = dataclasses.replace
+    from pdserve.runtime import moe
+
+    if feature == "routing (dense average of all experts)":
+        def dense_average(logits, top_k, norm, float_weights):
+            t, e = logits.shape
+            return torch.full((t, e), 1.0 / e, dtype=logits.dtype), torch.arange(e).expand(t, e)
+
+        monkeypatch.setattr(moe, "route", dense_average)
+        return cfg, tensors
+    if feature == "shared expert":
+        zero = {k: torch.zeros_like(v) if "shared_expert." in k and "down_proj" in k else v for k, v in tensors.items()}
+        return cfg, zero
+    return r(cfg, **{"top-1 instead of top-k": dict(experts_per_tok=1), "norm_topk_prob": dict(norm_topk_prob=not cfg.norm_topk_prob),
+                     "dense layers": dict(dense_layers=())}[feature]), tensors
+
+
+@pytest.mark.parametrize("name,features", [
+    ("mixtral-window16", ["routing (dense average of all experts)", "top-1 instead of top-k", "norm_topk_prob"]),
+    ("qwen3-norm-top3-dense1", ["routing (dense average of all experts)", "top-1 instead of top-k", "norm_topk_prob"]),
+    ("qwen2-shared-sparse2", ["routing (dense average of all experts)", "top-1 instead of top-k", "norm_topk_prob", "shared expert"]),
+])
+def test_moe_features_bind(tmp_path, monkeypatch, name, features):
+    """Every position's logits of a 40-token prompt from our model (fast path and module forward)
+    equal HF's to float32 rounding; with routing replaced by a dense average of all experts, or
+    any other MoE feature taken out, they move by more than 5% of the logits' scale. HF's routing
+    of the prompt is at least ROUTER_GAP_TOL (in router logits) from a tie everywhere (float32 rounding cannot flip
+    an expert), which the greedy tests above rely on."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model(tmp_path, **MOE[name])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    scale = ref.abs().max().item()
+    cfg, tensors = load_checkpoint(str(tmp_path), progress=False)
+    assert cfg.num_experts == 8 and _hf_router_gaps(hf, ids, cfg.experts_per_tok) > ROUTER_GAP_TOL
+
+    def error(c, t, fast=True) -> float:
+        model = build_model(c, t, EngineConfig(fast_path=fast))
+        assert (model.fast is not None) == fast
+        return (all_position_logits(model, ids, torch.float32) - ref).abs().max().item() / scale
+
+    assert error(cfg, tensors) <= 1e-4 and error(cfg, tensors, fast=False) <= 1e-4
+    off = {}
+    for f in features:
+        with monkeypatch.context() as m:
+            off[f] = error(*_moe_off(f, cfg, tensors, m))
+    assert min(off.values()) > 0.05, f"{name}: features that do not change the logits: {[f for f, e in off.items() if e <= 0.05]}"

@@ -73,6 +73,10 @@ LAYOUTS = {  # name: (tensor parallel size, checkpoint overrides)
                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
                                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # mixture of experts: every expert on each rank at half its width, the router whole; Qwen2-MoE's
+    # shared expert split as the dense MLP, a dense layer (decoder_sparse_step 2)
+    "moe-mixtral-2": (2, dict(arch="mixtral")),
+    "moe-qwen2-shared-sparse2-2": (2, dict(arch="qwen2_moe", decoder_sparse_step=2, num_hidden_layers=4)),
 }
 
 

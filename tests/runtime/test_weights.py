@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import ModelLoadError, UnsupportedModelError
+from pdserve.kernels.quant import QuantTensor
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
 from pdserve.runtime.weights import default_model_path, load_checkpoint
@@ -325,3 +326,44 @@ def test_gemma_config_defaults_and_refusals():
     for words, d in refused.items():
         with pytest.raises(UnsupportedModelError, match=words):
             ModelConfig.from_hf({**base, **d})
+
+
+@pytest.mark.parametrize("arch,gguf_arch,qtype", [("mixtral", "llama", "F32"), ("qwen3_moe", "qwen3moe", "F32"), ("qwen2_moe", "qwen2moe", "F32"),
+                                                  ("mixtral", "llama", "Q8_0"), ("qwen2_moe", "qwen2moe", "Q8_0")])
+def test_moe_gguf_loads_as_the_hf_checkpoint_and_decodes_as_hf(tmp_path, arch, gguf_arch, qtype):
+    """A MoE GGUF as llama.cpp's converter writes it (arch llama with expert_count for Mixtral,
+    its Q/K permuted; qwen2moe / qwen3moe; the experts as 3-D ffn_*_exps stacks; Qwen2-MoE's
+    ffn_*_shexp and ffn_gate_inp_shexp) loads to the HF checkpoint's config and tensors (quantized
+    3-D stacks dequantized at load; 2-D matrices kept as blocks with keep_quantized) and, in F32,
+    decodes as HF does."""
+    from transformers import AutoModelForCausalLM
+
+    # Qwen3-MoE with norm_topk_prob, as every published one (llama.cpp's qwen3moe graph always renormalises)
+    overrides = dict(mlp_only_layers=[1], norm_topk_prob=True) if arch == "qwen3_moe" else {}
+    if qtype != "F32":  # expert widths of whole 32-wide blocks
+        overrides.update(intermediate_size=64) if arch == "mixtral" else overrides.update(moe_intermediate_size=64)
+    save_tiny_model(tmp_path / "hf", arch=arch, **overrides)
+    hf_cfg, _ = load_checkpoint(tmp_path / "hf", progress=False)
+    expected = write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch=gguf_arch)
+    cfg, tensors = load_checkpoint(tmp_path / "m.gguf", progress=False)
+    assert cfg.architecture == hf_cfg.architecture
+    for f in ("num_experts", "experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size",
+              "dense_layers", "attention_bias", "qk_norm"):
+        assert getattr(cfg, f) == getattr(hf_cfg, f), f
+    assert set(tensors) == set(expected)
+    for name, want in expected.items():
+        assert torch.allclose(tensors[name], torch.from_numpy(np.ascontiguousarray(want)), atol=1e-6), name
+    assert tensors["model.layers.0.mlp.experts.down_proj"].shape == (8, 64, cfg.moe_intermediate_size)
+    if qtype != "F32":
+        _, kept = load_checkpoint(tmp_path / "m.gguf", progress=False, keep_quantized=True)
+        assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], QuantTensor)
+        assert not isinstance(kept["model.layers.0.mlp.experts.gate_proj"], QuantTensor)  # 3-D stacks: dequantized at load
+        eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+        assert eng.model.quantized and eng.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+        return
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+    prompt = [5, 9, 33, 100, 7, 250, 3]
+    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    assert assert_greedy_equal(got, ref, logits, f"{arch} gguf") == 20
