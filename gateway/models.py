@@ -34,6 +34,7 @@ class ServedModel:
             self.tok.chat_template = chat_template  # /tokenize counts what the coordinator renders
         self.root = route.path
         self.text = TokenText(self.tok)
+        self.text.fill()  # before it serves: no response decodes ids one by one on the loop
         self.created = int(time.time())
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None  # learnt from the coordinator's stats

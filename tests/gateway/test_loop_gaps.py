@@ -99,3 +99,13 @@ def test_detokenizing_the_most_token_ids_keeps_the_loop_turning(tok):
     r, gaps = asyncio.run(_worst_gap(tok, "/detokenize", {"tokens": _ids(tok, TOKENS)}))
     assert r.status_code == 200
     assert gaps.worst < MAX_GAP_S, f"the loop was held {gaps.worst * 1000:.1f} ms (wall {gaps.worst_wall * 1000:.1f} ms)"
+
+
+def test_the_vocabulary_table_equals_decoding_each_id_alone(tok):
+    """TokenText.fill (one batch decode at start) is the fast twin of decoding each id alone."""
+    from pdserve.gateway.format import TokenText
+
+    filled = TokenText(tok)
+    filled.fill()
+    assert len(filled.cache) == len(tok)
+    assert all(filled.cache[i] == tok.decode([i], skip_special_tokens=False) for i in range(len(tok)))
