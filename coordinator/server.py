@@ -281,11 +281,20 @@ class Coordinator:
 
     # ------------------------------------------------------------------ clients
 
-    def send_client(self, ident: bytes, msg) -> None:
-        sent = self.outbox.send(self.client_io, ident, encode(msg), idle=ident not in self.client_load)
+    def send_client(self, ident: bytes, msg, request: str | None = None, last: bool = False) -> None:
+        """Queue msg for a client. request: the in-flight request whose message it is: over the
+        client's budget only that request ends (client_too_slow) and the client's others go on
+        (the gateway is one client for all its HTTP requests: one large result, a prompt's scores
+        say, must not end everyone's); any other message over budget ends all the client's
+        requests. last: a request's final message (Final, ErrorReply), which may use the notices'
+        overdraft."""
+        sent = self.outbox.send(self.client_io, ident, encode(msg), idle=ident not in self.client_load, notice=last)
         if sent is Sent.OVER_BUDGET:  # the client does not read: its queued bytes are at client_send_budget
             self.counts.add(Count.CLIENT_OVER_BUDGET_MESSAGES)
-            self.drop_client(ident, over_budget=True)
+            if request is not None and request in self.requests:
+                self.end_too_slow(ident, self.close(request))
+            else:
+                self.drop_client(ident, over_budget=True)
         elif sent is Sent.FAILED:  # gone (EHOSTUNREACH) or not reading (EAGAIN at send_hwm)
             self.counts.add(Count.CLIENT_SEND_FAILURES)
             self.drop_client(ident)
@@ -299,16 +308,20 @@ class Coordinator:
             if st is None:
                 continue
             if over_budget:
-                self.counts.error("client_too_slow")
-                notice = ErrorReply(st.client_rid, "client_too_slow", f"aborted: over {self.cfg.client_send_budget} bytes "
-                                    "are queued for this client, which does not read them (--client-send-budget-mb)")
-                self.outbox.send(self.client_io, ident, encode(notice), idle=ident not in self.client_load, notice=True)
+                self.end_too_slow(ident, st)
             else:
                 self.counts.finished(FinishReason.ABORT)
                 self.counts.add(Count.CLIENT_GONE_ABORTS)
         for key in [k for k in self.tokenizing if k[0] == ident]:
             self.forget_tokenizing(key)
             self.counts.add(Count.CLIENT_GONE_ABORTS)
+
+    def end_too_slow(self, ident: bytes, st: RequestState) -> None:
+        """Tell the client its (closed) request st ended client_too_slow, if the overdraft holds the notice."""
+        self.counts.error("client_too_slow")
+        notice = ErrorReply(st.client_rid, "client_too_slow", f"aborted: over {self.cfg.client_send_budget} bytes "
+                            "are queued for this client, which does not read them (--client-send-budget-kb)")
+        self.outbox.send(self.client_io, ident, encode(notice), idle=ident not in self.client_load, notice=True)
 
     def on_client(self, ident: bytes, msg) -> None:
         if isinstance(msg, (AbortRequest, StatusRequest)) and len(msg.request_id) > self.cfg.limits.max_name_length:
@@ -1050,7 +1063,7 @@ class Coordinator:
         if new or text:
             st_lp = [item.logprob] if item.logprob is not None and new else None
             st_top = [item.top_logprobs] if item.top_logprobs is not None and new else None
-            self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top))
+            self.send_client(st.client, Delta(st.client_rid, new, text, st_lp, st_top), request=st.iid)
         if reason is not None:
             self.finish(st.iid, reason, tell=False)
 
@@ -1076,7 +1089,7 @@ class Coordinator:
         st.scored = True
         self.counts.add(Count.SCORED_PROMPTS)
         self.counts.add(Count.SCORED_PROMPT_TOKENS, len(st.prompt))
-        self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores))
+        self.send_client(st.client, Delta(st.client_rid, [], "", prompt_token_ids=st.prompt, prompt_logprobs=msg.scores), request=st.iid)
 
     def tell_workers(self, st: RequestState, msg) -> None:
         for wid in {st.prefill, st.decode}:
@@ -1120,7 +1133,7 @@ class Coordinator:
                 self.tally.served(ttft, tpot, targets)
         self.send_client(st.client, Final(
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
-        ))
+        ), last=True)
         if self.tracer is not None:
             # its end in the trace: its last token (vLLM's e2e latency), or now for an abort
             end = st.arrival + times[-1] if times and reason != FinishReason.ABORT else ended
@@ -1131,7 +1144,7 @@ class Coordinator:
         if st is None:
             return
         self.counts.error(code)
-        self.send_client(st.client, ErrorReply(st.client_rid, code, message, retry_after_s))
+        self.send_client(st.client, ErrorReply(st.client_rid, code, message, retry_after_s), last=True)
         if self.tracer is not None:
             self.tracer.ended(st, "error", None, self.model_name, f"{code}: {message}")
 

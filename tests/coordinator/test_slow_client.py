@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from pdserve_client.library import Client, build_request, encode_request
-from pdserve_client.protocol import StatsRequest, encode
+from pdserve_client.protocol import CoordinatorToClient, ErrorReply, StatsRequest, decoder, encode
 from tests.faults.test_soak import rss_kib
 from tests.gateway.helpers import poll
 from tests.helpers import save_tiny_served_model, start_cluster, wait_all_blocks_free
@@ -82,3 +82,45 @@ def test_a_client_that_stops_reading_is_held_to_its_budget_and_others_are_served
         slow.close(0)
     assert peak[0] - base < RSS_SLACK_KIB, f"coordinator RSS grew {(peak[0] - base) / 1024:.0f} MiB"
     assert coord.poll() is None
+
+
+def test_one_request_over_the_budget_ends_alone(cluster):
+    """The gateway is one client of the coordinator for every HTTP request, so a message over the
+    client's budget ends only the request it belongs to: a client that does not read asks 48
+    prompts' scores (prompt_logprobs 20 on 1,000 tokens: ~0.3 MB each, ~14 MB in all against its
+    4 MiB budget) and a long generation. The scores that do not fit end their requests alone
+    (client_too_slow); the rest, and the whole generation, are delivered once it reads (before, the
+    first message over budget ended every request of the client)."""
+    addr = cluster.plan.client_addr
+    with Client(addr, timeout=60) as c:
+        before = c.stats()["requests"].get("error:client_too_slow", 0)
+    reader = zmq.Context().socket(zmq.DEALER)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 1)
+    reader.setsockopt(zmq.RCVBUF, 4096)
+    reader.connect(addr)
+    prompt = [100 + j % 1000 for j in range(1000)]
+    scoring = [f"scores-{i}" for i in range(48)]
+    try:
+        reader.send(encode_request(build_request(None, None, [7, 8, 9], {"max_tokens": 600, "ignore_eos": True}, "long")))
+        for rid in scoring:
+            reader.send(encode_request(build_request(None, None, prompt, {"max_tokens": 1, "prompt_logprobs": 20}, rid)))
+        with Client(addr, timeout=60) as c:
+            poll(lambda: c.stats()["requests"].get("error:client_too_slow", 0) > before, timeout=120, every=0.05)
+            assert c.stats()["active_requests"] > 0  # the first request over budget ended alone: the others run on
+            poll(lambda: c.stats()["active_requests"] == 0, timeout=120)
+            too_slow = c.stats()["requests"].get("error:client_too_slow", 0) - before
+        dec = decoder(CoordinatorToClient)
+        got: dict[str, list] = {}
+        while reader.poll(2000):
+            msg = dec.decode(reader.recv())
+            got.setdefault(msg.request_id, []).append(msg)
+    finally:
+        reader.close(0)
+    ended = sorted(rid for rid, msgs in got.items() if isinstance(msgs[-1], ErrorReply))
+    assert 1 <= too_slow == len(ended) < len(scoring), (too_slow, ended)
+    assert all(rid in scoring and got[rid][-1].code == "client_too_slow" for rid in ended)
+    for rid in set(scoring) - set(ended):
+        assert sum(len(getattr(m, "prompt_logprobs", None) or []) for m in got[rid]) == len(prompt) - 1, rid
+    assert type(got["long"][-1]).__name__ == "Final"
+    assert sum(len(getattr(m, "token_ids", None) or []) for m in got["long"]) == 600
