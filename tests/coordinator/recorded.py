@@ -13,7 +13,7 @@ class Recorded(Coordinator):
     def send_worker(self, w, msg):
         self.to_workers.append((w.hello.worker_id, msg))
 
-    def send_client(self, ident, msg):
+    def send_client(self, ident, msg, request=None, last=False):
         self.to_clients.append(msg)
 
     def taken(self, kind):
