@@ -26,6 +26,7 @@ from tests.helpers import save_tiny_served_model, start_cluster
 PROMPT, OUTPUT = 64, 48
 DURATION_S = 6.0
 WARM_S = 2.0
+WARM_SHED_S = 0.25  # a warm-up shed within the stall slack the no-stall tests use (see the assertion)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,14 @@ def test_overload_admitted_meet_targets_excess_shed_fast(model_dir, tmp_path):
     assert shed and served, summary
     assert all(o[2] == "slo_unattainable" for o in shed), summary
     assert max(o[1] for o in shed) < 0.05, summary
-    assert max((o[1] for o in warm if o[0] == "shed"), default=0) < 0.05, summary
+    # The warm-up's sheds get the scheduling bound, not 50 ms: on the 2-core test machine they came
+    # 69-106 ms in 6 of 10 runs (2026-12-07, also at the commit before that day's work), as a burst of
+    # ~10 rejections answered together ~0.6 s into the warm-up, while the 3x-capacity load keeps both
+    # workers, the coordinator and this client busy on 2 cores. Neither event loop held a callback
+    # over 30 ms (asyncio debug, slow_callback_duration 0.03, coordinator and client) and no
+    # collection over 5 ms ran in the coordinator or the workers during traffic (gc callbacks): the
+    # processes waited for a core. The steady state's sheds above keep the 50 ms bound (9-37 ms).
+    assert max((o[1] for o in warm if o[0] == "shed"), default=0) < WARM_SHED_S, summary
     assert p99([o[1] for o in served]) <= ttft_target, summary
     assert p99([o[2] for o in served]) <= tpot_target, summary
     assert stats["slo"]["shed"]["0"] - shed_before == len(shed)
