@@ -108,6 +108,18 @@ def _without(feature: str, cfg, tensors: dict):
 _COMMON = ["embedding scale", "norms 1 + w", "sandwich norms", "GeGLU", "query_pre_attn_scalar", "final soft-cap"]
 
 
+def hf_reference_logits(path):
+    """HF's model of the checkpoint at path, a 40-token random prompt, HF's float32 logits of it and
+    their largest magnitude (the scale a feature's effect is judged against)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    return hf, ids, ref, ref.abs().max().item()
+
+
 @pytest.mark.parametrize("name,overrides,features", [
     ("gemma2", GEMMA2, [*_COMMON, "attention soft-cap", "sliding windows"]),
     ("gemma3", GEMMA3, [*_COMMON, "q/k norms", "local rope base", "global rope scaling"]),
@@ -117,14 +129,9 @@ def test_gemma_features_bind(tmp_path, name, overrides, features):
     and module forward) and from HF: equal to float32 rounding, and with any one feature taken
     out of ours, off by more than 5% of the logits' scale, so the greedy tests above would see
     a missing feature. (The final soft-cap is monotonic, so greedy tokens alone cannot show it.)"""
-    from transformers import AutoModelForCausalLM
 
     save_tiny_model(tmp_path, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    scale = ref.abs().max().item()
+    hf, ids, ref, scale = hf_reference_logits(tmp_path)
     cfg, tensors = load_checkpoint(str(tmp_path), progress=False)
 
     def error(c, t, fast=True) -> float:
@@ -235,14 +242,9 @@ def test_moe_features_bind(tmp_path, monkeypatch, name, features):
     any other MoE feature taken out, they move by more than 5% of the logits' scale. HF's routing
     of the prompt is at least ROUTER_GAP_TOL (in router logits) from a tie everywhere (float32 rounding cannot flip
     an expert), which the greedy tests above rely on."""
-    from transformers import AutoModelForCausalLM
 
     save_tiny_model(tmp_path, **MOE[name])
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    scale = ref.abs().max().item()
+    hf, ids, ref, scale = hf_reference_logits(tmp_path)
     cfg, tensors = load_checkpoint(str(tmp_path), progress=False)
     assert cfg.num_experts == 8 and _hf_router_gaps(hf, ids, cfg.experts_per_tok) > ROUTER_GAP_TOL
 

@@ -17,7 +17,6 @@
   (1, 3 rows) and the integer-GEMM (7+ rows) row counts, int16 and float activations.
 """
 import pytest
-import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.kernels.quant import QTYPES, block_weights
@@ -25,7 +24,7 @@ from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine, load_model
 from pdserve_client.params import SamplingParams
 from tests.helpers import save_tiny_model, write_gguf
-from tests.runtime.test_quantized import greedy_scored, teacher_forced
+from tests.runtime.test_quantized import greedy_scored, one_call_equals_loop
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
 
@@ -75,16 +74,5 @@ def test_one_call_decode_step_takes_k_quants_and_equals_the_layer_loop(tmp_path,
     assert {q.qtype for q in model.quantized.values()} == {qtype}
     fast = model.fast
     assert fast.step_layers is not None and fast.fused_step
-    calls = []
-    one_call = fast.ops.decode_layers
-    monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: calls.append(a[3].shape[0]) or one_call(*a))
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 20, 5, 33, 14, 7, 26)]  # 7 rows: int16's GEMM
-    for live in (seqs[:1], seqs[:3], seqs):
-        prompts = [len(s) - 3 for s in live]
-        fast.fused_step = True
-        fused = teacher_forced(model, live, prompts, decode=True)
-        fast.fused_step = False
-        loop = teacher_forced(model, live, prompts, decode=True)
-        assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
+    calls = one_call_equals_loop(model, monkeypatch, decode_steps=2)  # 7 rows: int16's GEMM
     assert calls == [1] * 2 + [3] * 2 + [7] * 2  # each fused decode step made the one call; the loop never did

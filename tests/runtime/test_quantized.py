@@ -181,6 +181,25 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode:
     return [torch.stack(o) for o in out]
 
 
+def one_call_equals_loop(model, monkeypatch, decode_steps: int) -> list[int]:
+    """Teacher-force 1, 3 and 7 random sequences (their last `decode_steps` tokens decoded) with the
+    one-call step and with the per-layer loop: bit-equal logits asserted; returns the row count of
+    each one-call step (fast.ops.decode_layers is watched)."""
+    fast, calls = model.fast, []
+    one_call = fast.ops.decode_layers
+    monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: calls.append(a[3].shape[0]) or one_call(*a))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 20, 5, 33, 14, 7, 26)]
+    for live in (seqs[:1], seqs[:3], seqs):
+        prompts = [len(s) - 1 - decode_steps for s in live]
+        fast.fused_step = True
+        fused = teacher_forced(model, live, prompts, decode=True)
+        fast.fused_step = False
+        loop = teacher_forced(model, live, prompts, decode=True)
+        assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
+    return calls
+
+
 @pytest.mark.parametrize("arch,qtype,acts,windows", [("llama", "Q4_1", "float", ()), ("qwen2", "Q8_0", "int16", ()),
                                                     ("llama", "Q4_0", "int8", ()), ("llama", "Q8_0", "float", (0, 5, 5))])
 def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts, windows, isa):  # noqa: F811
@@ -192,18 +211,7 @@ def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch,
         model.enable_fast_path(activations=acts)
     fast = model.fast
     assert fast.step_layers is not None and fast.fused_step
-    calls = []
-    one_call = fast.ops.decode_layers
-    monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: calls.append(a[3].shape[0]) or one_call(*a))
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 20, 5, 33, 14, 7, 26)]  # 7 rows: the tiled path
-    for live in (seqs[:1], seqs[:3], seqs):
-        prompts = [len(s) - 4 for s in live]
-        fast.fused_step = True
-        fused = teacher_forced(model, live, prompts, decode=True)
-        fast.fused_step = False
-        loop = teacher_forced(model, live, prompts, decode=True)
-        assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
+    calls = one_call_equals_loop(model, monkeypatch, decode_steps=3)  # 7 rows: the tiled path
     assert calls == [1] * 3 + [3] * 3 + [7] * 3  # each fused decode step made the one call; the loop never did
 
 

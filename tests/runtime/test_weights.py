@@ -17,6 +17,18 @@ from pdserve_client.params import SamplingParams
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model, write_gguf
 
 
+def gguf_decodes_as_hf(gguf, hf_dir, label: str) -> int:
+    """20 greedy tokens of a prompt from the GGUF through the engine against HF's on the source
+    checkpoint: assert_greedy_equal's count of equal tokens (a divergence only at a near-tie)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    eng = LLMEngine.load(gguf, EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
+    prompt = [5, 9, 33, 100, 7, 250, 3]
+    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    return assert_greedy_equal(got, ref, logits, label)
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
@@ -36,33 +48,21 @@ def test_gguf_quant_types_dequantize_and_unpermute(tmp_path, tiny, qtype):
 
 def test_gguf_f32_greedy_matches_hf_on_the_source_checkpoint(tmp_path, tiny):
     """Proves the Q/K un-permutation: the GGUF-loaded model decodes exactly like HF's safetensors one."""
-    from transformers import AutoModelForCausalLM
 
     write_gguf(tmp_path / "m.gguf", tiny, "F32")
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
-    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
-    prompt = [5, 9, 33, 100, 7, 250, 3]
-    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
-    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    assert assert_greedy_equal(got, ref, logits, "gguf f32") >= 1
+    assert gguf_decodes_as_hf(tmp_path / "m.gguf", tiny, "gguf f32") >= 1
 
 
 def test_qwen3_gguf_greedy_matches_hf(tmp_path):
     """A Qwen3 GGUF as llama.cpp writes it (attn_q_norm / attn_k_norm, key_length 32 while hidden /
     heads is 16, no Q/K permutation) loads to HF's tensors and decodes as HF does."""
-    from transformers import AutoModelForCausalLM
 
     save_tiny_model(tmp_path / "hf", arch="qwen3", head_dim=32)
     expected = write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "F32", arch="qwen3")
     cfg, tensors = load_checkpoint(tmp_path / "m.gguf", progress=False)
     assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.attention_bias
     assert set(tensors) == set(expected) and "model.layers.0.self_attn.q_norm.weight" in tensors
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
-    prompt = [5, 9, 33, 100, 7, 250, 3]
-    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
-    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    assert assert_greedy_equal(got, ref, logits, "qwen3 gguf f32") >= 1
+    assert gguf_decodes_as_hf(tmp_path / "m.gguf", tmp_path / "hf", "qwen3 gguf f32") >= 1
 
 
 def test_hf_config_windows_per_family():
@@ -184,7 +184,6 @@ def test_phi3_gguf_splits_fused_tensors_and_decodes_as_hf(tmp_path, qtype):
     """A Phi-3 GGUF as llama.cpp writes it (fused attn_qkv and ffn_up holding gate then up, no Q/K
     permutation, no window: llama.cpp and transformers' GGUF loader both ignore it) loads to HF's
     q/k/v and gate/up rows, kept quantized too, and (F32) decodes as HF does without a window."""
-    from transformers import AutoModelForCausalLM
 
     from pdserve.kernels.quant import QuantTensor
     from pdserve.runtime.weights import dequantize_all, split_fused
@@ -200,12 +199,7 @@ def test_phi3_gguf_splits_fused_tensors_and_decodes_as_hf(tmp_path, qtype):
         torch.testing.assert_close(got, expected[name], rtol=0, atol=0, msg=name)
     if qtype != "F32":
         return
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
-    prompt = [5, 9, 33, 100, 7, 250, 3]
-    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
-    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    assert assert_greedy_equal(got, ref, logits, "phi3 gguf f32") >= 1
+    assert gguf_decodes_as_hf(tmp_path / "m.gguf", tmp_path / "hf", "phi3 gguf f32") >= 1
 
 
 PHI3_BASE = dict(architectures=["Phi3ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -336,7 +330,6 @@ def test_moe_gguf_loads_as_the_hf_checkpoint_and_decodes_as_hf(tmp_path, arch, g
     ffn_*_shexp and ffn_gate_inp_shexp) loads to the HF checkpoint's config and tensors (quantized
     3-D stacks dequantized at load; 2-D matrices kept as blocks with keep_quantized) and, in F32,
     decodes as HF does."""
-    from transformers import AutoModelForCausalLM
 
     # Qwen3-MoE with norm_topk_prob, as every published one (llama.cpp's qwen3moe graph always renormalises)
     overrides = dict(mlp_only_layers=[1], norm_topk_prob=True) if arch == "qwen3_moe" else {}
@@ -361,9 +354,4 @@ def test_moe_gguf_loads_as_the_hf_checkpoint_and_decodes_as_hf(tmp_path, arch, g
         eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
         assert eng.model.quantized and eng.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
         return
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
-    prompt = [5, 9, 33, 100, 7, 250, 3]
-    ref, logits = hf_greedy(hf, prompt, 20, eos=False)
-    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    assert assert_greedy_equal(got, ref, logits, f"{arch} gguf") == 20
+    assert gguf_decodes_as_hf(tmp_path / "m.gguf", tmp_path / "hf", f"{arch} gguf") == 20
