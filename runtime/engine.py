@@ -143,6 +143,28 @@ def load_model(model=None, config: EngineConfig | None = None, progress: bool = 
     return cfg, build_model(cfg, tensors, config, model)
 
 
+def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
+    """The context length (prompt + output) this engine serves, checked at start against its KV pool
+    (issue 40: never first at a long request): an explicit --max-model-len one sequence could not
+    hold in `num_blocks` is a clear error (vLLM's start-up check); without one, the model's own
+    context is lowered to what the pool holds, with a warning (vLLM refuses that too, so that a
+    default launch of a long-context model on the default pool would not start)."""
+    want = min(config.max_model_len or cfg.max_position, cfg.max_position)
+    holds = num_blocks * config.block_size  # tokens one sequence can have in the whole pool
+    if want <= holds:
+        return want
+    per_token = 2 * cfg.num_layers * cfg.kv_size * config.torch_dtype.itemsize
+    need_mb = -(-want * per_token // 2**20)
+    if config.max_model_len is not None:
+        raise InvalidRequestError(
+            f"max_model_len {want} does not fit the KV pool: one sequence of {want} tokens needs {need_mb} MiB of KV "
+            f"({per_token} bytes a token), the pool holds {holds} tokens ({num_blocks} blocks of {config.block_size}); "
+            f"raise --kv-cache-mb to at least {need_mb} or lower --max-model-len to {holds}")
+    log.warning("the model's context of %d tokens does not fit the KV pool (%d tokens, %d blocks; %d MiB would hold it): "
+                "serving a context of %d tokens; raise --kv-cache-mb for more", want, holds, num_blocks, need_mb, holds)
+    return holds
+
+
 class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, kv_cache: torch.Tensor | None = None,
                  prefill_only: bool = False):
@@ -155,8 +177,8 @@ class LLMEngine:
             structured.configure(tokenizer=tokenizer)  # the grammar of a structured request needs the vocabulary
         if config.max_model_len is not None and config.max_model_len > self.cfg.max_position:
             raise InvalidRequestError(f"max_model_len {config.max_model_len} is longer than the model's context ({self.cfg.max_position} tokens)")
-        self.max_model_len = min(config.max_model_len or self.cfg.max_position, self.cfg.max_position)
         num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
+        self.max_model_len = context_that_fits(self.cfg, config, num_blocks)
         if kv_cache is None:
             kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache)

@@ -11,6 +11,7 @@ coordinator holds it, waiting for room, until --pending-timeout (2 s) and sheds 
 `overloaded` (or earlier as `slo_unattainable`, when it predicts the TTFT target missed): a 429."""
 import asyncio
 import shutil
+import threading
 import time
 
 import httpx
@@ -24,6 +25,8 @@ from tests.helpers import save_tiny_served_model, wait_all_blocks_free
 
 CONTEXT = 2048
 NUM_BLOCKS = 96
+MAX_ACTIVE = 8  # requests in flight before the coordinator sheds
+SERVED = NUM_BLOCKS * 16  # the context the launch serves: what one pool holds, below the model's (issue 40)
 PENDING_TIMEOUT = 2.0
 NO_EOS = {"ignore_eos": True}
 
@@ -38,7 +41,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory):
     launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), engine_args=["--num-blocks", str(NUM_BLOCKS)],
-                                     coordinator_args=["--no-slo", "--pending-timeout", str(PENDING_TIMEOUT)])  # requests wait for KV room
+                                     coordinator_args=["--no-slo", "--pending-timeout", str(PENDING_TIMEOUT), "--max-active-requests", str(MAX_ACTIVE)])  # requests wait for KV room
     yield launcher
     launcher.stop()
 
@@ -79,7 +82,7 @@ def test_models_health_and_openapi(service, client, model, model_dir):
     assert health.json() == expected
     models = client.models.list().data
     assert [m.id for m in models] == [model]
-    assert models[0].root == models[0].id and str(model_dir) not in str(models) and models[0].max_model_len == CONTEXT and models[0].owned_by == "pdserve"
+    assert models[0].root == models[0].id and str(model_dir) not in str(models) and models[0].max_model_len == SERVED and models[0].owned_by == "pdserve"
     doc = httpx.get(f"{service.plan.http_url}/openapi.json", timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/version",
             "/openapi.json", "/v1/responses", "/v1/responses/{response_id}"} == set(doc["paths"])
@@ -255,16 +258,59 @@ def test_errors_arrive_as_openai_exceptions(service, client, model):
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=model, prompt=[5] * (CONTEXT + 10), stream=stream)
-        assert e.value.code == "prompt_too_long" and f"context is {CONTEXT}" in e.value.message
+            client.completions.create(model=model, prompt=[5] * (SERVED + 10), stream=stream)
+        assert e.value.code == "prompt_too_long" and f"context is {SERVED}" in e.value.message
+
+
+def test_a_prompt_over_what_the_pool_holds_is_over_the_context(service, client, model):
+    """The model's context is 2048 tokens but a worker's pool holds 1536 (96 blocks of 16): the
+    launch serves a 1536-token context (issue 40: known at start), so a longer prompt is refused at
+    once as over the context (before: admitted, it waited for room no worker had, then a 429)."""
+    assert client.models.list().data[0].max_model_len == SERVED
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[7] * (SERVED + 100), max_tokens=1)
+    assert e.value.code == "prompt_too_long" and f"context is {SERVED}" in e.value.message
 
 
 def test_shed_request_is_429_with_retry_after(service, client, model):
-    prompt = [7] * (NUM_BLOCKS * 16 + 100)  # inside the context, larger than any worker's KV pool
-    with pytest.raises(openai.RateLimitError) as e:
-        client.completions.create(model=model, prompt=prompt, max_tokens=1)
-    assert e.value.code in ("overloaded", "slo_unattainable") and e.value.response.headers["retry-after"] == "1"
+    """Over --max-active-requests (8 here) a request is shed at once with a 429 and Retry-After."""
+    with streams_running(client, model, MAX_ACTIVE, prompt_len=16):
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=model, prompt=[7] * 10, max_tokens=1)
+    assert e.value.code == "overloaded" and e.value.response.headers["retry-after"] == "1"
     assert greedy(client, model, "still serving", 2).usage.completion_tokens == 2
+
+
+class streams_running:
+    """`count` greedy streams of `prompt_len`-token prompts, each run to the served context, all
+    started (a token received from each) inside the block; leaving it stops reading them and
+    closes them, which aborts them."""
+
+    def __init__(self, client, model, count: int, prompt_len: int):
+        self.client, self.model, self.count, self.prompt_len = client, model, count, prompt_len
+        self.started, self.leave = threading.Semaphore(0), threading.Event()
+
+    def run(self, i: int):
+        with self.client.completions.create(model=self.model, prompt=[9 + i] * self.prompt_len, max_tokens=SERVED - self.prompt_len - 1,
+                                            temperature=0, extra_body=NO_EOS, stream=True) as stream:
+            for n, _ in enumerate(stream):
+                if n == 0:
+                    self.started.release()
+                if self.leave.is_set():
+                    break
+
+    def __enter__(self):
+        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(self.count)]
+        for t in self.threads:
+            t.start()
+        for _ in self.threads:
+            assert self.started.acquire(timeout=60), "a stream never started"
+        return self
+
+    def __exit__(self, *exc):
+        self.leave.set()
+        for t in self.threads:
+            t.join(60)
 
 
 # ------------------------------------------------------------------ disconnects
@@ -290,19 +336,19 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(service, client, mod
 
 
 def test_disconnect_while_waiting_aborts(service, client, model):
-    """A non-streaming client that gives up (here: while its request waits for KV room) aborts it."""
+    """A non-streaming client that gives up (here: while its request waits for KV room: 6 streams
+    hold 6 x 15 and more of the decode pool's 96 blocks, its prompt needs 63) aborts it."""
     with coordinator(service) as c:
         before = c.stats()["requests"]
-        with pytest.raises(openai.APITimeoutError):
-            client.with_options(timeout=0.5).completions.create(model=model, prompt=[7] * (NUM_BLOCKS * 16 + 100), max_tokens=1)
-
-        def aborted():
-            s = c.stats()
-            return s if s["requests"].get("finished:abort", 0) == before.get("finished:abort", 0) + 1 and s["pending"] == 0 else None
-
-        stats = poll(aborted)
-        assert stats["active_requests"] == 0
+        with streams_running(client, model, 6, prompt_len=240):
+            with pytest.raises(openai.APITimeoutError):
+                client.with_options(timeout=0.5).completions.create(model=model, prompt=[7] * 1000, max_tokens=1)
+            waiting = poll(lambda: (s := c.stats())["pending"] == 0 and s["active_requests"] == 6 and s)  # it left the queue: aborted
+            assert waiting["requests"].get("finished:abort", 0) == before.get("finished:abort", 0) + 1
+        stats = poll(lambda: (s := c.stats())["active_requests"] == 0 and s)  # the streams closed: aborted too
+        assert stats["requests"].get("finished:abort", 0) == before.get("finished:abort", 0) + 7
         assert stats["requests"].get("error:overloaded", 0) == before.get("error:overloaded", 0)  # aborted, not shed
+        assert wait_all_blocks_free(c, timeout=10.0)["active_requests"] == 0
 
 
 # ------------------------------------------------------------------ metrics

@@ -132,10 +132,17 @@ def test_bad_requests_are_typed_and_queue_nothing(tiny):
     assert not eng.has_work() and eng.blocks.free_blocks == eng.blocks.num_blocks
 
 
-def test_prompt_larger_than_pool_is_refused(tiny):
+def test_a_context_the_pool_cannot_hold_is_known_at_start(tiny):
+    """A pool of 4 blocks of 8 holds one 32-token sequence: the model's context (128) is lowered to
+    32 at start (and a longer prompt refused as over the context); an explicit --max-model-len of
+    64 is a clear error at start naming the flags, not a refusal at the first long request."""
     eng = engine(tiny, num_blocks=4)
-    with pytest.raises(PromptTooLongError, match="KV pool"):
+    assert eng.max_model_len == 32
+    with pytest.raises(PromptTooLongError, match="context is 32"):
         eng.add_request(list(range(3, 60)), GREEDY)
+    assert engine(tiny, num_blocks=16, max_model_len=100).max_model_len == 100  # 128 tokens: it fits
+    with pytest.raises(InvalidRequestError, match=r"max_model_len 64 does not fit the KV pool.*--kv-cache-mb.*--max-model-len to 32"):
+        engine(tiny, num_blocks=4, max_model_len=64)
 
 
 def test_a_step_on_a_share_of_the_cores_is_logged_apart_with_its_threads(tiny):

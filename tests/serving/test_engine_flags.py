@@ -69,16 +69,22 @@ def test_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message)
     assert "pdserve ready" not in out.stderr
 
 
-def test_max_model_len_beyond_the_model_stops_the_launch(model_dir, tmp_path):
-    """The tiny model has a 1024-token context: asking for more is refused, as vllm serve does."""
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "4096"], "max_model_len 4096 is longer than the model's context (1024 tokens)"),
+    # issue 40: a context the KV pool cannot hold is known at start, not at the first long request
+    (["--max-model-len", "1024", "--engine-arg=--num-blocks=8"], "max_model_len 1024 does not fit the KV pool"),
+])
+def test_a_context_the_model_or_pool_cannot_hold_stops_the_launch(model_dir, tmp_path, flags, message):
+    """The tiny model has a 1024-token context: asking for more is refused, as vllm serve does; so is
+    a context one sequence could not hold in the KV pool (8 blocks of 8 here)."""
     out = subprocess.run([sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--colocated", "--no-gateway",
                           "--clients", f"tcp://127.0.0.1:{free_port()}", "--workers", f"tcp://127.0.0.1:{free_port()}",
-                          "--threads", "1", "--max-model-len", "4096", "--log-dir", str(tmp_path)],
+                          "--threads", "1", *flags, "--log-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "colocated-0 (pid" in out.stderr and "cannot start with this configuration" in out.stderr  # exit 78: not restarted
     log = (tmp_path / "colocated-0.log").read_text()
-    assert "max_model_len 4096 is longer than the model's context (1024 tokens)" in log
+    assert message in log
 
 
 def test_linear_backend_choices_are_the_engines():
