@@ -3,7 +3,9 @@
 Lifecycle: `load_tokenizer(path)` returns a transformers tokenizer, read from a HF directory or
 converted from GGUF metadata by transformers. The GGUF conversion takes seconds, so its result
 is saved once under a cache folder keyed by the file's path, size and mtime and read back from
-there afterwards. Per request, an `IncrementalDetokenizer` turns each new token into the text it
+there afterwards. A chat is rendered by `render_chat` (the model's template, with a request's
+chat_template_kwargs); what the template raises on the messages (Gemma 2's "System role not
+supported") is a `ChatTemplateRefused`, the caller's fault. Per request, an `IncrementalDetokenizer` turns each new token into the text it
 adds, holding back bytes that do not yet form a whole UTF-8 character and text that may be the
 start of a stop string, and reports the stop string that ends the request.
 """
@@ -79,9 +81,28 @@ def eos_token_ids(tokenizer, model_eos: tuple[int, ...] = ()) -> set[int]:
     return ids
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+class ChatTemplateRefused(InvalidRequestError):
+    """The model's chat template raised on these messages: its own raise_exception (Gemma's
+    "System role not supported", roles that do not alternate) or a Jinja error on their shape."""
+
+
+def apply_template(tokenizer, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None, **options):
+    """tokenizer.apply_chat_template(messages, tools=tools, **options, **template_kwargs): what the
+    template raises (jinja2's TemplateError, raise_exception's included) becomes ChatTemplateRefused
+    naming its message, the caller's fault (a 400), never an internal error."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, **options, **(template_kwargs or {}))
+    except TemplateError as e:
+        raise ChatTemplateRefused(f"the model's chat template refused these messages: {e}") from None
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of `messages` (and `tools`, OpenAI's list, which the template may show) under
-    the model's chat template, ready for the assistant turn."""
+    the model's chat template, ready for the assistant turn. template_kwargs: further variables
+    the template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking), checked by the
+    caller against wire/limits.py's allow-list."""
     if not messages:
         raise InvalidRequestError("messages must not be empty")
     for m in messages:
@@ -89,7 +110,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> l
             raise InvalidRequestError("each message needs 'role' and 'content'")
     if tokenizer.chat_template is None:
         raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = apply_template(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids)
 
 

@@ -399,6 +399,9 @@ class Coordinator:
         if req.messages is not None:
             limits.check_messages(len(req.messages))
             limits.check_tool_calls(max((len(m.tool_calls or ()) for m in req.messages), default=0))
+            limits.check_template_kwargs(req.chat_template_kwargs)
+        elif req.chat_template_kwargs:
+            raise InvalidRequestError("chat_template_kwargs is for messages; a prompt is not rendered with the chat template")
         cost = limits.check_prompt_bytes(prompt_texts(req) if req.token_ids is None else [], len(req.messages or ()),
                                          "messages" if req.messages is not None else "prompt")
         p.validate()

@@ -38,7 +38,7 @@ def tokenize(tok, req: GenerateRequest) -> list[int]:
     if req.token_ids is not None:
         return list(req.token_ids)
     if req.messages is not None:
-        return render_chat(tok, [template_message(m) for m in req.messages], _tools(req.tools))
+        return render_chat(tok, [template_message(m) for m in req.messages], _tools(req.tools), req.chat_template_kwargs)
     return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
 
@@ -56,18 +56,20 @@ def _tools(text: str | None) -> list | None:
 
 def prompt_texts(req: GenerateRequest) -> list[str]:
     """The text a request asks to tokenize: its prompt, or each message's role, content and
-    calls, and its tools (all rendered into the prompt)."""
+    calls, its tools and its template variables' text (all may be rendered into the prompt)."""
     if req.prompt is not None:
         return [req.prompt]
     texts = [t for m in req.messages or () for t in (m.role, m.content, m.tool_call_id or "", m.name or "")]
     texts += [t for m in req.messages or () for c in m.tool_calls or () for t in (c.id, c.name, c.arguments)]
+    texts += [v for v in (req.chat_template_kwargs or {}).values() if isinstance(v, str)]
     return texts + [req.tools or ""]
 
 
 def inputs_key(req: GenerateRequest) -> tuple:
-    """What the token ids depend on: equal keys tokenize to equal ids."""
+    """What the token ids depend on (a chat's template kwargs too): equal keys tokenize to equal ids."""
     if req.messages is not None:
-        return ("chat", tuple(msgspec.msgpack.encode(m) for m in req.messages), req.tools)
+        kwargs = tuple(sorted((req.chat_template_kwargs or {}).items()))
+        return ("chat", tuple(msgspec.msgpack.encode(m) for m in req.messages), req.tools, msgspec.msgpack.encode(kwargs))
     return ("prompt", req.prompt, req.add_special_tokens)
 
 

@@ -7,10 +7,18 @@ content; an output without `</think>` is reasoning only (it was cut short). vLLM
 tags as single tokens of those models' vocabularies; here they are matched in the text, which
 is the same for those models and lets any tokenizer be served.
 
-Lifecycle: `REASONING_PARSERS[name]` is stateless: `split(text)` for a whole output; a stream
-makes one `ReasoningStream` per choice and feeds it each text delta (`feed` -> (reasoning,
-content) pieces), then `flush()`es what it held back when the choice ends. Held back: only a
-tail that may be the start of a tag.
+Qwen3's switch: a chat whose chat_template_kwargs say `enable_thinking: false` gets Qwen3's
+template's empty `<think>\n\n</think>\n\n` block in its prompt and answers without reasoning,
+so `qwen3` splits nothing for it: the whole output is content, blocking and streamed alike (as
+SGLang's qwen3 parser does; vLLM's reaches the same for whole outputs, which hold no
+`</think>`), and a structured output's grammar holds from the first token. `deepseek_r1` has no
+switch.
+
+Lifecycle: `REASONING_PARSERS[name]` is stateless; `for_request(chat_template_kwargs)` is the
+parser a request's output goes through (None: no split). `split(text)` for a whole output; a
+stream makes one `ReasoningStream` per choice and feeds it each text delta (`feed` ->
+(reasoning, content) pieces), then `flush()`es what it held back when the choice ends. Held
+back: only a tail that may be the start of a tag.
 """
 from __future__ import annotations
 
@@ -30,6 +38,13 @@ class ThinkParser:
     name: str
     start: str = "<think>"
     end: str = "</think>"
+    switch: str | None = None  # the chat_template_kwargs key whose false turns reasoning off (Qwen3's enable_thinking)
+
+    def for_request(self, template_kwargs: dict | None) -> ThinkParser | None:
+        """This parser, or None where the request's template variables turned the model's reasoning off."""
+        if self.switch is not None and (template_kwargs or {}).get(self.switch) is False:
+            return None
+        return self
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for an empty part."""
@@ -73,4 +88,4 @@ class ReasoningStream:
         return ("", out) if self.done else (out, "")
 
 
-REASONING_PARSERS = {name: ThinkParser(name) for name in ("deepseek_r1", "qwen3")}
+REASONING_PARSERS = {"deepseek_r1": ThinkParser("deepseek_r1"), "qwen3": ThinkParser("qwen3", switch="enable_thinking")}

@@ -114,6 +114,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None  # gateway/tools.py
     tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's extra: the template's further variables (Qwen3's enable_thinking)
 
 
 def decode_body(body: bytes, kind: type):
@@ -249,6 +250,7 @@ def _request_bounds(req, limits: RequestLimits, trace: dict | None) -> None:
         limits.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
         limits.check_logprobs("top_logprobs", req.top_logprobs)
         chat_bounds(req.messages, limits, req.tools)
+        limits.check_template_kwargs(req.chat_template_kwargs)
         if isinstance(req.tool_choice, NamedToolChoice):
             limits.check_name("tool_choice", req.tool_choice.function.name)
         prompts = 1
@@ -375,6 +377,8 @@ def chat_jobs(req: ChatCompletionRequest, default_max_tokens: int, plan: ToolPla
     inputs = {"messages": [chat_message(m) for m in req.messages]}
     if req.tools:
         inputs["tools"] = template_tools(req.tools)
+    if req.chat_template_kwargs:
+        inputs["chat_template_kwargs"] = req.chat_template_kwargs
     return _fan_out([inputs], sampling, req.n, req.priority)
 
 

@@ -22,7 +22,9 @@ its routes and its event stream to `run`); echo and prompt logprobs on /v1/compl
 gateway/scoring.py's. Every field of a request is checked against the table of bounds
 (wire/limits.py) before its fan-out (a large body is scanned before it is decoded), and its
 choices hold fair shares of the in-flight slots (gateway/slots.py). A chat's tools and the
-server's reasoning parser shape its jobs and its answer (gateway/tools.py, gateway/reasoning.py).
+server's reasoning parser shape its jobs and its answer (gateway/tools.py, gateway/reasoning.py;
+its chat_template_kwargs go to the coordinator's template, and Qwen3's enable_thinking false turns
+the qwen3 parser off for it).
 """
 from __future__ import annotations
 
@@ -204,6 +206,7 @@ class Gateway:
         m = self.model(request, req.model)
         trace = self.check_limits(request, req)
         plan, reasoning = tool_plan(req, self.cfg.tools), REASONING_PARSERS.get(self.cfg.tools.reasoning_parser)
+        reasoning = reasoning.for_request(req.chat_template_kwargs) if reasoning is not None else None  # Qwen3's enable_thinking
         jobs = chat_jobs(req, await m.context_len(self.cfg.stats_timeout_s), plan, reasoning)
         structured_bounds(jobs, self.cfg.limits)
         await check_jobs(jobs)

@@ -341,17 +341,58 @@ def quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
     return QuantTensor(torch.from_numpy(raw.reshape(rows, -1)), qtype, (rows, cols))
 
 
-def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
-    """A tiny random Llama with the default model's tokenizer beside it, so that the
-    coordinator can tokenize and detokenize real text for it."""
+def family_tokenizer(family: str):
+    """The default model's tokenizer as a `family` (tests/family_templates.py) checkpoint carries
+    it: its bos/eos and control tokens added, and its published chat template."""
+    from tokenizers import AddedToken
+
     from pdserve.common.tokenizer import load_tokenizer
+    from tests.family_templates import FAMILY_TOKENS, TEMPLATES
 
     tok = load_tokenizer(None)
+    spec = FAMILY_TOKENS[family]
+    tok.add_special_tokens({k: v for k, v in (("bos_token", spec["bos"]), ("eos_token", spec["eos"])) if v is not None})
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in spec["special"]]
+                   + [AddedToken(t, special=False, normalized=False) for t in spec["plain"]])
+    tok.chat_template = TEMPLATES[family][0]
+    return tok
+
+
+def save_family_tokenizer(path, family: str, tok=None):
+    """Write family_tokenizer(family) (or `tok`, one it made) to `path`, its chat template in
+    tokenizer_config.json where the family's model card publishes it (transformers itself writes a
+    chat_template.jinja beside it); returns the tokenizer."""
+    import json
+    from pathlib import Path
+
+    tok = tok if tok is not None else family_tokenizer(family)
+    tok.save_pretrained(str(path))
+    path = Path(path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = tok.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok
+
+
+def save_tiny_served_model(path, seed: int = 0, **overrides) -> None:
+    """A tiny random model with a tokenizer beside it, so that the coordinator can tokenize and
+    detokenize real text for it: the default model's, or for an `arch` of
+    tests/family_templates.py (Qwen3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, Qwen2-MoE) the same
+    vocabulary with that family's tokens and published chat template (save_family_tokenizer)."""
+    from pdserve.common.tokenizer import load_tokenizer
+    from tests.family_templates import FAMILY_OF_ARCH
+
+    family = FAMILY_OF_ARCH.get(overrides.get("arch", "llama"))
+    tok = load_tokenizer(None) if family is None else family_tokenizer(family)
     cfg = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
                max_position_embeddings=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     cfg.update(overrides)
     save_tiny_model(path, seed=seed, **cfg)
-    tok.save_pretrained(str(path))
+    if family is None:
+        tok.save_pretrained(str(path))
+    else:
+        save_family_tokenizer(path, family, tok)
 
 
 def pools_of(*pids: int) -> list[str]:

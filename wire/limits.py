@@ -69,6 +69,8 @@ class _RequestHead(msgspec.Struct, tag="GenerateRequest", array_like=True):
     ttft_ms: msgspec.Raw = msgspec.Raw(b"")
     tpot_ms: msgspec.Raw = msgspec.Raw(b"")
     trace_headers: msgspec.Raw = msgspec.Raw(b"")
+    tools: msgspec.Raw = msgspec.Raw(b"")
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw(b"")
 
 
 class _ParamsRaw(msgspec.Struct):
@@ -163,7 +165,7 @@ class RequestLimits:
     max_metadata_keys: int = 16  # keys of a response's metadata (/v1/responses; OpenAI's limit)
     max_metadata_value: int = 512  # characters of one metadata value (OpenAI's; a key: max_metadata_key, 64)
     max_metadata_key: int = 64
-    max_template_kwargs: int = 8  # keys of /tokenize's chat_template_kwargs
+    max_template_kwargs: int = 8  # keys of a chat's chat_template_kwargs (/v1/chat/completions, /tokenize)
     max_template_value: int = 256  # characters of one string value in chat_template_kwargs
     max_json_depth: int = 64  # levels of arrays and objects in a free-form JSON value: a structured-output schema (64 levels is
     # 32 nested objects with properties; OpenAI allows 10), a tool's JSON; grammar compilers and json.dumps recurse on it
@@ -196,6 +198,8 @@ class RequestLimits:
             (msgpack_count(head.trace_headers) > len(TRACE_HEADERS)
              or len(head.trace_headers) > 1 + len(TRACE_HEADERS) * (2 * h + 11 + 4 * self.max_trace_header),
              "trace_headers", f"is over {len(TRACE_HEADERS)} headers of {self.max_trace_header} characters"),
+            (msgpack_count(head.chat_template_kwargs) > self.max_template_kwargs, "chat_template_kwargs",
+             f"has over {self.max_template_kwargs} keys"),
             (len(params.stop) > h + self.max_stop * (4 * self.max_stop_length + h), "stop",
              f"is over the limits of {self.max_stop} strings of {self.max_stop_length} characters (--max-stop, --max-stop-length)"),
             (len(params.structured) > 64 + self.max_structured_bytes + h * (self.max_choices + 2), "structured",

@@ -204,15 +204,18 @@ def to_delta(msg, result: Result, t0: float) -> StreamDelta | None:
 
 
 def build_request(prompt, messages, token_ids, sampling: dict, request_id: str | None = None, priority: int = 0,
-                  ttft_ms: float = 0.0, tpot_ms: float = 0.0, trace_headers: dict | None = None, tools: str | None = None) -> GenerateRequest:
-    """tools: a chat's tools as JSON text, for the chat template (the gateway's gateway/tools.py)."""
+                  ttft_ms: float = 0.0, tpot_ms: float = 0.0, trace_headers: dict | None = None, tools: str | None = None,
+                  chat_template_kwargs: dict | None = None) -> GenerateRequest:
+    """tools: a chat's tools as JSON text, for the chat template (the gateway's gateway/tools.py);
+    chat_template_kwargs: further variables for the chat template (e.g. {"enable_thinking": False})."""
     try:
         params = SamplingParams(**sampling)
     except TypeError as e:
         raise InvalidRequest("invalid_request", str(e)) from None
     msgs = None if messages is None else [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
     return GenerateRequest(request_id or uuid.uuid4().hex, params, prompt, msgs, None if token_ids is None else list(token_ids),
-                           priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms, trace_headers=trace_headers or None, tools=tools)
+                           priority=priority, ttft_ms=ttft_ms, tpot_ms=tpot_ms, trace_headers=trace_headers or None, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs or None)
 
 
 def _socket(ctx, address: str, curve: dict | None, keys: str | None = None):
@@ -284,8 +287,9 @@ class Client:
                 _send_now(self.sock, encode(StatusRequest(request_id)))
 
     def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
-               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools)
+               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, chat_template_kwargs=None, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools,
+                            chat_template_kwargs)
         t0 = time.monotonic()
         deadline = t0 + (timeout or self.timeout)
         result = Result(req.request_id)
@@ -395,8 +399,9 @@ class AsyncClient:
                 q.put_nowait(msg)
 
     async def stream(self, prompt=None, *, messages=None, token_ids=None, timeout=None, request_id=None, priority=0,
-               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, **sampling):
-        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools)
+               ttft_ms=0.0, tpot_ms=0.0, trace_headers=None, tools=None, chat_template_kwargs=None, **sampling):
+        req = build_request(prompt, messages, token_ids, sampling, request_id, priority, ttft_ms, tpot_ms, trace_headers, tools,
+                            chat_template_kwargs)
         data = encode_request(req)
         self._renew()
         self._ensure_reader()

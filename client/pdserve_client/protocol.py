@@ -62,6 +62,8 @@ class GenerateRequest(Message):
     tpot_ms: float = 0.0
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate: the coordinator's span joins that trace
     tools: str | None = None  # a chat's tools (OpenAI's list, as JSON text): the chat template gets them as tools=
+    # a chat's extra template variables (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking): plain values only
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
 
 class AbortRequest(Message):

@@ -19,6 +19,7 @@ from pdserve.gateway.schema import (
     structured_bounds,
 )
 from pdserve.wire.limits import FieldLimitExceeded, RequestLimits
+from pdserve_client.errors import InvalidRequestError
 from pdserve_client.params import SamplingParams, StructuredOutput
 from pdserve_client.protocol import ChatMessage, GenerateRequest, encode
 
@@ -279,6 +280,19 @@ def test_the_coordinator_checks_each_field(coordinator, at, over):
     coordinator.check_request(at)
     with pytest.raises(LimitExceededError):
         coordinator.check_request(over)
+
+
+def test_the_coordinator_holds_chat_template_kwargs_to_the_allow_list(coordinator):
+    """A client of the coordinator (not only the gateway) may send a chat's chat_template_kwargs:
+    the same allow-list holds there, and a prompt, which no template renders, may not carry them."""
+    chat = [ChatMessage("user", "hi")]
+    coordinator.check_request(gen(messages=chat, chat_template_kwargs={"enable_thinking": False}))
+    for bad in ({"chat_template": "PWNED"}, {"tokenize": False}, {f"k{i}": i for i in range(L.max_template_kwargs + 1)}):
+        with pytest.raises(FieldLimitExceeded) as e:
+            coordinator.check_request(gen(messages=chat, chat_template_kwargs=bad))
+        assert e.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs is for messages"):
+        coordinator.check_request(gen(prompt="hi", chat_template_kwargs={"enable_thinking": False}))
 
 
 def test_the_stop_scan_does_not_count_whitespace_between_strings():
