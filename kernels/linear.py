@@ -20,6 +20,8 @@ Those are the rules. `use(rows_backends)` replaces them with a measured table's 
 weight's shape (kernels.select; back-ends by name from kernels.backends): each call then runs the
 back-end of the smallest bucket that holds its rows (the last bucket's above), bound once here;
 the rules' oneDNN copy is dropped unless the table uses it.
+`SplitLinear(parts)`: a fused projection (qkv, gate_up) whose parts are GGUF blocks of different
+types, one PackedLinear each writing its columns of one output (built with them, at load).
 """
 from __future__ import annotations
 
@@ -119,3 +121,27 @@ def _native_float(weight: torch.Tensor):
 
     ops = cpu_native.native()
     return ops.f_linear(weight) if ops is not None and weight.is_contiguous() else None
+
+
+class SplitLinear:
+    """A fused projection whose parts are quantized in different types (runtime.model.QuantRows:
+    a Q4_K_M file's Q4_K q / k and Q6_K v): each part's PackedLinear writes its columns of the
+    output. Not `quantized` as one matrix, so the one-call decode step declines such a model
+    (runtime.cpu_forward) and its per-op loop runs it; the module forward (dequantize + F.linear
+    per part) is its twin."""
+
+    quantized = False  # not one block matrix (runtime.cpu_forward._step_layers)
+    bias = None  # each part adds its own
+
+    def __init__(self, parts: list[PackedLinear]):
+        self.parts = parts
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype) if out is None else out
+        col = 0
+        for part in self.parts:
+            out[:, col:col + part.out_features] = part(x)
+            col += part.out_features
+        return out
+

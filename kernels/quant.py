@@ -100,8 +100,8 @@ class QuantTensor:
     @staticmethod
     def cat(parts: list) -> QuantTensor | None:
         """Rows of several matrices stacked (q/k/v, gate/up); None unless all are QuantTensors of
-        one type and width (the caller then fuses float copies instead: a Q4_K_M file's q/k/v
-        mix Q4_K and Q6_K in some layers, whose fused qkv is then float32)."""
+        one type and width (a Q4_K_M file's q/k/v mix Q4_K and Q6_K in some layers: the model
+        then keeps them side by side, runtime.model.MixedBlocks)."""
         if not all(isinstance(p, QuantTensor) for p in parts) or len({(p.qtype, p.shape[1]) for p in parts}) != 1:
             return None
         raw = torch.cat([p.raw for p in parts])

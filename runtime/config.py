@@ -30,33 +30,66 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SiLU (SwiGLU),
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # runtime.rope computes each as transformers does
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling; `kind` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling, read as transformers' modeling_rope_utils reads it; `kind` is one of
+    ROPE_TYPES. llama3: low / high_freq_factor over original_max_position. yarn: the correction
+    range's rotations beta_fast / beta_slow (32 / 1 where absent or 0), its ends rounded outwards
+    unless truncate is false, and cos / sin scaled by attention_factor, or where that is None by
+    transformers' rule from factor, mscale and mscale_all_dim (0: absent). dynamic (NTK): its base
+    grows only past the model's max_position_embeddings, which the engine never serves
+    (runtime.engine caps the context there), so within it the rope is the default one."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r} (supported: default, linear, llama3)")
+        if self.kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r} (supported: {', '.join(ROPE_TYPES)})")
         if not self.factor > 0:
             raise UnsupportedModelError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.original_max_position < 1 or (self.attention_factor is not None and self.attention_factor <= 0):
+            raise UnsupportedModelError(f"rope scaling original_max_position_embeddings must be >= 1 and attention_factor > 0, "
+                                        f"got {self.original_max_position} and {self.attention_factor}")
 
     @classmethod
-    def from_hf(cls, d: dict | None) -> RopeScaling:
+    def from_hf(cls, d: dict | None, max_position: int | None = None, original: int | None = None) -> RopeScaling:
+        """A config.json's rope_parameters / rope_scaling dict. llama3 and yarn take their
+        original_max_position_embeddings from `original` (a top-level config key, which
+        transformers prefers, as Phi-3 writes it), else from the dict, else max_position (the
+        model's max_position_embeddings); yarn without a factor takes max_position / that."""
         if not d:
             return cls()
         kind = d.get("rope_type", d.get("type", "default"))
+        orig = original or d.get("original_max_position_embeddings") or (max_position if kind in ("llama3", "yarn") else None) or 8192
+        factor = d.get("factor")
+        if factor is None:
+            factor = max_position / orig if kind == "yarn" and max_position else 1.0
+        attention = d.get("attention_factor")
         return cls(
             kind=kind,
-            factor=float(d.get("factor", 1.0)),
+            factor=float(factor),
             low_freq_factor=float(d.get("low_freq_factor", 1.0)),
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position=int(d.get("original_max_position_embeddings", 8192)),
+            original_max_position=int(orig),
+            beta_fast=float(d.get("beta_fast") or 32),
+            beta_slow=float(d.get("beta_slow") or 1),
+            truncate=bool(d.get("truncate", True)),
+            attention_factor=None if attention is None else float(attention),
+            mscale=float(d.get("mscale") or 0.0),
+            mscale_all_dim=float(d.get("mscale_all_dim") or 0.0),
         )
 
 
@@ -199,7 +232,9 @@ class ModelConfig:
             max_position=int(d.get("max_position_embeddings", 2048)),
             rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None),
+            rope_scaling=RopeScaling.from_hf(rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+                                             int(d.get("max_position_embeddings", 2048)),
+                                             None if arch in GEMMA else d.get("original_max_position_embeddings")),
             attention_bias=bool(d.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM" else d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             tie_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
             bos_token_id=d.get("bos_token_id"),

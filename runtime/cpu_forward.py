@@ -3,7 +3,8 @@
 Lifecycle: `CpuForward.build(model)` is called once after the weights are loaded (by
 `LlamaModel.enable_fast_path`); it packs every projection into a `pdserve.kernels.linear.PackedLinear`
 and loads the fused C kernels (kernels.cpu_native); a weight the model keeps quantized
-(kernels.quant.QuantTensor) becomes a quantized linear layer, and a quantized embedding is read
+(kernels.quant.QuantTensor) becomes a quantized linear layer (a fused projection whose parts
+differ in type, model.QuantRows, a kernels.linear.SplitLinear of one per part), and a quantized embedding is read
 row by row. It returns None where the fast path cannot run (not float32 on the CPU, or no C
 compiler), and the model keeps its module forward, which stays the slow twin this path is
 tested against (for a quantized model, the twin is the same file loaded dequantized). `__call__(batch, kv_cache)` then replaces the
@@ -43,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_native, quant
-from pdserve.kernels.linear import PackedLinear
+from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap
+from pdserve.runtime.model import QuantRows
 from pdserve.runtime.moe import MoEBlock
 
 
@@ -240,6 +242,9 @@ class _Layer:
         self.window = model.cfg.window(i)  # sliding window in keys (0: full attention), read once at build
 
         def linear(name, bias=None):
+            module = model.get_submodule(p + name.removesuffix(".weight"))
+            if isinstance(module, QuantRows):  # parts in different quantized types: one PackedLinear each
+                return SplitLinear([PackedLinear(q.blocks, q.bias, kind, activations=activations) for q in module.parts])
             return PackedLinear(model.weight(p + name), bias, kind, activations=activations)
 
         self.qkv = linear("self_attn.qkv_proj.weight", layer.self_attn.qkv_proj.bias)
@@ -265,8 +270,9 @@ class _Layer:
                             None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
 
     def linears(self) -> list:
-        """This layer's PackedLinears (a MoE layer's experts are not: they are read by expert)."""
-        return [x for x in (self.qkv, self.o, self.gate_up, self.down, self.shared_gate_up, self.shared_down) if x is not None]
+        """This layer's PackedLinears (a SplitLinear's parts; a MoE layer's experts are not: they are read by expert)."""
+        lins = [x for x in (self.qkv, self.o, self.gate_up, self.down, self.shared_gate_up, self.shared_down) if x is not None]
+        return [part for x in lins for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
 
 
 class _AttentionPlan:

@@ -14,7 +14,9 @@ into the pages and returns float32 logits only for the rows in `batch.logits_ind
 path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
 (`forward_modules`), which the tests compare it with. Weights given as kernels.quant.QuantTensor
 (`--quantization auto` on a GGUF) stay in their blocks: their modules become `QuantLinear`s
-(listed by weight name in `quantized`), which the CPU fast path reads directly and the module
+(listed by weight name in `quantized`; a fused qkv / gate_up whose parts differ in type, as a
+Q4_K_M file's Q4_K q / k and Q6_K v, a `QuantRows` of one QuantLinear per part, named
+`...qkv_proj.parts.N.weight`), which the CPU fast path reads directly and the module
 forward runs with the Triton weight-only kernel on CUDA (the twin, dequantize + F.linear,
 elsewhere).
 """
@@ -47,9 +49,25 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # (N,) int64 rows of T whose logits are wanted
 
 
-def _stack_rows(parts: list) -> torch.Tensor | QuantTensor:
-    """q/k/v or gate/up as one matrix: quantized blocks stay blocks when all parts share a type."""
-    return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
+@dataclass(frozen=True)
+class MixedBlocks:
+    """Quantized matrices of different types (a Q4_K_M file's Q4_K q / k and Q6_K v) whose rows
+    stand for one fused matrix: QuantTensor.cat cannot join them, and a float32 copy would cost 4
+    bytes a weight (~7x Q4_K's), so each stays in its blocks (the module: `QuantRows`)."""
+
+    parts: tuple[QuantTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+
+def _stack_rows(parts: list) -> torch.Tensor | QuantTensor | MixedBlocks:
+    """q/k/v or gate/up as one matrix: quantized blocks stay blocks, in one QuantTensor when all
+    parts share a type, else side by side (MixedBlocks); float where any part is float."""
+    if all(isinstance(p, QuantTensor) for p in parts):
+        return QuantTensor.cat(parts) or MixedBlocks(tuple(parts))
+    return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
 
 
 def _float(w) -> torch.Tensor:
@@ -102,6 +120,21 @@ class QuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized (an embedding lookup), in plain torch on any device."""
         return self.blocks.rows(ids).to(dtype)
+
+
+class QuantRows(nn.Module):
+    """A fused projection (qkv, gate_up) whose parts are quantized in different types
+    (MixedBlocks): one QuantLinear per part, their outputs side by side; the bias, if any, split
+    among them. The CPU fast path runs the parts as one PackedLinear each (cpu_forward.SplitLinear)."""
+
+    def __init__(self, w: MixedBlocks, bias: torch.Tensor | None = None):
+        super().__init__()
+        ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
+        self.parts = nn.ModuleList(QuantLinear(p, None if bias is None else bias[e - p.shape[0]:e]) for p, e in zip(w.parts, ends))
+        self.bias = None  # each part holds its slice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -298,17 +331,17 @@ class LlamaModel(nn.Module):
             src = fused[name]
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
-            if isinstance(src, QuantTensor):  # the module becomes a QuantLinear over the blocks
+            if isinstance(src, (QuantTensor, MixedBlocks)):  # the module becomes a QuantLinear over the blocks (QuantRows: over each part's)
                 owner, _, _ = name.rpartition(".")
                 bias_name = owner + ".bias"
                 bias = fused[bias_name].to(self.dtype).contiguous() if bias_name in fused else None
-                swapped = QuantLinear(src, bias)
+                swapped = QuantLinear(src, bias) if isinstance(src, QuantTensor) else QuantRows(src, bias)
                 parent, _, child = owner.rpartition(".")
                 setattr(self.get_submodule(parent) if parent else self, child, swapped)
                 if owner == "embed_tokens" and self.cfg.tie_embeddings:
                     self.lm_head = swapped
                 continue
-            if name.endswith(".bias") and isinstance(fused.get(name[:-5] + ".weight"), QuantTensor):
+            if name.endswith(".bias") and isinstance(fused.get(name[:-5] + ".weight"), (QuantTensor, MixedBlocks)):
                 continue  # taken by the QuantLinear above
             keep_float = self.cfg.norm_plus_one and name.endswith("norm.weight")  # Gemma's (1 + w), float32 as it scales
             param.data = src.to(torch.float32 if keep_float else self.dtype).contiguous()

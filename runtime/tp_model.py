@@ -2,7 +2,8 @@
 
 Lifecycle: each of a worker's N rank processes builds `TPModel(cfg, shard(tensors), econf,
 group)` once (runtime.tp.shard gives its weights); each projection is a kernels.linear
-PackedLinear over the rank's shard (float or GGUF blocks). Rank 0's engine calls `forward(batch,
+PackedLinear over the rank's shard (float or GGUF blocks; a fused qkv / gate_up whose parts differ
+in type, a kernels.linear.SplitLinear of one per part). Rank 0's engine calls `forward(batch,
 kv_cache)` as it calls runtime.model.LlamaModel's: it first broadcasts the step's plan, then
 every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes). Per
 layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
@@ -26,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import paged
-from pdserve.kernels.linear import PackedLinear
+from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.config import EngineConfig, ModelConfig, RopeScaling
-from pdserve.runtime.model import RMSNorm, activation
+from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows, activation
 from pdserve.runtime.moe import MoEBlock
 from pdserve.runtime.rope import RotaryEmbedding
 from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
@@ -45,8 +46,9 @@ def _norm(w: torch.Tensor, eps: float, dtype, device, cfg: ModelConfig | None = 
 
 
 def _fused(parts: list):
-    """Rows of several shards stacked (q/k/v, gate/up): blocks stay blocks when they can."""
-    return QuantTensor.cat(parts) or torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts])
+    """Rows of several shards stacked (q/k/v, gate/up): blocks stay blocks, side by side where
+    their types differ (runtime.model._stack_rows)."""
+    return _stack_rows(parts)
 
 
 class _Layer:
@@ -102,6 +104,9 @@ class TPModel:
         kind = econf.linear_kind if econf.fast_path else "torch"
 
         def linear(w, bias):
+            if isinstance(w, MixedBlocks):  # parts in different quantized types: one PackedLinear each, the bias split among them
+                ends = torch.tensor([p.shape[0] for p in w.parts]).cumsum(0).tolist()
+                return SplitLinear([linear(p, None if bias is None else bias[e - p.shape[0]:e]) for p, e in zip(w.parts, ends)])
             w = w if isinstance(w, QuantTensor) else w.to(self.dtype).to(self.device)
             return PackedLinear(w, None if bias is None else bias.to(self.dtype).to(self.device), kind, activations=econf.quant_activations)
 
@@ -126,6 +131,7 @@ class TPModel:
 
         lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down) if x is not None),
                 *(x for l in self.layers if l.moe is not None for x in l.moe_linears)]
+        lins = [part for x in lins for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
         experts = sum(size(w) for l in self.layers if l.moe is not None
                       for w in (l.moe.router, l.moe.gate_up, l.moe.down, l.moe.shared_gate) if w is not None)
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once

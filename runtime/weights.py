@@ -10,6 +10,8 @@ GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's
 matrices as one 3-D stack each, `mlp.experts.gate_proj` / `up_proj` / `down_proj` (`stack_experts`
 from HF's per-expert or fused names, or a GGUF's ffn_*_exps, whose quantized stacks are
 dequantized here), the router as `mlp.gate.weight`);
+A GGUF's config comes from its metadata as llama.cpp reads it (rope scaling from rope.scaling.*,
+`_gguf_rope`; the vocabulary size from token_embd's rows where {arch}.vocab_size is absent);
 on any problem it raises one typed error before anything is handed to a model, so there is no
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
@@ -250,7 +252,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
         meta, infos = read_gguf(str(path))
     except Exception as e:  # ValueError/struct.error/OSError on a bad file
         raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from e
-    cfg = _gguf_config(meta, {t.name for t in infos})
+    cfg = _gguf_config(meta, {t.name: t.shape for t in infos})
     bad = sorted({t.qtype.name for t in infos if not gguf_dequantizable(t.qtype)})
     if bad:
         raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}: the installed gguf package "
@@ -349,7 +351,9 @@ def _gguf_name(name: str, arch: str | None = None) -> str | None:
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
 
 
-def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
+def _gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """The ModelConfig of a GGUF's metadata and tensor table (name -> ggml shape)."""
+    names = set(shapes)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHES)})")
@@ -367,13 +371,12 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
     rotary = meta.get(f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
         raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {rotary} differs from head_dim {head_dim}: partial rotary is not supported")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    rope = RopeScaling(kind=scaling, factor=float(get("rope.scaling.factor"))) if scaling and scaling != "none" else RopeScaling()
+    rope = _gguf_rope(arch, meta, int(get("context_length")))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     gemma = _gguf_gemma(arch, meta, hidden, heads, head_dim, int(get("block_count")), rope) if arch in ("gemma2", "gemma3") else {}
     return ModelConfig(
         architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHES[arch],
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or 0) or _gguf_vocab(names, meta),
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or 0) or _gguf_vocab(arch, shapes),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"))),
         num_layers=int(get("block_count")),
@@ -392,6 +395,38 @@ def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
         **gemma,
         **moe,
     )
+
+
+def _gguf_rope(arch: str, meta: dict, context: int) -> RopeScaling:
+    """A GGUF's rope scaling, from llama.cpp's rope.scaling.* keys: none, linear (factor) or yarn
+    (factor; original_context_length, default the context length as llama.cpp's n_ctx_orig_yarn;
+    yarn_beta_fast / yarn_beta_slow and yarn_attn_factor as llama.cpp's converter copies them from
+    the HF config's beta_fast / beta_slow / attention_factor, so the file decodes as its source
+    checkpoint; yarn_log_multiplier as llama.cpp reads it, mscale_all_dim with mscale 1).
+    llama.cpp's yarn_ext_factor (the converter's copy of a config's extrapolation_factor, which
+    transformers does not read and llama.cpp reads only for Grok) is ignored. Any other type, or a
+    rope.scaling.attn_factor other than 1 (llama.cpp's extra scale of Phi-3's longrope), is refused."""
+
+    def key(name, default=None):
+        v = meta.get(f"{arch}.rope.scaling.{name}")
+        return default if v is None else v
+
+    factor = key("factor", meta.get(f"{arch}.rope.scale_linear"))  # llama.cpp: the older key where the new one is absent
+    kind = key("type", "linear" if factor else "none")  # llama.cpp's default type: linear (a factor of 0 or none: unscaled)
+    if float(key("attn_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.attn_factor {key('attn_factor')} is not supported (only 1)")
+    if kind == "none" or (kind == "linear" and factor is not None and not factor):
+        return RopeScaling()
+    if factor is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.rope.scaling.factor (rope scaling type {kind!r})")
+    if kind != "yarn":
+        return RopeScaling(kind=kind, factor=float(factor))
+    log_mul = float(key("yarn_log_multiplier", 0.0))
+    attention = key("yarn_attn_factor")
+    return RopeScaling(kind="yarn", factor=float(factor), original_max_position=int(key("original_context_length", context)),
+                       beta_fast=float(key("yarn_beta_fast", 0.0)) or 32.0, beta_slow=float(key("yarn_beta_slow", 0.0)) or 1.0,
+                       attention_factor=None if attention is None else float(attention),
+                       mscale=1.0 if log_mul else 0.0, mscale_all_dim=log_mul)
 
 
 def _gguf_moe(arch: str, meta: dict, names: set[str]) -> dict:
@@ -450,5 +485,11 @@ def _gguf_gemma(arch: str, meta: dict, hidden: int, heads: int, head_dim: int, l
     return out
 
 
-def _gguf_vocab(names, meta) -> int:
-    raise ModelLoadError("GGUF metadata lacks the vocabulary size")
+def _gguf_vocab(arch: str, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The vocabulary size of a GGUF without {arch}.vocab_size (llama.cpp's converter writes it
+    only for some architectures): the embedding's rows, as llama.cpp sizes token_embd (ggml shape
+    (hidden, vocab)), else the output matrix's."""
+    for name in ("token_embd.weight", "output.weight"):
+        if len(shapes.get(name, ())) == 2:
+            return int(shapes[name][1])
+    raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and it has no token_embd / output matrix to take the vocabulary size from")

@@ -142,11 +142,13 @@ def _moe_for_gguf(w: dict) -> tuple[dict, dict]:
     return rest, {k: np.stack([v[e] for e in sorted(v)]) for k, v in per.items()}
 
 
-def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None) -> dict:
+def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None,
+               vocab_key: bool = True) -> dict:
     """Convert a tiny HF llama (qwen2, qwen3, phi3, gemma2, gemma3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
     permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
     norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
-    (gemma3: rope.freq_base_swa) and rope scaling written as convert_hf_to_gguf.py writes them).
+    (gemma3: rope.freq_base_swa) and rope scaling (linear, yarn) written as convert_hf_to_gguf.py writes them;
+    vocab_key False: no {arch}.vocab_size, as the converter leaves it out for most architectures).
     A mixture of experts (arch llama for Mixtral, qwen2moe, qwen3moe): expert_count / expert_used_count
     (and the experts' and shared expert's widths), the router as ffn_gate_inp, each matrix of every
     expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too), Qwen2-MoE's shared expert
@@ -190,12 +192,24 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
             wr.add_rope_scaling_factor(full["factor"])
     else:
         wr.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type") == "linear":
+            wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            wr.add_rope_scaling_factor(rope["factor"])
+        elif rope.get("rope_type") == "yarn":  # convert_hf_to_gguf.py's keys (it skips mscale / mscale_all_dim / truncate)
+            wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            wr.add_rope_scaling_factor(rope["factor"])
+            wr.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            for key, add in (("attention_factor", wr.add_rope_scaling_yarn_attn_factor), ("beta_fast", wr.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", wr.add_rope_scaling_yarn_beta_slow)):
+                if rope.get(key) is not None:
+                    add(rope[key])
     if gemma:
         wr.add_sliding_window(cfg["sliding_window"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(key):
                 wr.add_float32(f"{arch}.{key}", cfg[key])
-    wr.add_vocab_size(cfg["vocab_size"])
+    if vocab_key:  # llama.cpp's converter writes it only for some architectures
+        wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")

@@ -2,7 +2,8 @@
 allowed near-tie divergence), on tiny random Llama/Qwen2/Mistral/Qwen3/Phi-3/Gemma 2/Gemma 3
 checkpoints (sliding windows included) and on the default model, one sequence at a time and as
 one mixed-length batch. Gemma's options each bind in its test configs: every one, removed from
-our model, moves its logits far from HF's (`test_gemma_features_bind`)."""
+our model, moves its logits far from HF's (`test_gemma_features_bind`); so do YaRN's frequency
+correction and attention factor (`test_yarn_features_bind`)."""
 import dataclasses
 from pathlib import Path
 
@@ -26,6 +27,9 @@ GEMMA3 = dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_wind
               layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=4.0,
               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+
+QWEN3_YARN = dict(arch="qwen3", head_dim=32, max_position_embeddings=128, rope_parameters={
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
 
 # Mixtral (softmax over the top-2 logits) with a sliding window 16; Qwen3-MoE (q/k norms,
 # norm_topk_prob, top 3, layer 1 dense by mlp_only_layers); Qwen2-MoE (shared expert with its
@@ -51,6 +55,16 @@ CONFIGS = {
     "qwen3-head32": dict(arch="qwen3", head_dim=32),
     "qwen3-window16-tied": dict(arch="qwen3", head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=16,
                                 max_window_layers=0),
+    # YaRN as Qwen3's model card sets it (factor 4), over an original context of 32 that prompts
+    # and decoding pass (up to 74 tokens); max_position_embeddings 4 x 32, as transformers expects
+    "qwen3-yarn": QWEN3_YARN,
+    # YaRN's other keys: betas, mscale / mscale_all_dim for the attention factor, no truncation
+    "llama-yarn-betas-mscale-untruncated": dict(arch="llama", max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+        "beta_slow": 2.0, "mscale": 2.0, "mscale_all_dim": 0.5, "truncate": False}),
+    # dynamic NTK: transformers' base grows only past max_position_embeddings, which is never served
+    "llama-dynamic-rope": dict(arch="llama", max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                                           "factor": 2.0}),
     # Phi-3: fused qkv_proj / gate_up_proj (split at load); its sliding_window slides every layer
     "phi3": dict(arch="phi3"),
     "phi3-window16-mha": dict(arch="phi3", sliding_window=16, num_key_value_heads=4),
@@ -142,6 +156,35 @@ def test_gemma_features_bind(tmp_path, name, overrides, features):
     assert error(cfg, tensors) <= 1e-4 and error(cfg, tensors, fast=False) <= 1e-4
     off = {f: error(*_without(f, cfg, tensors)) for f in features}
     assert min(off.values()) > 0.05, f"{name}: features that do not change the logits: {[f for f, e in off.items() if e <= 0.05]}"
+
+
+@pytest.mark.parametrize("name", ["qwen3-yarn", "llama-yarn-betas-mscale-untruncated"])
+def test_yarn_features_bind(tmp_path, monkeypatch, name):
+    """YaRN's two parts each act on a 40-token prompt (past the original context 32): every
+    position's logits from our model (fast path and module forward) equal HF's to float32
+    rounding, and with its frequency correction taken out (every frequency interpolated, as linear
+    scaling would), its attention factor taken out (cos / sin unscaled) or YaRN itself (the
+    default rope), they are off by more than 5% of the logits' scale."""
+    from pdserve.runtime import rope
+
+    save_tiny_model(tmp_path, **CONFIGS[name])
+    hf, ids, ref, scale = hf_reference_logits(tmp_path)
+    cfg, tensors = load_checkpoint(str(tmp_path), progress=False)
+    assert cfg.rope_scaling.kind == "yarn" and rope.yarn_attention_factor(cfg.rope_scaling) > 1.05
+
+    def error(c, fast=True) -> float:
+        model = build_model(c, tensors, EngineConfig(fast_path=fast))
+        assert (model.fast is not None) == fast
+        return (all_position_logits(model, ids, torch.float32) - ref).abs().max().item() / scale
+
+    assert error(cfg) <= 1e-4 and error(cfg, fast=False) <= 1e-4
+    r = dataclasses.replace
+    off = {"YaRN (default rope)": error(r(cfg, rope_scaling=RopeScaling())),
+           "attention factor": error(r(cfg, rope_scaling=r(cfg.rope_scaling, attention_factor=1.0)))}
+    with monkeypatch.context() as m:
+        m.setattr(rope, "yarn_extrapolation", lambda s, dim, base: torch.zeros(dim // 2))
+        off["frequency correction"] = error(cfg)
+    assert min(off.values()) > 0.05, f"{name}: parts that do not change the logits: {off}"
 
 
 CHAT_PROMPTS = [

@@ -8,10 +8,11 @@
   divergence only where the twin's own top-two logits are within LOGIT_GAP. The int16 activation
   rounding (1/32767 of each 32-wide block's largest value) moves this random model's logits (largest
   ~16) by up to 1.8e-2, measured; the unchanged Q8_0 path on the same model by 0.9e-2, and float
-  activations (summation order only) by 5e-5; the figure is printed. A layer whose q/k/v mix Q4_K and Q6_K has its fused qkv in float32
-  (QuantTensor.cat declines; model.load_weights fuses float copies), and so the one-call decode
-  step declines the model (cpu_forward._step_layers: not every projection quantized) and the
-  per-op loop runs.
+  activations (summation order only) by 5e-5; the figure is printed. A layer whose q/k/v mix Q4_K and Q6_K keeps each
+  in its blocks (QuantTensor.cat declines; model.QuantRows, the fast path's SplitLinear: one
+  quantized linear per part, no float32 copy), and the one-call decode step declines the model
+  (cpu_forward._step_layers: no single qkv block matrix) and the per-op loop runs; with float
+  activations such a model's logits equal its dequantized twin's to summation order.
 - Files of one K-quant each (Q4_K, Q6_K: every projection packed) run the one-call decode step
   (kernels/csrc/step_ops.c), which equals the per-op loop bit for bit (logits), at the direct
   (1, 3 rows) and the integer-GEMM (7+ rows) row counts, int16 and float activations.
@@ -41,14 +42,14 @@ def test_q4_k_m_file_decodes_like_its_float_twin(tmp_path):
     kept = {n: q.qtype for n, q in quant.model.quantized.items()}
     assert set(kept.values()) == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}, kept
     assert kept["layers.0.self_attn.qkv_proj.weight"] == "Q4_K"  # layer 0: q, k, v all Q4_K, fused as blocks
-    assert "layers.1.self_attn.qkv_proj.weight" not in kept  # layer 1: v in Q6_K, the fused qkv is float32
+    assert [kept[f"layers.1.self_attn.qkv_proj.parts.{i}.weight"] for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"]  # layer 1: v in Q6_K
     assert kept["layers.0.mlp.down_proj.weight"] == "Q5_0" and kept["layers.1.mlp.down_proj.weight"] == "Q8_0"  # 640 wide
     assert kept["lm_head.weight"] == "Q6_K" and kept["layers.1.mlp.gate_up_proj.weight"] == "Q4_K"
     packed = sum(q.nbytes for q in quant.model.quantized.values())
     as_float = sum(q.shape[0] * q.shape[1] * 4 for q in quant.model.quantized.values())
     ratio = max(QTYPES[t][1] / (block_weights(t) * 4) for t in kept.values())
     assert packed <= as_float * ratio and quant.model.weight_bytes() < twin.model.weight_bytes() - as_float + packed + 1024
-    assert quant.model.fast is not None and quant.model.fast.step_layers is None  # a float qkv: the per-op loop
+    assert quant.model.fast is not None and quant.model.fast.step_layers is None  # a split qkv: the per-op loop
 
     prompts = [[5, 9, 12, 30, 7], list(range(3, 40)), [17]]
     seqs_t, scores_t = greedy_scored(twin.model, prompts, 16, set())
@@ -64,6 +65,44 @@ def test_q4_k_m_file_decodes_like_its_float_twin(tmp_path):
     print(f"Q4_K_M packed vs dequantized: largest logit difference before any divergence {worst:.2e}")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # the engine's generate takes the same path
     assert [c.token_ids for c in quant.generate(prompts, params)] == [s[len(p):] for p, s in zip(prompts, seqs_q)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_type_qkv_stays_in_its_blocks_and_equals_the_dequantized_twin(tmp_path, arch):
+    """Q4_K_M's layer 1 here has q / k in Q4_K and v in Q6_K: the three stay in their blocks
+    (model.QuantRows; the fast path's SplitLinear, one PackedLinear each), taking their blocks'
+    bytes instead of a float32 fused qkv's 4 a weight, and with float activations the logits of
+    a prompt (fast path and module forward) and of 8 greedy decode steps equal the dequantized
+    twin's to float32 summation order (Qwen2: its q/k/v biases split among the parts)."""
+    import torch
+
+    from pdserve.runtime.cpu_forward import SplitLinear
+    from tests.helpers import all_position_logits
+
+    save_tiny_model(tmp_path / "hf", **{**SHAPE, "arch": arch})
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q4_K_M", arch=arch)
+    _, quant = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, quant_activations="float"))
+    _, twin = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, quantization="none"))
+    parts = [quant.quantized[f"layers.1.self_attn.qkv_proj.parts.{i}.weight"] for i in range(3)]
+    assert [p.qtype for p in parts] == ["Q4_K", "Q4_K", "Q6_K"] and "layers.1.self_attn.qkv_proj.weight" not in quant.quantized
+    qkv = quant.fast.layers[1].qkv
+    assert isinstance(qkv, SplitLinear) and [lin.weight for lin in qkv.parts] == parts and quant.fast.step_layers is None
+    assert (qkv.parts[0].bias is not None) == (arch == "qwen2")
+    fused_float = sum(p.shape[0] for p in parts) * parts[0].shape[1] * 4
+    assert sum(p.nbytes for p in parts) < fused_float / 5
+
+    ids = list(range(3, 40))
+    ref = all_position_logits(twin, ids, torch.float32)
+    assert (all_position_logits(quant, ids, torch.float32) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    fast, quant.fast = quant.fast, None  # the module forward: QuantRows (dequantize + F.linear per part), the twin on the CPU
+    assert (all_position_logits(quant, ids, torch.float32) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    quant.fast = fast
+    prompts = [[5, 9, 12, 30, 7], [17]]
+    seqs_t, scores_t = greedy_scored(twin, prompts, 8, set())
+    seqs_q, scores_q = greedy_scored(quant, prompts, 8, set())
+    for st, sq, lt, lq in zip(seqs_t, seqs_q, scores_t, scores_q):
+        same = next((i for i, (a, b) in enumerate(zip(sq, st)) if a != b), len(st)) - (len(st) - len(lt))  # steps before any divergence
+        assert same >= 4 and (lq[:same] - lt[:same]).abs().max() <= 1e-4 * lt.abs().max()
 
 
 @pytest.mark.parametrize("qtype,acts", [("Q4_K", "int16"), ("Q6_K", "int16"), ("Q4_K", "float"), ("Q5_K", "int8")])

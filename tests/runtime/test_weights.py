@@ -17,14 +17,14 @@ from pdserve_client.params import SamplingParams
 from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_model, write_gguf
 
 
-def gguf_decodes_as_hf(gguf, hf_dir, label: str) -> int:
+def gguf_decodes_as_hf(gguf, hf_dir, label: str, prompt=(5, 9, 33, 100, 7, 250, 3)) -> int:
     """20 greedy tokens of a prompt from the GGUF through the engine against HF's on the source
     checkpoint: assert_greedy_equal's count of equal tokens (a divergence only at a near-tie)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     eng = LLMEngine.load(gguf, EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
-    prompt = [5, 9, 33, 100, 7, 250, 3]
+    prompt = list(prompt)
     ref, logits = hf_greedy(hf, prompt, 20, eos=False)
     got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
     return assert_greedy_equal(got, ref, logits, label)
@@ -63,6 +63,49 @@ def test_qwen3_gguf_greedy_matches_hf(tmp_path):
     assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.attention_bias
     assert set(tensors) == set(expected) and "model.layers.0.self_attn.q_norm.weight" in tensors
     assert gguf_decodes_as_hf(tmp_path / "m.gguf", tmp_path / "hf", "qwen3 gguf f32") >= 1
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+     "beta_slow": 2.0, "attention_factor": 1.25},
+])
+def test_qwen3_yarn_gguf_decodes_as_hf(tmp_path, rope):
+    """A YaRN Qwen3 GGUF as llama.cpp's converter writes it (rope.scaling.type yarn, factor,
+    original_context_length, yarn_beta_fast / slow and yarn_attn_factor where the config sets
+    them; no qwen3.vocab_size, which that converter does not write for Qwen): the HF checkpoint's
+    rope scaling and vocabulary size, and greedy decoding as HF's past the original context 32."""
+    from pdserve.runtime.config import ModelConfig
+
+    save_tiny_model(tmp_path / "hf", arch="qwen3", head_dim=32, max_position_embeddings=128, rope_parameters=rope)
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "F32", arch="qwen3", vocab_key=False)
+    cfg, _ = load_checkpoint(tmp_path / "m.gguf", progress=False)
+    hf_cfg = ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert cfg.rope_scaling == hf_cfg.rope_scaling and cfg.rope_scaling.kind == "yarn" and cfg.vocab_size == 512
+    prompt = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert gguf_decodes_as_hf(tmp_path / "m.gguf", tmp_path / "hf", "qwen3 yarn gguf", prompt) >= 10
+
+
+def test_gguf_rope_keys_read_as_llama_cpp_reads_them():
+    """rope.scaling.* as llama.cpp reads them: a factor without a type is linear; yarn's original
+    context defaults to the context length, yarn_log_multiplier is mscale_all_dim with mscale 1;
+    an unsupported type or a rope.scaling.attn_factor other than 1 is refused by name."""
+    from pdserve.runtime.config import RopeScaling
+    from pdserve.runtime.weights import _gguf_rope
+
+    def rope(**keys):
+        return _gguf_rope("qwen3", {f"qwen3.rope.scaling.{k}": v for k, v in keys.items()}, 4096)
+
+    assert rope() == rope(type="none", factor=4.0) == RopeScaling() and rope(factor=2.0) == RopeScaling("linear", 2.0)
+    assert rope(type="yarn", factor=4.0) == RopeScaling("yarn", 4.0, original_max_position=4096)
+    assert rope(type="yarn", factor=4.0, yarn_log_multiplier=0.5) == RopeScaling("yarn", 4.0, original_max_position=4096, mscale=1.0,
+                                                                                 mscale_all_dim=0.5)
+    with pytest.raises(UnsupportedModelError, match="'longrope'"):
+        rope(type="longrope", factor=4.0)
+    with pytest.raises(UnsupportedModelError, match="attn_factor"):
+        rope(type="yarn", factor=4.0, attn_factor=2.0)
+    with pytest.raises(ModelLoadError, match="rope.scaling.factor"):
+        rope(type="yarn")
 
 
 def test_hf_config_windows_per_family():
@@ -314,7 +357,7 @@ def test_gemma_config_defaults_and_refusals():
         "hidden_activation": {"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"},
         "sliding layers": {"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
-        "'yarn'": {"architectures": ["Gemma3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        "'longrope'": {"architectures": ["Gemma3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
         "Gemma3ForConditionalGeneration": {"architectures": ["Gemma3ForConditionalGeneration"]},
     }
     for words, d in refused.items():
