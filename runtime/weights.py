@@ -14,7 +14,9 @@ on any problem it raises one typed error before anything is handed to a model, s
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
 found by trying one zero block of each type a file holds), and the llama.cpp Q/K row
-permutation is undone. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
+permutation is undone. The vocabulary size is {arch}.vocab_size where written (llama.cpp's
+convert_hf_to_gguf.py writes it for the llama arch only), else token_embd's row count.
+tests/runtime/test_llamacpp_gguf.py loads every family as that converter writes it. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
 (kernels.quant.QuantTensor) for the quantized linear layers; `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
 """
@@ -250,7 +252,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
         meta, infos = read_gguf(str(path))
     except Exception as e:  # ValueError/struct.error/OSError on a bad file
         raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from e
-    cfg = _gguf_config(meta, {t.name for t in infos})
+    cfg = _gguf_config(meta, {t.name: t.shape for t in infos})
     bad = sorted({t.qtype.name for t in infos if not gguf_dequantizable(t.qtype)})
     if bad:
         raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}: the installed gguf package "
@@ -349,7 +351,8 @@ def _gguf_name(name: str, arch: str | None = None) -> str | None:
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
 
 
-def _gguf_config(meta: dict, names: set[str]) -> ModelConfig:
+def _gguf_config(meta: dict, names: dict[str, tuple]) -> ModelConfig:
+    """names: each tensor's ggml shape (row length first), by name."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHES)})")
@@ -450,5 +453,10 @@ def _gguf_gemma(arch: str, meta: dict, hidden: int, heads: int, head_dim: int, l
     return out
 
 
-def _gguf_vocab(names, meta) -> int:
-    raise ModelLoadError("GGUF metadata lacks the vocabulary size")
+def _gguf_vocab(shapes: dict, meta: dict) -> int:
+    """The vocabulary size where {arch}.vocab_size is not written (llama.cpp's convert_hf_to_gguf.py
+    does not write it; llama.cpp takes the token list's length): token_embd's row count."""
+    shape = shapes.get("token_embd.weight")
+    if not shape or len(shape) != 2:
+        raise ModelLoadError("GGUF has neither {arch}.vocab_size nor a 2-D token_embd.weight to read the vocabulary size from")
+    return int(shape[1])

@@ -195,7 +195,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(key):
                 wr.add_float32(f"{arch}.{key}", cfg[key])
-    wr.add_vocab_size(cfg["vocab_size"])
+    if arch == "llama":  # convert_hf_to_gguf.py writes {arch}.vocab_size for the llama arch only (the others: token_embd's rows)
+        wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
