@@ -3,8 +3,9 @@
 Lifecycle: `load_checkpoint(path)` reads everything it needs, checks it, and returns plain
 float tensors named as in transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...;
 Qwen3's `self_attn.q_norm` / `k_norm` too, from a GGUF's `attn_q_norm` / `attn_k_norm`;
-Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up`, are split
-into q/k/v and gate/up rows at load by `split_fused`, so nothing after the loader sees them;
+Phi-3's fused `qkv_proj` / `gate_up_proj`, a GGUF's `attn_qkv` / fused `ffn_up` (and any
+family's attn_qkv from convert_hf_to_gguf.py --fuse-qkv), are split into q/k/v and gate/up rows
+at load by `split_fused`, before the llama arch's Q/K rows are un-permuted, so nothing after the loader sees them;
 Gemma's norm weights w come back as the 1 + w they scale by, `add_one_to_norms`, as a Gemma
 GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms; a mixture of experts'
 matrices as one 3-D stack each, `mlp.experts.gate_proj` / `up_proj` / `down_proj` (`stack_experts`
@@ -16,7 +17,9 @@ on any problem it raises one typed error before anything is handed to a model, s
 half-loaded state. GGUF tensors are dequantized here to float32, in every type the installed
 `gguf` package can dequantize (F32, F16, BF16, Q4_0...Q8_0, the K-quants, the I-quants, TQ, MXFP4;
 found by trying one zero block of each type a file holds), and the llama.cpp Q/K row
-permutation is undone. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
+permutation is undone. The vocabulary size is {arch}.vocab_size where written (llama.cpp's
+convert_hf_to_gguf.py writes it for the llama arch only), else token_embd's row count.
+tests/runtime/test_llamacpp_gguf.py loads every family as that converter writes it. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
 (kernels.quant.QuantTensor) for the quantized linear layers; `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
 """
@@ -62,6 +65,7 @@ _GGUF_BLOCK_NAMES = {
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # Phi-3's fused matrices (HF names), split at load; a phi3 GGUF's ffn_up is the fused gate_up
 _GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GGUF_QKV = {"attn_qkv": "self_attn.qkv_proj"}  # any family converted with convert_hf_to_gguf.py --fuse-qkv
 # Gemma 2 / 3's four norms a layer (llama.cpp's names): ffn_norm is the MLP's input norm there
 _GGUF_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
@@ -143,25 +147,26 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def split_fused(cfg: ModelConfig, tensors: dict, where: str) -> None:
-    """Replace, in place, each layer's fused Phi-3 matrices by their parts: `self_attn.qkv_proj`
-    (q, k, v rows stacked, as transformers' Phi3Attention slices them) -> q/k/v_proj, and
-    `mlp.gate_up_proj` (gate rows then up rows: Phi3MLP's chunk(2)) -> gate/up_proj. Rows are
-    independent, so a QuantTensor splits by taking rows. Other architectures pass unchanged."""
-    if cfg.architecture != "Phi3ForCausalLM":
-        return
-    parts = {"self_attn.qkv_proj": (("self_attn.q_proj", cfg.q_size), ("self_attn.k_proj", cfg.kv_size), ("self_attn.v_proj", cfg.kv_size)),
-             "mlp.gate_up_proj": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size))}
+    """Replace, in place, each layer's fused matrices by their parts: `self_attn.qkv_proj` (q, k, v
+    rows stacked, as transformers' Phi3Attention slices them; any family's GGUF written with
+    convert_hf_to_gguf.py --fuse-qkv, its bias too) -> q/k/v_proj, and Phi-3's `mlp.gate_up_proj`
+    (gate rows then up rows: Phi3MLP's chunk(2)) -> gate/up_proj. Rows are independent, so a
+    QuantTensor splits by taking rows. Checkpoints without them pass unchanged."""
+    parts = {"self_attn.qkv_proj": (("self_attn.q_proj", cfg.q_size), ("self_attn.k_proj", cfg.kv_size), ("self_attn.v_proj", cfg.kv_size))}
+    if cfg.architecture == "Phi3ForCausalLM":
+        parts["mlp.gate_up_proj"] = (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size))
     for i in range(cfg.num_layers):
         for fused, split in parts.items():
-            name = f"model.layers.{i}.{fused}.weight"
-            if name not in tensors:
-                continue  # _check_names reports the missing parts
-            w, start = tensors.pop(name), 0
-            if w.shape[0] != sum(rows for _, rows in split):
-                raise ModelLoadError(f"{where}: {name} has {w.shape[0]} rows, expected {sum(rows for _, rows in split)}")
-            for part, rows in split:
-                tensors[f"model.layers.{i}.{part}.weight"] = _rows(w, start, start + rows)
-                start += rows
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{i}.{fused}.{kind}"
+                if name not in tensors:
+                    continue  # _check_names reports the missing parts
+                w, start = tensors.pop(name), 0
+                if w.shape[0] != sum(rows for _, rows in split):
+                    raise ModelLoadError(f"{where}: {name} has {w.shape[0]} rows, expected {sum(rows for _, rows in split)}")
+                for part, rows in split:
+                    tensors[f"model.layers.{i}.{part}.{kind}"] = _rows(w, start, start + rows)
+                    start += rows
 
 
 def stack_experts(cfg: ModelConfig, tensors: dict, where: str) -> None:
@@ -261,7 +266,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
         name = _gguf_name(t.name, meta.get("general.architecture"))
         if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 2:
-            tensors[name] = _quant_tensor(t, name, cfg)
+            tensors[name] = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
             continue
         try:
             arr = gguf.quants.dequantize(t.data, t.qtype).reshape(tuple(reversed(t.shape)))
@@ -269,23 +274,21 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
             raise ModelLoadError(f"cannot dequantize {t.name} in {path.name}: truncated or corrupt GGUF ({e})") from e
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
-        if cfg.architecture in _PERMUTED and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
-            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            w = unpermute_qk(w, heads)
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp stores it as a vector (hidden,)
         tensors[name] = w
     split_fused(cfg, tensors, path.name)
+    if cfg.architecture in _PERMUTED:  # after the split: a fused attn_qkv (--fuse-qkv) holds the permuted q and k rows
+        for name in [n for n in tensors if ".self_attn.q_proj." in n or ".self_attn.k_proj." in n]:
+            tensors[name] = _unpermute(tensors[name], cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
     _check_names(cfg, tensors, path.name)
     return cfg, tensors
 
 
-def _quant_tensor(t, name: str, cfg: ModelConfig) -> QuantTensor:
-    qt = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
-    if cfg.architecture in _PERMUTED and ("self_attn.q_proj" in name or "self_attn.k_proj" in name):
-        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-        qt = qt.take_rows(unpermute_qk(torch.arange(qt.shape[0]).unsqueeze(1), heads).squeeze(1))  # rows are independent
-    return qt
+def _unpermute(w, heads: int):
+    if isinstance(w, QuantTensor):  # rows are independent: take them in the un-permuted order
+        return w.take_rows(unpermute_qk(torch.arange(w.shape[0]).unsqueeze(1), heads).squeeze(1))
+    return unpermute_qk(w, heads)
 
 
 _PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's llama arch: Q/K rows permuted at conversion
@@ -338,9 +341,9 @@ def _gguf_name(name: str, arch: str | None = None) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m and m.group(2) in _GGUF_EXPERT_STACKS and m.group(3) == "weight":  # a 3-D stack (experts, rows, columns)
         return f"model.layers.{m.group(1)}.{_GGUF_EXPERT_STACKS[m.group(2)]}"
-    block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else {**_GGUF_BLOCK_NAMES, **_GGUF_MOE_NAMES}
+    block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_PHI3_NAMES} if arch == "phi3" else {**_GGUF_BLOCK_NAMES, **_GGUF_MOE_NAMES, **_GGUF_QKV}
     if arch in ("gemma2", "gemma3"):
-        block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_GEMMA_NAMES}
+        block_names = {**_GGUF_BLOCK_NAMES, **_GGUF_GEMMA_NAMES, **_GGUF_QKV}
     if m and m.group(2) in block_names:
         return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     if name in ("rope_factors_long.weight", "rope_factors_short.weight"):
@@ -387,7 +390,7 @@ def _gguf_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope,
-        attention_bias="blk.0.attn_q.bias" in names,
+        attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         tie_embeddings="output.weight" not in names,
         qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

@@ -27,6 +27,7 @@ FAST_MODULES = {  # pure modules in a full folder
 FULL_MODULES = {  # modules that start processes, outside the full folders
     "coordinator/test_tracing.py", "coordinator/test_slow_client.py", "coordinator/test_welcome.py",
     "client/test_distribution.py", "client/test_cancel.py", "runtime/test_tp.py", "kernels/test_isa.py",
+    "runtime/test_llamacpp_gguf.py",  # llama.cpp's converter in a child process: ~40 s of CPU
 }
 UNUSUAL = ("install", "multihost", "ray")
 

@@ -148,7 +148,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
     norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
     (gemma3: rope.freq_base_swa) and rope scaling (linear, yarn) written as convert_hf_to_gguf.py writes them;
-    vocab_key False: no {arch}.vocab_size, as the converter leaves it out for most architectures).
+    {arch}.vocab_size only for the llama arch, as the converter writes it, and vocab_key True).
     A mixture of experts (arch llama for Mixtral, qwen2moe, qwen3moe): expert_count / expert_used_count
     (and the experts' and shared expert's widths), the router as ffn_gate_inp, each matrix of every
     expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too), Qwen2-MoE's shared expert
@@ -208,7 +208,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(key):
                 wr.add_float32(f"{arch}.{key}", cfg[key])
-    if vocab_key:  # llama.cpp's converter writes it only for some architectures
+    if vocab_key and arch == "llama":  # convert_hf_to_gguf.py writes {arch}.vocab_size for the llama arch only (the others: token_embd's rows)
         wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
