@@ -51,6 +51,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from pdserve.common.kv_window import first_needed_block
 from pdserve.common.prefix_hash import chain_hashes, new_secret
 from pdserve.runtime.config import ModelConfig
 
@@ -168,14 +169,10 @@ class BlockManager:
     # ------------------------------------------------------------------ sliding window
 
     def first_needed(self, num_computed: int) -> int:
-        """The index of the first block a sequence with num_computed tokens computed reads again:
-        its next query, at position num_computed, sees keys from num_computed - window + 1 on, so
-        the blocks before are wholly outside every layer's window; 0 without a window. The block
-        before the one being filled is kept too (its link chains the next registration)."""
-        if not self.window:
-            return 0
-        bs = self.block_size
-        return max(0, min((num_computed - self.window + 1) // bs, num_computed // bs - 1))
+        """The index of the first block a sequence with num_computed tokens computed reads again
+        (common.kv_window; 0 without a window): those before lie wholly outside every layer's
+        window, the block before the one being filled excepted (its link chains the next key)."""
+        return first_needed_block(num_computed, self.window, self.block_size)
 
     def drop_outside_window(self, block_table: list[int], num_computed: int) -> int:
         """Free the blocks of block_table (in place: NULL_BLOCK in their entries) that lie wholly
