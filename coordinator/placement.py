@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdserve.common.kv_window import first_needed_block
 from pdserve.coordinator.slo import RELAY_OVERHEAD_S, SloTargets, StepModel
 
 ADMIT_WINDOW_S = 10.0  # colocated: the window of placed prompt tokens behind `prefill_share`
@@ -54,6 +55,7 @@ class WorkerSnapshot:
     handoff_s: float = 0.0  # decode: a REMOTE hand-off into it costs this beyond one predicted step (measured: HandoffTimes)
     chunk_tokens: int = 2048  # prompt tokens one of its steps takes at most (max_num_batched_tokens)
     max_seqs: int = 0  # sequences one of its steps runs at most (max_num_seqs; 0: unknown)
+    kv_window: int = 0  # every layer's sliding window (runtime.kv_cache): a hand-off's grant leaves the blocks before it out
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,20 @@ def blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def handoff_need(tokens: int, held: int, block_size: int, window: int) -> int:
+    """Blocks a decode worker allocates for a handed-off prompt of `tokens` tokens whose first
+    `held` it holds (prefix cache): with a sliding window on every layer, none for the positions
+    before the window of its first decoded position (decode/grants.py grants them as -1)."""
+    skip = max(held, first_needed_block(tokens, window, block_size) * block_size)
+    return blocks_needed(tokens - skip, block_size)
+
+
+def handoff_blocks(d: WorkerSnapshot, tokens: int) -> int:
+    """handoff_need on decode worker d (REMOTE: the prompt computed elsewhere; LOCAL computes it
+    whole there, decode_blocks)."""
+    return handoff_need(tokens, d.cached_tokens, d.block_size, d.kv_window)
+
+
 def predict_prefill(w: WorkerSnapshot, tokens: int) -> float:
     """This prompt's own step (its uncached tokens over the whole context) plus the backlog ahead
     of it at the worker's measured token rate."""
@@ -170,7 +186,7 @@ def pick_decode(fits: list[WorkerSnapshot], tokens: int) -> WorkerSnapshot:
     the blocks it would still receive plus the blocks its streams hold are fewest."""
     if not any(d.cached_tokens for d in fits):
         return most_room(fits)
-    return min(fits, key=lambda d: (blocks_needed(tokens - d.cached_tokens, d.block_size) + d.context_tokens / d.block_size, -d.free_blocks))
+    return min(fits, key=lambda d: (handoff_blocks(d, tokens) + d.context_tokens / d.block_size, -d.free_blocks))
 
 
 def predict_step(w: WorkerSnapshot, tokens: int) -> float:
@@ -222,7 +238,7 @@ def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[W
     with the lowest predicted TTFT and a decode worker whose predicted TPOT meets the target (an
     idle one always does: its model may be stale from a busy spell), if the TTFT then meets its
     target; else SHED. A parked request skips the TTFT check and waits rather than being shed."""
-    fits = [d for d in decodes if d.free_blocks >= decode_blocks(d, req.num_tokens)]
+    fits = [d for d in decodes if d.free_blocks >= handoff_blocks(d, req.num_tokens)]
     if targets is None:
         if not fits:
             return WAIT

@@ -614,7 +614,7 @@ class Coordinator:
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
         held = self.cached_on(d, st)
-        need = placement.blocks_needed(st.num_tokens - held, d.hello.block_size)  # what d lacks
+        need = placement.handoff_need(st.num_tokens, held, d.hello.block_size, d.kv_window)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
         st.prefill, st.decode, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, need, backlog
         self.move(st, Phase.ADMITTING)

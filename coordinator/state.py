@@ -139,7 +139,13 @@ class WorkerState:
             min((r.req.params.max_tokens for r in requests), default=0),
             chunk_tokens=int(self.hello.engine.get("max_num_batched_tokens") or 2048),
             max_seqs=int(self.hello.engine.get("max_num_seqs") or 0),
+            kv_window=self.kv_window,
         )
+
+    @property
+    def kv_window(self) -> int:
+        """Its model's sliding window on every layer (0: none), from its Hello's engine settings."""
+        return int(self.hello.engine.get("kv_window") or 0)
 
 
 @dataclass

@@ -57,23 +57,31 @@ def scores_problem(msg: KVReady, vocab: int) -> str | None:
 def grant_blocks(blocks, msg: Admit) -> tuple[list[int], int] | None:
     """(blocks of `blocks` (the engine's block manager) for msg's tokens, how many of the first hold its prefix already), or None
     (nothing taken) if the pool is short. At most all but the last block come from the
-    prefix cache, so every hand-off carries at least one block."""
+    prefix cache, so every hand-off carries at least one block. With a sliding window on every
+    layer (BlockManager.window) the positions wholly before the window of the first decoded
+    position get BlockManager.NULL (runtime.kv_cache's NULL_BLOCK, -1 on the wire), not a block
+    (a cached one found there is given back): the decode side never reads them, so the
+    hand-off does not send them (worker/handoff.py)."""
     need = blocks.blocks_for(msg.num_tokens)
     cached = blocks.match_tokens(msg.prefix_token_ids, need - 1, msg.cache_salt)
-    rest = blocks.allocate(need - len(cached))
+    first = blocks.first_needed(msg.num_tokens)
+    rest = blocks.allocate(need - max(len(cached), first))
     if rest is None:
         blocks.free(cached)
         return None
     if blocks.prefix_cache:
         blocks.count_lookup(msg.num_tokens, len(cached) * blocks.block_size)
-    return cached + rest, len(cached)
+    blocks.free(cached[:first])
+    ids = [blocks.NULL] * first + cached[first:] + rest
+    return ids, len(cached)
 
 
 def handoff_problem(msg: KVReady, grant: Grant, engine) -> str | None:
     """Why msg does not fill exactly its grant (None if it does): the granted blocks (less those
     the prefix cache held), the granted tokens' KV, token ids and params `engine` (the worker's LLMEngine) accepts."""
-    if msg.block_ids != grant.block_ids[grant.cached:]:
-        return f"{len(msg.block_ids)} block ids that are not the {len(grant.block_ids) - grant.cached} granted"
+    sent = [b for b in grant.block_ids[grant.cached:] if b != engine.blocks.NULL]  # a sliding window's NULL entries are not sent
+    if msg.block_ids != sent:
+        return f"{len(msg.block_ids)} block ids that are not the {len(sent)} granted"
     total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
     if not msg.prompt_token_ids or not msg.output_token_ids or not msg.num_computed == grant.tokens == total - 1:
         return (f"KV of {msg.num_computed} tokens for {len(msg.prompt_token_ids)} prompt and {len(msg.output_token_ids)} "

@@ -9,7 +9,9 @@ prefill over a cached prefix, mixed batches) runs per sequence: gather its pages
 call shaped like transformers' Llama sdpa path (`is_causal=True` when there is no cached
 prefix, otherwise a bottom-right causal mask). A sliding window (`window` > 0, kernels.paged)
 narrows the mask to each query's last `window` keys where the context is longer than the
-window, as transformers' sliding-window mask does (a lone decode query reads only those keys).
+window, as transformers' sliding-window mask does (a lone decode query reads only those keys),
+and the pages are gathered from the first one a window reaches (`window_page`): the entries
+before it may be freed blocks (runtime.kv_cache) and are never read.
 """
 from __future__ import annotations
 
@@ -43,23 +45,33 @@ def paged_attention_torch(
 def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence, q (B, H, D): batched gather + masked sdpa, in chunks of sequences.
 
+    With a window each sequence's pages are gathered from the first one its window reaches (the
+    entries before may be freed: runtime.kv_cache), so a step reads O(window) keys a sequence.
     On CPU the chunks share one gather buffer of about _GATHER_BYTES per cache: a gather of the
     whole batch is a fresh multi-MB allocation each step, whose page faults cost more than the
     copy itself; a small reused buffer bounds that cost.
     """
     lens = seq_lens.tolist()
-    rows = len(lens) if q.is_cuda else min(len(lens), _rows_per_chunk(k_cache, max(lens)))
-    pages_per_seq = -(-max(lens) // k_cache.shape[1])
-    k_buf = k_cache.new_empty((rows * pages_per_seq, *k_cache.shape[1:]))  # (rows*NB, bs, KVH, D)
+    bs = k_cache.shape[1]
+    firsts = [max(0, n - window) // bs if window > 0 else 0 for n in lens]  # each sequence's first page read
+    spans = [-(-n // bs) - f for n, f in zip(lens, firsts)]  # and how many from there
+    rows = len(lens) if q.is_cuda else min(len(lens), _rows_per_chunk(k_cache, max(spans) * bs))
+    k_buf = k_cache.new_empty((rows * max(spans), *k_cache.shape[1:]))  # (rows*NB, bs, KVH, D)
     v_buf = v_cache.new_empty(k_buf.shape)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for s in range(0, len(lens), rows):
         e = s + rows
-        n_blocks = -(-max(lens[s:e]) // k_cache.shape[1])
-        pages = block_tables[s:e, :n_blocks].reshape(-1).long()  # (r*NB,)
+        n_blocks = max(spans[s:e])
+        if any(firsts[s:e]):
+            first = torch.tensor(firsts[s:e], device=block_tables.device)
+            idx = (first[:, None] + torch.arange(n_blocks, device=block_tables.device)).clamp_(max=block_tables.shape[1] - 1)
+            pages = block_tables[s:e].gather(1, idx).reshape(-1).long()  # pages past a sequence's end: masked
+            key_start = first.to(q.device) * bs
+        else:
+            pages, key_start = block_tables[s:e, :n_blocks].reshape(-1).long(), None  # (r*NB,)
         k = torch.index_select(k_cache, 0, pages, out=k_buf[: pages.numel()])
         v = torch.index_select(v_cache, 0, pages, out=v_buf[: pages.numel()])
-        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window, softcap)
+        out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window, softcap, key_start)
     return out
 
 
@@ -71,9 +83,11 @@ def _rows_per_chunk(k_cache, max_len: int) -> int:
     return max(1, _GATHER_BYTES // bytes_per_seq)
 
 
-def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D);
-    window > 0: each sees only its last `window` keys.
+def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0, softcap: float = 0.0,
+                  key_start: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, D) against each sequence's gathered pages k_pages, v_pages (B*NB, bs, KVH, D),
+    whose first key sits at position key_start (B,) (None: 0); window > 0: each sees only its
+    last `window` keys.
 
     Slots past a sequence's length are masked but still read: a cache must hold finite values
     everywhere (allocate it with torch.zeros), since sdpa computes 0 * NaN = NaN.
@@ -83,6 +97,8 @@ def _decode_chunk(q, k_pages, v_pages, seq_lens, scale: float, window: int = 0, 
     k = k_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # (B, KVH, NB*bs, D)
     v = v_pages.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
     key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    if key_start is not None:
+        key_pos = key_pos + key_start[:, None]
     valid = key_pos < seq_lens[:, None]  # (B, NB*bs)
     if window > 0:
         valid &= key_pos >= seq_lens[:, None] - window
@@ -102,17 +118,25 @@ def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
-        k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len)
+        k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len, window_page(seq_len, q_end - q_start, window, k_cache.shape[1]))
         out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale, window, softcap)
     return out
 
 
-def gather_pages(k_cache, v_cache, block_table, seq_len: int):
-    """K and V of one sequence's positions 0..seq_len-1, each (S, KVH, D), read page by page."""
+def window_page(seq_len: int, q_len: int, window: int, block_size: int) -> int:
+    """The first page the q_len queries ending at seq_len read: the one holding the first
+    query's oldest key in its window (0 without one; the pages before may be freed)."""
+    return max(0, seq_len - q_len - window + 1) // block_size if window > 0 else 0
+
+
+def gather_pages(k_cache, v_cache, block_table, seq_len: int, first_page: int = 0):
+    """K and V of one sequence's positions first_page * block_size..seq_len-1, each (S, KVH, D),
+    read page by page. attend_one takes them as they are: its masks are relative to the last key."""
     n_blocks = -(-seq_len // k_cache.shape[1])
-    pages = block_table[:n_blocks].long()
-    k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
-    return k, v_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
+    pages = block_table[first_page:n_blocks].long()
+    n = seq_len - first_page * k_cache.shape[1]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:n]
+    return k, v_cache.index_select(0, pages).flatten(0, 1)[:n]
 
 
 def attend_one(q, k, v, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

@@ -8,7 +8,9 @@ block table: a decode kernel with one program per (sequence, kv head) that serve
 query-head group of that kv head at once, and a varlen kernel (prefill, chunked prefill over a
 cached prefix, mixed batches) with one program per (sequence, tile of query tokens, head).
 A sliding window (`window` > 0) masks keys at or before p - window for a query at position p
-and starts each program's key loop at the first tile its window reaches.
+and starts each program's key loop at the first tile its window reaches; positions of that
+tile before the window load nothing, not even their table entries (a sequence of an all-window
+model frees those blocks, runtime.kv_cache).
 """
 from __future__ import annotations
 
@@ -26,14 +28,16 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _load_kv_tile(
-    k_ptr, v_ptr, table_ptr, start, seq_len, kv_head,
+    k_ptr, v_ptr, table_ptr, start, first, seq_len, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """Keys/values at positions start..start+BLOCK_N of one sequence, (BLOCK_N, BLOCK_D) each; 0 past seq_len."""
+    """Keys/values at positions start..start+BLOCK_N of one sequence, (BLOCK_N, BLOCK_D) each; 0
+    before `first` (the window's oldest key: its table entries may be freed, runtime.kv_cache) and
+    past seq_len, neither page nor table entry read there."""
     n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
     d = tl.arange(0, BLOCK_D)
-    n_ok = n < seq_len
+    n_ok = (n >= first) & (n < seq_len)
     # A tile may span several pages, so each key position looks up its own page.
     page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     offset = n % BLOCK_SIZE
@@ -87,7 +91,7 @@ def _decode_kernel(
     first = tl.maximum(seq_len - window, 0)  # the oldest key the window keeps
     for start in range((first // BLOCK_N) * BLOCK_N, seq_len, BLOCK_N):
         k, v, n = _load_kv_tile(
-            k_ptr, v_ptr, table_ptr, start, seq_len, kv_head,
+            k_ptr, v_ptr, table_ptr, start, first, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM,
         )
@@ -134,7 +138,7 @@ def _varlen_kernel(
     key_first = tl.maximum(seq_len - q_len + m_tile * BLOCK_M - window + 1, 0)
     for start in range((key_first // BLOCK_N) * BLOCK_N, key_end, BLOCK_N):
         k, v, n = _load_kv_tile(
-            k_ptr, v_ptr, table_ptr, start, seq_len, kv_head,
+            k_ptr, v_ptr, table_ptr, start, key_first, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM,
         )

@@ -196,6 +196,14 @@ class ModelConfig:
         return any(self.layer_windows)
 
     @property
+    def kv_window(self) -> int:
+        """The window in keys past which no layer reads a sequence's KV again: every layer slides
+        (the widest window when they differ); 0 when any layer attends in full (Gemma 2 / 3,
+        Qwen2's layer_types), which needs every block of one shared block table
+        (runtime.kv_cache: what the block manager may free as a sequence grows)."""
+        return max(self.layer_windows) if self.layer_windows and min(self.layer_windows) > 0 else 0
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -32,7 +32,8 @@ residual, then the usual fused add + norm), GeGLU in torch, and a soft-capped at
 (Gemma 2) through kernels.torch_paged's eager path for every row, decode rows included (the C
 decode kernel has no soft-cap). A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
-`window` keys, the sdpa calls take transformers' sliding-window mask (kernels.torch_paged).
+`window` keys, the sdpa calls take transformers' sliding-window mask over the pages from the
+first one the window reaches (kernels.torch_paged; those before may be freed, runtime.kv_cache).
 A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
 calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
 that chose it, reading only that expert's slice of the stacked weights (never the others'), and
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear, SplitLinear
-from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap
+from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.model import QuantRows
 from pdserve.runtime.moe import MoEBlock
 
@@ -187,7 +188,7 @@ class CpuForward:
             attn[start:start + n * length] = attend_fresh(q, k, v, self.scale, window, cap).reshape(n * length, c.q_size)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
-            k, v = gather_pages(k_cache, v_cache, table, seq_len)
+            k, v = gather_pages(k_cache, v_cache, table, seq_len, window_page(seq_len, end - start, window, k_cache.shape[1]))
             attn[start:end] = attend_one(q, k, v, self.scale, window, cap).reshape(end - start, c.q_size)
 
 

@@ -13,6 +13,12 @@ few ms for one and computes nothing. `generate()` drives the loop to completion 
 prompts. The colocated worker and the reference outputs of the disaggregated tests both run
 this engine.
 
+A model whose every layer slides (ModelConfig.kv_window) frees each sequence's blocks wholly
+before its window after every step it computes and when it joins (runtime.kv_cache
+drop_outside_window): a long generation holds about window / block_size + 1 blocks; a held
+prefill keeps only its window's blocks for the hand-off. A model with full-attention layers too
+keeps every block (logged at start).
+
 Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
 its prompt is computed and its first token sampled; that step's output carries the token, and
 the sequence's blocks stay allocated (`seqs[request_id].block_table`) until `release(request_id)`,
@@ -148,11 +154,15 @@ def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -
     (issue 40: never first at a long request): an explicit --max-model-len one sequence could not
     hold in `num_blocks` is a clear error (vLLM's start-up check); without one, the model's own
     context is lowered to what the pool holds, with a warning (vLLM refuses that too, so that a
-    default launch of a long-context model on the default pool would not start)."""
+    default launch of a long-context model on the default pool would not start). A model whose
+    every layer slides holds only its window's blocks however long it grows (ModelConfig.kv_window),
+    so only its prompts are bounded by the pool (validate)."""
     want = min(config.max_model_len or cfg.max_position, cfg.max_position)
     holds = num_blocks * config.block_size  # tokens one sequence can have in the whole pool
     if want <= holds:
         return want
+    if cfg.kv_window and num_blocks >= -(-cfg.kv_window // config.block_size) + 2:
+        return want  # every layer slides: a sequence holds only its window's blocks as it grows (a prompt must fit whole: validate)
     per_token = 2 * cfg.num_layers * cfg.kv_size * config.torch_dtype.itemsize
     need_mb = -(-want * per_token // 2**20)
     if config.max_model_len is not None:
@@ -181,7 +191,14 @@ class LLMEngine:
         self.max_model_len = context_that_fits(self.cfg, config, num_blocks)
         if kv_cache is None:
             kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache)
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache, window=self.cfg.kv_window)
+        if self.cfg.kv_window:
+            log.info("sliding window %d on every layer: a sequence's KV blocks wholly before its window are freed as it grows",
+                     self.cfg.kv_window)
+        elif self.cfg.windowed:
+            log.info("sliding-window layers beside full-attention ones (%d of %d layers slide): every KV block is kept, "
+                     "since one block table serves all layers and the full ones read them all",
+                     sum(1 for w in self.cfg.layer_windows if w), self.cfg.num_layers)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(tokenizer, self.cfg.eos_token_ids) if tokenizer is not None else set(self.cfg.eos_token_ids)
         self.runner = ModelRunner(model, kv_cache, self.blocks, eos_token_id=min(self.eos_ids) if self.eos_ids else None)
@@ -251,7 +268,8 @@ class LLMEngine:
         seq.prompt_scores = prompt_logprobs
         seq.block_table = block_table
         seq.num_computed_tokens = num_computed
-        self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache
+        self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache (none past a freed one)
+        self.blocks.drop_outside_window(seq.block_table, num_computed)
         self.seqs[request_id] = seq
         self._enter(seq, self.scheduler.add_running)
         return self._append(seq, output_token_ids[-1], logprob, top_logprobs)
@@ -346,6 +364,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             ctx += seq.num_computed_tokens
             self.scheduler.register_computed(seq, seq.num_computed_tokens - n)
+            self.blocks.drop_outside_window(seq.block_table, seq.num_computed_tokens)  # a model whose every layer slides
         sample = (len(scheduled), sum(n for _, n in scheduled), ctx, dt)
         threads = self.core_share.role_share if self.core_share is not None else 0
         if threads:

@@ -25,6 +25,24 @@ unregistered (it is registered once full, and shared blocks are full), so sharin
 `set_prefix_key` (a worker's coordinator's Welcome: a new coordinator, a new secret) forgets every
 registration. `changes` records key changes since the last `take_changes` (the worker's heartbeat
 reports them, bounded).
+
+Sliding windows (`window` > 0: ModelConfig.kv_window, a model whose every layer slides, e.g.
+Mistral with `sliding_window`, Qwen3-MoE with `use_sliding_window`): a query at position p reads
+keys p - window < k <= p only, so a block wholly before the window of a sequence's next position
+is never read again by any layer. `drop_outside_window` (the engine calls it after each step and
+when a sequence joins: prefix match, hand-off) frees such blocks and leaves NULL_BLOCK in their
+table entries, so positions keep their indices; attention never reads an entry before the
+window (the C decode kernel starts at the window, kernels.torch_paged gathers from the window's
+first block, Triton masks its first tile; ModelRunner maps NULL_BLOCK to block 0 in the tensors it
+hands them, so even a masked load stays in the pool). `first_needed` says where the window
+starts; it also keeps the block before the one being filled, whose registration link chains the
+next block's key (a window shorter than a block would otherwise free it first). A freed
+registered block joins the evictable cache like any other: its KV is that of its whole prefix,
+so `match` may still hand it to a prompt whose chain it ends (a chain is matched from block 0, so
+once an early block is evicted the blocks after it are unreachable); a table with a NULL_BLOCK
+registers nothing from there on. A model with a full-attention layer (Gemma 2 / 3, Qwen2's
+layer_types) has window 0 here: one table serves all layers, and its full layers read every
+block. `window_freed` counts the blocks freed this way; `held(table)` the blocks a table holds.
 """
 from __future__ import annotations
 
@@ -33,6 +51,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from pdserve.common.kv_window import first_needed_block
 from pdserve.common.prefix_hash import chain_hashes, new_secret
 from pdserve.runtime.config import ModelConfig
 
@@ -46,13 +65,18 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
 
 
+NULL_BLOCK = -1  # a table entry whose block was freed (before the sliding window): holds nothing, never read
 MAX_CHANGES = 4096  # key additions/evictions kept for the next heartbeat; beyond this the oldest are dropped
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, prefix_key: bytes | None = None):
+    NULL = NULL_BLOCK  # for those that may not import this module (decode/grants.py)
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, prefix_key: bytes | None = None, window: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # every layer's sliding window in keys (the widest), 0 if any layer attends in full
+        self.window_freed = 0  # blocks freed because they fell wholly before their sequence's window
         self.prefix_cache = prefix_cache
         self.prefix_key = prefix_key or new_secret()  # the secret block keys are made with (set_prefix_key)
         self.ref_counts = [0] * num_blocks
@@ -105,7 +129,10 @@ class BlockManager:
             self.ref_counts[i] += 1
 
     def free(self, ids: list[int]) -> None:
+        """Drop one reference to each of ids (NULL_BLOCK entries hold nothing and are skipped)."""
         for i in ids:
+            if i == NULL_BLOCK:
+                continue
             if self.ref_counts[i] < 1:
                 raise ValueError(f"block {i} freed twice")
             self.ref_counts[i] -= 1
@@ -133,6 +160,36 @@ class BlockManager:
 
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    @staticmethod
+    def held(block_table: list[int]) -> int:
+        """Blocks the table holds (its NULL_BLOCK entries were freed)."""
+        return len(block_table) - block_table.count(NULL_BLOCK)
+
+    # ------------------------------------------------------------------ sliding window
+
+    def first_needed(self, num_computed: int) -> int:
+        """The index of the first block a sequence with num_computed tokens computed reads again
+        (common.kv_window; 0 without a window): those before lie wholly outside every layer's
+        window, the block before the one being filled excepted (its link chains the next key)."""
+        return first_needed_block(num_computed, self.window, self.block_size)
+
+    def drop_outside_window(self, block_table: list[int], num_computed: int) -> int:
+        """Free the blocks of block_table (in place: NULL_BLOCK in their entries) that lie wholly
+        before the window of a sequence with num_computed tokens computed; returns how many.
+        Entries before the window are a run of NULL_BLOCK then held blocks (the run only grows),
+        so the walk goes back from the window's start to the first NULL_BLOCK."""
+        if not self.window:
+            return 0
+        k = self.first_needed(num_computed) - 1
+        dropped = []
+        while k >= 0 and block_table[k] != NULL_BLOCK:
+            dropped.append(block_table[k])
+            block_table[k] = NULL_BLOCK
+            k -= 1
+        self.free(dropped[::-1])  # oldest first: evicted first
+        self.window_freed += len(dropped)
+        return len(dropped)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -177,11 +234,13 @@ class BlockManager:
         if not self.prefix_cache:
             return
         bs = self.block_size
+        if first and block_table[first - 1] == NULL_BLOCK:
+            return  # the block before was freed (outside the window): its link is not ours to read
         parent = self.link_of[block_table[first - 1]] if first else 0
         for k in range(first, len(hashes)):
             i, h, t = block_table[k], hashes[k], tokens[(k - first) * bs:(k - first + 1) * bs]
-            if k and not parent:
-                return  # its prefix's KV is linked to no registered block: never matchable
+            if (k and not parent) or i == NULL_BLOCK:
+                return  # its prefix's KV is linked to no registered block (or is not held): never matchable
             if self.hash_of[i] is None:
                 j = self.by_hash.get(h)
                 if j is None:

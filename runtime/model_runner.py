@@ -2,7 +2,8 @@
 
 Lifecycle: built once per worker over a model and its KV pool; `execute(scheduled)` is called
 once per step. It flattens the scheduled tokens of all sequences into one varlen batch (no
-padding), maps each token to its cache slot, and samples one token for every sequence whose
+padding), maps each token to its cache slot (a table's entries freed before a sliding window
+become block 0, which attention never reads: runtime.kv_cache), and samples one token for every sequence whose
 computed range reaches its last token (prefill done, or decode); for a sequence that asks for
 prompt logprobs it also scores the chunk's prompt rows (runtime/scoring.py: their logits follow
 the sampling rows). It does not change sequence state: the engine applies the sampled tokens and
@@ -12,11 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.runtime.kv_cache import BlockManager
+from pdserve.runtime.kv_cache import NULL_BLOCK, BlockManager
 from pdserve.runtime.model import ForwardBatch, LlamaModel
 from pdserve.runtime.sampling import SamplerOutput, SamplingRow, sample
 from pdserve.runtime.scoring import PromptScore, score, score_positions
 from pdserve.runtime.sequence import Sequence
+
+
+def _table_row(table: list[int], width: int) -> list[int]:
+    """A block table as the kernels take it: width entries, padding and freed entries
+    (NULL_BLOCK, before a sliding window, never read) as block 0, so any index stays in the pool."""
+    row = table + [0] * (width - len(table))
+    if row and row[0] == NULL_BLOCK:  # freed entries lead the table (runtime.kv_cache.drop_outside_window)
+        row = [0 if b == NULL_BLOCK else b for b in row]
+    return row
 
 
 class ModelRunner:
@@ -49,7 +59,7 @@ class ModelRunner:
                 score_rows.extend(qsl[-2] + p - start for p in scored)
                 scoring.append((seq, scored))
         width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in scheduled]
+        tables = [_table_row(seq.block_table, width) for seq, _ in scheduled]
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

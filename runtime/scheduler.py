@@ -10,7 +10,8 @@ prompt is cut into chunks over several steps (a prompt whose tokens are scored, 
 most runtime/scoring.py's SCORE_CHUNK, and never from the prefix cache). With the prefix cache on, an admitted sequence
 first takes the cached blocks of its longest cached prefix (never its last token: that one's
 logits are needed) and starts computing after them; if the rest does not fit, the match is
-given back and the sequence keeps waiting. A sequence whose next uncached block another
+given back and the sequence keeps waiting (with a sliding window on every layer, the matched
+blocks before its window are given back at once: runtime.kv_cache drop_outside_window). A sequence whose next uncached block another
 sequence computes in the same step waits one step (keeping its place) and then finds it cached. The output is plain data, so it is tested on the
 CPU without a model.
 """
@@ -104,6 +105,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._match_prefix(seq)
+            self.blocks.drop_outside_window(seq.block_table, seq.num_computed_tokens)  # a long cached prefix: only its window kept
             if self._defer(seq, computing):
                 self._unmatch(seq)
                 deferred.append(self.waiting.popleft())

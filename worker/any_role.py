@@ -64,6 +64,7 @@ from pdserve.runtime import cuda_graphs, structured
 from pdserve.runtime.config import EngineConfig, WorkerConfig
 from pdserve.runtime.cores import CoreShare, StaticCores, stall_cap
 from pdserve.runtime.engine import LLMEngine, StepOutput, drain_steps, prefix_report
+from pdserve.runtime.kv_cache import NULL_BLOCK
 from pdserve.wire import liveness, security
 from pdserve.wire.link import CoordinatorRestarted
 from pdserve.wire.protocol import (
@@ -401,7 +402,8 @@ class Worker:
         if grant is None:
             return
         if prefill_sent and grant.writer and process_alive(grant.writer):
-            written = grant.block_ids[grant.cached:]  # prefix-cache blocks are never written by the hand-off: not fenced
+            # prefix-cache blocks are never written by the hand-off, nor a sliding window's NULL entries: not fenced
+            written = [b for b in grant.block_ids[grant.cached:] if b != NULL_BLOCK]
             log.warning("grant %d of %s given up before prefill pid %d answered: %d blocks fenced until it does or exits",
                         grant.number, rid, grant.writer, len(written))
             self.engine.blocks.free(grant.block_ids[:grant.cached])

@@ -10,6 +10,9 @@ step the worker gives the step's outputs to `take`: a job's output is handed off
 all but the first dest_cached_blocks the decode worker's prefix cache holds, go to the decode
 worker by the backend the sender picked from that worker's pool description; KVReady follows)
 and then released, which frees its blocks here; the other outputs are returned to the worker.
+For a model whose every layer slides the decode side grants NULL_BLOCK for the positions
+wholly before the window of the first position it decodes (decode/grants.py), so only the
+window's blocks travel (`blocks_to_send`); this side freed the same ones after the prefill.
 `abort(rid)` drops a job not yet handed off and tells the decode side. Every path frees the
 job's blocks: a hand-off that fails tells the decode side (KVFailed, it frees the grant) and the
 coordinator (WorkerError), a finished one tells the coordinator PrefillDone naming the grant.
@@ -23,6 +26,7 @@ import torch
 import zmq
 
 from pdserve.runtime.engine import LLMEngine, StepOutput
+from pdserve.runtime.kv_cache import NULL_BLOCK
 from pdserve.wire import liveness
 from pdserve.wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
 from pdserve_client.errors import PdserveError
@@ -32,6 +36,20 @@ from pdserve_client.errors import PdserveError
 class Job:
     msg: Prefill
     t_start: float
+
+
+def blocks_to_send(table: list[int], dest_ids: list[int], skip: int) -> tuple[list[int], list[int]]:
+    """(source blocks, destination blocks) of a hand-off: each position from skip on whose
+    destination entry is a block. A destination NULL_BLOCK marks a position wholly before the
+    decode side's sliding window, which it never reads (decode/grants.py); this side freed the
+    same positions after the prefill (runtime.kv_cache), so the two must agree. ValueError if the
+    grant does not fit the table or its NULL_BLOCK entries are not the blocks freed here."""
+    if len(dest_ids) != len(table) or not 0 <= skip < len(table):
+        raise ValueError(f"granted {len(dest_ids)} blocks ({skip} cached) for {len(table)} needed")
+    if any((s == NULL_BLOCK) != (d == NULL_BLOCK) for s, d in zip(table[skip:], dest_ids[skip:])):
+        raise ValueError("the grant's unwanted (NULL) blocks are not those before the sliding window, which were freed here")
+    pairs = [(s, d) for s, d in zip(table[skip:], dest_ids[skip:]) if d != NULL_BLOCK]
+    return [s for s, _ in pairs], [d for _, d in pairs]
 
 
 class Handoffs:
@@ -106,16 +124,15 @@ class Handoffs:
         """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
         seq = self.engine.seqs[msg.request_id]
         skip = msg.dest_cached_blocks  # the decode worker holds these already
-        ready = KVReady(
-            msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, msg.dest_block_ids[skip:],
-            seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
-            out.prompt_logprobs,
-        )
         t0 = time.perf_counter()
         try:
-            if len(msg.dest_block_ids) != len(seq.block_table) or not 0 <= skip < len(seq.block_table):
-                raise ValueError(f"granted {len(msg.dest_block_ids)} blocks ({skip} cached) for {len(seq.block_table)} needed")
-            nbytes = self.sender.send(self.pool, seq.block_table[skip:], ready, msg.dest_kv_endpoint)
+            src, dest = blocks_to_send(seq.block_table, msg.dest_block_ids, skip)
+            ready = KVReady(
+                msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, dest,
+                seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
+                out.prompt_logprobs,
+            )
+            nbytes = self.sender.send(self.pool, src, ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))

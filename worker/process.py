@@ -52,7 +52,8 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
         pool.shape[2], pool.shape[3], kv_endpoint, profile,
         engine={**engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), "linear_table": linear_table(engine),
                 "core_share": (wcfg.core_share or "").rpartition(":")[0],  # the workers it shares its cores with share this
-                "cores": getattr(engine.core_share, "cores", 0)},  # its threads alone on them (CoreShare.cores; 0: no share)
+                "cores": getattr(engine.core_share, "cores", 0),  # its threads alone on them (CoreShare.cores; 0: no share)
+                "kv_window": engine.cfg.kv_window},  # its grants leave the blocks before the window out (runtime.kv_cache)
         roles=list(roles or []),
     )
 

@@ -4,6 +4,8 @@ No sockets, no clock: every branch of `place_pair` (placed, wait, shed for TTFT,
 room, a parked request) and of `place_colocated` (placed, shed for TTFT and TPOT, a parked
 request; a colocated worker queues prompts itself, so it never answers WAIT).
 """
+import dataclasses
+
 import pytest
 
 from pdserve.coordinator.placement import (
@@ -47,6 +49,15 @@ def test_pair_without_slo_takes_the_least_loaded_prefill_and_the_decode_with_mos
 def test_pair_without_slo_waits_for_kv_room():
     d = place_pair(REQ, [prefill("p0")], [decode("d0", free=6)], None)  # 100 tokens need 7 blocks of 16
     assert d.outcome is Outcome.WAIT and d.worker is None
+
+
+def test_a_sliding_window_decode_worker_needs_room_for_the_window_only():
+    """Its grant leaves the blocks before the window out (runtime.kv_cache): 100 tokens, window
+    32, blocks of 16 need blocks 4..6, 3 of them; with the SLO's check for room too."""
+    windowed = WorkerSnapshot("d0", FAST, free_blocks=3, block_size=16, kv_window=32)
+    assert place_pair(REQ, [prefill("p0")], [windowed], None).worker == "d0"
+    assert place_pair(REQ, [prefill("p0")], [windowed], TARGETS).worker == "d0"
+    assert place_pair(REQ, [prefill("p0")], [dataclasses.replace(windowed, free_blocks=2)], None).outcome is Outcome.WAIT
 
 
 # ------------------------------------------------------------------ pairs, SLO control on

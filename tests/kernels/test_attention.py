@@ -347,3 +347,46 @@ def test_softcap_is_refused_where_the_kernel_lacks_it():
         check_attention_backend(gemma2, EngineConfig(device="cuda"))
     check_attention_backend(gemma2, EngineConfig())  # the CPU serves it
     check_attention_backend(dataclasses.replace(gemma2, attn_softcap=0.0), EngineConfig(device="cuda"))
+
+
+def _freed_before_windows(kw, window: int, bs: int, nan_page: int) -> torch.Tensor:
+    """The block tables with every page wholly before its sequence's first query's window
+    pointed at nan_page: what a sequence of an all-window model holds once those pages are freed
+    (runtime.kv_cache.drop_outside_window)."""
+    tables = kw["block_tables"].clone()
+    starts = kw["query_start_loc"].tolist()
+    for i, seq_len in enumerate(kw["seq_lens"].tolist()):
+        first_key = max(0, seq_len - (starts[i + 1] - starts[i]) - window + 1)
+        tables[i, : first_key // bs] = nan_page
+    return tables
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton", "c"))
+@pytest.mark.parametrize("name", ("decode", "chunked", "mixed"))  # a prefill from position 0 frees nothing
+def test_pages_before_the_window_are_never_read(backend, name):
+    """Pages wholly before a sequence's window (freed, their table entries anything) are not read:
+    pointed at a page of NaN, whose any read reaches the output (0 * NaN), every backend gives
+    the same bits as with the real pages. The C kernel decodes only."""
+    bs, window = 8, 7
+    q_lens, seq_lens = scenario(name, bs)
+    if backend == "c" and max(q_lens) > 1:
+        pytest.skip("the C kernel decodes only")
+    q, k_cache, v_cache, kw = make_case(q_lens, seq_lens, block_size=bs, heads=9, kv_heads=3, head_dim=64)
+    nan_page = k_cache.shape[0]
+    k_nan, v_nan = (torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in (k_cache, v_cache))
+    freed = _freed_before_windows(kw, window, bs, nan_page)
+    assert (freed == nan_page).any(), "the case frees no page"
+
+    def run(k, v, tables):
+        if backend != "c":
+            return paged.paged_attention(q, k, v, backend=backend, window=window, **{**kw, "block_tables": tables})
+        from pdserve.kernels import cpu_native
+
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+        cpu_native.native().decode_attention(q.reshape(q.shape[0], -1), out, torch.arange(q.shape[0]), k, v, tables, kw["seq_lens"],
+                                             kw["scale"], window=window)
+        return out.view(q.shape)
+
+    whole = run(k_cache, v_cache, kw["block_tables"])
+    assert torch.isfinite(whole).all()
+    assert torch.equal(run(k_nan, v_nan, freed), whole)
