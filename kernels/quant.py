@@ -125,6 +125,46 @@ class QuantTensor:
         return ops.q_dequant(self, index.reshape(-1).to(torch.int64).contiguous())
 
 
+@dataclass(frozen=True)
+class QuantExperts:
+    """A mixture of experts' stack of E (rows, cols) matrices in GGUF blocks, as a GGUF stores
+    ffn_{gate,up,down}_exps: raw is (E, rows, row bytes) uint8, expert e's matrix `expert(e)` a
+    QuantTensor viewing its slice (no copy), so a kernel given it reads that expert's bytes only."""
+
+    raw: torch.Tensor
+    qtype: str
+    shape: tuple[int, int, int]
+
+    def __post_init__(self):
+        experts, rows, cols = self.shape
+        if self.qtype not in QTYPES:
+            raise ValueError(f"{self.qtype} is not a natively served quant type ({', '.join(QTYPES)})")
+        if cols % block_weights(self.qtype) or self.raw.dtype != torch.uint8 \
+                or tuple(self.raw.shape) != (experts, rows, row_bytes(self.qtype, cols)) or not self.raw.is_contiguous():
+            raise ValueError(f"{self.qtype} bytes {tuple(self.raw.shape)} do not hold a contiguous {self.shape} expert stack")
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def expert(self, e: int) -> QuantTensor:
+        return QuantTensor(self.raw[e], self.qtype, self.shape[1:])
+
+    @staticmethod
+    def cat(parts: list) -> QuantExperts | None:
+        """Each expert's rows of several stacks stacked (gate then up); None unless all are
+        QuantExperts of one type and width (then the caller keeps them apart)."""
+        if not all(isinstance(p, QuantExperts) for p in parts) or len({(p.qtype, p.shape[0], p.shape[2]) for p in parts}) != 1:
+            return None
+        raw = torch.cat([p.raw for p in parts], dim=1)
+        return QuantExperts(raw, parts[0].qtype, (raw.shape[0], raw.shape[1], parts[0].shape[2]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The twin: every expert's weights as float32, (E, rows, cols)."""
+        e, rows, cols = self.shape
+        return dequantize_raw(self.raw.reshape(e * rows, -1), self.qtype, cols).reshape(e, rows, cols)
+
+
 def _half(b: torch.Tensor) -> torch.Tensor:
     """(..., 2) little-endian fp16 bytes -> (..., 1) float32."""
     return b.contiguous().view(torch.float16).float()

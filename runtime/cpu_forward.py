@@ -36,7 +36,9 @@ decode kernel has no soft-cap). A layer with a sliding window
 first one the window reaches (kernels.torch_paged; those before may be freed, runtime.kv_cache).
 A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
 calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
-that chose it, reading only that expert's slice of the stacked weights (never the others'), and
+that chose it, reading only that expert's slice of the stacked weights (never the others'; a
+stack kept in GGUF blocks, model.QuantExpertStack, runs as runtime.moe.PackedExperts: each
+expert's PackedLinears over its own blocks, the C quantized kernels), and
 Qwen2-MoE's shared expert through PackedLinears; such a model decodes through the per-op loop.
 """
 from __future__ import annotations
@@ -47,8 +49,8 @@ import torch.nn.functional as F
 from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
-from pdserve.runtime.model import QuantRows
-from pdserve.runtime.moe import MoEBlock
+from pdserve.runtime.model import QuantExpertStack, QuantRows
+from pdserve.runtime.moe import MoEBlock, PackedExperts
 
 
 class CpuForward:
@@ -267,7 +269,10 @@ class _Layer:
                 ops.silu_mul(gate_up.contiguous(), act)
                 return self.shared_down(act)
 
-        self.moe = MoEBlock(model.cfg, mlp.gate.weight, mlp.experts_gate_up, mlp.experts_down, shared,
+        def stack(w):  # a float stack as it is; one kept in blocks: each expert's PackedLinears over its blocks
+            return PackedExperts(w.parts, activations) if isinstance(w, QuantExpertStack) else w
+
+        self.moe = MoEBlock(model.cfg, mlp.gate.weight, stack(mlp.experts_gate_up), stack(mlp.experts_down), shared,
                             None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
 
     def linears(self) -> list:

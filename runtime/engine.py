@@ -41,7 +41,7 @@ import torch
 from pdserve.common.errors import NotSupportedError, PromptTooLongError
 from pdserve.common.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from pdserve.kernels import cpu_native
-from pdserve.kernels.quant import TRITON_QTYPES, QuantTensor
+from pdserve.kernels.quant import TRITON_QTYPES, QuantExperts, QuantTensor
 from pdserve.runtime import linear_plan, structured
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.kv_cache import BlockManager, allocate_kv_cache
@@ -88,7 +88,7 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=Non
     Its linear layers' back-ends follow econf.linear_backend (runtime.linear_plan; source, the
     checkpoint's path or None for the default model, names the tokenizer its accuracy check reads)."""
     check_attention_backend(cfg, econf)
-    quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, QuantTensor)})
+    quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, (QuantTensor, QuantExperts))})
     why_not = _why_not_quantized(econf) if quantized else None
     if why_not:
         log.warning("quantization auto: %s, so the %s weights are dequantized to %s", why_not, "/".join(quantized), econf.dtype)
@@ -97,7 +97,8 @@ def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=Non
         untaken = sorted(set(quantized) - set(TRITON_QTYPES))
         log.info("quantization auto: the CUDA weight-only kernel takes %s, so the %s weights are dequantized to %s",
                  "/".join(TRITON_QTYPES), "/".join(untaken), econf.dtype)
-        tensors = {k: v.dequantize() if isinstance(v, QuantTensor) and v.qtype in untaken else v for k, v in tensors.items()}
+        tensors = {k: v.dequantize() if isinstance(v, (QuantTensor, QuantExperts)) and v.qtype in untaken else v
+                   for k, v in tensors.items()}
     model = LlamaModel(cfg, econf.torch_dtype, econf.attention_backend)
     model.load_weights(tensors)
     model = model.to(econf.device).eval()

@@ -18,7 +18,9 @@ path of runtime.cpu_forward where it can run; the module forward below stays its
 Q4_K_M file's Q4_K q / k and Q6_K v, a `QuantRows` of one QuantLinear per part, named
 `...qkv_proj.parts.N.weight`), which the CPU fast path reads directly and the module
 forward runs with the Triton weight-only kernel on CUDA (the twin, dequantize + F.linear,
-elsewhere).
+elsewhere). A MoE layer's expert stacks given as kernels.quant.QuantExperts stay in their blocks
+too (`QuantExpertStack`, its bytes buffers counted by `weight_bytes`): each chosen expert is
+multiplied from its own blocks (runtime.moe), never the whole stack.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import paged
-from pdserve.kernels.quant import QuantTensor
+from pdserve.kernels.quant import QuantExperts, QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.config import ModelConfig, RopeScaling
 from pdserve.runtime.moe import MoEBlock
@@ -71,19 +73,41 @@ def _stack_rows(parts: list) -> torch.Tensor | QuantTensor | MixedBlocks:
 
 
 def _float(w) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, QuantTensor) else w
+    return w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """An expert stack kept in GGUF blocks: one QuantExperts, or (gate_up, when gate and up differ
+    in type) several whose rows stand side by side per expert (the module: `QuantExpertStack`)."""
+
+    parts: tuple[QuantExperts, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.parts[0].shape[0], sum(p.shape[1] for p in self.parts), self.parts[0].shape[2]
+
+
+def _expert_stack(parts: list) -> torch.Tensor | ExpertBlocks:
+    """gate + up (or down alone) as one stack: blocks stay blocks (one QuantExperts when the parts
+    share a type, else side by side); float where any part is not a natively served block type."""
+    if all(isinstance(p, QuantExperts) for p in parts):
+        joined = QuantExperts.cat(parts)
+        return ExpertBlocks((joined,) if joined is not None else tuple(parts))
+    return torch.cat([_float(p) for p in parts], dim=1)
 
 
 def moe_tensors(tensors: dict, src: str, dst: str, shared: bool) -> dict:
     """One MoE layer's loader tensors (runtime.weights: `mlp.gate.weight`, the stacks
     `mlp.experts.gate_proj` / `up_proj` / `down_proj`, Qwen2-MoE's `mlp.shared_expert.*` and
     `mlp.shared_expert_gate.weight`) under `src`, as the MoE module's parameters under `dst`: gate
-    and up rows stacked per expert; the router and the experts float (blocks dequantized), the
-    shared expert's matrices kept as blocks where they can be."""
+    and up rows stacked per expert; the router float; the experts' stacks kept in their blocks
+    where the loader kept them (kernels.quant.QuantExperts -> ExpertBlocks, the module a
+    QuantExpertStack), else float; the shared expert's matrices kept as blocks where they can be."""
     m = src + "mlp."
     out = {dst + "gate.weight": _float(tensors[m + "gate.weight"]),
-           dst + "experts_gate_up": torch.cat([_float(tensors[m + "experts.gate_proj"]), _float(tensors[m + "experts.up_proj"])], dim=1),
-           dst + "experts_down": _float(tensors[m + "experts.down_proj"])}
+           dst + "experts_gate_up": _expert_stack([tensors[m + "experts.gate_proj"], tensors[m + "experts.up_proj"]]),
+           dst + "experts_down": _expert_stack([tensors[m + "experts.down_proj"]])}
     if shared:
         s = m + "shared_expert."
         out[dst + "shared_expert.gate_up_proj.weight"] = _stack_rows([tensors[s + "gate_proj.weight"], tensors[s + "up_proj.weight"]])
@@ -120,6 +144,41 @@ class QuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized (an embedding lookup), in plain torch on any device."""
         return self.blocks.rows(ids).to(dtype)
+
+
+class QuantExpertStack(nn.Module):
+    """A MoE layer's expert stack kept in GGUF blocks (ExpertBlocks) in the module forward: each
+    part's (E, rows, row bytes) bytes a buffer (`.to(device)` moves them). `linear(e, x)` reads
+    expert e's blocks only: on CUDA the Triton weight-only kernel (kernels.triton_quant), elsewhere
+    the twin (that expert dequantized, F.linear); the CPU serves it through runtime.cpu_forward's
+    runtime.moe.PackedExperts over the same bytes."""
+
+    def __init__(self, w: ExpertBlocks):
+        super().__init__()
+        for i, p in enumerate(w.parts):
+            self.register_buffer(f"raw{i}", p.raw)
+        self.qtypes, self.part_shapes = [p.qtype for p in w.parts], [p.shape for p in w.parts]
+        self.shape = w.shape
+
+    @property
+    def parts(self) -> tuple[QuantExperts, ...]:
+        return tuple(QuantExperts(getattr(self, f"raw{i}"), t, s) for i, (t, s) in enumerate(zip(self.qtypes, self.part_shapes)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def linear(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from pdserve.kernels import triton_quant
+
+            outs = [triton_quant.matmul(x.contiguous(), p.expert(e)) for p in self.parts]
+        else:
+            outs = [F.linear(x, p.expert(e).dequantize().to(x.dtype)) for p in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=1)
 
 
 class QuantRows(nn.Module):
@@ -211,9 +270,10 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP (runtime.moe): the router `gate` (E, hidden), the experts' gate
-    and up rows stacked per expert (E, 2 I, hidden) and their down matrices (E, hidden, I); for
-    Qwen2-MoE a shared expert (an MLP) scaled by sigmoid(shared_expert_gate). Only the chosen
-    experts' slices are read (runtime.moe.experts_grouped; `dense` True: the dense twin)."""
+    and up rows stacked per expert (E, 2 I, hidden) and their down matrices (E, hidden, I), float
+    parameters or, from a GGUF loaded with keep_quantized, QuantExpertStack modules over their
+    blocks; for Qwen2-MoE a shared expert (an MLP) scaled by sigmoid(shared_expert_gate). Only the
+    chosen experts' slices are read (runtime.moe.experts_grouped; `dense` True: the dense twin)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -289,7 +349,8 @@ class LlamaModel(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes the weights occupy (a quantized matrix counts its blocks)."""
         dense = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n not in self.quantized)
-        return dense + sum(q.nbytes for q in self.quantized.values())
+        experts = sum(m.nbytes for m in self.modules() if isinstance(m, QuantExpertStack))
+        return dense + sum(q.nbytes for q in self.quantized.values()) + experts
 
     def enable_fast_path(self, linear_kind: str = "auto", activations: str = "float") -> bool:
         """Run `forward` through the fused CPU path where it can; True if it is on."""
@@ -331,6 +392,12 @@ class LlamaModel(nn.Module):
             src = fused[name]
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
+            if isinstance(src, ExpertBlocks):  # a MoE stack in blocks: the parameter becomes a QuantExpertStack
+                parent, _, child = name.rpartition(".")
+                owner = self.get_submodule(parent)
+                delattr(owner, child)
+                setattr(owner, child, QuantExpertStack(src))
+                continue
             if isinstance(src, (QuantTensor, MixedBlocks)):  # the module becomes a QuantLinear over the blocks (QuantRows: over each part's)
                 owner, _, _ = name.rpartition(".")
                 bias_name = owner + ".bias"

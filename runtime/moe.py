@@ -15,11 +15,22 @@ of 8). `experts_dense` is its slow obvious twin: every expert on every token, we
 dense (tokens, experts) matrix that is zero for the experts a token did not choose; the tests
 compare the two (and show the grouped path never reads an unchosen expert: NaN weights there
 leave its output finite, the dense twin's not).
+
+A stack is either a float tensor (E, rows, cols) or, for a GGUF loaded with keep_quantized
+(`--quantization auto`), experts kept in their GGUF blocks, multiplied expert by expert
+(`expert_linear`): runtime.model's `QuantExpertStack` (the module forward: the Triton weight-only
+kernel on CUDA, dequantize-this-expert + F.linear elsewhere) and `PackedExperts` here (the CPU
+fast path: one kernels.linear.PackedLinear per expert and part, the C quantized kernels reading
+that expert's blocks in place). Either way a step reads the chosen experts' bytes only; the dense
+twin dequantizes the whole stack (`stack_float`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.kernels.linear import PackedLinear, SplitLinear
+from pdserve.kernels.quant import QuantExperts
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +63,8 @@ def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
         if not n:
             continue
         rows = tokens[start:start + n]
-        h = F.linear(x[rows], gate_up[e])
-        y = F.linear(act(h[:, :inter]) * h[:, inter:], down[e])
+        h = expert_linear(gate_up, e, x[rows])
+        y = expert_linear(down, e, act(h[:, :inter]) * h[:, inter:])
         out.index_add_(0, rows, (y * scale[start:start + n, None]).to(out.dtype))
         if touched is not None:
             touched.append(e)
@@ -65,6 +76,7 @@ def experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
                   act=F.silu) -> torch.Tensor:
     """The slow obvious twin of experts_grouped: every expert computed for every token, the
     results combined by a (T, E) matrix holding each token's routing weights (zero elsewhere)."""
+    gate_up, down = stack_float(gate_up), stack_float(down)
     combine = torch.zeros(x.shape[0], gate_up.shape[0], dtype=weights.dtype).scatter_(1, ids, weights)
     h = torch.einsum("th,eoh->teo", x, gate_up)  # (T, E, 2 I)
     inter = down.shape[2]
@@ -72,10 +84,50 @@ def experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     return (y * combine[..., None]).sum(dim=1).to(x.dtype)
 
 
+def expert_linear(stack, e: int, x: torch.Tensor) -> torch.Tensor:
+    """x @ W_e^T for expert e of a stack: a float stack's slice, or a stack kept in blocks
+    (its `linear(e, x)`, which reads expert e's blocks only)."""
+    return F.linear(x, stack[e]) if isinstance(stack, torch.Tensor) else stack.linear(e, x)
+
+
+def stack_float(stack) -> torch.Tensor:
+    """The whole stack (E, rows, cols) as float (the dense twin's; a block stack dequantized)."""
+    return stack if isinstance(stack, torch.Tensor) else stack.dequantize()
+
+
+def stack_bytes(stack) -> int:
+    return stack.numel() * stack.element_size() if isinstance(stack, torch.Tensor) else stack.nbytes
+
+
+class PackedExperts:
+    """A stack of experts kept in GGUF blocks, for the CPU fast path: `parts` are
+    kernels.quant.QuantExperts whose rows stand side by side (gate_up: one stack when gate and up
+    share a type, else the two), and expert e multiplies through one PackedLinear per part over
+    that expert's blocks (views of the stack: nothing copied, the C kernels read them in place;
+    a part in another type: a SplitLinear). Built once with the fast path."""
+
+    def __init__(self, parts: tuple[QuantExperts, ...], activations: str = "float"):
+        self.parts = parts
+        self.shape = (parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2])
+        self.nbytes = sum(p.nbytes for p in parts)
+
+        def expert(e):
+            lins = [PackedLinear(p.expert(e), activations=activations) for p in parts]
+            return lins[0] if len(lins) == 1 else SplitLinear(lins)
+
+        self.experts = [expert(e) for e in range(self.shape[0])]
+
+    def linear(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[e](x)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=1)
+
+
 class MoEBlock:
     """One MoE layer's weights as plain tensors and callables, for the fused CPU path and a
     tensor-parallel rank: router (E, hidden) float, gate_up (E, 2 I, hidden), down (E, hidden, I)
-    (a rank's share of I), and for Qwen2-MoE shared(x) -> the shared expert's output and
+    (a rank's share of I; float stacks or stacks kept in blocks, PackedExperts), and for Qwen2-MoE shared(x) -> the shared expert's output and
     shared_gate (1, hidden). `dense` swaps in experts_dense (tests)."""
 
     def __init__(self, cfg, router, gate_up, down, shared=None, shared_gate=None):
@@ -96,5 +148,5 @@ class MoEBlock:
         return out
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert's matrices (gate, up and down)."""
-        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        """Bytes of one expert's matrices (gate, up and down): float, or its blocks."""
+        return (stack_bytes(self.gate_up) + stack_bytes(self.down)) // self.gate_up.shape[0]

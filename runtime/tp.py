@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.errors import NotSupportedError, UnsupportedModelError
-from pdserve.kernels.quant import QuantTensor, block_weights, row_bytes
+from pdserve.kernels.quant import QuantExperts, QuantTensor, block_weights, row_bytes
 from pdserve.runtime.config import ModelConfig
 from pdserve_client.errors import InvalidRequestError
 
@@ -158,7 +158,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(w):
-    return w.dequantize() if isinstance(w, QuantTensor) else w
+    """Float of w (a GGUF matrix or expert stack kept in blocks dequantized)."""
+    return w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w
 
 
 def column_part(w, rank: int, n: int):
@@ -211,7 +212,8 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
         down = ("mlp.shared_expert.down_proj",) if moe and cfg.shared_expert_intermediate_size else () if moe else ("mlp.down_proj",)
         for name in ("self_attn.o_proj", *down):
             out[p + name + ".weight"] = row_part(tensors[p + name + ".weight"], rank, n, p + name)
-        if moe:  # every expert on every rank, a 1/n share of its width: gate / up rows, down columns; the router whole
+        if moe:  # every expert on every rank, a 1/n share of its width: gate / up rows, down columns; the router whole.
+            # Expert stacks kept in blocks (kernels.quant.QuantExperts) are dequantized here: a rank holds its share as float
             e = p + "mlp.experts."
             width = cfg.moe_intermediate_size // n
             for name in ("gate_proj", "up_proj"):

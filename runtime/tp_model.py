@@ -16,7 +16,9 @@ embeddings (zero rows for ids another rank holds) are all-reduced, partial logit
 A mixture-of-experts layer (runtime.moe) holds every expert on every rank, each cut to a 1/N
 share of its width (gate / up rows, down columns; Qwen2-MoE's shared expert as the dense MLP),
 and the router whole: every rank routes its identical input alike, computes its share of the
-chosen experts, and one all-reduce sums them.
+chosen experts, and one all-reduce sums them. A GGUF's expert stacks, which TP 1 keeps in their
+blocks (runtime.moe.PackedExperts), are dequantized to float here (runtime.tp.shard): cutting
+each expert's width per rank in whole blocks is not done yet.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
 On CUDA each rank runs on its own GPU (econf.device: runtime.tp.rank_devices), the all-reduces and
 the logits' gather are NCCL's, and GGUF blocks are dequantized (the Triton block kernel is TP 1's).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import paged
 from pdserve.kernels.linear import PackedLinear, SplitLinear
-from pdserve.kernels.quant import QuantTensor
+from pdserve.kernels.quant import QuantExperts, QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.config import EngineConfig, ModelConfig, RopeScaling
 from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows, activation
@@ -72,7 +74,7 @@ class _Layer:
                     return s_down(act(gate) * up)
 
             def dense(w):
-                return (w.dequantize() if isinstance(w, QuantTensor) else w).to(dtype).to(device).contiguous()
+                return (w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w).to(dtype).to(device).contiguous()
 
             self.moe = MoEBlock(cfg, dense(t[m + "gate.weight"]), torch.cat([dense(t[m + "experts.gate_proj"]), dense(t[m + "experts.up_proj"])], 1),
                                 dense(t[m + "experts.down_proj"]), shared, dense(t[m + "shared_expert_gate.weight"]) if shared else None)

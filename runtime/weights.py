@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from pdserve.common.errors import ModelLoadError, UnsupportedModelError
 from pdserve.common.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
-from pdserve.kernels.quant import QTYPES, QuantTensor
+from pdserve.kernels.quant import QTYPES, QuantExperts, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
 
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
@@ -268,6 +268,10 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
         if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 2:
             tensors[name] = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
             continue
+        if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 3:  # an expert stack (E, rows, cols): each expert's blocks
+            raw = torch.from_numpy(np.array(t.data)).reshape(t.shape[2], t.shape[1], -1)
+            tensors[name] = QuantExperts(raw, t.qtype.name, (t.shape[2], t.shape[1], t.shape[0]))
+            continue
         try:
             arr = gguf.quants.dequantize(t.data, t.qtype).reshape(tuple(reversed(t.shape)))
         except Exception as e:
@@ -296,7 +300,7 @@ _PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's llama arch
 
 def dequantize_all(tensors: dict) -> dict[str, torch.Tensor]:
     """Every QuantTensor of a loaded checkpoint as float32 (the `--quantization none` model)."""
-    return {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in tensors.items()}
+    return {k: v.dequantize() if isinstance(v, (QuantTensor, QuantExperts)) else v for k, v in tensors.items()}
 
 
 @functools.cache

@@ -151,7 +151,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     {arch}.vocab_size only for the llama arch, as the converter writes it, and vocab_key True).
     A mixture of experts (arch llama for Mixtral, qwen2moe, qwen3moe): expert_count / expert_used_count
     (and the experts' and shared expert's widths), the router as ffn_gate_inp, each matrix of every
-    expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too), Qwen2-MoE's shared expert
+    expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too, K-quants included: rows of
+    256 multiples), Qwen2-MoE's shared expert
     as ffn_*_shexp and its gate as the F32 vector ffn_gate_inp_shexp.
 
     extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
@@ -243,7 +244,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
         stack = arr.ndim == 3 and qtype not in ("Q4_K_M", "Q5_K_M")  # an expert stack: the plain type asked (gguf's quantizer)
         qt = gguf.GGMLQuantizationType[qtype if stack else tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
         if arr.ndim >= 2 and qt != gguf.GGMLQuantizationType.F32:
-            data = quants.quantize(arr, qt) if stack else quantize_blocks(arr, qt.name)
+            data = quantize_blocks(arr.reshape(-1, arr.shape[-1]), qt.name).reshape(*arr.shape[:-1], -1)  # a stack: its experts' rows
             back = quants.dequantize(data, qt)
             wr.add_tensor(gname, data, raw_dtype=qt)
         else:

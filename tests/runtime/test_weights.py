@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import ModelLoadError, UnsupportedModelError
-from pdserve.kernels.quant import QuantTensor
+from pdserve.kernels.quant import QuantExperts, QuantTensor
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
 from pdserve.runtime.weights import default_model_path, load_checkpoint
@@ -393,7 +393,8 @@ def test_moe_gguf_loads_as_the_hf_checkpoint_and_decodes_as_hf(tmp_path, arch, g
     if qtype != "F32":
         _, kept = load_checkpoint(tmp_path / "m.gguf", progress=False, keep_quantized=True)
         assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], QuantTensor)
-        assert not isinstance(kept["model.layers.0.mlp.experts.gate_proj"], QuantTensor)  # 3-D stacks: dequantized at load
+        stack = kept["model.layers.0.mlp.experts.gate_proj"]  # 3-D stacks: each expert's blocks (runtime.moe serves them packed)
+        assert isinstance(stack, QuantExperts) and stack.qtype == qtype and torch.equal(stack.dequantize(), tensors["model.layers.0.mlp.experts.gate_proj"])
         eng = LLMEngine.load(tmp_path / "m.gguf", EngineConfig(num_blocks=32, block_size=8), progress=False, tokenizer=False)
         assert eng.model.quantized and eng.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
         return

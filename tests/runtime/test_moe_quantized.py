@@ -1,0 +1,171 @@
+"""A mixture of experts' GGUF expert stacks served from their blocks (issue 39): runtime.moe's
+PackedExperts (CPU fast path: one quantized PackedLinear per expert over that expert's blocks)
+and runtime.model.QuantExpertStack (module forward: that expert dequantized, F.linear; the Triton
+kernel on CUDA), against the same file loaded dequantized.
+
+- The grouped path over stacks in blocks (one type, and gate / up in different types) equals the
+  dense twin over the dequantized stacks to float32 summation order.
+- Tiny Mixtral and Qwen2-MoE (shared expert) GGUFs with Q8_0 / Q4_0 / Q4_K experts, float
+  activations: all-position logits of the fast path and the module forward within 1e-4 of the
+  largest logit of the dequantized twin's (test_kquant_model.py's bound), greedy tokens equal;
+  the experts keep the file's bytes (weight_bytes counts them), 3.8x (Q8_0) to 7.1x (Q4_0, Q4_K)
+  below the float model's experts.
+- The packed path never reads an unchosen expert: those experts' blocks overwritten with 0xFF
+  (fp16 scale NaN) leave the logits (fast path, default int16 activations; module forward)
+  unchanged, while the dense twin's turn NaN.
+"""
+import pytest
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import QTYPES, QuantExperts, block_weights
+from pdserve.runtime import moe
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.engine import load_model
+from pdserve.runtime.model import ExpertBlocks, QuantExpertStack
+from tests.helpers import all_position_logits, quant_blocks, save_tiny_model, write_gguf
+from tests.runtime.test_quantized import greedy_scored
+
+pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
+
+WIDTH = 256  # hidden and the experts' width: whole K-quant super-blocks in every expert row
+SHAPES = {"mixtral": dict(hidden_size=WIDTH, intermediate_size=WIDTH),
+          "qwen2_moe": dict(hidden_size=WIDTH, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, intermediate_size=WIDTH)}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}
+
+
+def random_stack(qtype: str, experts: int, rows: int, cols: int, seed: int) -> QuantExperts:
+    raw = torch.stack([quant_blocks(qtype, rows, cols, seed * 100 + e).raw for e in range(experts)])
+    return QuantExperts(raw, qtype, (experts, rows, cols))
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0", "Q4_0"), ("Q4_K", "Q6_K", "Q5_K")])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_packed_experts_equal_the_dense_twin(types, tokens):
+    """gate / up of one type: one stack (QuantExperts.cat); of two: side by side (a SplitLinear per
+    expert). Both paths (PackedExperts, QuantExpertStack) equal experts_dense over the float stacks."""
+    e, h, i = 6, WIDTH, WIDTH
+    gate, up, down = random_stack(types[0], e, i, h, 1), random_stack(types[1], e, i, h, 2), random_stack(types[2], e, h, i, 3)
+    joined = QuantExperts.cat([gate, up])
+    assert (joined is None) == (types[0] != types[1])
+    gate_up = ExpertBlocks((joined,) if joined is not None else (gate, up))
+    float_gate_up, float_down = torch.cat([gate.dequantize(), up.dequantize()], 1), down.dequantize()
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=g)
+    weights, ids = moe.route(x @ torch.randn(e, h, generator=g).T, 2, True, float_weights=True)
+    ref = moe.experts_dense(x, weights, ids, float_gate_up, float_down)
+    for stacks in ((moe.PackedExperts(gate_up.parts), moe.PackedExperts((down,))), (QuantExpertStack(gate_up), QuantExpertStack(ExpertBlocks((down,))))):
+        touched = []
+        got = moe.experts_grouped(x, weights, ids, *stacks, touched=touched)
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), type(stacks[0])
+        assert sorted(touched) == sorted(set(ids.flatten().tolist()))
+        assert torch.allclose(moe.experts_dense(x, weights, ids, *stacks), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def _gguf(tmp_path, arch: str, qtype: str):
+    save_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=2, **SHAPES[arch])
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch=GGUF_ARCH[arch])
+    return tmp_path / "m.gguf"
+
+
+def _stacks(model) -> list[QuantExpertStack]:
+    return [m for m in model.modules() if isinstance(m, QuantExpertStack)]
+
+
+@pytest.mark.parametrize("arch,qtype", [("mixtral", "Q4_K"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q4_0"), ("qwen2_moe", "Q4_K")])
+def test_packed_moe_gguf_equals_its_dequantized_twin(tmp_path, arch, qtype):
+    path = _gguf(tmp_path, arch, qtype)
+    cfg, quant = load_model(path, EngineConfig(num_blocks=64, block_size=8, quant_activations="float"))
+    _, twin = load_model(path, EngineConfig(num_blocks=64, block_size=8, quantization="none"))
+    stacks = _stacks(quant)
+    assert len(stacks) == 2 * cfg.num_layers and not _stacks(twin)
+    assert all(s.qtypes == [qtype] for s in stacks)  # gate and up joined into one stack of blocks per layer
+    for layer in quant.fast.layers:
+        assert isinstance(layer.moe.gate_up, moe.PackedExperts) and isinstance(layer.moe.down, moe.PackedExperts)
+    # the experts hold the file's bytes: E experts x 3 matrices of WIDTH x WIDTH weights a layer, in blocks
+    packed = sum(s.nbytes for s in stacks)
+    assert packed == cfg.num_layers * cfg.num_experts * 3 * WIDTH * WIDTH // block_weights(qtype) * QTYPES[qtype][1]
+    as_float = cfg.num_layers * cfg.num_experts * 3 * WIDTH * WIDTH * 4
+    assert as_float / packed >= (3.7 if qtype == "Q8_0" else 7.0)
+    assert quant.weight_bytes() <= twin.weight_bytes() - (as_float - packed) + 1024
+    print(f"{arch} {qtype}: experts {packed / 2**20:.2f} MiB packed vs {as_float / 2**20:.2f} MiB float; "
+          f"weights {quant.weight_bytes() / 2**20:.2f} vs {twin.weight_bytes() / 2**20:.2f} MiB")
+
+    ids = list(range(3, 40))
+    ref = all_position_logits(twin, ids, torch.float32)
+    scale = float(ref.abs().max())
+    assert float((all_position_logits(quant, ids, torch.float32) - ref).abs().max()) <= 1e-4 * scale
+    fast, quant.fast = quant.fast, None  # the module forward: QuantExpertStack, each chosen expert dequantized
+    assert float((all_position_logits(quant, ids, torch.float32) - ref).abs().max()) <= 1e-4 * scale
+    quant.fast = fast
+    prompts = [[5, 9, 12, 30, 7], [17], list(range(40, 60))]
+    seqs_t, _ = greedy_scored(twin, prompts, 8, set())
+    seqs_q, _ = greedy_scored(quant, prompts, 8, set())
+    assert seqs_q == seqs_t
+
+
+def test_packed_path_reads_only_the_chosen_experts(tmp_path, monkeypatch):
+    """A lone token and a 3-token prompt: every expert no token chose has its blocks overwritten
+    with 0xFF (each block's fp16 scale NaN), in every layer; the fast path rebuilt over them
+    (default int16 activations, whose 16-row copies are made at build) and the module forward give
+    the same logits as before, while the dense twin's turn NaN (it reads every expert)."""
+    path = _gguf(tmp_path, "mixtral", "Q4_K")
+    cfg, model = load_model(path, EngineConfig(num_blocks=64, block_size=8))
+    acts = model.fast.activations
+    assert acts == "int16"
+    chosen, route = [], moe.route
+
+    def recording(*args):
+        weights, ids = route(*args)
+        chosen.append(set(ids.flatten().tolist()))
+        return weights, ids
+
+    stacks = [(layer.mlp.experts_gate_up, layer.mlp.experts_down) for layer in model.layers]
+    saved = [[p.raw.clone() for s in pair for p in s.parts] for pair in stacks]
+    for ids in ([77], [5, 300, 41]):
+        monkeypatch.setattr(moe, "route", recording)
+        chosen.clear()
+        before = all_position_logits(model, ids, torch.float32)
+        monkeypatch.setattr(moe, "route", route)
+        assert len(chosen) == cfg.num_layers
+        fast, model.fast = model.fast, None
+        before_modules = all_position_logits(model, ids, torch.float32)
+        unread = 0
+        with torch.inference_mode():  # in place: the module's buffers, which the fast path views
+            for pair, used in zip(stacks, chosen):
+                for e in set(range(cfg.num_experts)) - used:
+                    for s in pair:
+                        for p in s.parts:
+                            p.raw[e] = 0xFF
+                    unread += 1
+        assert unread >= cfg.num_layers * (cfg.num_experts - cfg.experts_per_tok * len(ids))
+        after_modules = all_position_logits(model, ids, torch.float32)
+        assert torch.isfinite(after_modules).all() and torch.equal(after_modules, before_modules)
+        assert model.enable_fast_path(activations=acts)  # rebuilt: PackedLinears (and their copies) over the corrupted stacks
+        after = all_position_logits(model, ids, torch.float32)
+        assert torch.isfinite(after).all() and torch.equal(after, before)
+        for layer in model.fast.layers:
+            layer.moe.dense = True
+        assert torch.isnan(all_position_logits(model, ids, torch.float32)).all()
+        with torch.inference_mode():
+            for pair, raws in zip(stacks, saved):
+                for p, raw in zip([p for s in pair for p in s.parts], raws):
+                    p.raw.copy_(raw)
+        assert model.enable_fast_path(activations=acts)
+        del fast
+
+
+def test_tensor_parallel_shard_dequantizes_expert_stacks(tmp_path):
+    """runtime.tp.shard keeps dequantizing the expert stacks (a rank holds its share of each
+    expert's width as float): from a keep_quantized load it gives what the dequantized load gives."""
+    from pdserve.runtime.tp import shard
+    from pdserve.runtime.weights import dequantize_all, load_checkpoint
+
+    path = _gguf(tmp_path, "qwen2_moe", "Q4_0")
+    cfg, kept = load_checkpoint(path, progress=False, keep_quantized=True)
+    assert isinstance(kept["model.layers.0.mlp.experts.down_proj"], QuantExperts)
+    plain = dequantize_all(kept)
+    for rank in range(2):
+        got, want = shard(cfg, kept, rank, 2), shard(cfg, plain, rank, 2)
+        for name in [n for n in want if ".mlp.experts." in n]:
+            assert isinstance(got[name], torch.Tensor) and torch.equal(got[name], want[name]), name
