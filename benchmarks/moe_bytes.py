@@ -10,7 +10,11 @@ stacks only when a token chose it). It prints, per decode token: the expert byte
 dense equivalent (all experts of every MoE layer), their ratio, the same two figures scaled to
 Mixtral 8x7B's real shape (the ratio does not depend on the shape: top-k / experts per layer), and
 the step time of the grouped path against the dense twin (runtime.moe.experts_dense) on this
-machine. Run: `python -m benchmarks.moe_bytes [--hidden 1024 --inter 3584 --layers 4 --steps 16]`.
+machine; first with float32 experts, then with the experts quantized (`--qtype`, default Q4_0:
+kernels.quant.QuantExperts, as `--quantization auto` keeps a GGUF's ffn_*_exps, served per
+expert from its blocks by the C kernels), whose bytes per token are the blocks' (a Q4_0 expert:
+18 bytes per 32 weights, 1/7.1 of float32's). Run: `python -m benchmarks.moe_bytes [--hidden 1024
+--inter 3584 --layers 4 --steps 16 --qtype Q4_0]`.
 """
 from __future__ import annotations
 
@@ -21,7 +25,22 @@ import time
 import torch
 
 
-def build(hidden: int, inter: int, layers: int, experts: int, top_k: int):
+def pack_experts(tensors: dict, qtype: str) -> dict:
+    """The float tensors with each expert stack quantized to `qtype` (gguf's quantizer: Q8_0, Q4_0,
+    ...) as kernels.quant.QuantExperts, as a GGUF loaded with keep_quantized gives them."""
+    import gguf
+
+    from pdserve.kernels.quant import QuantExperts
+
+    out = dict(tensors)
+    for name, w in tensors.items():
+        if ".mlp.experts." in name:
+            raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+            out[name] = QuantExperts(torch.from_numpy(raw.reshape(w.shape[0], w.shape[1], -1)), qtype, tuple(w.shape))
+    return out
+
+
+def build(hidden: int, inter: int, layers: int, experts: int, top_k: int, qtype: str = "F32"):
     from pdserve.runtime.config import EngineConfig, ModelConfig
     from pdserve.runtime.engine import build_model
 
@@ -42,6 +61,8 @@ def build(hidden: int, inter: int, layers: int, experts: int, top_k: int):
                   p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
                   p + "mlp.gate.weight": rand(experts, hidden) * 4, p + "mlp.experts.gate_proj": rand(experts, inter, hidden),
                   p + "mlp.experts.up_proj": rand(experts, inter, hidden), p + "mlp.experts.down_proj": rand(experts, hidden, inter)})
+    if qtype != "F32":
+        t = pack_experts(t, qtype)
     return cfg, build_model(cfg, t, EngineConfig(num_blocks=64, block_size=16))
 
 
@@ -87,24 +108,29 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--qtype", default="Q4_0", help="the packed model's expert type (gguf's quantizer: Q8_0, Q4_0, ...); F32: float only")
     a = ap.parse_args()
-    cfg, model = build(a.hidden, a.inter, a.layers, a.experts, a.top_k)
-    per_expert = model.fast.layers[0].moe.expert_bytes()
-    times, reads = decode_steps(model, cfg, a.steps)
-    dense_times, _ = decode_steps(model, cfg, a.steps, dense=True)
-    read = statistics.mean(sum(r) for r in reads) * per_expert
-    dense = cfg.num_layers * cfg.num_experts * per_expert
-    print(f"Mixtral-shaped model: hidden {a.hidden}, experts' width {a.inter}, {a.layers} layers, {a.experts} experts, top {a.top_k} "
-          f"(float32; one expert {per_expert / 2**20:.1f} MiB)")
-    print(f"experts read per decode token per layer: {statistics.mean(x for r in reads for x in r):.2f} of {a.experts} "
-          f"(min {min(min(r) for r in reads)}, max {max(max(r) for r in reads)})")
-    print(f"expert bytes read per decode token: {read / 2**20:.1f} MiB; dense equivalent (every expert): {dense / 2**20:.1f} MiB; "
-          f"ratio {read / dense:.3f}")
-    real = 32 * 3 * 4096 * 14336 * 2  # Mixtral 8x7B, bf16: per expert 3 matrices of 4096 x 14336, 32 layers
-    print(f"Mixtral 8x7B (bf16, 32 layers) at the same ratio: {real * a.top_k / 2**30:.2f} GiB read per token vs "
-          f"{real * a.experts / 2**30:.2f} GiB dense")
-    print(f"decode step (median of {a.steps}): grouped {statistics.median(times) * 1e3:.1f} ms, "
-          f"dense twin {statistics.median(dense_times) * 1e3:.1f} ms")
+    print(f"Mixtral-shaped model: hidden {a.hidden}, experts' width {a.inter}, {a.layers} layers, {a.experts} experts, top {a.top_k}")
+    for qtype in dict.fromkeys(["F32", a.qtype]):
+        cfg, model = build(a.hidden, a.inter, a.layers, a.experts, a.top_k, qtype)
+        per_expert = model.fast.layers[0].moe.expert_bytes()
+        times, reads = decode_steps(model, cfg, a.steps)
+        dense_times, _ = decode_steps(model, cfg, a.steps, dense=True)
+        read = statistics.mean(sum(r) for r in reads) * per_expert
+        dense = cfg.num_layers * cfg.num_experts * per_expert
+        kind = "float32" if qtype == "F32" else f"{qtype} blocks (runtime.moe.PackedExperts)"
+        print(f"[{kind}] one expert {per_expert / 2**20:.2f} MiB; weights {model.weight_bytes() / 2**20:.1f} MiB")
+        print(f"  experts read per decode token per layer: {statistics.mean(x for r in reads for x in r):.2f} of {a.experts} "
+              f"(min {min(min(r) for r in reads)}, max {max(max(r) for r in reads)})")
+        print(f"  expert bytes read per decode token: {read / 2**20:.2f} MiB; dense equivalent (every expert): {dense / 2**20:.2f} MiB; "
+              f"ratio {read / dense:.3f}")
+        print(f"  decode step (min / median of {a.steps}): grouped {min(times) * 1e3:.1f} / {statistics.median(times) * 1e3:.1f} ms, "
+              f"dense twin {min(dense_times) * 1e3:.1f} / {statistics.median(dense_times) * 1e3:.1f} ms")
+        del model
+    real = 32 * 3 * 4096 * 14336  # Mixtral 8x7B: per expert 3 matrices of 4096 x 14336, 32 layers
+    for name, per_weight in (("bf16", 2.0), ("Q4_0", 18 / 32)):
+        print(f"Mixtral 8x7B ({name}, 32 layers) at the same ratio: {real * per_weight * a.top_k / 2**30:.2f} GiB read per token vs "
+              f"{real * per_weight * a.experts / 2**30:.2f} GiB dense")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 Q5_K, Q6_K), their matmul and their twin.
 
 Lifecycle: runtime.weights wraps each quantized 2-D tensor of a GGUF file in a `QuantTensor`
-(its bytes copied once out of the file map, rows in the file's order) when asked to keep
-weights quantized; the model fuses q/k/v and gate/up by concatenating rows (`QuantTensor.cat`);
+(its bytes copied once out of the file map, rows in the file's order), and each 3-D expert stack
+of a mixture of experts in a `QuantExperts` (expert e's matrix: a QuantTensor viewing its slice),
+when asked to keep weights quantized; the model fuses q/k/v and gate/up by concatenating rows (`QuantTensor.cat`);
 kernels.linear.PackedLinear then multiplies with `matmul` for the life of the process, and the
 embedding lookup reads rows with `rows_float`. `dequantize` is the slow, obvious twin: the same
 values gguf's numpy dequantizer gives, in plain torch; the float32 model built from it is what

@@ -10,7 +10,8 @@ Gemma's norm weights w come back as the 1 + w they scale by, `add_one_to_norms`,
 GGUF stores them, and its post_attention_norm / ffn_norm / post_ffw_norm as HF's four norms; a mixture of experts'
 matrices as one 3-D stack each, `mlp.experts.gate_proj` / `up_proj` / `down_proj` (`stack_experts`
 from HF's per-expert or fused names, or a GGUF's ffn_*_exps, whose quantized stacks are
-dequantized here), the router as `mlp.gate.weight`);
+dequantized here unless keep_quantized: then kernels.quant.QuantExperts, every expert's blocks),
+the router as `mlp.gate.weight`);
 A GGUF's config comes from its metadata as llama.cpp reads it (rope scaling from rope.scaling.*,
 `_gguf_rope`; the vocabulary size from token_embd's rows where {arch}.vocab_size is absent);
 on any problem it raises one typed error before anything is handed to a model, so there is no
@@ -20,7 +21,8 @@ found by trying one zero block of each type a file holds), and the llama.cpp Q/K
 permutation is undone. The vocabulary size is {arch}.vocab_size where written (llama.cpp's
 convert_hf_to_gguf.py writes it for the llama arch only), else token_embd's row count.
 tests/runtime/test_llamacpp_gguf.py loads every family as that converter writes it. With keep_quantized, the kernels.quant.QTYPES matrices stay in their blocks
-(kernels.quant.QuantTensor) for the quantized linear layers; `dequantize_all` is their twin. The default model is located on disk without
+(kernels.quant.QuantTensor) for the quantized linear layers, and the 3-D expert stacks in
+theirs (kernels.quant.QuantExperts, served expert by expert: runtime.moe); `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
 """
 from __future__ import annotations
