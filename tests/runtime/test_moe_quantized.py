@@ -13,6 +13,8 @@ kernel on CUDA), against the same file loaded dequantized.
 - The packed path never reads an unchosen expert: those experts' blocks overwritten with 0xFF
   (fp16 scale NaN) leave the logits (fast path, default int16 activations; module forward)
   unchanged, while the dense twin's turn NaN.
+- Tensor parallelism's shard still dequantizes the stacks (the same floats as the dequantized
+  load); the Triton kernel (CUDA's path) takes one expert's view of the stack's bytes.
 """
 import pytest
 import torch
@@ -169,3 +171,22 @@ def test_tensor_parallel_shard_dequantizes_expert_stacks(tmp_path):
         got, want = shard(cfg, kept, rank, 2), shard(cfg, plain, rank, 2)
         for name in [n for n in want if ".mlp.experts." in n]:
             assert isinstance(got[name], torch.Tensor) and torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_triton_kernel_takes_one_experts_blocks(qtype):
+    """CUDA's path (QuantExpertStack.linear on a CUDA tensor): the Triton weight-only kernel given
+    expert e's QuantTensor, a view into the middle of the stack's bytes, multiplies that expert
+    (under TRITON_INTERPRET=1 on the CPU; the kernel compiled for CUDA is test_triton_quant's gpu test)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU run of the Triton kernel needs TRITON_INTERPRET=1")
+    from pdserve.kernels import triton_quant
+
+    stack = random_stack(qtype, 4, 48, 96, 5)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    ref = stack.dequantize()
+    for e in (0, 2, 3):
+        got = triton_quant.matmul(x, stack.expert(e))
+        assert float((got - x @ ref[e].T).abs().max()) <= 1e-5 * float(ref[e].abs().max() * x.abs().sum(-1).max())
