@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
-from pdserve.runtime.model import QuantExpertStack, QuantRows
+from pdserve.runtime.blocks import QuantExpertStack, QuantRows
 from pdserve.runtime.moe import MoEBlock, PackedExperts
 
 

@@ -41,7 +41,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory):
     launcher = start_gateway_cluster(model_dir, tmp_path_factory.mktemp("logs"), engine_args=["--num-blocks", str(NUM_BLOCKS)],
-                                     coordinator_args=["--no-slo", "--pending-timeout", str(PENDING_TIMEOUT), "--max-active-requests", str(MAX_ACTIVE)])  # requests wait for KV room
+                                     # requests wait for KV room (PENDING_TIMEOUT), past MAX_ACTIVE in flight they are shed
+                                     coordinator_args=["--no-slo", "--pending-timeout", str(PENDING_TIMEOUT), "--max-active-requests", str(MAX_ACTIVE)])
     yield launcher
     launcher.stop()
 
