@@ -7,6 +7,8 @@ runtime, the coordinator's and workers' logic with in-process links; under 5 min
 gateway, fault injection, benchmarks, a fresh install; under 20 minutes). A test module that
 starts processes belongs in FULL_FOLDERS or FULL_MODULES below; tests needing something unusual
 say so with their own marker (`install`, `multihost`: network namespaces; `ray`), all in the full tier.
+`scripts/test` runs the suite two modules at a time (pytest-xdist) and then the `serial` ones
+(SERIAL_MODULES: timing bounds, Ray) alone.
 """
 import os
 from pathlib import Path
@@ -30,6 +32,16 @@ FULL_MODULES = {  # modules that start processes, outside the full folders
     "runtime/test_llamacpp_gguf.py",  # llama.cpp's converter in a child process: ~40 s of CPU
 }
 UNUSUAL = ("install", "multihost", "ray")
+# Modules that run alone (`serial`), after the rest of the suite has run two at a time (scripts/test:
+# pytest-xdist, one module per worker): they bound a latency, a gap or a shedding time (a second
+# module's processes beside them on 2 cores would be what they measure), or start a Ray cluster
+# (one per machine: its ports). The others assert what does not depend on the machine's load.
+SERIAL_MODULES = {
+    "slo/test_overload.py", "faults/test_hostile.py", "faults/test_no_stall.py", "faults/test_soak.py", "faults/test_multihost.py",
+    "coordinator/test_slow_client.py", "gateway/test_cheap_health_and_slow_reader.py", "gateway/test_loop_gaps.py",
+    "gateway/test_fairness.py", "gateway/test_body_bounds_http.py", "serving/test_paths.py", "serving/test_autoscaler.py",
+    "serving/test_role_change.py",
+}
 
 
 def in_full_tier(item) -> bool:
@@ -39,10 +51,17 @@ def in_full_tier(item) -> bool:
     return rel.as_posix() in FULL_MODULES or (rel.parts[0] in FULL_FOLDERS and rel.as_posix() not in FAST_MODULES)
 
 
+def runs_alone(item) -> bool:
+    rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+    return rel in SERIAL_MODULES or "ray" in item.keywords
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if in_full_tier(item):
             item.add_marker(pytest.mark.full)
+        if runs_alone(item):
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
