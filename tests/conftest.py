@@ -19,6 +19,11 @@ import torch  # noqa: E402
 # Triton runs in its interpreter where there is no GPU; this must precede the first `import triton`.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A pytest-xdist worker (scripts/test runs two) computes on one thread: two workers of two OpenMP
+# threads each on 2 cores made an in-process test 4x slower than alone (spinning threads), one each
+# fills the cores. The processes a test starts choose their own threads (--threads).
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("PDSERVE_TEST_THREADS_AS_IS"):
+    torch.set_num_threads(1)
 
 
 TESTS = Path(__file__).resolve().parent
@@ -41,6 +46,7 @@ SERIAL_MODULES = {
     "coordinator/test_slow_client.py", "gateway/test_cheap_health_and_slow_reader.py", "gateway/test_loop_gaps.py",
     "gateway/test_fairness.py", "gateway/test_body_bounds_http.py", "serving/test_paths.py", "serving/test_autoscaler.py",
     "serving/test_role_change.py",
+    "gateway/test_openapi_fuzz.py",  # its last test checks what its schemathesis cases fuzzed in this process (one worker's collection differs)
 }
 
 
