@@ -13,13 +13,12 @@ on a machine shared with other jobs the figures are noisy (rerun, compare median
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.machine import cpu_line
+from benchmarks.timing import median_seconds
 from pdserve.kernels import cpu_native
 from tests.helpers import quant_blocks
 
@@ -28,25 +27,7 @@ TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def median_us(fn, runs: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
-
-
-def cpu_flags() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "(lscpu not available)"
-    keep = [line for line in out.splitlines() if line.split(":")[0].strip() in ("Model name", "CPU(s)", "L2 cache", "L3 cache")]
-    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx"))]
-    return "\n".join(keep + [f"SIMD flags: {' '.join(simd)}"])
+    return median_seconds(fn, runs, warmup=2) * 1e6
 
 
 def main() -> None:
@@ -59,7 +40,7 @@ def main() -> None:
     ops = cpu_native.native()
     if ops is None:
         raise SystemExit("the C kernels are not built here")
-    print(cpu_flags())
+    print(cpu_line())
     print(f"variant {ops.isa}, {args.threads} thread(s), {args.activations} activations, one row, median of {args.runs}")
     print(f"{'shape (out x in)':>18} {'type':>6} {'MiB':>7} {'us':>9} {'GB/s':>6} {'per byte vs Q4_0':>17}")
     for n, k in SHAPES:

@@ -53,7 +53,7 @@ def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, wi
     """
     lens = seq_lens.tolist()
     bs = k_cache.shape[1]
-    firsts = [max(0, n - window) // bs if window > 0 else 0 for n in lens]  # each sequence's first page read
+    firsts = [window_page(n, 1, window, bs) for n in lens]  # each sequence's first page read
     spans = [-(-n // bs) - f for n, f in zip(lens, firsts)]  # and how many from there
     rows = len(lens) if q.is_cuda else min(len(lens), _rows_per_chunk(k_cache, max(spans) * bs))
     k_buf = k_cache.new_empty((rows * max(spans), *k_cache.shape[1:]))  # (rows*NB, bs, KVH, D)

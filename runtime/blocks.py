@@ -55,6 +55,14 @@ class ExpertBlocks:
     def shape(self) -> tuple[int, int, int]:
         return self.parts[0].shape[0], sum(p.shape[1] for p in self.parts), self.parts[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole stack (E, rows, cols) as float32: the parts' rows side by side per expert."""
+        return torch.cat([p.dequantize() for p in self.parts], dim=1)
+
 
 def _expert_stack(parts: list) -> torch.Tensor | ExpertBlocks:
     """gate + up (or down alone) as one stack: blocks stay blocks (one QuantExperts when the parts
@@ -134,7 +142,7 @@ class QuantExpertStack(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return ExpertBlocks(self.parts).nbytes
 
     def linear(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -146,7 +154,7 @@ class QuantExpertStack(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts], dim=1)
+        return ExpertBlocks(self.parts).dequantize()
 
 
 class QuantRows(nn.Module):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.quant import QuantExperts
+from pdserve.runtime.blocks import ExpertBlocks
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +109,8 @@ class PackedExperts:
 
     def __init__(self, parts: tuple[QuantExperts, ...], activations: str = "float"):
         self.parts = parts
-        self.shape = (parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2])
-        self.nbytes = sum(p.nbytes for p in parts)
+        self.blocks = ExpertBlocks(tuple(parts))
+        self.shape, self.nbytes = self.blocks.shape, self.blocks.nbytes
 
         def expert(e):
             lins = [PackedLinear(p.expert(e), activations=activations) for p in parts]
@@ -121,7 +122,7 @@ class PackedExperts:
         return self.experts[e](x)
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts], dim=1)
+        return self.blocks.dequantize()
 
 
 class MoEBlock:

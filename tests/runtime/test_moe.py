@@ -52,6 +52,22 @@ def mixtral(tmp_path_factory):
     return path
 
 
+def logits_and_chosen_experts(model, ids: list[int], monkeypatch) -> tuple[torch.Tensor, list[set[int]]]:
+    """All positions' logits of `ids`, and the experts the router chose in each MoE layer while
+    computing them (moe.route recorded for that one forward)."""
+    chosen, route = [], moe.route
+
+    def recording(*args):
+        weights, experts = route(*args)
+        chosen.append(set(experts.flatten().tolist()))
+        return weights, experts
+
+    monkeypatch.setattr(moe, "route", recording)
+    logits = all_position_logits(model, ids, torch.float32)
+    monkeypatch.setattr(moe, "route", route)
+    return logits, chosen
+
+
 def test_fast_path_reads_only_the_chosen_experts(mixtral, monkeypatch):
     """One decode-shaped step (a lone token) and a 3-token prompt: every expert no token chose is
     overwritten with NaN, in every MoE layer; the fast path's logits stay finite and equal (it never
@@ -59,19 +75,8 @@ def test_fast_path_reads_only_the_chosen_experts(mixtral, monkeypatch):
     cfg, tensors = load_checkpoint(str(mixtral), progress=False)
     model = build_model(cfg, tensors, EngineConfig())
     assert model.fast is not None
-    chosen = []
-    route = moe.route
-
-    def recording(*args):
-        weights, ids = route(*args)
-        chosen.append(set(ids.flatten().tolist()))
-        return weights, ids
-
     for ids in ([77], [5, 300, 41]):
-        monkeypatch.setattr(moe, "route", recording)
-        chosen.clear()
-        before = all_position_logits(model, ids, torch.float32)
-        monkeypatch.setattr(moe, "route", route)
+        before, chosen = logits_and_chosen_experts(model, ids, monkeypatch)
         assert len(chosen) == cfg.num_layers
         saved = [(layer.mlp.experts_gate_up.clone(), layer.mlp.experts_down.clone()) for layer in model.layers]
         unread = 0

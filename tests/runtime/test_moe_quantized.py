@@ -26,6 +26,7 @@ from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import load_model
 from pdserve.runtime.model import ExpertBlocks, QuantExpertStack
 from tests.helpers import all_position_logits, quant_blocks, save_tiny_model, write_gguf
+from tests.runtime.test_moe import logits_and_chosen_experts
 from tests.runtime.test_quantized import greedy_scored
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
@@ -115,20 +116,10 @@ def test_packed_path_reads_only_the_chosen_experts(tmp_path, monkeypatch):
     cfg, model = load_model(path, EngineConfig(num_blocks=64, block_size=8))
     acts = model.fast.activations
     assert acts == "int16"
-    chosen, route = [], moe.route
-
-    def recording(*args):
-        weights, ids = route(*args)
-        chosen.append(set(ids.flatten().tolist()))
-        return weights, ids
-
     stacks = [(layer.mlp.experts_gate_up, layer.mlp.experts_down) for layer in model.layers]
     saved = [[p.raw.clone() for s in pair for p in s.parts] for pair in stacks]
     for ids in ([77], [5, 300, 41]):
-        monkeypatch.setattr(moe, "route", recording)
-        chosen.clear()
-        before = all_position_logits(model, ids, torch.float32)
-        monkeypatch.setattr(moe, "route", route)
+        before, chosen = logits_and_chosen_experts(model, ids, monkeypatch)
         assert len(chosen) == cfg.num_layers
         fast, model.fast = model.fast, None
         before_modules = all_position_logits(model, ids, torch.float32)
