@@ -22,7 +22,9 @@ A stack is either a float tensor (E, rows, cols) or, for a GGUF loaded with keep
 kernel on CUDA, dequantize-this-expert + F.linear elsewhere) and `PackedExperts` here (the CPU
 fast path: one kernels.linear.PackedLinear per expert and part, the C quantized kernels reading
 that expert's blocks in place). Either way a step reads the chosen experts' bytes only; the dense
-twin dequantizes the whole stack (`stack_float`).
+twin dequantizes the whole stack (`stack_float`). On CUDA, float stacks run through
+kernels.triton_moe's fused kernels (tokens sorted by expert, one tile of one expert per program):
+MoEBlock's CUDA branch.
 """
 from __future__ import annotations
 
@@ -142,6 +144,10 @@ class MoEBlock:
         weights, ids = route(F.linear(x, self.router), self.top_k, self.norm, self.float_weights)
         if self.dense:
             out = experts_dense(x, weights, ids, self.gate_up, self.down)
+        elif x.is_cuda and isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor):
+            from pdserve.kernels import triton_moe  # CUDA: the fused Triton kernels (their twin: experts_dense)
+
+            out = triton_moe.fused_moe(x, weights, ids, self.gate_up, self.down)
         else:
             out = experts_grouped(x, weights, ids, self.gate_up, self.down, touched=self.touched)
         if self.shared is not None:
