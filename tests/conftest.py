@@ -7,8 +7,8 @@ runtime, the coordinator's and workers' logic with in-process links; under 5 min
 gateway, fault injection, benchmarks, a fresh install; under 20 minutes). A test module that
 starts processes belongs in FULL_FOLDERS or FULL_MODULES below; tests needing something unusual
 say so with their own marker (`install`, `multihost`: network namespaces; `ray`), all in the full tier.
-`scripts/test` runs the suite two modules at a time (pytest-xdist) and then the `serial` ones
-(SERIAL_MODULES: timing bounds, Ray) alone.
+`scripts/test` runs the suite two modules at a time (pytest-xdist `--dist loadfile`, with this file's
+scheduler: `ModuleScheduling`) and then the `serial` ones (SERIAL_MODULES: timing bounds) alone.
 """
 import os
 from pathlib import Path
@@ -39,8 +39,9 @@ FULL_MODULES = {  # modules that start processes, outside the full folders
 UNUSUAL = ("install", "multihost", "ray")
 # Modules that run alone (`serial`), after the rest of the suite has run two at a time (scripts/test:
 # pytest-xdist, one module per worker): they bound a latency, a gap or a shedding time (a second
-# module's processes beside them on 2 cores would be what they measure), or start a Ray cluster
-# (one per machine: its ports). The others assert what does not depend on the machine's load.
+# module's processes beside them on 2 cores would be what they measure). The others assert what
+# does not depend on the machine's load. The Ray modules (RAY_MODULES) run in the parallel part as
+# one unit, one after the other on one worker: a machine holds one Ray cluster at a time.
 SERIAL_MODULES = {
     "slo/test_overload.py", "faults/test_hostile.py", "faults/test_no_stall.py", "faults/test_soak.py", "faults/test_multihost.py",
     "coordinator/test_slow_client.py", "gateway/test_cheap_health_and_slow_reader.py", "gateway/test_loop_gaps.py",
@@ -57,13 +58,18 @@ def in_full_tier(item) -> bool:
     return rel.as_posix() in FULL_MODULES or (rel.parts[0] in FULL_FOLDERS and rel.as_posix() not in FAST_MODULES)
 
 
+RAY_MODULES = {"faults/test_ray_launch.py", "security/test_ray_private_cluster.py"}  # every module with `ray` tests
+
+
 def runs_alone(item) -> bool:
-    rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
-    return rel in SERIAL_MODULES or "ray" in item.keywords
+    return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix() in SERIAL_MODULES
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+        if "ray" in item.keywords and rel not in RAY_MODULES:
+            raise pytest.UsageError(f"{rel} has Ray tests: add it to tests/conftest.py RAY_MODULES (they run one at a time)")
         if in_full_tier(item):
             item.add_marker(pytest.mark.full)
         if runs_alone(item):
@@ -74,6 +80,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` as scripts/test runs it: a module's tests on one worker (its module-scoped
+    service started once), the Ray modules together as one unit, and the units handed out longest
+    first as far as a path tells (the Ray unit, then the modules that start processes, then the
+    rest by their number of tests): xdist's own order, most tests first, left the few long process
+    tests for the end, one worker running them while the other idled."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path.removeprefix("tests/") in RAY_MODULES else path
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed and self.registered_collections:
+                # xdist fills its work queue in collection order; keys put in first keep their place
+                # (the tests' indexes stay each worker's own collection's)
+                ids = next(iter(self.registered_collections.values()))
+                count: dict[str, int] = {}
+                for nodeid in ids:
+                    scope = self._split_scope(nodeid)
+                    count[scope] = count.get(scope, 0) + 1
+                for scope in sorted(count, key=lambda s: (self._cost_rank(s), -count[s])):
+                    self.workqueue[scope] = {}
+                self.config.option.loadscopereorder = False
+            super().schedule()
+
+        def _cost_rank(self, scope: str) -> int:
+            if scope == "ray":
+                return 0
+            rel = Path(scope.removeprefix("tests/"))
+            full = rel.as_posix() in FULL_MODULES or (rel.parts[0] in FULL_FOLDERS and rel.as_posix() not in FAST_MODULES)
+            return 1 if full else 2
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
