@@ -43,13 +43,15 @@ class ColdStarts:
         """The cold start to expect: the mean of the measured ones, else the estimate."""
         return sum(self.to_registered) / len(self.to_registered) if self.to_registered else self.estimate_s
 
-    def hold(self, iid: str, prompt_tokens: int, now: float) -> str | None:
+    def hold(self, iid: str, prompt_tokens: int, now: float, bounded: bool = True) -> str | None:
         """Hold request iid (a prompt of `prompt_tokens` tokens) until a worker registers; the
-        reason it cannot be held (a bound full) instead, or None once held."""
+        reason it cannot be held (a bound full) instead, or None once held. bounded=False: held
+        whatever the bounds (a request already served once, placed again after its worker was lost:
+        refusing it would end a stream the client has begun to read)."""
         nbytes = prompt_tokens * TOKEN_BYTES
-        if len(self.held) >= self.max_held:
+        if bounded and len(self.held) >= self.max_held:
             return f"{len(self.held)} requests wait for a cold start (--max-held-requests {self.max_held})"
-        if self.held_bytes + nbytes > self.max_held_bytes:
+        if bounded and self.held_bytes + nbytes > self.max_held_bytes:
             return (f"the requests that wait for a cold start hold {self.held_bytes} bytes of prompts, with this one's {nbytes} over "
                     f"--max-held-kb {self.max_held_bytes // 1024}")
         self.held[iid] = nbytes

@@ -567,7 +567,7 @@ class Coordinator:
         if st.iid in self.cold.held:
             self.park(st)  # still waiting
             return
-        why = self.cold.hold(st.iid, len(st.prompt), now)
+        why = self.cold.hold(st.iid, len(st.prompt), now, bounded=st.attempts <= 1)  # a retry (its worker lost) always waits
         if why is not None:
             self.counts.add(Count.COLD_START_REFUSED)
             self.refuse_cold(st, why)

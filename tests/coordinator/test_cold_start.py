@@ -28,7 +28,8 @@ def test_the_bounds_the_measurement_and_the_first_token():
     assert "max-held-kb" in cold.hold("b", 41, now=11.0)  # 60 + 41 tokens' bytes: over the bytes bound
     assert cold.hold("b", 40, now=11.0) is None
     assert "max-held-requests 2" in cold.hold("c", 1, now=12.0)  # the count bound
-    assert cold.registered(now=17.5) == ["a", "b"] and not cold.held and cold.started is None
+    assert cold.hold("r", 1, now=12.0, bounded=False) is None  # a request placed again after its worker was lost
+    assert cold.registered(now=17.5) == ["a", "b", "r"] and not cold.held and cold.started is None
     assert cold.expected_s() == 7.5 and cold.summary()["to_registered_s"] == [7.5]
     cold.first_token("b", now=18.0)  # not the first released: no measurement
     cold.first_token("a", now=19.0)
