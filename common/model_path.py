@@ -46,3 +46,16 @@ def served_name(model: str | os.PathLike | None) -> str:
     if path.is_dir():
         return path.name
     return re.sub(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", "", path.name.removesuffix(".gguf"), flags=re.I)
+
+
+def model_context_len(model: str | None) -> int:
+    """The context length the model's own files state (config.json, or the GGUF metadata)."""
+    import json
+
+    from pdserve.common.gguf_file import read_gguf
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
+    meta, _ = read_gguf(str(path), keep=lambda key: key.endswith(".context_length"))
+    return int(next(iter(meta.values()), 2048))

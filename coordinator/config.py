@@ -65,9 +65,23 @@ class CoordinatorConfig:
                                      help="without SLO control (--paths auto): prompts with at most this many uncached tokens are prefilled locally")
     # > 0: workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request that finds none waits for one
     cold_start_s: float = flag(0.0, group="paths and roles", min=0, launch=True,
-                               help="seconds a worker takes to start when none runs (workers started on demand: --ray with "
-                               "--min-replicas 0); a request that finds no worker waits for one if this fits its TTFT target, "
-                               "else it is refused with 503 cold_start and Retry-After; 0: refused at once (no_workers)")
+                               help="cold starts on: workers are started on demand (--ray with --min-replicas 0), and this is the "
+                               "estimate of one (seconds from a request that finds no worker to a worker registered) until one "
+                               "is measured; a request that finds no worker waits for one (--cold-start-timeout-s, "
+                               "--max-held-requests, --max-held-kb), its TTFT target counted from the worker's registration; "
+                               "0: refused at once (503 no_workers)")
+    cold_start_timeout_s: float = flag(120.0, group="paths and roles", min=0, launch=True,
+                                       help="with cold starts on: seconds a request waits for a worker before it is refused "
+                                       "(503 cold_start, Retry-After the measured cold start)")
+    max_held_requests: int = flag(256, group="paths and roles", min=0, launch=True,
+                                  help="with cold starts on: requests that may wait for a worker at once; more are refused "
+                                  "(503 cold_start, Retry-After the measured cold start)")
+    max_held_bytes: int = flag(16 * 2**20, group="paths and roles", name="max_held_kb", scale=1024, min=0, launch=True,
+                               help="with cold starts on: KiB of prompts (4 bytes a token) that may wait for a worker at once")
+    # worker ids the launch that started this coordinator starts with it: not ready (stats `startup`) until each registered once
+    expected_workers: tuple = flag(factory=tuple, group="network", name="expect_worker", multiple=True,
+                                   help="a worker id the launch starts with this coordinator (repeat it): the stats say not ready "
+                                   "(`startup`, the gateway's /health/ready) until each has registered once")
     # roles follow the load (SLO control on); None: fixed roles. On in the commands since 2026-12-03: on a 2-core node
     # it moves the idle prefill worker of a 1 + 1 launch to decode under overload, and two one-thread decode workers
     # serve 1.09-1.16x the goodput of one two-thread worker (docs/performance.md); in-process configs keep it off

@@ -19,7 +19,9 @@ class Count(enum.StrEnum):
     """Counters of a fixed name (their value is the name shown)."""
 
     REQUESTS = "requests"  # started: tokenized and checked, given an id
-    COLD_START_WAITS = "cold_start_waits"  # held while no worker ran, for one expected within --cold-start-s
+    COLD_START_WAITS = "cold_start_waits"  # held while no worker could decode it, until one registers (coordinator/cold_start.py)
+    COLD_START_REFUSED = "cold_start_refused"  # refused for a cold start: the held-requests bound was full
+    COLD_START_TIMEOUTS = "cold_start_timeouts"  # held longer than --cold-start-timeout-s: refused
     RETRIES = "retries"  # placed again after a lost worker or an unanswered Admit
     ADMISSION_TIMEOUTS = "admission_timeouts"
     LOST_HANDOFFS = "lost_handoffs"  # a hand-off done whose decode worker never started the request

@@ -35,6 +35,13 @@ headroom that follows the measured prediction error (coordinator/calibration.py:
 recorded against what each finished request saw). Launchers report their roles' restart counts
 (NodeReport), shown under `nodes` in the stats. Bad frames on either port are counted and dropped
 (clients get an ErrorReply "bad_message"). The coordinator never loads a model: only the tokenizer.
+With cold starts on (--cold-start-s > 0: workers started on demand) a request that finds no worker
+able to decode is held (coordinator/cold_start.py: bounded in count, prompt bytes and time, its prompt
+checked first against the model's context as its files state it) until one registers; that
+registration is the measured cold start (stats `cold_start`, the Retry-After of a refusal) and the
+point its TTFT target counts from (RequestState.cold_wait_s). The launch's worker ids
+(--expect-worker) are awaited once: the stats' `startup.awaiting` lists those not yet registered
+(the gateway's readiness).
 """
 from __future__ import annotations
 
@@ -55,11 +62,12 @@ import zmq
 from pdserve.common.core_turns import stall_cap
 from pdserve.common.errors import LimitExceededError, PromptTooLongError
 from pdserve.common.heap import freeze_startup_heap
-from pdserve.common.model_path import served_name
+from pdserve.common.model_path import model_context_len, served_name
 from pdserve.common.prefix_hash import new_secret
 from pdserve.common.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.coordinator import placement
 from pdserve.coordinator.calibration import Calibration, HandoffTimes
+from pdserve.coordinator.cold_start import ColdStarts
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.counts import Count, Counts
 from pdserve.coordinator.outbox import Outbox, Sent
@@ -176,6 +184,11 @@ class Coordinator:
         self._ids = itertools.count()
         self.epoch = os.urandom(4).hex()  # in every request id: ids never repeat across restarts
         self.nodes: dict[str, dict] = {}  # launcher reports: node -> restarts per role
+        # cold starts on (--cold-start-s > 0): requests that find no worker wait for one, the cold start measured (coordinator/cold_start.py)
+        self.cold = (ColdStarts(cfg.cold_start_s, cfg.cold_start_timeout_s, cfg.max_held_requests, cfg.max_held_bytes)
+                     if cfg.cold_start_s > 0 else None)
+        self.files_context: int | None = None  # the model's context as its files state it (read at the first need: context_limit)
+        self.awaiting = set(cfg.expected_workers)  # the launch's workers not yet registered once (the stats' `startup`)
         self.client_sock = self._router(cfg.client_addr, security.server_options(cfg.keys, security.CLIENTS))
         self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS))  # roles apart
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
@@ -356,6 +369,17 @@ class Coordinator:
         lens = [w.hello.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
 
+    def context_limit(self) -> int | None:
+        """The context a prompt is checked against: the registered workers' (max_model_len), or with none
+        registered and cold starts on, the model's own as its files state it (a request is checked before it
+        is held for a cold start: the workers that start cannot take more); None: nothing to check against."""
+        limit = self.max_model_len()
+        if limit is not None or self.cold is None:
+            return limit
+        if self.files_context is None:
+            self.files_context = model_context_len(self.cfg.model)
+        return self.files_context
+
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)
         try:
@@ -449,7 +473,7 @@ class Coordinator:
         try:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            limit = self.max_model_len()
+            limit = self.context_limit()
             if limit is not None and len(prompt) >= limit:
                 raise PromptTooLongError(f"prompt has {len(prompt)} tokens; this model's context is {limit} tokens (prompt + output)")
             if limit is not None:
@@ -491,15 +515,15 @@ class Coordinator:
             if any(w.role != Role.PREFILL for w in self.workers.values()):
                 self.park(st)  # its decode workers are all changing role: one takes work again soon
                 return
-            if self.cfg.cold_start_s > 0:
-                self.hold_for_cold_start(st, parked)
+            if self.cold is not None:
+                self.hold_for_cold_start(st, now)
                 return
             self.error(st.iid, "no_workers", "no decode or colocated worker is registered (a decode worker prefills locally without a prefill worker)")
             return
         if prefills and decodes and self.cfg.paths != "local" and self.wait_for_twin(st, decodes[0].hello.block_size):
             self.park(st)
             return
-        req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival, parked)
+        req = RequestView(st.num_tokens, st.req.params.max_tokens, now - st.arrival - st.cold_wait_s, parked)  # TTFT from when it could be taken
         if decodes:
             choice = self.choose(req, prefills, decodes, st, now)
         else:
@@ -534,19 +558,29 @@ class Coordinator:
         choice = choose_path(req, [], snaps, targets, self.path_rule, targets)
         return dataclasses.replace(choice, reason="colocated") if choice.path is not None else choice
 
-    def hold_for_cold_start(self, st: RequestState, parked: bool) -> None:
-        """No worker can decode st, and one is expected within `cold_start_s` (an orchestrator starts
-        workers on demand: `pdserve launch --ray` with --min-replicas 0, or a restarting worker): st
-        waits for it (parked, up to pending_timeout_s) if that fits its TTFT target, else it is
-        refused at once with `cold_start` and the time to retry after (the gateway's 503 Retry-After)."""
-        budget = self.request_targets(st).ttft_s
-        if parked or self.cfg.cold_start_s <= budget:
-            if not parked:
-                self.counts.add(Count.COLD_START_WAITS)
-            self.park(st)
+    def hold_for_cold_start(self, st: RequestState, now: float) -> None:
+        """No worker can decode st and cold starts are on (an orchestrator starts workers on demand:
+        `pdserve launch --ray` with --min-replicas 0): st waits for one (parked, up to --cold-start-timeout-s:
+        retry_pending), whatever its TTFT target, which counts from the registration that ends its wait
+        (st.cold_wait_s); refused with `cold_start` and Retry-After the expected (measured) cold start only
+        when the held-requests bound is full (ColdStarts.hold)."""
+        if st.iid in self.cold.held:
+            self.park(st)  # still waiting
             return
-        self.error(st.iid, "cold_start", f"no worker is running; one starts in about {self.cfg.cold_start_s:g} s, over this "
-                   f"request's TTFT target of {budget:g} s: retry after that", retry_after_s=self.cfg.cold_start_s)
+        why = self.cold.hold(st.iid, len(st.prompt), now, bounded=st.attempts <= 1)  # a retry (its worker lost) always waits
+        if why is not None:
+            self.counts.add(Count.COLD_START_REFUSED)
+            self.refuse_cold(st, why)
+            return
+        st.held_at = now
+        self.counts.add(Count.COLD_START_WAITS)
+        self.park(st)
+
+    def refuse_cold(self, st: RequestState, why: str) -> None:
+        expected = self.cold.expected_s()
+        how = "measured" if self.cold.to_registered else "estimated: --cold-start-s, none measured yet"
+        self.error(st.iid, "cold_start", f"no worker is running and {why}: retry after the cold start, about {expected:.1f} s ({how})",
+                   retry_after_s=expected)
 
     def choose(self, req: RequestView, prefills: list[WorkerState], decodes: list[WorkerState], st: RequestState,
                now: float) -> PathChoice:
@@ -711,11 +745,16 @@ class Coordinator:
         waiting = [self.requests[i] for i in self.pending if i in self.requests and self.requests[i].phase == Phase.PENDING]
         self.pending = []
         # earliest deadline first, higher priority classes before lower
-        waiting.sort(key=lambda r: (-r.priority, r.arrival + self.cfg.targets(r.priority, r.req.ttft_ms, r.req.tpot_ms).ttft_s))
+        waiting.sort(key=lambda r: (-r.priority, r.arrival + r.cold_wait_s + self.cfg.targets(r.priority, r.req.ttft_ms, r.req.tpot_ms).ttft_s))
         for st in waiting:
             if st.iid not in self.requests:
                 continue  # ended meanwhile: its client went away (drop_client)
-            if now - st.arrival > self.cfg.pending_timeout_s:
+            if self.cold is not None and st.iid in self.cold.held:
+                if now - st.held_at > self.cold.timeout_s:
+                    self.counts.add(Count.COLD_START_TIMEOUTS)
+                    self.refuse_cold(st, f"none registered within --cold-start-timeout-s {self.cold.timeout_s:g}")
+                    continue
+            elif now - st.arrival - st.cold_wait_s > self.cfg.pending_timeout_s:
                 self.error(st.iid, "overloaded", "no decode worker had room for this request in time" if self.workers else
                            f"no worker started within {self.cfg.pending_timeout_s:g} s")
                 continue
@@ -893,9 +932,23 @@ class Coordinator:
             if self.planner is not None:  # Hello.roles [] : only its own
                 self.planner.join(h.worker_id, h.host, Role(h.role), now, roles={Role(h.role), *h.roles})
             log.info("worker %s (%s, pid %d, %s) registered", h.worker_id, Role(h.role).name.lower(), h.pid, h.host)
+            self.awaiting.discard(h.worker_id)
+            if self.cold is not None and Role(h.role) != Role.PREFILL:
+                self.end_cold_start(now)
         else:
             old.last_seen = time.monotonic()
         self.worker_io.send([ident, encode(Welcome(PROTOCOL_VERSION, self.tightest_tpot_ms(), self.prefix_secret))])
+
+    def end_cold_start(self, now: float) -> None:
+        """A worker that can decode registered: the cold start under way is measured, and the requests
+        held for it stop waiting (their TTFT targets count from now; they are placed at the next retry)."""
+        measuring = self.cold.started is not None
+        for iid in self.cold.registered(now):
+            st = self.requests.get(iid)
+            if st is not None:
+                st.cold_wait_s = now - st.arrival
+        if measuring:
+            log.info("cold start measured: %.2f s from the first request held to a worker registered", self.cold.to_registered[-1])
 
     def tightest_tpot_ms(self) -> float:
         """The lowest TPOT target of any class (0 without SLO control), told to every worker."""
@@ -1054,7 +1107,9 @@ class Coordinator:
             st.tokens.append(item.token_id)
             st.token_times.append(now - st.arrival)
             if len(st.token_times) == 1:
-                self.calibration.record_ttft(st.predicted_ttft, st.token_times[0], st.path.get("path"), self.request_targets(st))
+                self.calibration.record_ttft(st.predicted_ttft, st.token_times[0] - st.cold_wait_s, st.path.get("path"), self.request_targets(st))
+                if self.cold is not None:
+                    self.cold.first_token(st.iid, now)
             new.append(item.token_id)
             text = st.detok.step(item.token_id)
         reason = item.finish_reason
@@ -1106,6 +1161,8 @@ class Coordinator:
         if st is None:
             return None
         self.by_client.pop((st.client, st.client_rid), None)
+        if self.cold is not None:
+            self.cold.forget(iid)
         if st.twin_key is not None and self.twins.get(st.twin_key) == iid:
             del self.twins[st.twin_key]
         self.unload(st.client)
@@ -1129,11 +1186,12 @@ class Coordinator:
         ttft = times[0] if times else 0.0
         if times and reason != FinishReason.ABORT:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-            self.slo.record(st.priority, ttft, tpot, st.predicted_ttft)
+            ttft_held = ttft - st.cold_wait_s  # against its target: from when a worker could take it (after a cold start)
+            self.slo.record(st.priority, ttft_held, tpot, st.predicted_ttft)
             targets = self.request_targets(st)
             self.calibration.record_tpot(st.tpot_bound, tpot, st.path.get("path"), targets)
             if self.planner is not None:
-                self.tally.served(ttft, tpot, targets)
+                self.tally.served(ttft_held, tpot, targets)
         self.send_client(st.client, Final(
             st.client_rid, reason, len(st.prompt), len(st.tokens), ttft, times, st.detok.stopped_by, st.prefill, st.decode,
         ), last=True)
@@ -1179,7 +1237,9 @@ class Coordinator:
             "nodes": self.nodes,
             "active_requests": len(self.requests),
             "pending": len(self.pending),
-            "cold_start_s": self.cfg.cold_start_s,
+            "cold_start_s": self.cold.expected_s() if self.cold is not None else 0.0,  # > 0: cold starts on (the expected one)
+            "cold_start": self.cold.summary() if self.cold is not None else None,
+            "startup": {"expected": len(self.cfg.expected_workers), "awaiting": sorted(self.awaiting)},
             "loads": dict(zip(("prefill", "decode"), self.phase_loads(time.monotonic()))),  # > 1: the phase is short (planner.phase_loads)
             "slo": {"enabled": self.cfg.slo, "ttft_ms": self.cfg.ttft_ms, "tpot_ms": self.cfg.tpot_ms, **self.slo.summary()},
             "calibration": self.calibration.summary(self.cfg.ttft_headroom, self.cfg.tpot_headroom),

@@ -178,6 +178,9 @@ class RequestState:
     _hashes: tuple | None = None  # (block size, tokens, secret, keys): prefix_hashes' last answer
     twin_key: tuple | None = None  # (client, cache salt, prompt) while it leads its twins (Coordinator.wait_for_twin)
     scored: bool = False  # its prompt logprobs reached the client (a retry's second copy is dropped)
+    held_at: float = 0.0  # when it began to wait for a cold start (no worker could decode it: coordinator/cold_start.py)
+    # seconds from its arrival to the registration that ended its cold start wait (0: none): its TTFT target counts from there
+    cold_wait_s: float = 0.0
 
     @property
     def phase(self) -> Phase:

@@ -132,7 +132,7 @@ class RequestTracer:
             "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.usage.prompt_tokens": len(st.prompt), "gen_ai.usage.completion_tokens": len(st.tokens),
             "pdserve.finish_reason": outcome, "pdserve.attempts": st.attempts, "pdserve.priority": st.priority,
-            **{f"pdserve.{k}": v for k, v in st.path.items()},
+            **{f"pdserve.{k}": v for k, v in st.path.items()}, **cold_start_attributes(st),
         }, error, st.req.trace_headers)
 
     def shutdown(self) -> None:
@@ -141,6 +141,14 @@ class RequestTracer:
         stop = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
         stop.start()
         stop.join(FLUSH_TIMEOUT_S)
+
+
+def cold_start_attributes(st: RequestState) -> dict:
+    """A request held for a cold start: how long it waited for a worker, and that its TTFT target
+    counts from that worker's registration (arrival + the wait), not from its arrival."""
+    if not st.cold_wait_s:
+        return {"pdserve.ttft_target_from": "arrival"}
+    return {"pdserve.cold_start_wait_s": st.cold_wait_s, "pdserve.ttft_target_from": "worker_registered"}
 
 
 def _phases(s: PhaseSplit, prefill: str | None, decode: str | None):

@@ -16,9 +16,27 @@ from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.wire.limits import RequestLimits
 from pdserve_client.errors import InvalidRequestError
+from pdserve_client.keys import InsecureBindError
 from pdserve_client.library import DEFAULT_ADDRESS
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # the HTTP API key when --api-key is not given (as vLLM reads VLLM_API_KEY)
+
+
+def check_http_bind(host: str, api_key: str | None) -> None:
+    """InsecureBindError for an HTTP bind beyond loopback (0.0.0.0, a pod's address) without an API key:
+    whoever reaches the port could use the service. Kubernetes: the key from a Secret through the
+    environment (PDSERVE_API_KEY), docs/operations.md."""
+    import ipaddress
+
+    if api_key is not None or host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return
+    except ValueError:
+        pass  # a host name: taken as exposed
+    raise InsecureBindError(f"refusing to serve HTTP on {host} without an API key: set ${API_KEY_ENV} (from a Kubernetes Secret, "
+                            "say) or --api-key, or bind 127.0.0.1")
 STREAM_BUFFER_BYTES = 4 * 2**20  # events one HTTP request may leave unread (GatewayConfig.stream_buffer_bytes)
 BODY_BUDGET_BYTES = 128 * 2**20  # request body bytes held at once, all requests together (GatewayConfig.body_budget_bytes)
 
@@ -123,3 +141,4 @@ class GatewayConfig:
                                       "body_read_timeout_s > 0 and parse_queue >= 1")
         if self.api_key == "":
             raise InvalidRequestError("api_key must not be empty (leave it unset for no key)")
+        check_http_bind(self.host, self.api_key)

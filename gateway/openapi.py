@@ -33,9 +33,10 @@ from pdserve.gateway.tokenize import (
 
 
 class Health(msgspec.Struct, omit_defaults=True):
-    """GET /health: "ready" (200) while a prefill+decode pair or a colocated worker is registered
-    (with several models: for each model, the workers counted over all), else "unavailable" (503)
-    with the reason."""
+    """GET /health/ready (and /v2/health/ready): "ready" (200) once every worker the launch started has
+    registered, while each model has a decode or colocated worker (or cold starts on), the workers
+    counted over all models; else "unavailable" (503) with the reason. GET /health (and
+    /v2/health/live) answers the same body with 200 while the gateway answers (liveness)."""
 
     status: Literal["ready", "unavailable"]
     workers: dict[str, int] = {}
@@ -105,8 +106,13 @@ def openapi(title: str, version: str) -> dict:
             "/v1/responses/{response_id}": op("get", "A response this gateway still holds (the newest 1,000, each for an hour)",
                                               json(ref["ResponseObject"]), (401, 404), parameters=response_id),
             "/v1/models": op("get", "The served model", json(ref["ModelList"]), (401,)),
-            "/health": op("get", "Whether the node can serve (open: no key wanted)", json(ref["Health"]), auth=False,
-                          **{"503": {"description": "not ready, or the coordinator does not answer", "content": json(ref["Health"])}}),
+            "/health": op("get", "Liveness: 200 while the gateway answers; the body says whether it is ready (open: no key wanted)",
+                          json(ref["Health"]), auth=False),
+            "/v2/health/live": op("get", "Liveness, as /health (KServe's name)", json(ref["Health"]), auth=False),
+            "/health/ready": op("get", "Readiness: 200 when every model can serve (open: no key wanted)", json(ref["Health"]), auth=False,
+                                **{"503": {"description": "not ready, or the coordinator does not answer", "content": json(ref["Health"])}}),
+            "/v2/health/ready": op("get", "Readiness, as /health/ready (KServe's name)", json(ref["Health"]), auth=False,
+                                   **{"503": {"description": "not ready, or the coordinator does not answer", "content": json(ref["Health"])}}),
             "/metrics": op("get", "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, (401,)),
             "/tokenize": op("post", "Token ids of a prompt, or of a chat rendered with the model's template (vLLM's shape)",
                             json(ref["TokenizeResponse"]), _TOKENIZE, tokenize_body),

@@ -14,9 +14,12 @@ longer than the context, 401 bad key, 404 unknown model, 408 a body that did not
 (with Retry-After while one starts: cold_start) or no room for a body (the body budget, the parse
 lane's queue: gateway/bodies.py, gateway/parse_lane.py). A client that disconnects aborts its coordinator requests, so their KV blocks are
 freed. /metrics wants the API key when one is set and asks every coordinator for its stats on
-every call; /health never wants it and answers from a readiness summary that a task of the
-lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready), so any number of
-probes cost each coordinator one stats build a second. /openapi.json describes every route
+every call; the health routes never want it: /health (and KServe's /v2/health/live) is liveness,
+200 while the process answers, and /health/ready (and /v2/health/ready) is readiness, 200 exactly
+when every model can serve (`readiness`: its launch's workers all registered once, then a worker
+that can decode, or cold starts on), else 503 with the reason. Both answer from a readiness summary
+that a task of the lifespan refreshes from the stats every HEALTH_EVERY_S (faster while not ready),
+so any number of probes cost each coordinator one stats build a second. /openapi.json describes every route
 (gateway/openapi.py). /v1/responses runs through the same chat path (gateway/responses.py lends
 its routes and its event stream to `run`); echo and prompt logprobs on /v1/completions are
 gateway/scoring.py's. Every field of a request is checked against the table of bounds
@@ -110,7 +113,10 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),  # liveness: the process answers
+            Route("/v2/health/live", self.health, methods=["GET"]),  # (KServe's name)
+            Route("/health/ready", self.health_ready, methods=["GET"]),  # readiness: every model can serve
+            Route("/v2/health/ready", self.health_ready, methods=["GET"]),  # (KServe's name)
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *TokenizerRoutes(self).routes(),
@@ -272,6 +278,13 @@ class Gateway:
             self.readiness = self.ready(await self.stats())
 
     async def health(self, request) -> Response:
+        """Liveness: 200 while the process answers (a Kubernetes livenessProbe; restarting the gateway
+        for missing workers would not bring them); the body is the readiness summary, for people."""
+        return encode_json(self.readiness)
+
+    async def health_ready(self, request) -> Response:
+        """Readiness: 200 exactly when every model can serve (`readiness`), else 503 with the reason
+        (a load balancer's health check, a Kubernetes readinessProbe)."""
         return encode_json(self.readiness, 200 if self.readiness.status == "ready" else 503)
 
     async def prometheus(self, request) -> Response:
@@ -293,10 +306,17 @@ class Gateway:
 
 
 def readiness(stats: dict | None) -> Health:
-    """/health's answer from the coordinator's stats (None: it did not answer)."""
+    """Whether one model can serve, from its coordinator's stats (None: it did not answer): not before
+    every worker its launch started has registered once (`startup.awaiting`: `pdserve launch` tells its
+    coordinator their ids), then while a worker that can decode is registered (a decode worker prefills
+    locally without a prefill worker, so no path needs more), or with none while cold starts are on
+    (`cold_start_s` > 0: a request waits for the worker it brings)."""
     if stats is None:
         return Health("unavailable", reason="the coordinator does not answer")
     roles = collections.Counter(w["role"] for w in stats.get("workers", []))
+    awaiting = (stats.get("startup") or {}).get("awaiting") or []
+    if awaiting:
+        return Health("unavailable", dict(roles), f"the launch's workers have not all registered yet: waiting for {', '.join(awaiting)}")
     if roles["colocated"] > 0 or roles["decode"] > 0:
         return Health("ready", dict(roles))
     if stats.get("cold_start_s"):  # workers start on demand (`pdserve launch --ray`, --min-replicas 0): a request brings one
@@ -319,8 +339,6 @@ def serve(cfg: GatewayConfig) -> None:
         loop = "asyncio"
     app = build_app(cfg)
     freeze_startup_heap()
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
-        log.warning("gateway listens on %s without an API key", cfg.host)
     log.info("gateway: http://%s:%d/v1 -> coordinator %s", cfg.host, cfg.port, cfg.coordinator)
     # Keep idle connections longer than clients do (httpx and aiohttp drop theirs after 5 s and
     # 15 s): with uvicorn's default of 5 s a client could send on a connection in the instant the

@@ -28,6 +28,7 @@ import msgspec
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pdserve.common.model_path import model_context_len
 from pdserve.common.tokenizer import template_message
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.schema import ChatMessageIn, chat_message, token_ids
@@ -78,20 +79,6 @@ def package_version() -> str:
         return metadata.version("pdserve")
     except metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def model_context_len(model: str | None) -> int:
-    """The context length the model's own files state (config.json, or the GGUF metadata)."""
-    import json
-
-    from pdserve.common.gguf_file import read_gguf
-    from pdserve.common.model_path import resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
-    meta, _ = read_gguf(str(path), keep=lambda key: key.endswith(".context_length"))
-    return int(next(iter(meta.values()), 2048))
 
 
 class TokenizerRoutes:

@@ -230,7 +230,8 @@ def coordinator(verbose, **values):
     _check_tracing(values["otlp_traces_endpoint"], values["otlp_traces_protocol"])
     serve(CoordinatorConfig(**{**field_values(COORDINATOR, values), "class_targets": _class_targets(values["class_target"]),
                                "planner": _planner(values["planner"], values["planner_window_s"], values["planner_dwell_s"]),
-                               "limits": _limits(values), "chat_template": _chat_template(values["chat_template"])}))
+                               "limits": _limits(values), "chat_template": _chat_template(values["chat_template"]),
+                               "expected_workers": tuple(values["expect_worker"])}))
 
 
 def _api_key(values) -> str | None:

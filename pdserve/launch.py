@@ -7,7 +7,10 @@ one (`python -m pdserve worker --role ROLE ...`: a worker the coordinator can mo
 role; with `fixed_roles`, `pdserve prefill` / `pdserve decode`; killed by the kernel if the
 launcher dies: PDEATHSIG) ->
 poll the coordinator's stats until the expected workers are registered (and, with the HTTP
-gateway, until it answers /health) -> print the endpoints -> supervise. Before anything starts,
+gateway, until it answers /health) -> print the endpoints -> supervise. Each coordinator is told the
+ids of the workers this launch starts for it (`--expect-worker`): its stats (`startup`) and so the
+gateway's /health/ready say not ready until each has registered once, so a probe never sees a node
+ready with part of its topology (`--decode 2` with one decode worker up). Before anything starts,
 the configuration is checked: the model path, and every child's flags parsed by its own
 command (an unknown flag or a bad value stops the launch with click's message). A child that
 exits on its own is restarted with the same arguments (same worker id, same core-share slot)
@@ -52,10 +55,11 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import EX_CONFIG, ModelLoadError
 from pdserve.common.model_path import served_name
-from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, ModelRoute
+from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, ModelRoute, check_http_bind
 from pdserve.kvtransfer.pool_files import sweep_dead_pools
 from pdserve.wire.liveness import LIVENESS_ENV
 from pdserve_client.errors import InvalidRequestError
+from pdserve_client.keys import InsecureBindError
 
 RESTART_BACKOFF_S = 1.0  # the first restart's delay; doubled for each further crash at start, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
@@ -300,6 +304,8 @@ class Launcher:
         self.own_keys: str | None = None  # the keys this launch made for itself (wire/security.py write_launch_keys; removed at stop)
         self.alive_dir: str | None = None  # the children's liveness files
         self.next_report = 0.0  # when the next NodeReport is due (tend)
+        # model prefix -> the worker ids its coordinator waits for before it says ready (None: this node's, worker_ids)
+        self.expected: dict[str, set[str]] | None = None
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -343,6 +349,11 @@ class Launcher:
         the CLI parses them with the role's own command, without running it)."""
         if self.plan.coordinator or self.plan.num_workers:
             self.served_names()
+        if self.plan.gateway:
+            try:
+                check_http_bind(self.plan.http_host, self.plan.api_key)
+            except InsecureBindError as e:
+                raise ConfigError(str(e)) from None
         for child in self.children:
             error = self.usage_error and self.usage_error(child.args[0], child.args[1:])
             if error:
@@ -388,6 +399,8 @@ class Launcher:
         p = self.plan
         args = ["coordinator", "--clients", m.client_addr, "--workers", m.worker_addr] + (["--model", m.path] if m.path else [])
         args += ["--served-model-name", m.name] if m.name else []  # its traces' and stats' name
+        expected = self.worker_ids(m) if self.expected is None else self.expected.get(m.prefix, set())
+        args += [a for wid in sorted(expected) for a in ("--expect-worker", wid)]  # not ready before they registered (stats `startup`)
         return args + p.coordinator_args + self._security_args()
 
     def worker_ids(self, m: ModelPlan) -> set[str]:

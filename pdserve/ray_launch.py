@@ -42,8 +42,9 @@ workers or waiting for a worker, gets one more worker, one at a time; a worker i
 --downscale-delay-s is removed while its role has more than its minimum) -> on SIGINT/SIGTERM
 stop every actor's worker (SIGTERM), then the local roles, and leave the cluster (a private one
 stops with it; its directory is removed).
-With --min-replicas 0 every model's coordinator runs with --cold-start-s (coordinator/server.py
-hold_for_cold_start): a request that finds no worker waits for the one the autoscaler starts.
+With --min-replicas 0 every model's coordinator runs with cold starts on (--cold-start-s, the estimate
+until one is measured: coordinator/cold_start.py): a request that finds no worker waits for the one the
+autoscaler starts, bounded (--cold-start-timeout-s, --max-held-requests, --max-held-kb).
 Not built: tensor parallel workers under --ray (their ranks would need a placement group) and a
 cluster TOML with --ray; both are refused with "not supported".
 """
@@ -169,6 +170,9 @@ class RayLaunch:
         if any(lo == 0 for lo, _ in limits.values()):
             local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
+        # no --expect-worker: an actor that does not register is replaced under another id (Autoscaler.register_timeout_s),
+        # so its coordinator is ready by roles (a decode worker, or cold starts on) and `wait_ready` waits for the initial actors
+        self.local.expected = {}
         self.serial = 0
         self.files: LaunchFiles | None = None  # a private cluster's directory (its actors are handed paths into it)
 

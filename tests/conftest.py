@@ -30,6 +30,7 @@ TESTS = Path(__file__).resolve().parent
 FULL_FOLDERS = {"faults", "serving", "slo", "bench", "security", "install", "gateway"}
 FAST_MODULES = {  # pure modules in a full folder
     "gateway/test_schema.py", "gateway/test_tool_parsers.py", "gateway/test_body_budget.py", "security/test_ray_credentials.py",
+    "gateway/test_readiness.py",
 }
 FULL_MODULES = {  # modules that start processes, outside the full folders
     "coordinator/test_tracing.py", "coordinator/test_slow_client.py", "coordinator/test_welcome.py",

@@ -129,7 +129,7 @@ def test_launch_exports_a_span_tree_per_request(model_dir, tmp_path, protocol, r
     try:
         stats = wait_ready(proc, clients, 1 if colocated else 2)
         ids = {w["role"]: w["id"] for w in stats["workers"]}
-        poll(lambda: httpx.get(f"http://127.0.0.1:{http}/health", timeout=5).status_code == 200, timeout=60)
+        poll(lambda: httpx.get(f"http://127.0.0.1:{http}/health/ready", timeout=5).status_code == 200, timeout=60)
         sent = {}
         for i in range(N):
             t0 = time.time_ns()

@@ -45,7 +45,7 @@ def launched(tmp_path_factory, *flags):
         def ready():  # both workers registered (/health is ready with the decode worker alone: it prefills locally)
             assert proc.poll() is None, "pdserve launch exited early"
             try:
-                r = httpx.get(f"{url}/health", timeout=2)
+                r = httpx.get(f"{url}/health/ready", timeout=2)
                 return r.status_code == 200 and sum(r.json()["workers"].values()) >= 2
             except httpx.HTTPError:
                 return False

@@ -1,8 +1,8 @@
 """/health is cheap and an HTTP client that stops reading is bounded, through real processes.
 - A gateway in front of a stand-in coordinator (a ROUTER in this test that answers StatsRequest
   and counts them): 300 concurrent /health calls cost it no StatsRequest each (the gateway asks
-  about once a second), and /health follows the coordinator's answer (ready -> 503 when the
-  workers are gone) within a few refreshes.
+  about once a second), and /health/ready follows the coordinator's answer (ready -> 503 when the
+  workers are gone; /health, liveness, stays 200) within a few refreshes.
 - A real cluster whose gateway has --stream-buffer-kb 16: a streaming chat (n=4, top-20 logprobs)
   whose client never reads is aborted on the coordinator (its requests end, finished:abort) once
   its unread events pass the budget, and every KV block comes back."""
@@ -82,8 +82,9 @@ def test_health_answers_many_probes_from_a_summary(model_dir, tmp_path):
         assert [r.status_code for r in answers] == [200] * 300 and answers[0].json() == {"status": "ready", "workers": {"colocated": 1}}
         assert coord.asked - asked <= 10, coord.asked - asked  # ~1 a second while the burst ran, not 300
         coord.workers = []
-        poll(lambda: httpx.get(url, timeout=2).status_code == 503, timeout=5)
-        assert "no decode or colocated worker" in httpx.get(url, timeout=2).json()["reason"]
+        poll(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503, timeout=5)
+        assert "no decode or colocated worker" in httpx.get(f"{url}/ready", timeout=2).json()["reason"]
+        assert httpx.get(url, timeout=2).status_code == 200  # /health is liveness: the gateway answers
     finally:
         gw.terminate()
         gw.wait(30)

@@ -1,5 +1,5 @@
 """The gateway of a service with no workers yet (coordinator and gateway only, real processes
-on loopback) and an API key: /health says 503, requests are 503 `no_workers`, a missing or wrong
+on loopback) and an API key: /health/ready says 503 (/health, liveness, 200), requests are 503 `no_workers`, a missing or wrong
 bearer key is 401, /health stays open without the key and /metrics wants it
 (tests/gateway/test_fairness.py checks the 401)."""
 import httpx
@@ -35,10 +35,14 @@ def client(service, key=KEY):
     return openai.OpenAI(base_url=f"{service.plan.http_url}/v1", api_key=key, max_retries=0, timeout=30)
 
 
-def test_health_is_503_without_workers(service):
-    r = httpx.get(f"{service.plan.http_url}/health", timeout=10)
-    assert r.status_code == 503
-    assert r.json()["status"] == "unavailable" and "no decode or colocated worker" in r.json()["reason"]
+def test_not_ready_without_workers_and_alive(service):
+    for path in ("/health/ready", "/v2/health/ready"):  # readiness
+        r = httpx.get(f"{service.plan.http_url}{path}", timeout=10)
+        assert r.status_code == 503
+        assert r.json()["status"] == "unavailable" and "no decode or colocated worker" in r.json()["reason"]
+    for path in ("/health", "/v2/health/live"):  # liveness: the gateway answers
+        r = httpx.get(f"{service.plan.http_url}{path}", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "unavailable"
     samples, _ = scrape(service.plan.http_url, {"Authorization": f"Bearer {KEY}"})
     assert value(samples, "pdserve_coordinator_up") == 1 and value(samples, "pdserve_num_workers") == 0
 

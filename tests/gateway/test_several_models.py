@@ -59,7 +59,7 @@ def service(model_dirs, tmp_path_factory):
 
 def ready(http: str) -> bool:
     try:
-        return httpx.get(f"{http}/health", timeout=2).status_code == 200
+        return httpx.get(f"{http}/health/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

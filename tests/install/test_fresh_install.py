@@ -86,7 +86,7 @@ def test_a_launch_in_the_fresh_environment_answers_health_and_a_chat(venv, tmp_p
         while time.monotonic() < deadline and status != 200:
             assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             try:
-                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2).status
             except OSError:
                 time.sleep(0.5)
         assert status == 200, (tmp_path / "launch.log").read_text()[-3000:]

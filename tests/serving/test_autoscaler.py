@@ -69,8 +69,8 @@ def test_a_busy_worker_restarts_its_idle_clock():
 
 
 def test_the_kuberay_example_parses_and_its_launch_command_line_parses():
-    """docs/operations.md's RayCluster (untested against KubeRay: no CRD validator installs from the
-    registries): valid YAML of that kind, and its `pdserve launch` flags are the command's."""
+    """docs/operations.md's RayCluster: valid YAML of that kind, and its `pdserve launch` flags are the
+    command's (tests/deploy/test_kuberay_manifest.py validates it against KubeRay's CRD schema)."""
     import pathlib
     import re
 
