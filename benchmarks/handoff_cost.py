@@ -103,7 +103,8 @@ def start_worker(role: str, coordinator: str, model: str | None, args, stream: b
 
 def trial(coord: Coordinator, rid: str, prompt: list[int]) -> dict:
     """One prompt through the pair: its timings (seconds)."""
-    coord.send("decode", Admit(rid, len(prompt), 1))
+    writer = coord.workers["prefill"][1]  # named, as the coordinator does: its grant waits while it lives (a slow prefill)
+    coord.send("decode", Admit(rid, len(prompt), 1, writer.pid, writer.host, writer.boot_id))
     while True:
         got = coord.recv(60)
         assert got is not None, "no Granted"
