@@ -59,7 +59,7 @@ def test_a_6000_token_prompt_through_the_streamed_hand_off_is_greedy_equal_to_hf
             stats = wait_all_blocks_free(c, timeout=30)
             assert all(w["fenced_blocks"] == 0 for w in stats["workers"])
             prefill = next(w for w in stats["workers"] if w["role"] == "prefill")
-            kv_bytes = 30 * 2 * 3 * 64 * 4 * 16 * -(-(PROMPT_TOKENS + 1) // 16)  # layers, k/v, kv heads, head dim, fp32, blocks of 16
+            kv_bytes = 30 * 2 * 3 * 64 * 4 * 16 * -(-PROMPT_TOKENS // 16)  # layers, k/v, kv heads, head dim, fp32, the prompt's blocks of 16
             assert prefill["kv_bytes_sent"] == kv_bytes  # every block moved once, streamed or with the KVReady
     finally:
         launcher.stop()
