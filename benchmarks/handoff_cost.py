@@ -21,6 +21,11 @@ Llama-3's KV shape (16 layers, 8 KV heads of 64: 64 KiB a token in fp32) and a n
 width (hidden 512), so that its prefill is feasible on a small CPU: the hand-off moves a 1B
 model's KV; its compute per chunk is less than a 1B model's (which only lengthens the chunks the
 streamed parts hide behind).
+
+Measured 2026 (2 shared cores, load average 8-15 from other jobs: noisy; one trial after a
+warm-up): the default model (Q4_1 kept), a 2,048-token prompt (90 MiB of fp32 KV) in chunks of
+512, 1 thread per worker: hand-off 292 ms whole vs 76 ms streamed over shm, 425 ms vs 76 ms
+over tcp (loopback). With chunks of 2,048 the same prompt is one chunk and nothing streams.
 """
 from __future__ import annotations
 
