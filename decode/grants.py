@@ -1,7 +1,9 @@
 """What a decode worker does with the coordinator's Admit and a prefill worker's KVReady: the
 grant it reserves (`grant_blocks`: prefix-cached blocks first, then new ones), the fence that
 holds a given-up grant's blocks while its writer may still write into them, and the checks a
-KVReady must pass before its blocks are copied in (`handoff_problem`, `scores_problem`).
+KVReady must pass before its blocks are copied in (`handoff_problem`, `scores_problem`), and
+those a streamed hand-off's KVPart must pass (`part_problem`: the next blocks of the grant, in
+order; Grant.streamed counts those taken, which the closing KVReady must name).
 
 Lifecycle: plain data and functions; the worker (worker/any_role.py) keeps its grants and fences
 by request and grant number and calls these from its Admit, KVReady/KVFailed, Release and expiry
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.wire.protocol import Admit, KVReady
+from pdserve.wire.protocol import Admit, KVPart, KVReady
 from pdserve_client.errors import PdserveError
 from pdserve_client.params import MAX_LOGPROBS
 
@@ -32,6 +34,13 @@ class Grant:
     cached: int = 0  # the first `cached` blocks came from the prefix cache: the hand-off sends only the others
     last_resort: float = float("inf")  # expires at this even while its writer lives (see expire_grants)
     tokens: int = 0  # Admit.num_tokens: the tokens whose KV the hand-off brings (its num_computed)
+    streamed: int = 0  # the sent blocks (sent_blocks) whose KV came in KVParts so far, in order
+
+
+def sent_blocks(grant: Grant, null: int) -> list[int]:
+    """The blocks of a grant its hand-off fills (KVReady.block_ids): all less the prefix-cached
+    first ones and a sliding window's `null` entries, which are not sent."""
+    return [b for b in grant.block_ids[grant.cached:] if b != null]
 
 
 @dataclass
@@ -76,12 +85,26 @@ def grant_blocks(blocks, msg: Admit) -> tuple[list[int], int] | None:
     return ids, len(cached)
 
 
+def part_problem(msg: KVPart, grant: Grant, null: int) -> str | None:
+    """Why a streamed hand-off's part is not the next blocks of its grant (None if it is): it
+    starts where the parts before it ended and names the grant's sent blocks from there, leaving
+    at least one for the KVReady."""
+    sent = sent_blocks(grant, null)
+    if msg.first != grant.streamed:
+        return f"a part from block {msg.first}, {grant.streamed} streamed before it"
+    if not msg.block_ids or msg.block_ids != sent[msg.first:msg.first + len(msg.block_ids)] or msg.first + len(msg.block_ids) >= len(sent):
+        return f"a part of {len(msg.block_ids)} blocks that are not the grant's next ones (of {len(sent)}, the last for the KVReady)"
+    return None
+
+
 def handoff_problem(msg: KVReady, grant: Grant, engine) -> str | None:
     """Why msg does not fill exactly its grant (None if it does): the granted blocks (less those
     the prefix cache held), the granted tokens' KV, token ids and params `engine` (the worker's LLMEngine) accepts."""
-    sent = [b for b in grant.block_ids[grant.cached:] if b != engine.blocks.NULL]  # a sliding window's NULL entries are not sent
+    sent = sent_blocks(grant, engine.blocks.NULL)
     if msg.block_ids != sent:
         return f"{len(msg.block_ids)} block ids that are not the {len(sent)} granted"
+    if msg.streamed != grant.streamed:
+        return f"{msg.streamed} blocks streamed before it, {grant.streamed} arrived"
     total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
     if not msg.prompt_token_ids or not msg.output_token_ids or not msg.num_computed == grant.tokens == total - 1:
         return (f"KV of {msg.num_computed} tokens for {len(msg.prompt_token_ids)} prompt and {len(msg.output_token_ids)} "

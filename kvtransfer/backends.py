@@ -4,7 +4,8 @@ that moved its bytes; WorkerConfig.kv_backend may force one).
 Lifecycle: each backend is one stateless object. The sender side (transfer.KVSender) asks
 `reaches(route)` in `AUTO_ORDER` to pick one for a destination (or `check_forced(route)` for the
 one it was told to use), and per hand-off calls `send`, which moves the bytes and then delivers
-the header; the state a backend keeps per destination lives in the sender (`pools`: shm
+the header (a KVReady, or a streamed hand-off's KVPart: `moved_ids` names the blocks whose bytes
+go with a header, the same way for both); the state a backend keeps per destination lives in the sender (`pools`: shm
 mappings, `peers`: GPU peers) so that `KVSender.forget` drops it whatever the backend. The
 receiver side (transfer.KVReceiver) calls `check` on each KVReady before it is handed on,
 `arrived` as it hands it on (nccl posts its receives there) and `copy_in` on the thread owning
@@ -24,8 +25,14 @@ from pdserve.kvtransfer import cuda_ipc, nccl
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.heads import block_bytes, copy_heads, gather_layer, scatter_layer, settle
 from pdserve.kvtransfer.pool import DTYPES, KVPool
-from pdserve.wire.protocol import KVAccept, KVConnect, KVReady
+from pdserve.wire.protocol import KVAccept, KVConnect, KVPart, KVReady
 from pdserve_client.protocol import encode
+
+
+def moved_ids(msg: KVReady | KVPart) -> list[int]:
+    """The destination blocks whose bytes go with this header: a KVPart's every block, a KVReady's
+    all but the `streamed` first (they came in the grant's KVParts before it)."""
+    return msg.block_ids if isinstance(msg, KVPart) else msg.block_ids[msg.streamed:]
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,8 @@ class KVBackend:
     def check_forced(self, route: Route) -> None:
         """ValueError or NotSupportedError if it was forced where it cannot work."""
 
-    def send(self, sender, endpoint: str, pool: KVAccept, src: torch.Tensor, src_ids: list[int], msg: KVReady, sock) -> None:
-        """Move src's blocks src_ids into the pool's msg.block_ids, then send msg on sock."""
+    def send(self, sender, endpoint: str, pool: KVAccept, src: torch.Tensor, src_ids: list[int], msg: KVReady | KVPart, sock) -> None:
+        """Move src's blocks src_ids into the pool's moved_ids(msg), then send msg on sock."""
         raise NotImplementedError
 
     def check(self, receiver, msg: KVReady, frames) -> None:
@@ -70,7 +77,7 @@ class KVBackend:
         return frames
 
     def copy_in(self, receiver, msg: KVReady, frames) -> int:
-        """Put the bytes into msg.block_ids of receiver.pool; returns the bytes received that way."""
+        """Put the bytes into moved_ids(msg) of receiver.pool; returns the bytes received that way."""
         return 0  # already in place
 
 
@@ -93,7 +100,7 @@ class Shm(KVBackend):
             if pool.kv_dtype not in DTYPES:
                 raise ValueError(f"unknown kv dtype {pool.kv_dtype!r}")
             mapped = sender.pools[pool.shm_path] = KVPool.attach(pool.shm_path, pool.kv_shape, DTYPES[pool.kv_dtype])
-        copy_heads(mapped.tensor, src, src_ids, msg.block_ids)
+        copy_heads(mapped.tensor, src, src_ids, moved_ids(msg))
         sock.send(encode(msg))
 
     def check(self, receiver, msg, frames) -> None:
@@ -118,14 +125,15 @@ class Tcp(KVBackend):
         pool = receiver.pool
         if len(frames) != pool.shape[0]:
             raise ValueError(f"{len(frames)} layer frames, expected {pool.shape[0]}")
-        want = len(msg.block_ids) * block_bytes(pool) // pool.shape[0]
+        want = len(moved_ids(msg)) * block_bytes(pool) // pool.shape[0]
         if any(len(f.buffer) != want for f in frames):
             raise ValueError("layer frame of the wrong size")
 
     def copy_in(self, receiver, msg, frames) -> int:
         pool = receiver.pool
-        shape = (2, len(msg.block_ids), *pool.shape[3:])
-        idx = torch.tensor(msg.block_ids, dtype=torch.int64, device=pool.device)
+        ids = moved_ids(msg)
+        shape = (2, len(ids), *pool.shape[3:])
+        idx = torch.tensor(ids, dtype=torch.int64, device=pool.device)
         for layer, f in enumerate(frames):
             scatter_layer(pool, layer, idx, torch.frombuffer(f.buffer, dtype=pool.dtype).view(shape))
         settle(pool)
@@ -161,7 +169,7 @@ class GpuBackend(KVBackend):
             except NotSupportedError as e:  # no cupy here: a failed hand-off, not a dead worker
                 raise KVTransferError(str(e)) from e
             sender.peers[endpoint] = peer
-        peer.send(src, src_ids, msg.block_ids, lambda: sock.send(encode(msg)))
+        peer.send(src, src_ids, moved_ids(msg), lambda: sock.send(encode(msg)))
 
     def check(self, receiver, msg, frames) -> None:
         super().check(receiver, msg, frames)
@@ -212,10 +220,10 @@ class Nccl(GpuBackend):
         return receiver.nccl is not None
 
     def arrived(self, receiver, peer, msg, frames):
-        return receiver.nccl.post(peer, len(msg.block_ids))  # posted for every header: sends and receives stay paired
+        return receiver.nccl.post(peer, len(moved_ids(msg)))  # posted for every header: sends and receives stay paired
 
     def copy_in(self, receiver, msg, frames) -> int:
-        return receiver.nccl.finish(frames, msg.block_ids)
+        return receiver.nccl.finish(frames, moved_ids(msg))
 
     def join(self, receiver, peer: bytes, ask: KVConnect, reply: KVAccept) -> str:
         """Join the communicator a KVConnect names (on a thread of the inbox's own); "" or why not."""

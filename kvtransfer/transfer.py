@@ -8,7 +8,9 @@ shape, dtype, host and boot id, its shm file, its GPU and IPC handle, what it ca
 the backend from it (`choose_backend`: shm on one machine with a shared pool, cuda_ipc or nccl
 between GPU pools, else tcp, or the one the worker was told to use). Per hand-off `send(...)`
 moves the bytes with that backend (one class each in kvtransfer/backends.py, found by name) and
-then delivers the `KVReady` header:
+then delivers the `KVReady` header. A streamed hand-off (worker/handoff.py) sends each chunk's
+finished blocks the same way under a `KVPart` header, and its KVReady then carries only the rest
+(`streamed` names how many came before):
   shm: map the destination pool (once per destination) and copy blocks into it directly;
        the header follows on the kv socket, so it is seen only after the bytes are in place.
   tcp: one zero-copy frame per layer after the header; the receiver copies the frames into
@@ -21,7 +23,9 @@ GPU failures raise KVTransferError. A failed hand-off forgets the destination, s
 asks again. Both sides validate shapes and block ids: the sender refuses ids outside the
 destination pool (InvalidHandoff) before writing; the receiver turns a KVReady whose ids or tcp
 frames are wrong into a KVFailed for its grant (counted), so the decode worker frees that grant
-and fails only that request; an undecodable message is counted and dropped, never fatal.
+and fails only that request, and a KVPart that is wrong into a `BadPart` (counted), on which the
+decode worker gives the grant up (fenced while its writer may still write: decode/grants.py);
+an undecodable message is counted and dropped, never fatal.
 The kv socket admits one frame of up to max(one layer of the pool, MAX_CONTROL_MESSAGE): any
 header the coordinator lets through (it refuses larger requests), and a tcp layer frame whose
 exact size `_check` then demands.
@@ -30,17 +34,18 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import NamedTuple
 
 import msgspec
 import torch
 import zmq
 
 from pdserve.common.errors import NotSupportedError
-from pdserve.kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route
+from pdserve.kvtransfer.backends import AUTO_ORDER, BY_NAME, CUDA_IPC, NCCL, Route, moved_ids
 from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError, KVTransferTimeout
 from pdserve.kvtransfer.heads import block_bytes
 from pdserve.kvtransfer.pool import DTYPES, KVPool, copy_blocks, dtype_name, host_identity
-from pdserve.wire.protocol import KVAccept, KVConnect, KVFailed, KVReady, PrefillToDecode
+from pdserve.wire.protocol import KVAccept, KVConnect, KVFailed, KVPart, KVReady, PrefillToDecode
 from pdserve_client.protocol import MAX_CONTROL_MESSAGE, decoder, encode
 
 BACKENDS = tuple(name for name, b in BY_NAME.items() if not b.gpu)  # ("shm", "tcp")
@@ -70,6 +75,23 @@ def check_block_ids(ids: list[int], num_blocks: int) -> None:
     (a negative id would index from the end: another request's block)."""
     if not ids or any(not 0 <= b < num_blocks for b in ids):
         raise InvalidHandoff(f"block ids outside the pool of {num_blocks} blocks")
+
+
+class BadPart(NamedTuple):
+    """A streamed hand-off's KVPart that failed the receiver's checks (its frames dropped)."""
+
+    part: KVPart
+    reason: str
+
+
+def check_header(msg: KVReady | KVPart, num_blocks: int) -> None:
+    """InvalidHandoff unless msg's block ids are in a pool of num_blocks blocks and its count of
+    blocks streamed before (KVReady.streamed, KVPart.first) is one it can have."""
+    check_block_ids(msg.block_ids, num_blocks)
+    if isinstance(msg, KVReady) and not 0 <= msg.streamed < len(msg.block_ids):
+        raise InvalidHandoff(f"{msg.streamed} of {len(msg.block_ids)} blocks streamed before the KVReady: at least one must come with it")
+    if isinstance(msg, KVPart) and msg.first < 0:
+        raise InvalidHandoff(f"a part from block {msg.first}")
 
 
 def gpu_backends(pool: torch.Tensor) -> list[str]:
@@ -126,16 +148,17 @@ class KVSender:
             dest = self.dests[endpoint] = (pool, backend)
         return dest
 
-    def send(self, src, src_ids: list[int], msg: KVReady, endpoint: str) -> int:
-        """Move src's blocks src_ids into the destination's msg.block_ids, then deliver msg. Returns bytes moved.
+    def send(self, src, src_ids: list[int], msg: KVReady | KVPart, endpoint: str) -> int:
+        """Move src's blocks src_ids into the destination's blocks the header names (backends.moved_ids:
+        a KVPart's, or a KVReady's less those streamed before it), then deliver msg. Returns bytes moved.
         src: the pool, a tensor or a tensor-parallel GPU worker's kvtransfer.heads.HeadParts."""
-        if len(src_ids) != len(msg.block_ids):
-            raise ValueError(f"{len(src_ids)} source blocks for {len(msg.block_ids)} granted blocks")
+        if len(src_ids) != len(moved_ids(msg)):
+            raise ValueError(f"{len(src_ids)} source blocks for {len(moved_ids(msg))} granted blocks")
         t0 = time.perf_counter()
         nbytes = block_bytes(src) * len(src_ids)
         try:
             pool, backend = self.destination(endpoint, src)
-            check_block_ids(msg.block_ids, pool.kv_shape[2])
+            check_header(msg, pool.kv_shape[2])
             msg = msgspec.structs.replace(msg, backend=backend)
             BY_NAME[backend].send(self, endpoint, pool, src, src_ids, msg, self._socket(endpoint))
         except BaseException:
@@ -232,7 +255,8 @@ class KVReceiver:
     def recv(self):
         """One hand-off as (message, block frames), or None if it was undecodable and dropped
         (counted). A KVReady that fails its checks comes back as a KVFailed for its grant (counted):
-        the decode worker frees that grant and fails that request only.
+        the decode worker frees that grant and fails that request only; a KVPart that fails
+        them comes back as a BadPart (counted).
 
         Called from the I/O thread; the caller copies the frames in with `copy_in` from the
         thread that owns the blocks, once it has checked the grant is still live.
@@ -243,11 +267,13 @@ class KVReceiver:
             if isinstance(msg, KVConnect):
                 self._connect(frames[0].bytes, msg)
                 return None
-            if isinstance(msg, KVReady):
+            if isinstance(msg, (KVReady, KVPart)):
                 try:
                     self._check(msg, frames[2:])
                 except (ValueError, InvalidHandoff) as e:
                     self.bad_messages += 1
+                    if isinstance(msg, KVPart):
+                        return BadPart(msg, f"invalid hand-off part: {e}"), []
                     return KVFailed(msg.request_id, f"invalid hand-off: {e}", msg.grant), []
                 return msg, BY_NAME[msg.backend].arrived(self, frames[0].bytes, msg, frames[2:])
             return msg, frames[2:]
@@ -255,15 +281,15 @@ class KVReceiver:
             self.bad_messages += 1
             return None
 
-    def _check(self, msg: KVReady, frames) -> None:
-        check_block_ids(msg.block_ids, self.pool.shape[2])
+    def _check(self, msg: KVReady | KVPart, frames) -> None:
+        check_header(msg, self.pool.shape[2])
         backend = BY_NAME.get(msg.backend)
         if backend is None:
             raise ValueError("unknown backend")
         backend.check(self, msg, frames)
 
-    def copy_in(self, msg: KVReady, frames) -> None:
-        """Copy tcp block frames (checked by recv) into msg.block_ids, or for nccl (frames: the
+    def copy_in(self, msg: KVReady | KVPart, frames) -> None:
+        """Copy tcp block frames (checked by recv) into backends.moved_ids(msg), or for nccl (frames: the
         receives recv posted) wait for them and scatter them, raising KVTransferError on failure;
         shm and cuda_ipc bytes are already there."""
         self.bytes_received += BY_NAME[msg.backend].copy_in(self, msg, frames)
@@ -282,5 +308,6 @@ class KVReceiver:
         self.sock.close(linger=0)
 
 
-__all__ = ["BACKENDS", "DTYPES", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "check_block_ids", "choose_backend", "copy_blocks", "describe",
+__all__ = ["BACKENDS", "DTYPES", "BadPart", "GPU_BACKENDS", "KVPool", "KVReceiver", "KVSender", "check_block_ids", "check_header",
+    "choose_backend", "copy_blocks", "describe",
     "gpu_backends"]

@@ -15,7 +15,9 @@ loops:
   step: the engine packs waiting prompts up to the token budget and chunks long ones; a prompt
   whose last chunk ran comes back with its first token and its blocks still held;
   hand off and release (worker/handoff.py, shared with the worker that can take every role):
-  its blocks go to the decode worker, KVReady follows, the engine frees them here at once.
+  its blocks go to the decode worker, KVReady follows, the engine frees them here at once; with
+  the streamed hand-off (the default) each step also sends the blocks a long prompt's chunk
+  finished, so the last chunk's are all that is left then.
 A failed hand-off tells the decode side (KVFailed, it frees the grant) and the coordinator
 (WorkerError); a finished one tells the coordinator PrefillDone naming the grant, so that a grant
 whose KVReady was lost on the way is freed all the same (coordinator: handoff_timeouts).
@@ -48,7 +50,7 @@ log = logging.getLogger("pdserve.prefill")
 
 class PrefillWorker:
     def __init__(self, worker_id: str, engine: LLMEngine, pool: torch.Tensor, sender, link, batch_window_ms: float = 2.0,
-                 ctx: zmq.Context | None = None, cores: CoreShare | StaticCores | None = None):
+                 ctx: zmq.Context | None = None, cores: CoreShare | StaticCores | None = None, handoff_stream: bool = True):
         self.worker_id = worker_id
         self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
         self.engine = engine  # in prefill mode
@@ -57,7 +59,7 @@ class PrefillWorker:
         self.link = link  # WorkerLink, or anything with send, drain, start, stop, bad_messages, dropped
         self.batch_window = batch_window_ms / 1000
         self.ctx = ctx  # owned: destroyed by close()
-        self.handoffs = Handoffs(engine, pool, sender, link)
+        self.handoffs = Handoffs(engine, pool, sender, link, handoff_stream)
         self.jobs = self.handoffs.jobs  # request id -> Job: prompts queued and not yet handed off
         self.running = True
         self.closing = []  # what close() ends last: the other tensor-parallel ranks, the pool's file
@@ -85,7 +87,7 @@ class PrefillWorker:
         ctx = zmq.Context()
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys), backend=wcfg.kv_backend)
         link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
-        worker = cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores)
+        worker = cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores, wcfg.handoff_stream)
         worker.closing = ([ranks.close] if ranks is not None else []) + [kv.close]
         return worker
 

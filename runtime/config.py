@@ -567,6 +567,9 @@ class WorkerConfig:
                            help="how to hand KV to decode workers (auto: from each decode pool's description)")
     kv_bind: str = flag("tcp://127.0.0.1:*", group="KV cache and transfer", help="where prefill workers deliver KV")  # decode
     shared_pool: bool = True  # decode: put the KV pool in /dev/shm for the shm backend
+    handoff_stream: bool = flag(True, group="KV cache and transfer", pair=True,  # prefill: worker/handoff.py
+                                help="send each chunk's finished KV blocks to the decode worker as soon as the chunk is computed, "
+                                "not all after the prompt's last chunk (`pdserve launch --engine-arg=--no-handoff-stream`)")
     batch_window_ms: float = flag(2.0, group="scheduling", help="wait this long to pack more prompts into a forward")  # prefill
     heartbeat_s: float = flag(0.5, group="network", help="seconds between heartbeats (load, free KV blocks, step times); keep well "
                               "under the coordinator's --worker-timeout")

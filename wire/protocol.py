@@ -8,7 +8,8 @@ Lifecycle of one request (docs/architecture.md; coordinator/server.py holds its 
   decode  -> coord         Granted | AdmitRefused
   coord   -> prefill       Prefill          with the decode worker's block ids and kv endpoint
   prefill -> decode        KVConnect -> KVAccept once per destination: its pool, whatever the backend
-  prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket
+  prefill -> decode        KVPart ... (streamed hand-off) each chunk's finished blocks as prefill computes them
+  prefill -> decode        KVReady (+ raw block frames for tcp) on the decode worker's kv socket: the rest, last
   decode  -> coord         PromptLogprobs   (asked for only) the prompt's scores, before its first token's batch
   decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
   coord   -> client        Delta ... Final  (or ErrorReply at any point)
@@ -27,12 +28,13 @@ from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import FinishReason, PromptLogprob
 from pdserve_client.protocol import Message as _Msg
 
-PROTOCOL_VERSION = 7  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
+PROTOCOL_VERSION = 8  # 2: Admit, Granted and AdmitRefused carry the admission number; 3: typed roles and
 # finish reasons, the destination pool described by KVAccept alone (not Hello, not Prefill); 4: grant numbers
 # (Granted -> Prefill -> KVReady/KVFailed) and the writer named in Admit: fenced KV writes; 5: prefix-cache keys
 # are 16-byte keyed BLAKE2b (Heartbeat), the secret comes in Welcome, Admit carries prefix tokens, not keys;
 # 6: roles follow the load: Hello names the roles a worker can switch to, SetRole -> RoleSet; 7: prompt logprobs
-# (SamplingParams.prompt_logprobs; KVReady carries them, PromptLogprobs and Delta bring them back)
+# (SamplingParams.prompt_logprobs; KVReady carries them, PromptLogprobs and Delta bring them back); 8: streamed
+# hand-offs (KVPart before KVReady, KVReady.streamed)
 PrefixKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # a prefix-cache block key (runtime.prefix_hash)
 
 
@@ -230,7 +232,9 @@ class KVReady(_Msg):
     block_ids: the granted blocks sent, i.e. all of them less the Granted.cached_blocks first.
 
     For tcp the block bytes follow as one extra frame per layer, each shaped
-    (2, len(block_ids), block_size, kv_heads, head_dim).
+    (2, len(block_ids) - streamed, block_size, kv_heads, head_dim).
+    streamed: the first `streamed` block_ids came before, in this grant's KVPart messages
+    (a streamed hand-off); the bytes of the others come with this header.
     """
 
     request_id: str
@@ -245,6 +249,21 @@ class KVReady(_Msg):
     priority: int = 0
     grant: int = 0  # Prefill.grant: which grant these blocks fill (0: the request's current one)
     prompt_logprobs: list[PromptLogprob] | None = None  # the prompt's scores, when params.prompt_logprobs asked
+    streamed: int = 0
+
+
+class KVPart(_Msg):
+    """A streamed hand-off's part, sent as soon as a chunk of the prompt is computed: the blocks
+    block_ids, which are the grant's sent blocks (KVReady.block_ids) from index `first` on, hold
+    (shm, cuda_ipc) or bring (tcp frames, nccl sends: as for KVReady) their KV. Parts come in
+    order (`first` is the count of blocks streamed before); the decode side starts nothing on
+    them: KVReady, always last, names how many blocks were streamed."""
+
+    request_id: str
+    block_ids: list[int]
+    first: int
+    backend: str  # set by the KVSender, as KVReady's
+    grant: int = 0
 
 
 class KVFailed(_Msg):
@@ -284,5 +303,5 @@ class KVAccept(_Msg):
     error: str = ""
 
 
-PrefillToDecode = Union[KVReady, KVFailed, KVConnect]
+PrefillToDecode = Union[KVReady, KVPart, KVFailed, KVConnect]
 

@@ -12,7 +12,9 @@ link). Then `run` loops:
   drain the inbox (first keying its prefix cache with the secret of the coordinator's Welcome):
   Admit -> reserve blocks (Granted | AdmitRefused): the prefix-cached blocks of the Admit's prefix
   tokens first, each confirmed against its tokens (Granted.cached_blocks: the prefill side sends only the rest),
-  new ones for the rest; KVReady -> copy tcp frames into the granted blocks, join the running batch, emit the prefill's first token at once;
+  new ones for the rest; KVPart (a streamed hand-off, before its KVReady) -> the grant's next blocks:
+  tcp frames copied in (nccl: received), counted in Grant.streamed, nothing started; KVReady -> copy
+  tcp frames into the rest of the granted blocks, join the running batch, emit the prefill's first token at once;
   Generate (colocated, or the coordinator's local path) -> queue for chunked prefill here;
   Prefill -> queue the prompt held after its prefill (worker/handoff.py: checked as the prefill
   worker checks it), handed off to its decode worker after the step that computes it and then
@@ -40,9 +42,14 @@ A writer whose answer was lost is done all the same once it reported PrefillDone
 coordinator then sends Release(prefill_sent=False), which frees the grant or its fence at once.
 Peers are checked: a KVReady whose blocks are not its grant's, whose num_computed is not the
 granted token count (prompt + output - 1), or whose token ids, params, top logprobs or prompt
-scores (one per prompt token after the first, when asked) are out of range fails that request
-(WorkerError kv_transfer_failed, counted in bad_messages; decode/grants.py holds the checks) and frees its
-grant before anything reaches a copy or the engine; a Generate is validated by the engine.
+scores (one per prompt token after the first, when asked) are out of range, or whose count of
+streamed blocks is not the KVParts' that arrived, fails that request (WorkerError
+kv_transfer_failed, counted in bad_messages; decode/grants.py holds the checks) and frees its
+grant before anything reaches a copy or the engine; a KVPart that is not its grant's next blocks
+(or fails the receiver's checks: BadPart) fails the request likewise, its grant given up as on
+Release (fenced while a writer on this machine lives: later parts of a writer that goes on
+streaming land only there); a KVPart for a grant given up, cancelled or unknown is dropped (its
+writer's KVReady/KVFailed settles the grant). A Generate is validated by the engine.
 The shared pool is a file of this user's 0700 pool directory with a random name
 (kvtransfer/pool_files.py); on exit it is unlinked, and one a SIGKILL left is removed by the next
 worker or launch to start on this machine.
@@ -55,11 +62,11 @@ import time
 import torch
 import zmq
 
-from pdserve.decode.grants import FENCE_CHECK_S, LIVE_WRITER_GRANT_FACTOR, Fence, Grant, grant_blocks, handoff_problem
+from pdserve.decode.grants import FENCE_CHECK_S, LIVE_WRITER_GRANT_FACTOR, Fence, Grant, grant_blocks, handoff_problem, part_problem
 from pdserve.kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError
 from pdserve.kvtransfer.pool import KVPool, host_identity, process_alive
-from pdserve.kvtransfer.transfer import KVReceiver, KVSender
+from pdserve.kvtransfer.transfer import BadPart, KVReceiver, KVSender
 from pdserve.runtime import cuda_graphs, structured
 from pdserve.runtime.config import EngineConfig, WorkerConfig
 from pdserve.runtime.cores import CoreShare, StaticCores, stall_cap
@@ -75,6 +82,7 @@ from pdserve.wire.protocol import (
     Granted,
     Heartbeat,
     KVFailed,
+    KVPart,
     KVReady,
     Prefill,
     PromptLogprobs,
@@ -106,14 +114,15 @@ ALL_ROLES = [Role.PREFILL, Role.DECODE, Role.COLOCATED]
 class Worker:
     def __init__(self, worker_id: str, engine: LLMEngine, receiver, link, grant_timeout_s: float = 30.0,
                  closing: list | None = None, cores: CoreShare | StaticCores | None = None, sender=None,
-                 role: Role = Role.DECODE, batch_window_ms: float = 2.0, kv_pool=None):
+                 role: Role = Role.DECODE, batch_window_ms: float = 2.0, kv_pool=None, handoff_stream: bool = True):
         self.worker_id = worker_id
         self.role = Role(role)  # how it shares the node's cores and what it reports; it takes every kind of work whatever its role
         # the roles SetRole may give it: every one with a KV sender (Prefill hand-offs), else only its own
         self.roles = list(ALL_ROLES) if sender is not None else []
         self.sender = sender  # KVSender, or kvtransfer.local.LocalKV: Prefill hand-offs from this worker's pool
         # kv_pool: what hand-offs read (worker.tp_ranks.handoff_pool; None: the engine's pool)
-        self.handoffs = Handoffs(engine, engine.runner.kv_cache if kv_pool is None else kv_pool, sender, link) if sender is not None else None
+        self.handoffs = (Handoffs(engine, engine.runner.kv_cache if kv_pool is None else kv_pool, sender, link, handoff_stream)
+                         if sender is not None else None)
         self.batch_window = batch_window_ms / 1000  # the prefill role's batching window (as the prefill worker's)
         self.cores = cores or StaticCores()  # busy before each step, idle while waiting (runtime.cores)
         self.engine = engine
@@ -168,7 +177,7 @@ class Worker:
         closing = [auth.stop] if auth is not None else []
         closing += [ranks.close] if ranks is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
-                   cores, sender, role, wcfg.batch_window_ms, kv)
+                   cores, sender, role, wcfg.batch_window_ms, kv, wcfg.handoff_stream)
 
     # ------------------------------------------------------------------ loop
 
@@ -271,7 +280,9 @@ class Worker:
     # ------------------------------------------------------------------ messages
 
     def handle(self, msg) -> None:
-        if isinstance(msg, tuple):  # (KVReady | KVFailed, frames) from the kv socket
+        if isinstance(msg, tuple) and isinstance(msg[0], (KVPart, BadPart)):  # a streamed hand-off's part
+            self.on_kv_part(*msg)
+        elif isinstance(msg, tuple):  # (KVReady | KVFailed, frames) from the kv socket
             self.on_kv(*msg)
         elif isinstance(msg, Admit):
             self.on_admit(msg)
@@ -339,6 +350,28 @@ class Worker:
             msg.num_computed, msg.logprob, msg.top_logprobs, msg.priority, msg.prompt_logprobs,
         )
         self.emit([out])
+
+    def on_kv_part(self, msg: KVPart | BadPart, frames) -> None:
+        """A streamed hand-off's part: the grant's next blocks copied in (tcp, nccl; shm and
+        cuda_ipc wrote them already) and counted; one that is wrong fails its request."""
+        part = msg.part if isinstance(msg, BadPart) else msg
+        grant = self.grants.get(part.request_id)
+        if grant is None or part.grant not in (0, grant.number) or grant.cancelled:
+            return  # given up, fenced or aborted: its writer's KVReady/KVFailed settles it
+        if isinstance(msg, BadPart):
+            problem = msg.reason  # counted by the receiver
+        elif (problem := part_problem(msg, grant, NULL_BLOCK)) is not None:
+            self.receiver.bad_messages += 1
+        else:
+            try:
+                self.receiver.copy_in(msg, frames)
+            except KVTransferError as e:
+                problem = str(e)
+        if problem is not None:
+            self.give_up(part.request_id)  # fenced while its writer on this machine lives: it may go on streaming
+            self.link.send(WorkerError(part.request_id, "kv_transfer_failed", problem))
+            return
+        grant.streamed += len(msg.block_ids)
 
     def take_kv(self, msg: KVReady | KVFailed, grant: Grant, frames) -> None:
         """Take the answer to a live grant: its blocks copied in if it is a valid KVReady, else

@@ -15,7 +15,20 @@ wholly before the window of the first position it decodes (decode/grants.py), so
 window's blocks travel (`blocks_to_send`); this side freed the same ones after the prefill.
 `abort(rid)` drops a job not yet handed off and tells the decode side. Every path frees the
 job's blocks: a hand-off that fails tells the decode side (KVFailed, it frees the grant) and the
-coordinator (WorkerError), a finished one tells the coordinator PrefillDone naming the grant.
+coordinator (WorkerError), a finished one tells the coordinator PrefillDone naming the grant
+(kv_bytes: every byte of the hand-off, streamed ones too; kv_seconds: what its KVReady's send
+took after the last step).
+
+Streamed hand-off (`stream=True`, the default; `--no-handoff-stream` turns it off): per chunk.
+After every step, each job whose chunked prefill went on sends the blocks its computed tokens
+fill completely and not yet sent (`finished_blocks`) as a KVPart on the same backend (shm and
+cuda_ipc write them into the granted blocks, tcp sends them as frames, nccl as sends), so that
+after the last chunk only that chunk's blocks (the rest) go with the KVReady, which names how
+many were streamed. A block's KV never changes once its tokens are computed, so a part is final;
+a job preempted here and recomputed streams nothing it sent already (the same tokens' KV). The
+decode side starts only on the KVReady; a part that fails to send fails the job as a failed
+hand-off does. Per layer (sending each layer's blocks as the forward writes them) is not built:
+it needs a hook in the model's forward.
 """
 from __future__ import annotations
 
@@ -28,7 +41,7 @@ import zmq
 from pdserve.runtime.engine import LLMEngine, StepOutput
 from pdserve.runtime.kv_cache import NULL_BLOCK
 from pdserve.wire import liveness
-from pdserve.wire.protocol import KVReady, Prefill, PrefillDone, WorkerError
+from pdserve.wire.protocol import KVPart, KVReady, Prefill, PrefillDone, WorkerError
 from pdserve_client.errors import PdserveError
 
 
@@ -36,6 +49,24 @@ from pdserve_client.errors import PdserveError
 class Job:
     msg: Prefill
     t_start: float
+    streamed: int = 0  # the hand-off's blocks (blocks_to_send's pairs, in order) sent ahead in KVParts
+    streamed_bytes: int = 0
+
+
+def finished_blocks(table: list[int], dest_ids: list[int], skip: int, computed: int, block_size: int) -> list[tuple[int, int]]:
+    """(source, destination) pairs of the blocks a prompt's `computed` tokens fill completely, from
+    position skip on, whose destination entry is a block (blocks_to_send's pairs, as far as they
+    are final): never the grant's last position, which the KVReady carries. ValueError if such a
+    source block was freed (a sliding window frees here only what the grant leaves NULL)."""
+    done = min(computed // block_size, len(dest_ids) - 1, len(table))
+    pairs = []
+    for s, d in zip(table[skip:done], dest_ids[skip:done]):
+        if d == NULL_BLOCK:
+            continue
+        if s == NULL_BLOCK:
+            raise ValueError("a block the grant wants was freed here (sliding window) before it was sent")
+        pairs.append((s, d))
+    return pairs
 
 
 def blocks_to_send(table: list[int], dest_ids: list[int], skip: int) -> tuple[list[int], list[int]]:
@@ -53,8 +84,9 @@ def blocks_to_send(table: list[int], dest_ids: list[int], skip: int) -> tuple[li
 
 
 class Handoffs:
-    def __init__(self, engine: LLMEngine, pool: torch.Tensor, sender, link):
+    def __init__(self, engine: LLMEngine, pool: torch.Tensor, sender, link, stream: bool = True):
         self.engine = engine
+        self.stream = stream  # send each chunk's finished blocks as soon as it is computed (KVPart)
         self.pool = pool  # the engine's KV pool, (layers, 2, num_blocks, block_size, KVH, D): what hand-offs read
         self.sender = sender  # KVSender, or kvtransfer.local.LocalKV
         self.link = link
@@ -107,9 +139,34 @@ class Handoffs:
             elif out.token_id is None:  # could never fit this worker's pool: the engine freed it
                 self.fail(job.msg, "prompt_too_long", "prompt does not fit this worker's KV pool")
             else:
-                self.hand_off(job.msg, out, compute)
+                self.hand_off(job, out, compute)
                 self.engine.release(out.request_id)
+        if self.stream:
+            self.stream_parts()
         return rest
+
+    def stream_parts(self) -> None:
+        """Send, for every job still prefilling, the blocks finished since its last part (one KVPart
+        each); a job whose part fails is failed and freed, its decode side and the coordinator told."""
+        bs = self.engine.blocks.block_size
+        for rid, job in list(self.jobs.items()):
+            seq = self.engine.seqs.get(rid)
+            if seq is None or not seq.num_computed_tokens:
+                continue
+            msg = job.msg
+            try:
+                new = finished_blocks(seq.block_table, msg.dest_block_ids, msg.dest_cached_blocks, seq.num_computed_tokens, bs)[job.streamed:]
+                if not new:
+                    continue
+                liveness.touch()
+                part = KVPart(rid, [d for _, d in new], job.streamed, "", msg.grant)
+                job.streamed_bytes += self.sender.send(self.pool, [s for s, _ in new], part, msg.dest_kv_endpoint)
+            except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
+                del self.jobs[rid]
+                self.engine.abort(rid)
+                self.fail(msg, "kv_transfer_failed", f"hand-off failed: {e}")
+                continue
+            job.streamed += len(new)
 
     def claim_cores(self, cores) -> None:
         """Before a step with prompts to hand off: the node's prefill turn (runtime.cores) if the
@@ -120,8 +177,10 @@ class Handoffs:
         else:
             cores.idle()
 
-    def hand_off(self, msg: Prefill, out: StepOutput, compute: float) -> None:
-        """Send the KV of msg's prompt (and its first token) to the decode worker; report either way."""
+    def hand_off(self, job: Job, out: StepOutput, compute: float) -> None:
+        """Send the KV of the job's prompt (and its first token) to the decode worker, less the blocks
+        streamed ahead; report either way."""
+        msg = job.msg
         seq = self.engine.seqs[msg.request_id]
         skip = msg.dest_cached_blocks  # the decode worker holds these already
         t0 = time.perf_counter()
@@ -130,9 +189,9 @@ class Handoffs:
             ready = KVReady(
                 msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, dest,
                 seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend
-                out.prompt_logprobs,
+                out.prompt_logprobs, job.streamed,
             )
-            nbytes = self.sender.send(self.pool, src, ready, msg.dest_kv_endpoint)
+            nbytes = job.streamed_bytes + self.sender.send(self.pool, src[job.streamed:], ready, msg.dest_kv_endpoint)
         except (OSError, ValueError, RuntimeError, zmq.ZMQError) as e:
             self.sender.fail(msg.dest_kv_endpoint, msg.request_id, f"hand-off failed: {e}", msg.grant)
             self.link.send(WorkerError(msg.request_id, "kv_transfer_failed", str(e)))
