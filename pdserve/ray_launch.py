@@ -150,6 +150,7 @@ class ModelPool:
 
     model: ModelPlan
     scaler: Autoscaler
+    initial: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> workers started with (the launch's count within its limits)
     replicas: list[Replica] = dataclasses.field(default_factory=list)
     asked: dict = dataclasses.field(default_factory=dict)  # replica name -> its pending `restarts` call
     next_ask: float = 0.0  # when its actors are next asked for their restarts (monotonic)
@@ -162,14 +163,15 @@ class RayLaunch:
         check_supported(plan)
         counts = {role: getattr(plan, role) for role in ROLES if getattr(plan, role) or role in cfg.named_roles()}
         self.plan, self.cfg, self.log_dir = plan, cfg, log_dir
-        limits = cfg.replica_limits(counts)  # the same for every model
-        serving = {role for role, n in counts.items() if n}
-        self.pools = [ModelPool(m, Autoscaler(limits, cfg.downscale_delay_s, serving)) for m in plan.models]
-        self.initial = {role: min(max(n, limits[role][0]), limits[role][1]) for role, n in counts.items()}
         local = dataclasses.replace(plan, prefill=0, decode=0, colocated=0)
-        if any(lo == 0 for lo, _ in limits.values()):
-            local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
+        limits = cfg.replica_limits(counts, self.local.served_names())  # model -> role -> (min, max)
+        serving = {role for role, n in counts.items() if n}
+        self.pools = [ModelPool(m, Autoscaler(lim, cfg.downscale_delay_s, serving), initial={
+                          role: min(max(n, lim[role][0]), lim[role][1]) for role, n in counts.items()})
+                      for m, lim in zip(plan.models, limits.values())]
+        if any(lo == 0 for lim in limits.values() for lo, _ in lim.values()):
+            local.coordinator_args = with_cold_start(plan.coordinator_args)  # every model's coordinator (one may idle at zero)
         # no --expect-worker: an actor that does not register is replaced under another id (Autoscaler.register_timeout_s),
         # so its coordinator is ready by roles (a decode worker, or cold starts on) and `wait_ready` waits for the initial actors
         self.local.expected = {}
@@ -210,7 +212,7 @@ class RayLaunch:
         signal.signal(signal.SIGTERM, handler)  # ray.init sets its own: SIGTERM stops the launch as Ctrl-C does
         self.local.start()
         for pool in self.pools:
-            for role, n in self.initial.items():
+            for role, n in pool.initial.items():
                 for _ in range(n):
                     self.add(pool, role, "the launch's count")
 

@@ -21,12 +21,36 @@ def stats(*workers, pending=0, loads=(0.0, 0.0), refused=0):
 
 def test_replica_limits_per_role_and_for_every_role():
     cfg = RayConfig(min_replicas=("0", "prefill=1"), max_replicas=("decode=3",))
-    assert cfg.replica_limits({"prefill": 1, "decode": 1}) == {"prefill": (1, 1), "decode": (0, 3)}
-    assert RayConfig().replica_limits({"decode": 2}) == {"decode": (2, 2)}  # the launch's count, fixed
+    assert cfg.replica_limits({"prefill": 1, "decode": 1}, ["m"]) == {"m": {"prefill": (1, 1), "decode": (0, 3)}}
+    assert RayConfig().replica_limits({"decode": 2}, ["m"]) == {"m": {"decode": (2, 2)}}  # the launch's count, fixed
     for bad in (RayConfig(min_replicas=("gpu=1",)), RayConfig(max_replicas=("decode=x",)), RayConfig(max_replicas=("0",)),
                 RayConfig(min_replicas=("3",), max_replicas=("2",))):
         with pytest.raises(InvalidRequestError):
-            bad.replica_limits({"decode": 1})
+            bad.replica_limits({"decode": 1}, ["m"])
+
+
+def test_replica_limits_per_model_the_most_specific_wins():
+    """MODEL:ROLE=N beside N and ROLE=N: beta may idle to zero decode workers while alpha keeps one."""
+    cfg = RayConfig(min_replicas=("1", "beta:decode=0", "beta:prefill=0"), max_replicas=("decode=2", "alpha:decode=4"))
+    assert cfg.replica_limits({"prefill": 1, "decode": 1}, ["alpha", "beta"]) == {
+        "alpha": {"prefill": (1, 1), "decode": (1, 4)}, "beta": {"prefill": (0, 1), "decode": (0, 2)}}
+    assert cfg.named_roles() == {"prefill", "decode"}
+    ns = RayConfig(min_replicas=("m:v1:decode=0",))  # a served name with a colon: the last one splits
+    assert ns.replica_limits({"decode": 1}, ["m:v1"]) == {"m:v1": {"decode": (0, 1)}}
+
+
+@pytest.mark.parametrize("values, names", [
+    (dict(min_replicas=("gamma:decode=0",)), ["'gamma'", "alpha, beta"]),  # an unknown model, and the ones served
+    (dict(max_replicas=("beta:colocated=2",)), ["no colocated worker", "prefill, decode"]),  # a role the launch runs none of
+    (dict(min_replicas=("beta:gpu=1",)), ["MODEL:ROLE=N", "'beta:gpu=1'"]),
+    (dict(min_replicas=(":decode=1",)), ["MODEL:ROLE=N"]),
+    (dict(min_replicas=("beta:=1",)), ["MODEL:ROLE=N"]),
+    (dict(min_replicas=("beta:decode=3",), max_replicas=("2",)), ["beta:decode is 2"]),
+])
+def test_a_bad_per_model_limit_is_refused_naming_it(values, names):
+    with pytest.raises(InvalidRequestError) as e:
+        RayConfig(**values).replica_limits({"prefill": 1, "decode": 1}, ["alpha", "beta"])
+    assert all(n in str(e.value) for n in names), str(e.value)
 
 
 def test_a_short_role_grows_one_at_a_time_up_to_its_maximum():
@@ -100,3 +124,19 @@ def test_a_replica_that_never_registers_is_given_up_and_its_role_grows_again():
 def test_the_roles_the_limits_name():
     assert RayConfig(min_replicas=("0", "prefill=1"), max_replicas=("decode=3",)).named_roles() == {"prefill", "decode"}
     assert RayConfig(max_replicas=("2",)).named_roles() == set()
+
+
+def test_pdserve_launch_refuses_a_limit_for_a_model_it_does_not_serve(tmp_path):
+    """Through the command line: a usage error naming the model, before anything starts (no cluster joined)."""
+    pytest.importorskip("ray")
+    from click.testing import CliRunner
+
+    from pdserve.cli import main
+
+    for name in ("alpha", "beta"):
+        (tmp_path / name).mkdir()
+    args = ["launch", "--model", str(tmp_path / "alpha"), "--model", f"{tmp_path / 'beta'}=b2", "--ray", "auto"]
+    r = CliRunner().invoke(main, [*args, "--min-replicas", "beta:decode=0"])
+    assert r.exit_code == 2 and "no model is served as 'beta'" in r.output and "alpha, b2" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--max-replicas", "b2:decode=0"])
+    assert r.exit_code == 2 and "--max-replicas of b2:decode is 0" in r.output, r.output
