@@ -8,7 +8,9 @@ Lifecycle: a RayConfig is built once by `pdserve launch` from its flags; `replic
 the --min-replicas / --max-replicas values (N, ROLE=N, MODEL:ROLE=N) against the roles the launch
 runs and the models it serves, and gives each model its own limits (a bad value, an unknown model
 or role, is a usage error before anything starts). pdserve/ray_launch.py then keeps one `Replica` per worker
-actor and hands the coordinator's stats to `Autoscaler.decide` every tick.
+actor and hands the coordinator's stats to `Autoscaler.decide` every tick; a replica it removes
+drains first (`draining_since`; the coordinator places nothing more there) and `Autoscaler.drained`
+says when it may be stopped.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ class Replica:
     asked: float  # when it was asked for (monotonic)
     registered: float | None = None  # when its worker first appeared in the coordinator's stats
     idle_since: float | None = None
+    draining_since: float | None = None  # when its removal began: drained (DrainWorker), stopped once nothing is in flight
 
     @property
     def worker_id(self) -> str:
@@ -117,6 +120,8 @@ class Autoscaler:
     # a replica whose worker has not registered this long after it was asked for (its actor pending for resources, or
     # its worker unable to start on its node) is given up: removed, so that its role can grow again
     register_timeout_s: float = 300.0
+    # a draining worker still holding requests this long after its drain began is stopped all the same (they are placed again)
+    drain_timeout_s: float = 600.0
 
     def short(self, stats: dict, role: str, workers: list[dict]) -> str | None:
         """Why `role` needs a worker more (None: it does not)."""
@@ -137,6 +142,7 @@ class Autoscaler:
         """([(role, why)] to add, [replica] to remove); marks registrations and idle clocks."""
         by_id = {w["id"]: w for w in stats.get("workers", [])}
         add, remove = [], []
+        replicas = [r for r in replicas if r.draining_since is None]  # those being removed count no more
         for role, (lo, hi) in self.limits.items():
             stale = [r for r in replicas if r.role == role and r.registered is None and now - r.asked > self.register_timeout_s]
             remove += stale
@@ -155,3 +161,18 @@ class Autoscaler:
                 remove += sorted(idle, key=lambda r: r.idle_since)[:1]
         self.cold_refusals = stats.get("requests", {}).get("error:cold_start", 0)
         return add, remove
+
+    def drained(self, stats: dict, rep: Replica, now: float) -> str | None:
+        """Why a draining replica may be stopped now (None: not yet, its drain goes on): its worker is not registered
+        (nothing can be on it), or the coordinator shows it draining with nothing in flight (each request placed on it
+        before the drain completed there, and none is placed there since), or its drain outlasted drain_timeout_s."""
+        w = next((w for w in stats.get("workers", []) if w["id"] == rep.worker_id), None)
+        if w is None:
+            return "its worker is not registered"
+        d = w.get("draining")
+        if d is not None and not w["inflight"]:
+            return (f"drained in {now - rep.draining_since:.1f} s: the {d['inflight_at_start']} requests in flight at its start "
+                    f"completed, {d['placed_since']} placed on it since")
+        if now - rep.draining_since > self.drain_timeout_s:
+            return f"still {w['inflight']} requests in flight {self.drain_timeout_s:g} s after its drain began: they are placed again"
+        return None

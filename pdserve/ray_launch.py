@@ -39,7 +39,9 @@ its coordinator's stats, report its actors' restart counts (asked every REPORT_S
 `Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its
 workers or waiting for a worker, gets one more worker, one at a time; a worker idle for
---downscale-delay-s is removed while its role has more than its minimum) -> on SIGINT/SIGTERM
+--downscale-delay-s is removed while its role has more than its minimum: drained first (DrainWorker:
+its coordinator places nothing more there, what is in flight there completes), stopped once the
+stats show nothing in flight on it, so that no request placed there in its last seconds is placed again) -> on SIGINT/SIGTERM
 stop every actor's worker (SIGTERM), then the local roles, and leave the cluster (a private one
 stops with it; its directory is removed).
 With --min-replicas 0 every model's coordinator runs with cold starts on (--cold-start-s, the estimate
@@ -244,12 +246,31 @@ class RayLaunch:
             args = ActorArgs(plan, self.log_dir, key_files=role_key_files(keys, role, p.fixed_roles) if keys else None)
         return msgspec.json.encode(args)
 
-    def remove(self, pool: ModelPool, rep: Replica) -> None:
-        why = (f"idle for {self.cfg.downscale_delay_s:g} s" if rep.registered is not None else
-               f"not registered {pool.scaler.register_timeout_s:g} s after it was asked for (its actor's log says why)")
-        print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
-        pool.replicas.remove(rep)
-        stop_actors([rep])
+    def remove(self, pool: ModelPool, rep: Replica, client) -> None:
+        """Start removing rep: a registered worker is drained first (its coordinator places nothing more there; `drain`
+        stops it once nothing is in flight), one that never registered is stopped at once."""
+        if rep.registered is None:
+            print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: not registered "
+                  f"{pool.scaler.register_timeout_s:g} s after it was asked for (its actor's log says why)", file=sys.stderr, flush=True)
+            pool.replicas.remove(rep)
+            stop_actors([rep])
+            return
+        print(f"pdserve launch: ray: draining {rep.role} worker {rep.worker_id} to remove it: idle for "
+              f"{self.cfg.downscale_delay_s:g} s", file=sys.stderr, flush=True)
+        rep.draining_since = time.monotonic()
+        client.drain_worker(rep.worker_id)
+
+    def drain(self, pool: ModelPool, stats: dict, client) -> None:
+        """The pool's draining replicas: each stopped once its coordinator shows nothing in flight on it (Autoscaler.drained),
+        else told again (a restarted coordinator learns the drain again)."""
+        for rep in [r for r in pool.replicas if r.draining_since is not None]:
+            why = pool.scaler.drained(stats, rep, time.monotonic())
+            if why is None:
+                client.drain_worker(rep.worker_id)
+                continue
+            print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
+            pool.replicas.remove(rep)
+            stop_actors([rep])
 
     def tick(self, clients: list) -> None:
         """One pass: the local roles tended; for each model (`clients`: one per model's coordinator), registrations noted
@@ -262,7 +283,7 @@ class RayLaunch:
                 stats = client.stats(timeout=2.0)
             except ClientError:
                 continue  # this coordinator restarts: next tick
-            self.scale(pool, stats)
+            self.scale(pool, stats, client)
             self.report_restarts(pool, client)
 
     def report_restarts(self, pool: ModelPool, client) -> None:
@@ -289,8 +310,8 @@ class RayLaunch:
         if now >= pool.next_ask:
             pool.next_ask = now + REPORT_S
 
-    def scale(self, pool: ModelPool, stats: dict) -> None:
-        """One model's autoscaler on its coordinator's stats: registrations logged, workers added and removed."""
+    def scale(self, pool: ModelPool, stats: dict, client) -> None:
+        """One model's autoscaler on its coordinator's stats: registrations logged, workers added, drained and removed."""
         was = {r.name for r in pool.replicas if r.registered is None}
         add, remove = pool.scaler.decide(stats, pool.replicas, time.monotonic())
         for r in pool.replicas:
@@ -299,8 +320,9 @@ class RayLaunch:
                       f"asked for", file=sys.stderr, flush=True)
         for role, why in add:
             self.add(pool, role, why)
+        self.drain(pool, stats, client)  # (those whose drain began at an earlier tick: the stats show it)
         for rep in remove:
-            self.remove(pool, rep)
+            self.remove(pool, rep, client)
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until the initial workers are registered (and the gateway answers); returns the stats."""

@@ -140,3 +140,22 @@ def test_pdserve_launch_refuses_a_limit_for_a_model_it_does_not_serve(tmp_path):
     assert r.exit_code == 2 and "no model is served as 'beta'" in r.output and "alpha, b2" in r.output, r.output
     r = CliRunner().invoke(main, [*args, "--max-replicas", "b2:decode=0"])
     assert r.exit_code == 2 and "--max-replicas of b2:decode is 0" in r.output, r.output
+
+
+def test_a_removed_worker_drains_and_is_stopped_once_nothing_is_in_flight_on_it():
+    """decide's removal starts a drain (ray_launch's `remove`); a draining replica counts no more for its role, and
+    `drained` says stop only once the coordinator shows the drain with nothing in flight (or past drain_timeout_s)."""
+    scaler = Autoscaler({"decode": (0, 2)}, 5.0, {"decode"}, drain_timeout_s=60.0)
+    reps = [Replica("ray1", "decode", None, 0.0, registered=0.0, idle_since=0.0, draining_since=10.0),
+            Replica("ray2", "decode", None, 0.0, registered=0.0)]
+    drain = {"for_s": 1.0, "inflight_at_start": 1, "placed_since": 0}
+    busy = stats(dict(worker("ray1-decode-0", inflight=1), draining=drain), dict(worker("ray2-decode-0"), draining=None))
+    add, remove = scaler.decide(busy, reps, 11.0)
+    assert not add and not remove  # ray1 is leaving already: not removed twice; ray2's idle clock starts
+    assert scaler.drained(busy, reps[0], 11.0) is None  # a request in flight on it: it completes there first
+    not_yet = stats(dict(worker("ray1-decode-0"), draining=None))  # the coordinator has not seen the DrainWorker (restarted)
+    assert scaler.drained(not_yet, reps[0], 12.0) is None
+    done = stats(dict(worker("ray1-decode-0"), draining=drain))
+    assert "drained in 3.0 s: the 1 requests in flight at its start completed, 0 placed on it since" == scaler.drained(done, reps[0], 13.0)
+    assert "not registered" in scaler.drained(stats(), reps[0], 13.0)
+    assert "placed again" in scaler.drained(busy, reps[0], 71.0)
