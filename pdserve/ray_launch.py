@@ -34,7 +34,7 @@ Lifecycle: connect to Ray (or start the private cluster) -> start the coordinato
 are handed on from it) -> start each model's initial workers (the launch's counts, within the limits),
 each actor's worker pointed at its model's coordinator and path, and wait until they are
 registered -> every TICK_S: tend the local roles (restarts), and for each model (a `ModelPool`:
-its actors and its own Autoscaler, the same --min-replicas/--max-replicas for every model) read
+its actors and its own Autoscaler, within that model's --min-replicas/--max-replicas: N, ROLE=N or MODEL:ROLE=N) read
 its coordinator's stats, report its actors' restart counts (asked every REPORT_S), and
 `Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its

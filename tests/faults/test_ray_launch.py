@@ -229,12 +229,12 @@ def decode_count(node) -> int:
         return sum(w["role"] == "decode" for w in c.stats()["workers"])
 
 
-@pytest.mark.timeout(240)
 def test_a_scale_down_under_load_drains_the_worker_it_removes(node, expected):
     """A burst brings decode to two workers; a steady load goes on after it (one stream at a time, greedy-checked) while the
     worker it leaves idle is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
     0 in the launch's log, taken from the coordinator's count of placements there), stopped once nothing is in flight on
     it; every request completes identically, none is placed again (retries and workers_lost unchanged)."""
+    warm(node, expected)  # workers up (idle since the fixture, they may be at zero: the burst must not meet a cold start)
     with Client(node.clients, timeout=10) as c:
         before = c.stats()["requests"]
     log_from = len(node.stderr())
