@@ -26,6 +26,8 @@ class Count(enum.StrEnum):
     ADMISSION_TIMEOUTS = "admission_timeouts"
     LOST_HANDOFFS = "lost_handoffs"  # a hand-off done whose decode worker never started the request
     WORKERS_LOST = "workers_lost"
+    DRAINS = "drains"  # workers drained for their removal (DrainWorker: a launcher's scale-down)
+    WORKERS_REMOVED = "workers_removed"  # of those, gone once drained (nothing in flight: nothing placed again)
     REJECTED_WORKERS = "rejected_workers"  # Hellos refused
     CLIENT_GONE_ABORTS = "client_gone_aborts"
     CLIENT_OVER_BUDGET_MESSAGES = "client_over_budget_messages"

@@ -39,7 +39,11 @@ With cold starts on (--cold-start-s > 0: workers started on demand) a request th
 able to decode is held (coordinator/cold_start.py: bounded in count, prompt bytes and time, its prompt
 checked first against the model's context as its files state it) until one registers; that
 registration is the measured cold start (stats `cold_start`, the Retry-After of a refusal) and the
-point its TTFT target counts from (RequestState.cold_wait_s). The launch's worker ids
+point its TTFT target counts from (RequestState.cold_wait_s). A launcher removing a worker (a
+scale-down: DrainWorker) first has it drained: placement skips it (`alive`), its requests in flight
+complete there, and the stats show the drain (the worker's `draining`) until the launcher, seeing
+nothing in flight, stops it; its disappearance then counts `workers_removed`, not `workers_lost`,
+and places nothing again. The launch's worker ids
 (--expect-worker) are awaited once: the stats' `startup.awaiting` lists those not yet registered
 (the gateway's readiness).
 """
@@ -111,6 +115,7 @@ from pdserve_client.protocol import (
     AbortRequest,
     ClientToCoordinator,
     Delta,
+    DrainWorker,
     ErrorReply,
     Final,
     FinishReason,
@@ -131,6 +136,16 @@ MAX_NODE_TEXT = 64
 WORKER_MESSAGE_MARGIN = 64 * 1024  # bytes of a worker message besides its ids and params: names, endpoints, logprobs, CURVE
 GONE_WRITER_KEEP_S = 30.0  # a Prefill's writer record is kept this long after its request ended, for a late PrefillDone
 SET_ROLE_RESEND_S = 1.0  # a SetRole not answered by then is sent again (the worker's inbox may have dropped it)
+MAX_REMOVALS = 1024  # drains for removal kept (DrainWorker): the oldest is forgotten past this
+
+
+@dataclass
+class Removal:
+    """A worker its launcher is removing (DrainWorker): nothing more is placed on it."""
+
+    started: float  # when the drain started (monotonic)
+    inflight_at_start: int  # requests on it then: they complete there
+    placed_since: int = 0  # requests placed on it since: always 0 (`alive` skips it); counted to show it
 
 
 @dataclass
@@ -189,6 +204,7 @@ class Coordinator:
                      if cfg.cold_start_s > 0 else None)
         self.files_context: int | None = None  # the model's context as its files state it (read at the first need: context_limit)
         self.awaiting = set(cfg.expected_workers)  # the launch's workers not yet registered once (the stats' `startup`)
+        self.removing: dict[str, Removal] = {}  # worker id -> its drain before its launcher removes it (DrainWorker), oldest first
         self.client_sock = self._router(cfg.client_addr, security.server_options(cfg.keys, security.CLIENTS))
         self.worker_sock = self._router(cfg.worker_addr, security.server_options(cfg.keys, security.WORKERS))  # roles apart
         self.client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client fails (send_client)
@@ -356,6 +372,22 @@ class Coordinator:
                 self.send_client(ident, ErrorReply(msg.request_id, "unknown_request", "the coordinator does not know this request (it may have restarted)"))
         elif isinstance(msg, NodeReport):
             self.on_node_report(msg)
+        elif isinstance(msg, DrainWorker):
+            self.drain_for_removal(msg.worker_id[:self.cfg.limits.max_name_length])
+
+    def drain_for_removal(self, wid: str) -> None:
+        """Its launcher will remove worker wid (a scale-down): from now on placement skips it (`alive`), and
+        what is in flight there completes there; the launcher stops it once its stats show nothing in flight.
+        Kept by id (a worker restarted under it stays drained), whether registered yet or not; idempotent."""
+        if wid in self.removing:
+            return
+        w = self.workers.get(wid)
+        self.removing[wid] = Removal(time.monotonic(), len(w.requests) if w is not None else 0)
+        while len(self.removing) > MAX_REMOVALS:
+            del self.removing[next(iter(self.removing))]
+        log.info("draining worker %s for its removal: %d requests in flight there complete, none more is placed there",
+                 wid, self.removing[wid].inflight_at_start)
+        self.counts.add(Count.DRAINS)
 
     def on_node_report(self, msg: NodeReport) -> None:
         if msg.node not in self.nodes and len(self.nodes) >= MAX_NODES:
@@ -498,9 +530,11 @@ class Coordinator:
     # ------------------------------------------------------------------ placement
 
     def alive(self, role: Role) -> list[WorkerState]:
-        """Workers of `role` that may be given new work of it: not one the planner drains or switches."""
+        """Workers of `role` that may be given new work of it: not one the planner drains or switches, nor
+        one its launcher is removing (drain_for_removal)."""
         return [w for w in self.workers.values()
-                if w.role == role and (self.planner is None or self.planner.takes(w.hello.worker_id, role))]
+                if w.role == role and (self.planner is None or self.planner.takes(w.hello.worker_id, role))
+                and w.hello.worker_id not in self.removing]
 
     def place(self, st: RequestState, parked: bool = False) -> None:
         """Choose st's path over the live workers (`choose`): REMOTE on a (prefill, decode) pair
@@ -660,6 +694,7 @@ class Coordinator:
         self.note_placed_prefix(st, p, d)
         d.requests.add(st.iid)
         p.requests.add(st.iid)
+        self.note_placed_on_removing(p, d)
         self.admitting.pop(st.iid, None)
         self.admitting[st.iid] = time.monotonic()  # re-inserted: the dict stays oldest first
         st.admissions += 1
@@ -683,7 +718,15 @@ class Coordinator:
         self.note_placed_prefix(st, w)
         w.note_placed(st.num_tokens, now)
         w.requests.add(st.iid)
+        self.note_placed_on_removing(w)
         self.send_worker(w, Generate(st.iid, st.prompt, st.req.params, list(st.tokens), st.priority))
+
+    def note_placed_on_removing(self, *workers: WorkerState) -> None:
+        """Count a placement on a worker being removed (never: `alive` skips them; the stats show the count)."""
+        for w in workers:
+            r = self.removing.get(w.hello.worker_id)
+            if r is not None:
+                r.placed_since += 1
 
     def bound_tpot(self, w: WorkerState, st: RequestState) -> None:
         """st joins w's batch predicted at st.predicted_tpot "with one more": the TPOT every stream
@@ -832,7 +875,8 @@ class Coordinator:
         return phase_loads(snaps[Role.PREFILL], snaps[Role.DECODE], self.cfg.targets(0))
 
     def worker_loads(self) -> list[WorkerLoad]:
-        return [WorkerLoad(wid, w.queued_tokens, len(w.requests)) for wid, w in self.workers.items()]
+        """The planner's view of the workers: not those being removed (none of them changes role)."""
+        return [WorkerLoad(wid, w.queued_tokens, len(w.requests)) for wid, w in self.workers.items() if wid not in self.removing]
 
     # ------------------------------------------------------------------ workers
 
@@ -1043,8 +1087,12 @@ class Coordinator:
             return
         if self.by_ident.get(w.identity) == wid:
             del self.by_ident[w.identity]
-        log.warning("dropping worker %s: %s", wid, why)
-        self.counts.add(Count.WORKERS_LOST)
+        if wid in self.removing and not w.requests:
+            log.info("worker %s removed after its drain (%s)", wid, why)
+            self.counts.add(Count.WORKERS_REMOVED)
+        else:
+            log.warning("dropping worker %s: %s", wid, why)
+            self.counts.add(Count.WORKERS_LOST)
         self.announced.pop(wid, None)
         self.handoff_times.forget(wid)
         if self.planner is not None:
@@ -1226,6 +1274,7 @@ class Coordinator:
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
                 "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
                 "core_share": {"shared_steps": len(w.slowdown.steps), "ratio_to_linear": round(w.slowdown.ratio(), 3)},
+                "draining": self.removal_stats(w.hello.worker_id),
             })
         return {
             "model": self.model_name,
@@ -1247,6 +1296,16 @@ class Coordinator:
             "planner": {"enabled": self.planner is not None, "active": self.planner is not None and self.can_switch(),
                         **(self.planner.summary() if self.planner is not None else {})},
         }
+
+
+    def removal_stats(self, wid: str) -> dict | None:
+        """A worker's drain for its removal (None: not being removed): for how long, what was in flight at its start, and
+        what was placed there since (0)."""
+        r = self.removing.get(wid)
+        if r is None:
+            return None
+        return {"for_s": round(time.monotonic() - r.started, 3), "inflight_at_start": r.inflight_at_start,
+                "placed_since": r.placed_since}
 
 
 def check_worker_message_size(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:

@@ -5,9 +5,12 @@ replica limits read from them, and the autoscaler's decisions. Nothing here impo
 once --ray is given), and the decisions are tested without a cluster.
 
 Lifecycle: a RayConfig is built once by `pdserve launch` from its flags; `replica_limits` checks
-the --min-replicas / --max-replicas values against the roles the launch runs (a bad one is a
-usage error before anything starts). pdserve/ray_launch.py then keeps one `Replica` per worker
-actor and hands the coordinator's stats to `Autoscaler.decide` every tick.
+the --min-replicas / --max-replicas values (N, ROLE=N, MODEL:ROLE=N) against the roles the launch
+runs and the models it serves, and gives each model its own limits (a bad value, an unknown model
+or role, is a usage error before anything starts). pdserve/ray_launch.py then keeps one `Replica` per worker
+actor and hands the coordinator's stats to `Autoscaler.decide` every tick; a replica it removes
+drains first (`draining_since`; the coordinator places nothing more there) and `Autoscaler.drained`
+says when it may be stopped.
 """
 from __future__ import annotations
 
@@ -30,41 +33,64 @@ class RayConfig:
                            help="with --ray: CPUs Ray reserves for each worker (it places workers where these are free)")
     num_gpus: float = flag(0.0, group=GROUP, name="ray_num_gpus", min=0, help="with --ray: GPUs Ray reserves for each worker")
     min_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
-                               help="with --ray: the fewest workers of a role (of each model), N (every role) or ROLE=N (0: none "
-                                    "while idle, the next request waits for a cold start; default: the launch's count)")
+                               help="with --ray: the fewest workers of a role (of each model), N (every role), ROLE=N or MODEL:ROLE=N "
+                                    "(one model, by its served name; the most specific wins) (0: none while idle, the next "
+                                    "request waits for a cold start; default: the launch's count)")
     max_replicas: tuple = flag(factory=tuple, group=GROUP, multiple=True,
-                               help="with --ray: the most workers of a role (of each model), N (every role) or ROLE=N; above the "
-                                    "launch's count, workers are added while the role is short (default: the launch's count)")
+                               help="with --ray: the most workers of a role (of each model), N (every role), ROLE=N or "
+                                    "MODEL:ROLE=N; above the launch's count, workers are added while the role is short (default: the launch's count)")
     downscale_delay_s: float = flag(600.0, group=GROUP, min=0,
                                     help="with --ray: a worker idle this long is removed while its role has more than "
                                          "--min-replicas (Ray Serve's default)")
 
     def named_roles(self) -> set[str]:
-        """Roles --min-replicas / --max-replicas name (ROLE=N): a role the launch starts none of may still scale."""
-        return (set(_per_role(self.min_replicas, "--min-replicas")) | set(_per_role(self.max_replicas, "--max-replicas"))) - {""}
+        """Roles --min-replicas / --max-replicas name (ROLE=N, MODEL:ROLE=N): a role the launch starts none of may still scale."""
+        keys = set(_limit_values(self.min_replicas, "--min-replicas")) | set(_limit_values(self.max_replicas, "--max-replicas"))
+        return {role for _, role in keys} - {""}
 
-    def replica_limits(self, counts: dict[str, int]) -> dict[str, tuple[int, int]]:
-        """role -> (min, max) for the roles this launch runs (`counts`: its --prefill/--decode/--colocated
-        counts, which stand where no limit is given); InvalidRequestError for a bad value."""
-        lo, hi = _per_role(self.min_replicas, "--min-replicas"), _per_role(self.max_replicas, "--max-replicas")
+    def replica_limits(self, counts: dict[str, int], models: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
+        """model -> role -> (min, max) for the roles this launch runs (`counts`: its --prefill/--decode/--colocated
+        counts, which stand where no limit is given) and each of its models (their served names). The most
+        specific value wins: MODEL:ROLE=N, then ROLE=N, then N. InvalidRequestError for a bad value, a model the
+        launch does not serve or a role it does not run."""
+        lo, hi = _limit_values(self.min_replicas, "--min-replicas"), _limit_values(self.max_replicas, "--max-replicas")
+        for name, given in (("--min-replicas", lo), ("--max-replicas", hi)):
+            for model, role in given:
+                if model and model not in models:
+                    raise InvalidRequestError(f"{name} {model}:{role}=...: no model is served as {model!r} (this launch serves "
+                                              f"{', '.join(models)})")
+                if model and role not in counts:
+                    raise InvalidRequestError(f"{name} {model}:{role}=...: this launch runs no {role} worker (its roles: "
+                                              f"{', '.join(counts)})")
         out = {}
-        for role, n in counts.items():
-            mn = lo.get(role, lo.get("", n))
-            mx = hi.get(role, hi.get("", max(n, mn)))
-            if mx < max(mn, 1):
-                raise InvalidRequestError(f"--max-replicas of {role} is {mx}: it must be >= 1 and >= --min-replicas ({mn})")
-            out[role] = (mn, mx)
+        for model in models:
+            out[model] = {}
+            for role, n in counts.items():
+                mn = _most_specific(lo, model, role, n)
+                mx = _most_specific(hi, model, role, max(n, mn))
+                if mx < max(mn, 1):
+                    raise InvalidRequestError(f"--max-replicas of {model}:{role} is {mx}: it must be >= 1 and >= --min-replicas ({mn})")
+                out[model][role] = (mn, mx)
         return out
 
 
-def _per_role(values: tuple, name: str) -> dict[str, int]:
-    """`N` (key "") or `ROLE=N` values by role."""
+def _most_specific(given: dict[tuple[str, str], int], model: str, role: str, default: int) -> int:
+    for key in ((model, role), ("", role), ("", "")):
+        if key in given:
+            return given[key]
+    return default
+
+
+def _limit_values(values: tuple, name: str) -> dict[tuple[str, str], int]:
+    """`N` (key ("", "")), `ROLE=N` (("", ROLE)) or `MODEL:ROLE=N` ((MODEL, ROLE)) values by (model, role)."""
     out = {}
     for value in values:
-        role, _, n = value.rpartition("=")
-        if role not in ("", *ROLES) or not n.isdigit():
-            raise InvalidRequestError(f"{name} wants N or ROLE=N (ROLE: {', '.join(ROLES)}), got {value!r}")
-        out[role] = int(n)
+        key, _, n = value.rpartition("=")
+        model, colon, role = key.rpartition(":")
+        if role not in ("", *ROLES) or not n.isdigit() or (colon and not (model and role)):
+            raise InvalidRequestError(f"{name} wants N, ROLE=N or MODEL:ROLE=N (ROLE: {', '.join(ROLES)}; MODEL: a served "
+                                      f"model's name), got {value!r}")
+        out[(model, role)] = int(n)
     return out
 
 
@@ -76,6 +102,7 @@ class Replica:
     asked: float  # when it was asked for (monotonic)
     registered: float | None = None  # when its worker first appeared in the coordinator's stats
     idle_since: float | None = None
+    draining_since: float | None = None  # when its removal began: drained (DrainWorker), stopped once nothing is in flight
 
     @property
     def worker_id(self) -> str:
@@ -93,6 +120,8 @@ class Autoscaler:
     # a replica whose worker has not registered this long after it was asked for (its actor pending for resources, or
     # its worker unable to start on its node) is given up: removed, so that its role can grow again
     register_timeout_s: float = 300.0
+    # a draining worker still holding requests this long after its drain began is stopped all the same (they are placed again)
+    drain_timeout_s: float = 600.0
 
     def short(self, stats: dict, role: str, workers: list[dict]) -> str | None:
         """Why `role` needs a worker more (None: it does not)."""
@@ -113,6 +142,7 @@ class Autoscaler:
         """([(role, why)] to add, [replica] to remove); marks registrations and idle clocks."""
         by_id = {w["id"]: w for w in stats.get("workers", [])}
         add, remove = [], []
+        replicas = [r for r in replicas if r.draining_since is None]  # those being removed count no more
         for role, (lo, hi) in self.limits.items():
             stale = [r for r in replicas if r.role == role and r.registered is None and now - r.asked > self.register_timeout_s]
             remove += stale
@@ -131,3 +161,18 @@ class Autoscaler:
                 remove += sorted(idle, key=lambda r: r.idle_since)[:1]
         self.cold_refusals = stats.get("requests", {}).get("error:cold_start", 0)
         return add, remove
+
+    def drained(self, stats: dict, rep: Replica, now: float) -> str | None:
+        """Why a draining replica may be stopped now (None: not yet, its drain goes on): its worker is not registered
+        (nothing can be on it), or the coordinator shows it draining with nothing in flight (each request placed on it
+        before the drain completed there, and none is placed there since), or its drain outlasted drain_timeout_s."""
+        w = next((w for w in stats.get("workers", []) if w["id"] == rep.worker_id), None)
+        if w is None:
+            return "its worker is not registered"
+        d = w.get("draining")
+        if d is not None and not w["inflight"]:
+            return (f"drained in {now - rep.draining_since:.1f} s: the {d['inflight_at_start']} requests in flight at its start "
+                    f"completed, {d['placed_since']} placed on it since")
+        if now - rep.draining_since > self.drain_timeout_s:
+            return f"still {w['inflight']} requests in flight {self.drain_timeout_s:g} s after its drain began: they are placed again"
+        return None

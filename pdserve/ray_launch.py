@@ -34,12 +34,14 @@ Lifecycle: connect to Ray (or start the private cluster) -> start the coordinato
 are handed on from it) -> start each model's initial workers (the launch's counts, within the limits),
 each actor's worker pointed at its model's coordinator and path, and wait until they are
 registered -> every TICK_S: tend the local roles (restarts), and for each model (a `ModelPool`:
-its actors and its own Autoscaler, the same --min-replicas/--max-replicas for every model) read
+its actors and its own Autoscaler, within that model's --min-replicas/--max-replicas: N, ROLE=N or MODEL:ROLE=N) read
 its coordinator's stats, report its actors' restart counts (asked every REPORT_S), and
 `Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its
 workers or waiting for a worker, gets one more worker, one at a time; a worker idle for
---downscale-delay-s is removed while its role has more than its minimum) -> on SIGINT/SIGTERM
+--downscale-delay-s is removed while its role has more than its minimum: drained first (DrainWorker:
+its coordinator places nothing more there, what is in flight there completes), stopped once the
+stats show nothing in flight on it, so that no request placed there in its last seconds is placed again) -> on SIGINT/SIGTERM
 stop every actor's worker (SIGTERM), then the local roles, and leave the cluster (a private one
 stops with it; its directory is removed).
 With --min-replicas 0 every model's coordinator runs with cold starts on (--cold-start-s, the estimate
@@ -150,6 +152,7 @@ class ModelPool:
 
     model: ModelPlan
     scaler: Autoscaler
+    initial: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> workers started with (the launch's count within its limits)
     replicas: list[Replica] = dataclasses.field(default_factory=list)
     asked: dict = dataclasses.field(default_factory=dict)  # replica name -> its pending `restarts` call
     next_ask: float = 0.0  # when its actors are next asked for their restarts (monotonic)
@@ -162,14 +165,15 @@ class RayLaunch:
         check_supported(plan)
         counts = {role: getattr(plan, role) for role in ROLES if getattr(plan, role) or role in cfg.named_roles()}
         self.plan, self.cfg, self.log_dir = plan, cfg, log_dir
-        limits = cfg.replica_limits(counts)  # the same for every model
-        serving = {role for role, n in counts.items() if n}
-        self.pools = [ModelPool(m, Autoscaler(limits, cfg.downscale_delay_s, serving)) for m in plan.models]
-        self.initial = {role: min(max(n, limits[role][0]), limits[role][1]) for role, n in counts.items()}
         local = dataclasses.replace(plan, prefill=0, decode=0, colocated=0)
-        if any(lo == 0 for lo, _ in limits.values()):
-            local.coordinator_args = with_cold_start(plan.coordinator_args)
         self.local = Launcher(local, log_dir, usage_error)
+        limits = cfg.replica_limits(counts, self.local.served_names())  # model -> role -> (min, max)
+        serving = {role for role, n in counts.items() if n}
+        self.pools = [ModelPool(m, Autoscaler(lim, cfg.downscale_delay_s, serving), initial={
+                          role: min(max(n, lim[role][0]), lim[role][1]) for role, n in counts.items()})
+                      for m, lim in zip(plan.models, limits.values())]
+        if any(lo == 0 for lim in limits.values() for lo, _ in lim.values()):
+            local.coordinator_args = with_cold_start(plan.coordinator_args)  # every model's coordinator (one may idle at zero)
         # no --expect-worker: an actor that does not register is replaced under another id (Autoscaler.register_timeout_s),
         # so its coordinator is ready by roles (a decode worker, or cold starts on) and `wait_ready` waits for the initial actors
         self.local.expected = {}
@@ -210,7 +214,7 @@ class RayLaunch:
         signal.signal(signal.SIGTERM, handler)  # ray.init sets its own: SIGTERM stops the launch as Ctrl-C does
         self.local.start()
         for pool in self.pools:
-            for role, n in self.initial.items():
+            for role, n in pool.initial.items():
                 for _ in range(n):
                     self.add(pool, role, "the launch's count")
 
@@ -242,12 +246,31 @@ class RayLaunch:
             args = ActorArgs(plan, self.log_dir, key_files=role_key_files(keys, role, p.fixed_roles) if keys else None)
         return msgspec.json.encode(args)
 
-    def remove(self, pool: ModelPool, rep: Replica) -> None:
-        why = (f"idle for {self.cfg.downscale_delay_s:g} s" if rep.registered is not None else
-               f"not registered {pool.scaler.register_timeout_s:g} s after it was asked for (its actor's log says why)")
-        print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
-        pool.replicas.remove(rep)
-        stop_actors([rep])
+    def remove(self, pool: ModelPool, rep: Replica, client) -> None:
+        """Start removing rep: a registered worker is drained first (its coordinator places nothing more there; `drain`
+        stops it once nothing is in flight), one that never registered is stopped at once."""
+        if rep.registered is None:
+            print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: not registered "
+                  f"{pool.scaler.register_timeout_s:g} s after it was asked for (its actor's log says why)", file=sys.stderr, flush=True)
+            pool.replicas.remove(rep)
+            stop_actors([rep])
+            return
+        print(f"pdserve launch: ray: draining {rep.role} worker {rep.worker_id} to remove it: idle for "
+              f"{self.cfg.downscale_delay_s:g} s", file=sys.stderr, flush=True)
+        rep.draining_since = time.monotonic()
+        client.drain_worker(rep.worker_id)
+
+    def drain(self, pool: ModelPool, stats: dict, client) -> None:
+        """The pool's draining replicas: each stopped once its coordinator shows nothing in flight on it (Autoscaler.drained),
+        else told again (a restarted coordinator learns the drain again)."""
+        for rep in [r for r in pool.replicas if r.draining_since is not None]:
+            why = pool.scaler.drained(stats, rep, time.monotonic())
+            if why is None:
+                client.drain_worker(rep.worker_id)
+                continue
+            print(f"pdserve launch: ray: removing {rep.role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
+            pool.replicas.remove(rep)
+            stop_actors([rep])
 
     def tick(self, clients: list) -> None:
         """One pass: the local roles tended; for each model (`clients`: one per model's coordinator), registrations noted
@@ -260,7 +283,7 @@ class RayLaunch:
                 stats = client.stats(timeout=2.0)
             except ClientError:
                 continue  # this coordinator restarts: next tick
-            self.scale(pool, stats)
+            self.scale(pool, stats, client)
             self.report_restarts(pool, client)
 
     def report_restarts(self, pool: ModelPool, client) -> None:
@@ -287,8 +310,8 @@ class RayLaunch:
         if now >= pool.next_ask:
             pool.next_ask = now + REPORT_S
 
-    def scale(self, pool: ModelPool, stats: dict) -> None:
-        """One model's autoscaler on its coordinator's stats: registrations logged, workers added and removed."""
+    def scale(self, pool: ModelPool, stats: dict, client) -> None:
+        """One model's autoscaler on its coordinator's stats: registrations logged, workers added, drained and removed."""
         was = {r.name for r in pool.replicas if r.registered is None}
         add, remove = pool.scaler.decide(stats, pool.replicas, time.monotonic())
         for r in pool.replicas:
@@ -297,8 +320,9 @@ class RayLaunch:
                       f"asked for", file=sys.stderr, flush=True)
         for role, why in add:
             self.add(pool, role, why)
+        self.drain(pool, stats, client)  # (those whose drain began at an earlier tick: the stats show it)
         for rep in remove:
-            self.remove(pool, rep)
+            self.remove(pool, rep, client)
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until the initial workers are registered (and the gateway answers); returns the stats."""

@@ -26,6 +26,7 @@ from pdserve_client.protocol import (
     ChatMessage,
     CoordinatorToClient,
     Delta,
+    DrainWorker,
     ErrorReply,
     Final,
     GenerateRequest,
@@ -331,6 +332,12 @@ class Client:
         """The launcher's restart counts for its node (no answer comes back)."""
         self.endpoint.renew()
         _send_now(self.sock, encode(NodeReport(node, restarts, last_exit)))
+
+    def drain_worker(self, worker_id: str) -> None:
+        """Tell the coordinator this worker is about to be removed: it places nothing more there (no answer
+        comes back; the worker's `draining` in the stats shows it)."""
+        self.endpoint.renew()
+        _send_now(self.sock, encode(DrainWorker(worker_id)))
 
     def stats(self, timeout: float = 10.0) -> dict:
         self.endpoint.renew()

@@ -5,7 +5,8 @@ and its worker messages (wire/protocol.py) are built on the same `Message` base.
 Lifecycle of one request on the client port: the client sends GenerateRequest; the coordinator
 answers with Delta messages and one Final, or an ErrorReply at any point. AbortRequest ends a
 request early, StatusRequest asks whether one is still known, StatsRequest -> StatsReply gives
-the cluster's stats, NodeReport carries a launcher's restart counts. Each socket has one typed
+the cluster's stats, NodeReport carries a launcher's restart counts, DrainWorker a launcher's
+notice that it will remove a worker (no new request is placed there). Each socket has one typed
 decoder over the union of what may arrive on it (`decoder`); no pickle anywhere.
 """
 from __future__ import annotations
@@ -124,7 +125,17 @@ class NodeReport(Message):
     last_exit: dict[str, str] = {}
 
 
-ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest, NodeReport]
+class DrainWorker(Message):
+    """Launcher -> coordinator (client port, no answer): the launcher is about to remove this worker
+    (an autoscaler's scale-down). The coordinator places nothing more on it, lets what is in flight
+    there complete, and shows the drain in its stats (the worker's `draining`); the launcher stops it
+    once nothing is in flight. Sent again every tick until then (idempotent: a restarted coordinator
+    learns it again)."""
+
+    worker_id: str
+
+
+ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest, NodeReport, DrainWorker]
 CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 
 

@@ -6,7 +6,8 @@ completed identically (or ended with a typed error), none hung, and the lost wor
 remaining node within 60 s; idleness takes every worker away (ready all the same: cold starts
 on), a request whose TTFT target is under the cold start waits for it and is served identically,
 while one more, past the held-requests bound, is refused 503 `cold_start` with Retry-After the
-expected cold start (measured, once one was); a burst that queues then scales decode from one to two. The launch serves a
+expected cold start (measured, once one was); a burst that queues then scales decode from one to two; a scale-down under a steady load drains the worker it
+removes (nothing placed on it once its drain starts, what was in flight there completes, nothing placed again). The launch serves a
 second tiny model (`beta`, another seed) behind the same gateway, under the same limits: idle since the launch, it is
 at zero workers, and its next request is served after a cold start; both models answer through the gateway as the
 in-process runtime does on each. One cluster and one launch for the module; skipped where ray is not installed (the
@@ -226,6 +227,59 @@ def test_a_burst_scales_decode_up(node):
 def decode_count(node) -> int:
     with Client(node.clients, timeout=5) as c:
         return sum(w["role"] == "decode" for w in c.stats()["workers"])
+
+
+def test_a_scale_down_under_load_drains_the_worker_it_removes(node, expected):
+    """A burst brings decode to two workers; a steady load goes on after it (one stream at a time, greedy-checked) while the
+    worker it leaves idle is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
+    0 in the launch's log, taken from the coordinator's count of placements there), stopped once nothing is in flight on
+    it; every request completes identically, none is placed again (retries and workers_lost unchanged)."""
+    warm(node, expected)  # workers up (idle since the fixture, they may be at zero: the burst must not meet a cold start)
+    with Client(node.clients, timeout=10) as c:
+        before = c.stats()["requests"]
+    log_from = len(node.stderr())
+    stop, outs, burst_done = [], [], []
+
+    def steady():
+        with Client(node.clients, timeout=180) as c:
+            i = 0
+            while not stop:
+                p = prompts(8)[i % 8]
+                outs.append((i % 8, c.generate(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids))
+                i += 1
+
+    async def burst():
+        async with AsyncClient(node.clients, timeout=180) as c:
+            return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
+                                          for p in prompts(8)))
+
+    load = threading.Thread(target=steady)
+    load.start()
+    b = threading.Thread(target=lambda: burst_done.append(asyncio.run(burst())))
+    b.start()
+    try:
+        poll("two decode workers during the burst", lambda: decode_count(node) >= 2, 120)
+        b.join(180)
+        assert burst_done and [r.completion_tokens for r in burst_done[0]] == [BURST_TOKENS] * 8
+        removed = poll("a decode worker drained and removed under the steady load",
+                       lambda: [ln for ln in node.stderr()[log_from:].splitlines() if "removing decode worker ray" in ln],  # not beta's
+                       DOWNSCALE_S * 3 + 60)
+        n = len(outs)
+        poll("the steady load served after the removal", lambda: len(outs) >= n + 2, 60)
+    finally:
+        stop.append(1)
+        load.join(180)
+        b.join(1)
+    assert not load.is_alive() and outs
+    assert all(ids == expected[i] for i, ids in outs), [i for i, ids in outs if ids != expected[i]]
+    log = node.stderr()[log_from:]
+    wid = removed[0].split("removing decode worker ")[1].split(":")[0]
+    assert f"draining decode worker {wid} to remove it" in log and "0 placed on it since" in removed[0], removed
+    with Client(node.clients, timeout=10) as c:
+        after = wait_all_blocks_free(c, timeout=5)["requests"]
+    assert after.get("retries", 0) == before.get("retries", 0) and after.get("workers_lost", 0) == before.get("workers_lost", 0), after
+    assert after["drains"] >= before.get("drains", 0) + 1 and after["workers_removed"] >= before.get("workers_removed", 0) + 1
+    print(f"scale-down under load: {removed[0]}; {len(outs)} steady requests served")
 
 
 def test_a_second_model_idle_at_zero_answers_after_its_cold_start(node, model_dir, beta_dir, expected):

@@ -21,12 +21,36 @@ def stats(*workers, pending=0, loads=(0.0, 0.0), refused=0):
 
 def test_replica_limits_per_role_and_for_every_role():
     cfg = RayConfig(min_replicas=("0", "prefill=1"), max_replicas=("decode=3",))
-    assert cfg.replica_limits({"prefill": 1, "decode": 1}) == {"prefill": (1, 1), "decode": (0, 3)}
-    assert RayConfig().replica_limits({"decode": 2}) == {"decode": (2, 2)}  # the launch's count, fixed
+    assert cfg.replica_limits({"prefill": 1, "decode": 1}, ["m"]) == {"m": {"prefill": (1, 1), "decode": (0, 3)}}
+    assert RayConfig().replica_limits({"decode": 2}, ["m"]) == {"m": {"decode": (2, 2)}}  # the launch's count, fixed
     for bad in (RayConfig(min_replicas=("gpu=1",)), RayConfig(max_replicas=("decode=x",)), RayConfig(max_replicas=("0",)),
                 RayConfig(min_replicas=("3",), max_replicas=("2",))):
         with pytest.raises(InvalidRequestError):
-            bad.replica_limits({"decode": 1})
+            bad.replica_limits({"decode": 1}, ["m"])
+
+
+def test_replica_limits_per_model_the_most_specific_wins():
+    """MODEL:ROLE=N beside N and ROLE=N: beta may idle to zero decode workers while alpha keeps one."""
+    cfg = RayConfig(min_replicas=("1", "beta:decode=0", "beta:prefill=0"), max_replicas=("decode=2", "alpha:decode=4"))
+    assert cfg.replica_limits({"prefill": 1, "decode": 1}, ["alpha", "beta"]) == {
+        "alpha": {"prefill": (1, 1), "decode": (1, 4)}, "beta": {"prefill": (0, 1), "decode": (0, 2)}}
+    assert cfg.named_roles() == {"prefill", "decode"}
+    ns = RayConfig(min_replicas=("m:v1:decode=0",))  # a served name with a colon: the last one splits
+    assert ns.replica_limits({"decode": 1}, ["m:v1"]) == {"m:v1": {"decode": (0, 1)}}
+
+
+@pytest.mark.parametrize("values, names", [
+    (dict(min_replicas=("gamma:decode=0",)), ["'gamma'", "alpha, beta"]),  # an unknown model, and the ones served
+    (dict(max_replicas=("beta:colocated=2",)), ["no colocated worker", "prefill, decode"]),  # a role the launch runs none of
+    (dict(min_replicas=("beta:gpu=1",)), ["MODEL:ROLE=N", "'beta:gpu=1'"]),
+    (dict(min_replicas=(":decode=1",)), ["MODEL:ROLE=N"]),
+    (dict(min_replicas=("beta:=1",)), ["MODEL:ROLE=N"]),
+    (dict(min_replicas=("beta:decode=3",), max_replicas=("2",)), ["beta:decode is 2"]),
+])
+def test_a_bad_per_model_limit_is_refused_naming_it(values, names):
+    with pytest.raises(InvalidRequestError) as e:
+        RayConfig(**values).replica_limits({"prefill": 1, "decode": 1}, ["alpha", "beta"])
+    assert all(n in str(e.value) for n in names), str(e.value)
 
 
 def test_a_short_role_grows_one_at_a_time_up_to_its_maximum():
@@ -100,3 +124,38 @@ def test_a_replica_that_never_registers_is_given_up_and_its_role_grows_again():
 def test_the_roles_the_limits_name():
     assert RayConfig(min_replicas=("0", "prefill=1"), max_replicas=("decode=3",)).named_roles() == {"prefill", "decode"}
     assert RayConfig(max_replicas=("2",)).named_roles() == set()
+
+
+def test_pdserve_launch_refuses_a_limit_for_a_model_it_does_not_serve(tmp_path):
+    """Through the command line: a usage error naming the model, before anything starts (no cluster joined)."""
+    pytest.importorskip("ray")
+    from click.testing import CliRunner
+
+    from pdserve.cli import main
+
+    for name in ("alpha", "beta"):
+        (tmp_path / name).mkdir()
+    args = ["launch", "--model", str(tmp_path / "alpha"), "--model", f"{tmp_path / 'beta'}=b2", "--ray", "auto"]
+    r = CliRunner().invoke(main, [*args, "--min-replicas", "beta:decode=0"])
+    assert r.exit_code == 2 and "no model is served as 'beta'" in r.output and "alpha, b2" in r.output, r.output
+    r = CliRunner().invoke(main, [*args, "--max-replicas", "b2:decode=0"])
+    assert r.exit_code == 2 and "--max-replicas of b2:decode is 0" in r.output, r.output
+
+
+def test_a_removed_worker_drains_and_is_stopped_once_nothing_is_in_flight_on_it():
+    """decide's removal starts a drain (ray_launch's `remove`); a draining replica counts no more for its role, and
+    `drained` says stop only once the coordinator shows the drain with nothing in flight (or past drain_timeout_s)."""
+    scaler = Autoscaler({"decode": (0, 2)}, 5.0, {"decode"}, drain_timeout_s=60.0)
+    reps = [Replica("ray1", "decode", None, 0.0, registered=0.0, idle_since=0.0, draining_since=10.0),
+            Replica("ray2", "decode", None, 0.0, registered=0.0)]
+    drain = {"for_s": 1.0, "inflight_at_start": 1, "placed_since": 0}
+    busy = stats(dict(worker("ray1-decode-0", inflight=1), draining=drain), dict(worker("ray2-decode-0"), draining=None))
+    add, remove = scaler.decide(busy, reps, 11.0)
+    assert not add and not remove  # ray1 is leaving already: not removed twice; ray2's idle clock starts
+    assert scaler.drained(busy, reps[0], 11.0) is None  # a request in flight on it: it completes there first
+    not_yet = stats(dict(worker("ray1-decode-0"), draining=None))  # the coordinator has not seen the DrainWorker (restarted)
+    assert scaler.drained(not_yet, reps[0], 12.0) is None
+    done = stats(dict(worker("ray1-decode-0"), draining=drain))
+    assert "drained in 3.0 s: the 1 requests in flight at its start completed, 0 placed on it since" == scaler.drained(done, reps[0], 13.0)
+    assert "not registered" in scaler.drained(stats(), reps[0], 13.0)
+    assert "placed again" in scaler.drained(busy, reps[0], 71.0)
