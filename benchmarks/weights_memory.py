@@ -55,7 +55,8 @@ def measure(model: str, layout: str, cache: str, threads: int, kv_mb: int, timeo
     os.environ["PDSERVE_WEIGHT_CACHE"] = "off" if layout.endswith("off") else cache
     counts = dict(prefill=0, decode=0, colocated=1) if layout == "1 worker" else dict(prefill=1, decode=1, colocated=0)
     plan = NodePlan(**counts, model=model, client_addr=f"tcp://127.0.0.1:{free_port()}", worker_addr=f"tcp://127.0.0.1:{free_port()}",
-                    engine_args=["--kv-cache-mb", str(kv_mb)], threads=threads, name="mem", launch_keys=False)
+                    engine_args=["--kv-cache-mb", str(kv_mb)], threads=threads, name="mem", launch_keys=False,
+                    coordinator_args=["--no-slo"])  # one request, whatever the machine's load
     log_dir = tempfile.mkdtemp(prefix="pdserve-mem-")
     launcher = Launcher(plan, log_dir=log_dir)
     t0 = time.monotonic()
