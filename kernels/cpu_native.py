@@ -321,17 +321,19 @@ class NativeOps:
 
     def gemv16_copy(self, w) -> torch.Tensor | None:
         """The 16-row interleaved copy of a kernels.quant.QuantTensor (gemv16_ops.c
-        pd_q_repack16), made once per weight and kept on it; None where this variant has no
-        16-row GEMV, the weight's rows are not a multiple of 16 or its type is not one the GEMV
-        takes (GEMV16_QTYPES)."""
+        pd_q_repack16), made once per weight and kept on it (QuantTensor.derived: once per node,
+        in the weight cache's shared files, where the weight has an origin); None where this
+        variant has no 16-row GEMV, the weight's rows are not a multiple of 16 or its type is not
+        one the GEMV takes (GEMV16_QTYPES)."""
         if not self.has_gemv16 or w.shape[0] % 16 or w.qtype not in GEMV16_QTYPES:
             return None
-        copy = w.__dict__.get("_gemv16")
-        if copy is None:
-            copy = torch.empty_like(w.raw)
-            if self.lib.pd_q_repack16(w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape[0], w.shape[1], copy.data_ptr()):
-                raise ValueError(f"pd_q_repack16 refused a {w.qtype} {w.shape} weight")
-            w.__dict__["_gemv16"] = copy  # (QuantTensor is frozen: kept in its __dict__, for the weight's life)
+        return w.derived("gemv16", self.repack16, row_group=16)
+
+    def repack16(self, w) -> torch.Tensor:
+        """pd_q_repack16 of a QuantTensor into a new tensor shaped like its bytes."""
+        copy = torch.empty(tuple(w.raw.shape), dtype=torch.uint8)
+        if self.lib.pd_q_repack16(w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape[0], w.shape[1], copy.data_ptr()):
+            raise ValueError(f"pd_q_repack16 refused a {w.qtype} {w.shape} weight")
         return copy
 
     def q_linear_i8_gemm(self, w):

@@ -16,6 +16,11 @@ up to a bucket (1, 2, 4, 8, then multiples of 8; zero rows, sliced off the resul
 row counts per weight (19). The packed copy doubles the memory of the weights it packs.
 - `quant`: the weight is a kernels.quant.QuantTensor (GGUF Q4_0/Q4_1/Q8_0 blocks, `--quantization
   auto`), multiplied by kernels.quant.matmul; chosen by the weight's type whatever the kind asked.
+  Its blocks and its 16-row GEMV copy (kernels.cpu_native gemv16_copy) are read-only maps of the
+  GGUF and of the node's weight-cache files where the loader gave the weight an origin
+  (runtime.weight_cache): one copy per node, not per process. The oneDNN reorder of a float
+  weight (and int4pack's, bf16's, int8pack's copies) is still made per process: oneDNN's blocked
+  tensor owns its memory, which cannot be a file map.
 Those are the rules. `use(rows_backends)` replaces them with a measured table's row for this
 weight's shape (kernels.select; back-ends by name from kernels.backends): each call then runs the
 back-end of the smallest bucket that holds its rows (the last bucket's above), bound once here;

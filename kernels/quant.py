@@ -2,9 +2,12 @@
 Q5_K, Q6_K), their matmul and their twin.
 
 Lifecycle: runtime.weights wraps each quantized 2-D tensor of a GGUF file in a `QuantTensor`
-(its bytes copied once out of the file map, rows in the file's order), and each 3-D expert stack
+(its bytes a read-only view of the file map with an `Origin` in the node's weight cache, or
+copied out of the map where the cache is off; rows in the file's order), and each 3-D expert stack
 of a mixture of experts in a `QuantExperts` (expert e's matrix: a QuantTensor viewing its slice),
 when asked to keep weights quantized; the model fuses q/k/v and gate/up by concatenating rows (`QuantTensor.cat`);
+what is made of blocks that have an origin (take_rows, cat, `derived`: the kernels' re-layouts)
+is made once per node in the origin's store (runtime.weight_cache) and mapped read-only from there;
 kernels.linear.PackedLinear then multiplies with `matmul` for the life of the process, and the
 embedding lookup reads rows with `rows_float`. `dequantize` is the slow, obvious twin: the same
 values gguf's numpy dequantizer gives, in plain torch; the float32 model built from it is what
@@ -34,7 +37,10 @@ on CUDA. Other GGUF types (I-quants, ...) are dequantized to float at load, as b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +74,40 @@ def kernel_rows(activations: str) -> int:
     return max(DIRECT_ROWS, DIRECT_INT_ROWS.get(activations, 0))
 
 
+class BlockStore(Protocol):
+    """Where re-laid-out blocks live (runtime.weight_cache.WeightCache: a node's shared files)."""
+
+    def get(self, key: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The uint8 tensor `shape` stored under `key` (read-only), made by `make()` where absent."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a matrix's bytes come from, so that what is made of them is made once per node:
+    `key` names them in `store` (a GGUF tensor's name, or how they were made of others, e.g.
+    `cat(rows(blk.0.attn_q.weight,…),…)`); a view of rows of another matrix names that `parent`
+    and its first row `row0` (a re-layout local to groups of rows is then a slice of the parent's)."""
+
+    store: BlockStore
+    key: str
+    parent: QuantTensor | None = None
+    row0: int = 0
+
+
+def _index_digest(index: torch.Tensor) -> str:
+    return hashlib.sha256(index.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class QuantTensor:
-    """A (out, in) weight matrix as rows of GGUF blocks: raw is (out, in / 32 * block bytes) uint8."""
+    """A (out, in) weight matrix as rows of GGUF blocks: raw is (out, in / 32 * block bytes) uint8.
+    `origin` (runtime.weights with the weight cache): raw is a read-only map of the GGUF or of a
+    cache file, and what take_rows / cat / derived make of it is made once per node (Origin)."""
 
     raw: torch.Tensor
     qtype: str
     shape: tuple[int, int]
+    origin: Origin | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.qtype not in QTYPES:
@@ -94,19 +127,62 @@ class QuantTensor:
         return QTYPES[self.qtype][0]
 
     def take_rows(self, index: torch.Tensor) -> QuantTensor:
-        """The matrix of rows `index` (a row permutation or selection; rows are independent)."""
-        raw = self.raw.index_select(0, index).contiguous()
-        return QuantTensor(raw, self.qtype, (raw.shape[0], self.shape[1]))
+        """The matrix of rows `index` (a row permutation or selection; rows are independent): a
+        copy, made once per node where the matrix has an origin (its store keeps it)."""
+        shape = (index.numel(), self.raw.shape[1])
+        if self.origin is None:
+            return QuantTensor(self.raw.index_select(0, index).contiguous(), self.qtype, (shape[0], self.shape[1]))
+        key = f"rows({self.origin.key},{_index_digest(index)})"
+        raw = self.origin.store.get(key, shape, lambda: self.raw.index_select(0, index).contiguous())
+        return QuantTensor(raw, self.qtype, (shape[0], self.shape[1]), Origin(self.origin.store, key))
+
+    def row_slice(self, start: int, stop: int) -> QuantTensor:
+        """Rows start..stop as a view of these bytes (nothing copied)."""
+        origin = None if self.origin is None else Origin(self.origin.store, f"{self.origin.key}[{start}:{stop}]", self, start)
+        return QuantTensor(self.raw[start:stop], self.qtype, (stop - start, self.shape[1]), origin)
 
     @staticmethod
     def cat(parts: list) -> QuantTensor | None:
         """Rows of several matrices stacked (q/k/v, gate/up); None unless all are QuantTensors of
         one type and width (a Q4_K_M file's q/k/v mix Q4_K and Q6_K in some layers: the model
-        then keeps them side by side, runtime.model.MixedBlocks)."""
+        then keeps them side by side, runtime.model.MixedBlocks). Consecutive row slices of one
+        matrix (a fused qkv split at load) join back into a view of it; parts that all have an
+        origin in one store are joined once per node (the store's copy); others are copied."""
         if not all(isinstance(p, QuantTensor) for p in parts) or len({(p.qtype, p.shape[1]) for p in parts}) != 1:
             return None
-        raw = torch.cat([p.raw for p in parts])
-        return QuantTensor(raw, parts[0].qtype, (raw.shape[0], parts[0].shape[1]))
+        qtype, cols, rows = parts[0].qtype, parts[0].shape[1], sum(p.shape[0] for p in parts)
+        origins = [p.origin for p in parts]
+        if all(o is not None for o in origins):
+            parent, start = origins[0].parent, origins[0].row0
+            if parent is not None and all(o.parent is parent for o in origins) \
+                    and all(o.row0 == start + sum(q.shape[0] for q in parts[:i]) for i, o in enumerate(origins)):
+                return parent.row_slice(start, start + rows)
+            store = origins[0].store
+            if all(o.store is store for o in origins):
+                key = f"cat({','.join(o.key for o in origins)})"
+                raw = store.get(key, (rows, parts[0].raw.shape[1]), lambda: torch.cat([p.raw for p in parts]))
+                return QuantTensor(raw, qtype, (rows, cols), Origin(store, key))
+        return QuantTensor(torch.cat([p.raw for p in parts]), qtype, (rows, cols))
+
+    def derived(self, kind: str, make: Callable[[QuantTensor], torch.Tensor], row_group: int = 0) -> torch.Tensor:
+        """A re-layout of these bytes, as large as they are (`make(self)`: a uint8 tensor shaped like
+        raw; kernels.cpu_native's 16-row GEMV copy), made once and kept on this matrix for its
+        life; with an origin, made once per node into its store and mapped from there. row_group:
+        the re-layout is local to groups of that many rows, so that of a view of a parent's rows
+        (Origin.parent: an expert of a stack, a part of a fused matrix) is a slice of the parent's."""
+        out = self.__dict__.get("_" + kind)  # (QuantTensor is frozen: kept in its __dict__)
+        if out is not None:
+            return out
+        o, rows = self.origin, self.shape[0]
+        if o is None:
+            out = make(self)
+        elif o.parent is not None and row_group and not (o.row0 % row_group or rows % row_group or o.parent.shape[0] % row_group):
+            whole = o.parent.derived(kind, make, row_group)
+            out = whole[o.row0:o.row0 + rows]
+        else:
+            out = o.store.get(f"{kind}({o.key})", tuple(self.raw.shape), lambda: make(self))
+        self.__dict__["_" + kind] = out
+        return out
 
     def dequantize(self) -> torch.Tensor:
         """The twin: every weight as float32, the values gguf.quants.dequantize gives."""
@@ -135,6 +211,7 @@ class QuantExperts:
     raw: torch.Tensor
     qtype: str
     shape: tuple[int, int, int]
+    origin: Origin | None = field(default=None, compare=False, repr=False)  # as QuantTensor's
 
     def __post_init__(self):
         experts, rows, cols = self.shape
@@ -149,16 +226,35 @@ class QuantExperts:
         return self.raw.numel()
 
     def expert(self, e: int) -> QuantTensor:
-        return QuantTensor(self.raw[e], self.qtype, self.shape[1:])
+        """Expert e's matrix, a view of its bytes (with an origin: rows of the stack's `as_rows`)."""
+        if self.origin is None:
+            return QuantTensor(self.raw[e], self.qtype, self.shape[1:])
+        return self.as_rows().row_slice(e * self.shape[1], (e + 1) * self.shape[1])
+
+    def as_rows(self) -> QuantTensor:
+        """The stack as one (E * rows, cols) matrix of the same bytes (one object for its life)."""
+        whole = self.__dict__.get("_rows")
+        if whole is None:
+            e, rows, cols = self.shape
+            whole = QuantTensor(self.raw.reshape(e * rows, -1), self.qtype, (e * rows, cols), self.origin)
+            self.__dict__["_rows"] = whole
+        return whole
 
     @staticmethod
     def cat(parts: list) -> QuantExperts | None:
         """Each expert's rows of several stacks stacked (gate then up); None unless all are
-        QuantExperts of one type and width (then the caller keeps them apart)."""
+        QuantExperts of one type and width (then the caller keeps them apart). Stacks that all
+        have an origin in one store are joined once per node (the store's copy)."""
         if not all(isinstance(p, QuantExperts) for p in parts) or len({(p.qtype, p.shape[0], p.shape[2]) for p in parts}) != 1:
             return None
+        e, rows, cols = parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2]
+        origins = [p.origin for p in parts]
+        if all(o is not None for o in origins) and all(o.store is origins[0].store for o in origins):
+            store, key = origins[0].store, f"cat_experts({','.join(o.key for o in origins)})"
+            raw = store.get(key, (e, rows, parts[0].raw.shape[2]), lambda: torch.cat([p.raw for p in parts], dim=1))
+            return QuantExperts(raw, parts[0].qtype, (e, rows, cols), Origin(store, key))
         raw = torch.cat([p.raw for p in parts], dim=1)
-        return QuantExperts(raw, parts[0].qtype, (raw.shape[0], raw.shape[1], parts[0].shape[2]))
+        return QuantExperts(raw, parts[0].qtype, (e, rows, cols))
 
     def dequantize(self) -> torch.Tensor:
         """The twin: every expert's weights as float32, (E, rows, cols)."""

@@ -5,8 +5,9 @@ whose module is `QuantExpertStack`), `QuantLinear` (one matrix in blocks).
 
 Lifecycle: runtime.model.LlamaModel.load_weights builds these modules once from the loader's
 tensors; runtime.cpu_forward (the CPU fast path) and runtime.tp_model read their blocks when
-they are built. Apart from runtime.model so that those can import them without importing the
-model that imports them (the import graph has no circles: tests/test_import_graph.py).
+they are built. The blocks keep their origin (kernels.quant.Origin: the node's weight cache)
+while on the CPU, so that the fast path's re-layouts of them are the node's shared files. Apart
+from runtime.model so that those can import them without importing the model that imports them (the import graph has no circles: tests/test_import_graph.py).
 """
 from __future__ import annotations
 
@@ -103,12 +104,13 @@ class QuantLinear(nn.Module):
     def __init__(self, w: QuantTensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("raw", w.raw)
-        self.qtype, self.shape = w.qtype, w.shape
+        self.qtype, self.shape, self.origin = w.qtype, w.shape, w.origin
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
     def blocks(self) -> QuantTensor:
-        return QuantTensor(self.raw, self.qtype, self.shape)
+        """The blocks (with their origin while they stay on the CPU: their re-layouts are the node's shared ones)."""
+        return QuantTensor(self.raw, self.qtype, self.shape, self.origin if self.raw.device.type == "cpu" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -133,12 +135,14 @@ class QuantExpertStack(nn.Module):
         super().__init__()
         for i, p in enumerate(w.parts):
             self.register_buffer(f"raw{i}", p.raw)
-        self.qtypes, self.part_shapes = [p.qtype for p in w.parts], [p.shape for p in w.parts]
+        self.qtypes, self.part_shapes, self.origins = [p.qtype for p in w.parts], [p.shape for p in w.parts], [p.origin for p in w.parts]
         self.shape = w.shape
 
     @property
     def parts(self) -> tuple[QuantExperts, ...]:
-        return tuple(QuantExperts(getattr(self, f"raw{i}"), t, s) for i, (t, s) in enumerate(zip(self.qtypes, self.part_shapes)))
+        raws = [getattr(self, f"raw{i}") for i in range(len(self.qtypes))]
+        return tuple(QuantExperts(r, t, s, o if r.device.type == "cpu" else None)
+                     for r, t, s, o in zip(raws, self.qtypes, self.part_shapes, self.origins))
 
     @property
     def nbytes(self) -> int:

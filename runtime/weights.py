@@ -24,6 +24,12 @@ tests/runtime/test_llamacpp_gguf.py loads every family as that converter writes 
 (kernels.quant.QuantTensor) for the quantized linear layers, and the 3-D expert stacks in
 theirs (kernels.quant.QuantExperts, served expert by expert: runtime.moe); `dequantize_all` is their twin. The default model is located on disk without
 importing the package that ships it.
+Those blocks are read-only views of the GGUF's file map (shared by every process of the node
+that maps the file), each with an origin in the node's weight cache (runtime.weight_cache), so
+that what is made of them (the Q/K rows un-permuted here, q/k/v and gate/up joined by the model,
+the kernels' 16-row GEMV copies) is made once per node into a file every worker maps; a fused
+matrix split here is split into views. With the cache off (PDSERVE_WEIGHT_CACHE=off, or a cache
+directory that cannot be used) each process copies the blocks out of the map, as before: the twin.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ from tqdm import tqdm
 
 from pdserve.common.errors import ModelLoadError, UnsupportedModelError
 from pdserve.common.model_path import default_model_path, resolve_model_path  # noqa: F401  (re-exported)
-from pdserve.kernels.quant import QTYPES, QuantExperts, QuantTensor
+from pdserve.kernels.quant import QTYPES, Origin, QuantExperts, QuantTensor
 from pdserve.runtime.config import ModelConfig, RopeScaling
+from pdserve.runtime.weight_cache import WeightCache, readonly_tensor
 
 GGUF_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
@@ -208,7 +215,7 @@ def stack_experts(cfg: ModelConfig, tensors: dict, where: str) -> None:
 
 def _rows(w, start: int, stop: int):
     if isinstance(w, QuantTensor):
-        return w.take_rows(torch.arange(start, stop))
+        return w.row_slice(start, stop)  # a view: the model joins q/k/v back into a view of the fused matrix
     return w[start:stop].clone()
 
 
@@ -265,14 +272,11 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
         raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type(s) {', '.join(bad)}: the installed gguf package "
                                     f"{gguf_version()} cannot dequantize them (supported: {', '.join(supported_gguf_types())})")
     tensors = {}
+    store = WeightCache.for_model(path) if keep_quantized and any(t.qtype.name in QTYPES for t in infos) else None
     for t in tqdm(infos, desc="loading weights", unit="tensor", disable=not progress):
         name = _gguf_name(t.name, meta.get("general.architecture"))
-        if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 2:
-            tensors[name] = QuantTensor(torch.from_numpy(np.array(t.data)), t.qtype.name, (t.data.shape[0], t.shape[0]))  # copied out of the file map
-            continue
-        if keep_quantized and t.qtype.name in QTYPES and len(t.shape) == 3:  # an expert stack (E, rows, cols): each expert's blocks
-            raw = torch.from_numpy(np.array(t.data)).reshape(t.shape[2], t.shape[1], -1)
-            tensors[name] = QuantExperts(raw, t.qtype.name, (t.shape[2], t.shape[1], t.shape[0]))
+        if keep_quantized and t.qtype.name in QTYPES and len(t.shape) in (2, 3):
+            tensors[name] = _file_blocks(t, store)
             continue
         try:
             arr = gguf.quants.dequantize(t.data, t.qtype).reshape(tuple(reversed(t.shape)))
@@ -289,6 +293,23 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = False):
             tensors[name] = _unpermute(tensors[name], cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
     _check_names(cfg, tensors, path.name)
     return cfg, tensors
+
+
+def _file_blocks(t, store: WeightCache | None) -> QuantTensor | QuantExperts:
+    """A quantized GGUF tensor kept in its blocks: a 2-D matrix (rows, cols) as a QuantTensor, a
+    3-D expert stack (E, rows, cols) as a QuantExperts. With the node's weight cache (`store`),
+    the bytes are a read-only view of the file map, shared by every process that maps the file,
+    with an origin (the tensor's name) so that what is made of them is made once per node;
+    without it, a private copy."""
+    if store is None:
+        raw = torch.from_numpy(np.array(t.data))  # copied out of the file map
+        origin = None
+    else:
+        raw = readonly_tensor(t.data)
+        origin = Origin(store, t.name)
+    if len(t.shape) == 2:
+        return QuantTensor(raw, t.qtype.name, (t.data.shape[0], t.shape[0]), origin)
+    return QuantExperts(raw.reshape(t.shape[2], t.shape[1], -1), t.qtype.name, (t.shape[2], t.shape[1], t.shape[0]), origin)
 
 
 def _unpermute(w, heads: int):

@@ -143,7 +143,7 @@ def _moe_for_gguf(w: dict) -> tuple[dict, dict]:
 
 
 def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None,
-               vocab_key: bool = True) -> dict:
+               vocab_key: bool = True, tokenizer_from=None) -> dict:
     """Convert a tiny HF llama (qwen2, qwen3, phi3, gemma2, gemma3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
     permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
     norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
@@ -156,6 +156,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     as ffn_*_shexp and its gate as the F32 vector ffn_gate_inp_shexp.
 
     extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
+    tokenizer_from: a GGUF whose tokenizer (tokenizer.ggml.*, the chat template) is copied in, so that
+    a service can tokenize for this one (the checkpoint's vocabulary must be that tokenizer's).
     Returns the dequantized, un-permuted tensors a correct loader must produce (phi3: still fused).
     """
     import json
@@ -213,6 +215,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
         wr.add_vocab_size(cfg["vocab_size"])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
+    if tokenizer_from is not None:
+        copy_gguf_tokenizer(wr, tokenizer_from)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if experts:  # llama.cpp's MoE metadata (llama: Mixtral, whose feed_forward_length is the experts' width)
         wr.add_expert_count(experts)
@@ -264,6 +268,25 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     wr.write_tensors_to_file()
     wr.close()
     return expected
+
+
+def copy_gguf_tokenizer(wr, source) -> None:
+    """Write the tokenizer of the GGUF `source` (a BPE one: the default model's) into GGUFWriter
+    `wr`, as llama.cpp's converter writes it (bos / eos ids: write_gguf's 1 and 2, the default model's)."""
+    from pdserve.common.gguf_file import read_gguf
+
+    meta, _ = read_gguf(str(source), keep=lambda key: key.startswith("tokenizer."))
+    wr.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in meta:
+        wr.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    wr.add_token_list(meta["tokenizer.ggml.tokens"])
+    wr.add_token_types(meta["tokenizer.ggml.token_type"])
+    wr.add_token_merges(meta.get("tokenizer.ggml.merges", []))
+    for key, add in (("tokenizer.ggml.unknown_token_id", wr.add_unk_token_id), ("tokenizer.ggml.padding_token_id", wr.add_pad_token_id),
+                     ("tokenizer.ggml.add_bos_token", wr.add_add_bos_token), ("tokenizer.ggml.add_space_prefix", wr.add_add_space_prefix),
+                     ("tokenizer.chat_template", wr.add_chat_template)):
+        if key in meta:
+            add(meta[key])
 
 
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama-quantize's type where rows are not a multiple of 256

@@ -113,6 +113,7 @@ def test_packed_path_reads_only_the_chosen_experts(tmp_path, monkeypatch):
     (default int16 activations, whose 16-row copies are made at build) and the module forward give
     the same logits as before, while the dense twin's turn NaN (it reads every expert)."""
     path = _gguf(tmp_path, "mixtral", "Q4_K")
+    monkeypatch.setenv("PDSERVE_WEIGHT_CACHE", "off")  # the blocks are overwritten below: private copies (the cache's maps are read-only)
     cfg, model = load_model(path, EngineConfig(num_blocks=64, block_size=8))
     acts = model.fast.activations
     assert acts == "int16"
