@@ -234,7 +234,11 @@ def test_a_scale_down_under_load_drains_the_worker_it_removes(node, expected):
     worker it leaves idle is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
     0 in the launch's log, taken from the coordinator's count of placements there), stopped once nothing is in flight on
     it; every request completes identically, none is placed again (retries and workers_lost unchanged)."""
-    warm(node, expected)  # workers up (idle since the fixture, they may be at zero: the burst must not meet a cold start)
+    # a decode worker up (idle since the fixture, the roles may be at zero: the burst must not meet a cold start); not
+    # warm(): a decode worker prefills locally, so the prefill role may stay at zero (it did, under load)
+    with Client(node.clients, timeout=120) as c:
+        assert c.generate(token_ids=prompts(1)[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[0]
+    poll("a decode worker", lambda: decode_count(node) >= 1, 60)
     with Client(node.clients, timeout=10) as c:
         before = c.stats()["requests"]
     log_from = len(node.stderr())
