@@ -13,7 +13,8 @@ steps of that one sequence three ways:
   attention, and the norms / rope / silu; each kernel's weight bytes over its time is the
   memory rate it reaches, against this machine's copy bandwidth (benchmarks.roofline);
 - the LM head at one row, alone.
-Prints a table in ms per step. Timings on a shared machine are indicative: run it alone.
+`--quantization none`: the same model dequantized to float (the per-layer loop of
+runtime.layer; no kernel split). Prints a table in ms per step. Timings on a shared machine are indicative: run it alone.
 """
 from __future__ import annotations
 
@@ -41,13 +42,13 @@ class Timed:
             self.calls += 1
 
 
-def build_engine(model, threads: int, prompt_len: int):
+def build_engine(model, threads: int, prompt_len: int, quantization: str = "auto"):
     from pdserve.runtime.config import EngineConfig
     from pdserve.runtime.engine import LLMEngine
     from pdserve_client.params import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.load(model, EngineConfig(linear_backend="auto", quant_activations="int16"), progress=False)
+    engine = LLMEngine.load(model, EngineConfig(linear_backend="auto", quant_activations="int16", quantization=quantization), progress=False)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 20000, (prompt_len,), generator=gen).tolist()
     engine.add_request(prompt, SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True))
@@ -167,7 +168,7 @@ def kernel_split(engine, repeats: int) -> dict[str, float]:
     res[f"attention (30 layers, {seq.num_computed_tokens} tokens)"] = best(attention)
     h, xo = torch.randn(1, c.hidden_size), torch.empty(1, c.hidden_size)
     gu, a = torch.randn(1, 2 * c.intermediate_size), torch.empty(1, c.intermediate_size)
-    w = fast.layers[0].input_norm
+    w = fast.layers[0].attn_norm
 
     def small():
         for _ in range(len(fast.layers)):
@@ -191,12 +192,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quantization", choices=("auto", "none"), default="auto",
+                    help="none: the weights dequantized to float (the per-layer loop; the kernel split is skipped)")
     args = ap.parse_args(argv)
-    engine = build_engine(args.model, args.threads, args.prompt_len)
+    engine = build_engine(args.model, args.threads, args.prompt_len, args.quantization)
     table = engine.model.fast.linear_table
     at1 = {shape: rows[0][1] for shape, rows in table.entries.items()} if table is not None else "rules"
     print(f"threads {args.threads}; isa {engine.model.fast.ops.isa}; back-end at 1 row: {at1}")
-    for name, v in {**time_steps(engine, args.steps), **kernel_split(engine, args.repeats)}.items():
+    split = kernel_split(engine, args.repeats) if engine.model.quantized else {}
+    for name, v in {**time_steps(engine, args.steps), **split}.items():
         print(f"{name:60s} {v:9.3f}")
     return 0
 

@@ -11,7 +11,7 @@ sliding window (`window` > 0: a query at position p sees keys p - window < k <= 
 transformers masks Mistral's and Qwen2's sliding layers); 0 is full causal attention. A
 soft-cap (`softcap` > 0, Gemma 2: scores s -> softcap * tanh(s / softcap) before the softmax) is
 taken by `torch` and `reference`; `triton` lacks it and refuses it (NotImplementedError; the
-engine refuses such a model on CUDA before building it: runtime.engine.check_attention_backend).
+engine refuses such a model on CUDA before building it: runtime.build.check_attention_backend).
 """
 from __future__ import annotations
 

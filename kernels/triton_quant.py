@@ -1,6 +1,6 @@
 """The weight-only quantized matmul as a Triton kernel: y = x @ W^T with W in GGUF's Q4_0 / Q4_1 /
 Q8_0 blocks (kernels.quant.QuantTensor; kernels.quant.TRITON_QTYPES: Q5_0 / Q5_1 and the K-quants
-are dequantized at load on CUDA by runtime.engine.build_model, with a log line), for CUDA; on CPU tensors it runs under TRITON_INTERPRET=1
+are dequantized at load on CUDA by runtime.build.build_model, with a log line), for CUDA; on CPU tensors it runs under TRITON_INTERPRET=1
 (how the tests check it where no GPU is lent).
 
 Lifecycle: imported lazily by kernels.quant.matmul_triton the first time a quantized linear layer

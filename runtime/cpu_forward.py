@@ -1,7 +1,8 @@
 """The CPU fast path of `LlamaModel.forward`: the same math in fewer, fused steps.
 
 Lifecycle: `CpuForward.build(model)` is called once after the weights are loaded (by
-`LlamaModel.enable_fast_path`); it packs every projection into a `pdserve.kernels.linear.PackedLinear`
+`LlamaModel.enable_fast_path`); through runtime.layer.build_layers (its builder `_FusedParts`) it
+packs every projection into a `pdserve.kernels.linear.PackedLinear`
 and loads the fused C kernels (kernels.cpu_native); a weight the model keeps quantized
 (kernels.quant.QuantTensor) becomes a quantized linear layer (a fused projection whose parts
 differ in type, model.QuantRows, a kernels.linear.SplitLinear of one per part), and a quantized embedding is read
@@ -12,8 +13,9 @@ module forward for every step.
 
 A decode-only step of a model whose projections are all quantized (the default model served
 `--quantization auto`) makes one C call for all layers (kernels/csrc/step_ops.c: the same
-kernels in the same order, so the same bits as the loop below, its twin). Otherwise, per layer
-it makes eight calls instead of about forty torch ops: RMSNorm fused with the
+kernels in the same order, so the same bits as the loop below, its twin). Otherwise it runs
+runtime.layer's one decoder layer with `FusedOps`, the fused kernels for its parts; per layer
+eight calls instead of about forty torch ops: RMSNorm fused with the
 residual add, the qkv GEMM, rotary embedding fused with the KV-cache write, attention, the o
 GEMM, the second fused add + RMSNorm, the gate/up GEMM, silu * up, the down GEMM. Decode rows
 (one query token) attend straight from the pages in C, all sequences in one call; a sequence
@@ -50,7 +52,10 @@ from pdserve.kernels import cpu_native, quant
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.blocks import QuantExpertStack, QuantRows
+from pdserve.runtime.layer import MODULE_NAMES, GatedMLP, activation, build_layers, embedding_scale, one_call_blocker, run_layers
 from pdserve.runtime.moe import MoEBlock, PackedExperts
+
+__all__ = ["CpuForward", "one_call_blocker"]
 
 
 class CpuForward:
@@ -63,25 +68,24 @@ class CpuForward:
         self.scale = c.attention_scale
         embed = model.weight("embed_tokens.weight")
         self.embed = embed.rows_float if isinstance(embed, quant.QuantTensor) else lambda ids: F.embedding(ids, embed)
-        self.embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32) if c.embed_scale != 1.0 else None
+        self.embed_scale = embedding_scale(c, torch.float32)
         self.cos, self.sin = model.rope.cos.contiguous(), model.rope.sin.contiguous()
-        self.layers = [_Layer(model, i, linear_kind, activations) for i in range(c.num_layers)]
+        self.layers = build_layers(c, _FusedParts(model, ops, linear_kind, activations))
         self.final_norm = model.norm.weight
         self.lm_head = PackedLinear(model.weight("embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"), None, linear_kind,
                                     activations=activations)
-        # the step's scratch rows, in _layers' order: qkv, attention output, o, gate_up, silu * up, down
+        # the step's scratch rows, in the layer's order: qkv, attention output, o, gate_up, silu * up, down
         self.widths = (c.q_size + 2 * c.kv_size, c.q_size, c.hidden_size, 2 * c.intermediate_size, c.intermediate_size, c.hidden_size)
         self._kv_key, self._kv = None, []
         # every projection quantized: a decode-only step runs all layers in one C call (step_ops.c);
         # fused_step False keeps the per-op loop, the twin it is tested against
         self.one_call_blocker = one_call_blocker(c)
-        self.step_layers = None if self.one_call_blocker else _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin,
-                                                                          c.layer_windows)
+        self.step_layers = None if self.one_call_blocker else _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
         self.fused_step = self.step_layers is not None
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
-        for lin in [self.lm_head, *(x for layer in self.layers for x in layer.linears())]:
+        for lin in [self.lm_head, *(x for layer in self.layers for x in _packed(layer))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
         for lin in shapes.values():
             lin.warm()
@@ -101,16 +105,16 @@ class CpuForward:
         h = self.embed(batch.input_ids)  # (T, hidden): the residual stream, updated in place
         if self.embed_scale is not None:
             h.mul_(self.embed_scale)
-        x = torch.empty_like(h)
-        ops.rms_norm(h, self.layers[0].input_norm, x, self.eps)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
         if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens):
+            x = torch.empty_like(h)
+            ops.rms_norm(h, self.layers[0].attn_norm, x, self.eps)
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
                               plan.decode_tables, plan.decode_lens, self.scale, self.eps)
             delta = bufs[5]
         else:
-            delta = self._layers(batch, plan, kv_cache, h, x, bufs)
+            delta = run_layers(FusedOps(self, batch, plan, h, bufs), self.layers, h, self._kv_views(kv_cache))
         rows = batch.logits_indices
         last = torch.empty((rows.numel(), c.hidden_size), dtype=h.dtype)
         ops.rms_norm(delta[rows], self.final_norm, last, self.eps, residual=h[rows])
@@ -121,51 +125,6 @@ class CpuForward:
         layer, c_kernel = self.layers[0], ("rules", f"c-{self.activations}")
         return all(lin.backend_at(tokens) in c_kernel for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def _layers(self, batch, plan: _AttentionPlan, kv_cache, h, x, bufs) -> torch.Tensor:
-        """Every decoder layer, eight calls each; returns the last layer's output (not yet added
-        into the residual stream h)."""
-        c, ops = self.cfg, self.ops
-        qkv_out, attn, o_out, gate_up_out, act, down_out = bufs
-        normed = torch.empty_like(o_out) if c.sandwich_norms else None  # Gemma: an output's norm before it joins h
-        delta = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self._kv_views(kv_cache))):
-            check = i == 0  # every layer passes tensors of the same kinds and shapes: the first one checks them
-            if delta is not None:
-                ops.rms_norm(delta, layer.input_norm, x, self.eps, residual=h, check=check)
-            qkv = layer.qkv(x, qkv_out)  # (T, q + 2 kv)
-            if layer.q_norm is not None:
-                self._qk_norm(layer, qkv)
-            ops.rope_write_kv(qkv, batch.positions, layer.cos, layer.sin, k_cache, v_cache, batch.slot_mapping, c.num_heads,
-                              c.num_kv_heads, check=check)
-            self._attention(plan, qkv, attn, k_cache, v_cache, check, layer.window)
-            o = layer.o(attn, o_out)
-            if normed is not None:
-                ops.rms_norm(o, layer.attn_out_norm, normed, self.eps, check=check)
-                o = normed
-            ops.rms_norm(o, layer.post_norm, x, self.eps, residual=h, check=check)
-            if layer.moe is not None:  # router, the chosen experts only (runtime.moe), Qwen2-MoE's shared expert
-                delta = layer.moe(x)
-                continue
-            gate_up = layer.gate_up(x, gate_up_out)
-            if c.activation == "silu":
-                ops.silu_mul(gate_up, act, check=check)
-            else:  # GeGLU: gelu_pytorch_tanh(gate) * up, in torch
-                torch.mul(F.gelu(gate_up[:, :c.intermediate_size], approximate="tanh"), gate_up[:, c.intermediate_size:], out=act)
-            delta = layer.down(act, down_out)
-            if normed is not None:
-                ops.rms_norm(delta, layer.mlp_out_norm, normed, self.eps, check=check)
-                delta = normed
-        return delta
-
-    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> None:
-        """Qwen3: RMSNorm each head of q and k in the qkv rows, in place, before RoPE; the module
-        forward's own RMSNorm modules, so the same bits as its twin and as transformers."""
-        c, tokens = self.cfg, qkv.shape[0]
-        q = qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim)
-        q.copy_(layer.q_norm(q))
-        k.copy_(layer.k_norm(k))
-
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
@@ -173,112 +132,166 @@ class CpuForward:
             self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         return self._kv
 
-    def _attention(self, plan: _AttentionPlan, qkv, attn, k_cache, v_cache, check: bool = True, window: int = 0) -> None:
-        c, cap = self.cfg, self.cfg.attn_softcap
-        if plan.decode_rows is not None and cap:  # the C kernel has no soft-cap: torch's eager path
+
+class FusedOps:
+    """runtime.layer's parts as the fused CPU kernels compute them, for one step: the C RMSNorm
+    fused with the residual add (h updated in place), the packed projections writing into the
+    step's scratch rows, Qwen3's per-head q / k norms in torch (the module form's RMSNorm modules,
+    so the same bits), RoPE fused with the KV write, the attention of `_AttentionPlan`'s rows, the
+    C silu * up (GeGLU: torch). Eight calls a layer instead of about forty torch ops."""
+
+    __slots__ = ("f", "k", "batch", "plan", "x", "normed", "qkv_out", "attn_out", "o_out", "gate_up_out", "act_out", "down_out")
+
+    def __init__(self, fast: CpuForward, batch, plan: _AttentionPlan, h: torch.Tensor, bufs: tuple):
+        self.f, self.k, self.batch, self.plan = fast, fast.ops, batch, plan
+        self.x = torch.empty_like(h)  # each norm's output: the next projection's input
+        self.qkv_out, self.attn_out, self.o_out, self.gate_up_out, self.act_out, self.down_out = bufs
+        self.normed = torch.empty_like(h) if fast.layers[0].attn_out_norm is not None else None  # Gemma: an output's norm
+
+    def add_norm(self, p, delta, h, weight):
+        if delta is None:
+            self.k.rms_norm(h, weight, self.x, self.f.eps, check=p.check)
+        else:
+            self.k.rms_norm(delta, weight, self.x, self.f.eps, residual=h, check=p.check)
+        return self.x
+
+    def norm(self, p, x, weight):
+        self.k.rms_norm(x, weight, self.normed, self.f.eps, check=p.check)
+        return self.normed
+
+    def qkv(self, p, x):
+        return p.qkv(x, self.qkv_out)  # (T, q + 2 kv)
+
+    def qk_norm(self, p, qkv):
+        """Each head of q and k in the qkv rows RMS-normalised in place, before RoPE."""
+        c, tokens = self.f.cfg, qkv.shape[0]
+        q = qkv[:, : c.q_size].view(tokens, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(tokens, c.num_kv_heads, c.head_dim)
+        q.copy_(p.q_norm(q))
+        k.copy_(p.k_norm(k))
+        return qkv
+
+    def rope_write_kv(self, p, qkv, k_cache, v_cache):
+        c, b = self.f.cfg, self.batch
+        self.k.rope_write_kv(qkv, b.positions, p.rope[0], p.rope[1], k_cache, v_cache, b.slot_mapping, c.num_heads, c.num_kv_heads,
+                             check=p.check)
+        return qkv
+
+    def attention(self, p, qkv, k_cache, v_cache):
+        """Decode rows straight from the pages (C, all sequences in one call; a soft-capped layer:
+        torch's eager path, the C kernel has no soft-cap), fresh prompts in one sdpa, the other
+        prefills one by one over their pages."""
+        c, plan, attn, scale, window, cap = self.f.cfg, self.plan, self.attn_out, self.f.scale, p.window, p.softcap
+        if plan.decode_rows is not None and cap:
             q = qkv[plan.decode_rows, : c.q_size].view(-1, c.num_heads, c.head_dim)
-            out = decode_batched(q, k_cache, v_cache, plan.decode_lens, plan.decode_tables, self.scale, window, cap)
+            out = decode_batched(q, k_cache, v_cache, plan.decode_lens, plan.decode_tables, scale, window, cap)
             attn[plan.decode_rows] = out.reshape(-1, c.q_size)
         elif plan.decode_rows is not None:
-            self.ops.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
-                                      check=check, window=window)
+            self.k.decode_attention(qkv, attn, plan.decode_rows, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale,
+                                    check=p.check, window=window)
         for start, n, length in plan.fresh:  # n prompts of one length, no cached prefix: one sdpa, K/V straight from qkv
             rows = qkv[start:start + n * length]
             q = rows[:, : c.q_size].view(n, length, c.num_heads, c.head_dim)
             k = rows[:, c.q_size:c.q_size + c.kv_size].view(n, length, c.num_kv_heads, c.head_dim)
             v = rows[:, c.q_size + c.kv_size:].view(n, length, c.num_kv_heads, c.head_dim)
-            attn[start:start + n * length] = attend_fresh(q, k, v, self.scale, window, cap).reshape(n * length, c.q_size)
+            attn[start:start + n * length] = attend_fresh(q, k, v, scale, window, cap).reshape(n * length, c.q_size)
         for start, end, table, seq_len in plan.prefills:
             q = qkv[start:end, : c.q_size].view(end - start, c.num_heads, c.head_dim)
             k, v = gather_pages(k_cache, v_cache, table, seq_len, window_page(seq_len, end - start, window, k_cache.shape[1]))
-            attn[start:end] = attend_one(q, k, v, self.scale, window, cap).reshape(end - start, c.q_size)
+            attn[start:end] = attend_one(q, k, v, scale, window, cap).reshape(end - start, c.q_size)
+        return attn
+
+    def o(self, p, attn):
+        return p.o(attn, self.o_out)
+
+    @staticmethod
+    def reduce(x):
+        return x
+
+    def gate_up(self, p, x):
+        return p.gate_up(x, self.gate_up_out)
+
+    def act_mul(self, p, gate_up):
+        return p.act(gate_up, self.act_out, p.check)
+
+    def down(self, p, a):
+        return p.down(a, self.down_out)
+
+    def moe(self, p, x):
+        return p.moe(x)  # router, the chosen experts only (runtime.moe), Qwen2-MoE's shared expert
 
 
-def one_call_blocker(cfg) -> str | None:
-    """What in this model the one-call C decode step (kernels/csrc/step_ops.c, the Llama layer:
-    norm, qkv, one RoPE table, C attention, o, add + norm, SwiGLU, down) does not compute, or
-    None. Such a model decodes through the per-op loop, its twin. The attention scale, the
-    embedding scale and the final soft-cap lie outside the layers' C code (an argument, or
-    before and after it), so they do not block it."""
-    if cfg.qk_norm:
-        return "per-head q/k norms (Qwen3, Gemma 3)"
-    if cfg.sandwich_norms:
-        return "norms on the attention and MLP outputs (Gemma)"
-    if cfg.activation != "silu":
-        return f"the {cfg.activation} MLP activation (Gemma's GeGLU)"
-    if cfg.attn_softcap:
-        return "attention soft-capping (Gemma 2)"
-    if any(cfg.local_rope(i) for i in range(cfg.num_layers)):
-        return "a second RoPE table for the sliding layers (Gemma 3)"
-    if cfg.num_experts:
-        return "mixture-of-experts layers (Mixtral, Qwen-MoE; the C step's MLP is dense)"
-    return None
+class _FusedParts:
+    """runtime.layer's builder for the CPU form: the model's norm weights, its projections packed
+    (kernels.linear.PackedLinear; a fused projection whose parts differ in quantized type,
+    model.QuantRows, a SplitLinear of one per part), each layer's RoPE table as (cos, sin)."""
+
+    def __init__(self, model, ops: cpu_native.NativeOps, kind: str, activations: str):
+        self.model, self.ops, self.kind, self.activations = model, ops, kind, activations
+
+    def norm(self, i: int, name: str) -> torch.Tensor:
+        return self.model.get_parameter(f"layers.{i}.{name}.weight")
+
+    def head_norm(self, i: int, name: str):
+        return self.model.get_submodule(f"layers.{i}.{name}")  # its RMSNorm module (FusedOps.qk_norm)
+
+    def linear(self, i: int, role: str):
+        return self._packed(f"layers.{i}.{MODULE_NAMES[role]}")
+
+    def _packed(self, name: str):
+        module = self.model.get_submodule(name)
+        if isinstance(module, QuantRows):  # parts in different quantized types: one PackedLinear each
+            return SplitLinear([PackedLinear(q.blocks, q.bias, self.kind, activations=self.activations) for q in module.parts])
+        return PackedLinear(self.model.weight(name + ".weight"), module.bias, self.kind, activations=self.activations)
+
+    def moe(self, i: int, shared: bool) -> MoEBlock:
+        """The module's stacks as they are (float, or each expert's PackedLinears over its blocks: PackedExperts)."""
+        mlp, p = self.model.layers[i].mlp, f"layers.{i}.mlp.shared_expert."
+        expert = GatedMLP(self._packed(p + "gate_up_proj"), self._packed(p + "down_proj"), activation(self.model.cfg.activation)) \
+            if shared else None
+
+        def stack(w):
+            return PackedExperts(w.parts, self.activations) if isinstance(w, QuantExpertStack) else w
+
+        return MoEBlock(self.model.cfg, mlp.gate.weight, stack(mlp.experts_gate_up), stack(mlp.experts_down), expert,
+                        None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
+
+    def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.model.rope_local if local else self.model.rope
+        return rope.cos.contiguous(), rope.sin.contiguous()
+
+    def activation(self, name: str):
+        """act(gate_up, out, check) -> out: the C silu * up, or GeGLU's gelu_pytorch_tanh(gate) * up in torch."""
+        if name == "silu":
+            silu_mul = self.ops.silu_mul
+
+            def act(gate_up, out, check):
+                silu_mul(gate_up, out, check=check)
+                return out
+            return act
+        gelu = activation(name)
+
+        def act(gate_up, out, check):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.mul(gelu(gate), up, out=out)
+        return act
 
 
-def _step_layers(layers: list, heads: int, activations: str, cos, sin, windows: tuple = ()) -> cpu_native.DecodeLayers | None:
+def _packed(layer) -> list:
+    """A layer's PackedLinears (a SplitLinear's parts; a MoE layer's experts are not: they are read by expert)."""
+    return [part for x in layer.linears() for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
+
+
+def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> cpu_native.DecodeLayers | None:
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call); the caller
     first rules out the models whose layer the C step does not compute (`one_call_blocker`)."""
     if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
             or not all(layer.qkv.quantized for layer in layers):
         return None
-    return cpu_native.DecodeLayers([(layer.input_norm, layer.post_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
-                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin, windows)
-
-
-class _Layer:
-    """One decoder layer's weights in fast-path form."""
-
-    def __init__(self, model, i: int, kind: str, activations: str):
-        layer, p = model.layers[i], f"layers.{i}."
-        self.input_norm = layer.input_layernorm.weight
-        # post_norm: the MLP input's norm (fused with the residual add); Gemma's sandwich adds the attention
-        # output's (its post_attention_layernorm) and the MLP output's norms, applied without a residual
-        if model.cfg.sandwich_norms:
-            self.post_norm = layer.pre_feedforward_layernorm.weight
-            self.attn_out_norm, self.mlp_out_norm = layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight
-        else:
-            self.post_norm = layer.post_attention_layernorm.weight
-        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm  # RMSNorm modules (Qwen3, Gemma 3), or None
-        rope = model.layer_rope(i)  # Gemma 3's sliding layers: the local table
-        self.cos, self.sin = rope.cos.contiguous(), rope.sin.contiguous()
-        self.window = model.cfg.window(i)  # sliding window in keys (0: full attention), read once at build
-
-        def linear(name, bias=None):
-            module = model.get_submodule(p + name.removesuffix(".weight"))
-            if isinstance(module, QuantRows):  # parts in different quantized types: one PackedLinear each
-                return SplitLinear([PackedLinear(q.blocks, q.bias, kind, activations=activations) for q in module.parts])
-            return PackedLinear(model.weight(p + name), bias, kind, activations=activations)
-
-        self.qkv = linear("self_attn.qkv_proj.weight", layer.self_attn.qkv_proj.bias)
-        self.o = linear("self_attn.o_proj.weight")
-        self.moe = self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
-        if not model.cfg.moe(i):
-            self.gate_up = linear("mlp.gate_up_proj.weight")
-            self.down = linear("mlp.down_proj.weight")
-            return
-        # a mixture of experts: the stacks are the module's own tensors (read by expert, runtime.moe)
-        mlp, shared = layer.mlp, None
-        if mlp.shared_expert is not None:  # Qwen2-MoE: its shared expert runs as a dense MLP does here
-            self.shared_gate_up, self.shared_down = linear("mlp.shared_expert.gate_up_proj.weight"), linear("mlp.shared_expert.down_proj.weight")
-            ops = cpu_native.native()
-
-            def shared(x):
-                gate_up = self.shared_gate_up(x)
-                act = torch.empty((x.shape[0], gate_up.shape[1] // 2), dtype=x.dtype)
-                ops.silu_mul(gate_up.contiguous(), act)
-                return self.shared_down(act)
-
-        def stack(w):  # a float stack as it is; one kept in blocks: each expert's PackedLinears over its blocks
-            return PackedExperts(w.parts, activations) if isinstance(w, QuantExpertStack) else w
-
-        self.moe = MoEBlock(model.cfg, mlp.gate.weight, stack(mlp.experts_gate_up), stack(mlp.experts_down), shared,
-                            None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.weight)
-
-    def linears(self) -> list:
-        """This layer's PackedLinears (a SplitLinear's parts; a MoE layer's experts are not: they are read by expert)."""
-        lins = [x for x in (self.qkv, self.o, self.gate_up, self.down, self.shared_gate_up, self.shared_down) if x is not None]
-        return [part for x in lins for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
+    return cpu_native.DecodeLayers([(layer.attn_norm, layer.mlp_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
+                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin,
+                                    tuple(layer.window for layer in layers))
 
 
 class _AttentionPlan:

@@ -38,18 +38,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.common.errors import NotSupportedError, PromptTooLongError
+from pdserve.common.errors import PromptTooLongError
 from pdserve.common.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-from pdserve.kernels import cpu_native
-from pdserve.kernels.quant import TRITON_QTYPES, QuantExperts, QuantTensor
-from pdserve.runtime import linear_plan, structured
+from pdserve.runtime import structured
+from pdserve.runtime.build import build_model, check_attention_backend, load_model  # noqa: F401 (re-exported: where callers found them)
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.kv_cache import BlockManager, allocate_kv_cache
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.scheduler import Scheduler
 from pdserve.runtime.sequence import Sequence
-from pdserve.runtime.weights import dequantize_all, load_checkpoint
 from pdserve_client.errors import InvalidRequestError, PdserveError
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import FinishReason
@@ -80,74 +78,6 @@ class Completion:
     finish_reason: FinishReason | None = None
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # runtime.scoring.PromptScore per prompt token after the first, when asked
-
-
-def build_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, source=None) -> LlamaModel:
-    """The model from loaded tensors; quantized ones (kernels.quant.QuantTensor) stay quantized
-    where the CPU fast path can run them and are dequantized, with a log line saying why, elsewhere.
-    Its linear layers' back-ends follow econf.linear_backend (runtime.linear_plan; source, the
-    checkpoint's path or None for the default model, names the tokenizer its accuracy check reads)."""
-    check_attention_backend(cfg, econf)
-    quantized = sorted({v.qtype for v in tensors.values() if isinstance(v, (QuantTensor, QuantExperts))})
-    why_not = _why_not_quantized(econf) if quantized else None
-    if why_not:
-        log.warning("quantization auto: %s, so the %s weights are dequantized to %s", why_not, "/".join(quantized), econf.dtype)
-        tensors = dequantize_all(tensors)
-    elif econf.device.startswith("cuda") and set(quantized) - set(TRITON_QTYPES):
-        untaken = sorted(set(quantized) - set(TRITON_QTYPES))
-        log.info("quantization auto: the CUDA weight-only kernel takes %s, so the %s weights are dequantized to %s",
-                 "/".join(TRITON_QTYPES), "/".join(untaken), econf.dtype)
-        tensors = {k: v.dequantize() if isinstance(v, (QuantTensor, QuantExperts)) and v.qtype in untaken else v
-                   for k, v in tensors.items()}
-    model = LlamaModel(cfg, econf.torch_dtype, econf.attention_backend)
-    model.load_weights(tensors)
-    model = model.to(econf.device).eval()
-    if econf.fast_path and econf.attention_backend in ("auto", "torch"):
-        model.enable_fast_path(econf.linear_kind, econf.quant_activations)
-        linear_plan.apply(model, econf, source)
-    if model.quantized and model.fast is None and not econf.device.startswith("cuda"):
-        raise RuntimeError("the quantized weights need the CPU fast path, which did not start")
-    kinds = f"{len(model.quantized)} matrices in {'/'.join(sorted({q.qtype for q in model.quantized.values()}))}" if model.quantized else econf.dtype
-    log.info("weights: %.1f MiB (%s)", model.weight_bytes() / 2**20, kinds)
-    return model
-
-
-def check_attention_backend(cfg: ModelConfig, econf: EngineConfig) -> None:
-    """Refuse, before a model is built, an attention option the backend this engine would run
-    lacks: attention soft-capping (Gemma 2) on CUDA, where attention is Triton's
-    (kernels.paged refuses it there too, per call)."""
-    backend = econf.attention_backend
-    if cfg.attn_softcap and backend in ("auto", "triton") and (backend == "triton" or econf.device.startswith("cuda")):
-        raise NotSupportedError(f"{cfg.architecture}: attention logit soft-capping ({cfg.attn_softcap:g}) is not supported by the "
-                                "Triton attention kernel that serves CUDA devices; serve this model on the CPU (--device cpu)")
-
-
-def _why_not_quantized(econf: EngineConfig) -> str | None:
-    """None where quantized weights can be served as they are; else the reason they cannot."""
-    if econf.quantization == "none":
-        return "off (--quantization none)"
-    if econf.device.startswith("cuda"):
-        return None if _triton_available() else "Triton is not installed (the CUDA weight-only kernel is Triton)"
-    if not econf.device.startswith("cpu"):
-        return f"not supported on {econf.device}"
-    if econf.dtype != "float32" or not econf.fast_path or econf.attention_backend not in ("auto", "torch"):
-        return "it runs on the float32 CPU fast path only"
-    if cpu_native.native() is None:
-        return "the C kernels could not be built"
-    return None
-
-
-def _triton_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def load_model(model=None, config: EngineConfig | None = None, progress: bool = False) -> tuple[ModelConfig, LlamaModel]:
-    """Read a checkpoint and build its model as `config` says (quantized or not)."""
-    config = config or EngineConfig()
-    cfg, tensors = load_checkpoint(model, progress=progress, keep_quantized=config.keep_quantized)
-    return cfg, build_model(cfg, tensors, config, model)
 
 
 def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -> int:

@@ -1,7 +1,7 @@
 """`--linear-backend`: which back-end multiplies each of the model's linear layers on the CPU.
 
 Lifecycle: `apply(model, econf, source)` runs once after the fast path is built
-(runtime.engine.build_model). Modes:
+(runtime.build.build_model). Modes:
 - `rules` (the in-process EngineConfig default): kernels.linear's fixed row-count rules;
 - `auto` (the worker commands' default): each linear shape (fused qkv, o, gate_up, down, LM
   head) at each row bucket a step can give it gets the fastest back-end measured here among the

@@ -1,12 +1,15 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM; Mixtral, Qwen3-MoE and
 Qwen2-MoE with their mixture-of-experts MLPs, `MoE`) over a paged KV cache.
 
-Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; `load_weights(tensors)` takes the
-HF-named float tensors from runtime.weights, fuses q/k/v and gate/up into one matrix each
-(one GEMM instead of three or two), and casts to the model dtype (Qwen3's per-head q_norm /
-k_norm weights stay per layer: `Attention` applies them before RoPE; Gemma's options are
-ModelConfig's: scaled embeddings, four norms a layer (`sandwich_norms`), GeGLU, the attention
-scale and soft-caps, and Gemma 3's own RoPE table for its sliding layers). Then `forward(batch, kv)`
+Lifecycle: `LlamaModel(cfg, dtype)` allocates nothing big; its modules hold the weights under
+transformers' names (each layer's norms those runtime.layer.norm_roles lists for the family).
+`load_weights(tensors)` takes the HF-named float tensors from runtime.weights, fuses q/k/v and
+gate/up into one matrix each (one GEMM instead of three or two), casts to the model dtype and
+builds `parts`, runtime.layer's view of each layer's modules. The model has no layer code of its
+own: its module forward runs runtime.layer's one decoder layer (`run_layers` with
+runtime.layer.TorchOps), as the fused CPU path and a tensor-parallel rank do with theirs; every
+family option (Qwen3's q / k norms, Gemma's scaled embeddings, sandwich norms, GeGLU, soft-caps
+and local RoPE table, windows, MoE) is read there. Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
 position and its slot in the paged cache, each sequence its block table. It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
@@ -24,20 +27,30 @@ multiplied from its own blocks (runtime.moe), never the whole stack.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import paged
 from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.blocks import ExpertBlocks, MixedBlocks, QuantExpertStack, QuantLinear, QuantRows, _float, _stack_rows, moe_tensors  # noqa: F401 (re-exported: the model's weight forms)
-from pdserve.runtime.config import ModelConfig, RopeScaling
+from pdserve.runtime.config import ModelConfig
+from pdserve.runtime.layer import (
+    MODULE_NAMES,
+    TorchOps,
+    activation,
+    build_layers,
+    embedding_scale,
+    gated_mlp,
+    has_shared_expert,
+    is_moe,
+    norm_roles,
+    rope_tables,
+    run_layers,
+)
 from pdserve.runtime.moe import MoEBlock
-from pdserve.runtime.rope import RotaryEmbedding
 
 
 @dataclass
@@ -73,42 +86,14 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def activation(name: str):
-    """The MLP's gate activation by ModelConfig.activation: SiLU, or GELU's tanh form (gelu_pytorch_tanh)."""
-    return F.silu if name == "silu" else functools.partial(F.gelu, approximate="tanh")
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
+    """The attention's projections (q/k/v fused into one) and, for Qwen3 / Gemma 3, its per-head
+    q_norm / k_norm (DecoderLayer adds them); runtime.layer computes it."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
-        self.backend = backend
-        self.window = cfg.window(layer)  # sliding window in keys (0: full attention)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.attention_scale
-        # Qwen3, Gemma 3: each head's q and k RMS-normalised over the head dim before RoPE
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.norm_plus_one) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.norm_plus_one) if cfg.qk_norm else None
-
-    def forward(self, x, batch: ForwardBatch, rope: RotaryEmbedding, k_cache, v_cache):
-        c = self.cfg
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(T, c.num_heads, c.head_dim)  # (T, H, D)
-        k = k.view(T, c.num_kv_heads, c.head_dim)  # (T, KVH, D)
-        v = v.view(T, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
-        paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged.paged_attention(
-            q, k_cache, v_cache,
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=self.window,
-            softcap=self.cfg.attn_softcap,
-        )
-        return self.o_proj(out.reshape(T, c.q_size))
 
 
 class MLP(nn.Module):
@@ -119,9 +104,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.act = activation(cfg.activation)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x):  # Qwen2-MoE's shared expert (a dense layer's MLP runs as runtime.layer's parts)
+        return gated_mlp(self.gate_up_proj, self.down_proj, self.act, x)
 
 
 class MoE(nn.Module):
@@ -138,7 +122,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
-        s = cfg.shared_expert_intermediate_size
+        s = cfg.shared_expert_intermediate_size if has_shared_expert(cfg) else 0
         self.shared_expert = MLP(cfg, s) if s else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if s else None
         self.dense = False
@@ -151,29 +135,43 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual blocks; with sandwich_norms (Gemma) the attention's and the MLP's outputs
-    are normalised too before they join the residual stream: post_attention_layernorm is then the
-    attention output's norm and pre_feedforward_layernorm the MLP input's (transformers' names)."""
+    """One layer's weights as modules, named as transformers names them: its norms are those
+    runtime.layer.norm_roles lists for the family (the per-head q / k norms in self_attn), its MLP
+    an MLP or a MoE. It has no forward of its own: runtime.layer.layer_forward runs its parts."""
 
-    def __init__(self, cfg: ModelConfig, backend: str, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        f = cfg.norm_plus_one
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
-        self.self_attn = Attention(cfg, backend, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
-        if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, f)
-        self.sandwich = cfg.sandwich_norms
-        self.mlp = MoE(cfg) if cfg.moe(layer) else MLP(cfg)
+        self.self_attn = Attention(cfg)
+        self.mlp = MoE(cfg) if is_moe(cfg, layer) else MLP(cfg)
+        roles = norm_roles(cfg)
+        for name in roles.names():
+            owner, _, attr = name.rpartition(".")
+            dim = cfg.head_dim if name in (roles.q, roles.k) else cfg.hidden_size
+            setattr(self.get_submodule(owner), attr, RMSNorm(dim, cfg.rms_eps, cfg.norm_plus_one))
 
-    def forward(self, h, batch, rope, k_cache, v_cache):
-        a = self.self_attn(self.input_layernorm(h), batch, rope, k_cache, v_cache)
-        if not self.sandwich:
-            h = h + a
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+class ModuleParts:
+    """runtime.layer's builder for the module form: a layer's parts are its own modules."""
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+
+    def norm(self, i: int, name: str):
+        return self.model.layers[i].get_submodule(name)
+
+    head_norm = norm
+
+    def linear(self, i: int, role: str):
+        return self.model.layers[i].get_submodule(MODULE_NAMES[role])
+
+    def moe(self, i: int, shared: bool):
+        return self.model.layers[i].mlp
+
+    def rope(self, local: bool):
+        return self.model.rope_local if local else self.model.rope
+
+    def activation(self, name: str):
+        return activation(name)
 
 
 class LlamaModel(nn.Module):
@@ -182,20 +180,15 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend, i) for i in range(cfg.num_layers))
+        self.attention_backend = attention_backend
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        # Gemma 3: the sliding layers' own table (ModelConfig.local_rope); layer_rope(i) is layer i's
-        self.rope_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta, RopeScaling()) \
-            if any(cfg.local_rope(i) for i in range(cfg.num_layers)) else None
+        self.rope, self.rope_local = rope_tables(cfg)  # rope_local: Gemma 3's sliding layers' table (or None)
         self.requires_grad_(False)
         self.fast = None  # a runtime.cpu_forward.CpuForward once enable_fast_path() succeeds
         self.quantized: dict[str, QuantTensor] = {}  # weight name -> its GGUF blocks (a QuantLinear module holds them)
-
-    def layer_rope(self, i: int) -> RotaryEmbedding:
-        """Layer i's RoPE table (Gemma 3's sliding layers: the local one)."""
-        return self.rope_local if self.cfg.local_rope(i) else self.rope
+        self.parts = build_layers(cfg, ModuleParts(self))  # runtime.layer's view of the layers (rebuilt by load_weights)
 
     def weight(self, name: str) -> torch.Tensor | QuantTensor:
         """A parameter by name, or its QuantTensor where the model keeps it quantized."""
@@ -228,19 +221,13 @@ class LlamaModel(nn.Module):
             if self.cfg.attention_bias:
                 fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([tensors[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
             fused[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
-            if self.cfg.qk_norm:
-                fused[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
-                fused[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
-            if self.cfg.moe(i):
-                fused.update(moe_tensors(tensors, p, f"layers.{i}.mlp.", self.cfg.shared_expert_intermediate_size > 0))
+            for norm in norm_roles(self.cfg).names():
+                fused[f"layers.{i}.{norm}.weight"] = tensors[p + norm + ".weight"]
+            if is_moe(self.cfg, i):
+                fused.update(moe_tensors(tensors, p, f"layers.{i}.mlp.", has_shared_expert(self.cfg)))
             else:
                 fused[f"layers.{i}.mlp.gate_up_proj.weight"] = _stack_rows([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
                 fused[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
-            fused[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
-            fused[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
-            if self.cfg.sandwich_norms:
-                for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                    fused[f"layers.{i}.{n}.weight"] = tensors[p + n + ".weight"]
         params = dict(self.named_parameters())
         if set(params) != set(fused):
             raise ValueError(f"weight names do not cover the model: {sorted(set(params) ^ set(fused))[:3]}")
@@ -269,6 +256,7 @@ class LlamaModel(nn.Module):
             keep_float = self.cfg.norm_plus_one and name.endswith("norm.weight")  # Gemma's (1 + w), float32 as it scales
             param.data = src.to(torch.float32 if keep_float else self.dtype).contiguous()
         self.quantized = self._blocks()
+        self.parts = build_layers(self.cfg, ModuleParts(self))  # some modules became QuantLinears
 
     def _blocks(self) -> dict[str, QuantTensor]:
         return {f"{n}.weight": m.blocks for n, m in self.named_modules() if isinstance(m, QuantLinear)}
@@ -290,11 +278,12 @@ class LlamaModel(nn.Module):
             h = self.embed_tokens.rows(batch.input_ids, self.dtype)
         else:
             h = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        if self.cfg.embed_scale != 1.0:  # Gemma: times sqrt(hidden) rounded to the model dtype, as transformers
-            h = h * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, batch, self.layer_rope(i), kv_cache[i, 0], kv_cache[i, 1])
-        h = self.norm(h[batch.logits_indices])  # (N, hidden): the final norm is per row
+        scale = embedding_scale(self.cfg, h.dtype)
+        if scale is not None:
+            h = h * scale.to(h.device)
+        ops = TorchOps(self.cfg, batch, self.attention_backend)
+        delta = run_layers(ops, self.parts, h, ((kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.parts))))
+        h = ops.final_norm(delta, h, batch.logits_indices, self.norm)  # (N, hidden): the final norm is per row
         if isinstance(self.lm_head, QuantLinear):
             return soft_cap(self.lm_head(h), self.cfg.final_softcap).float()
         return soft_cap(F.linear(h, self.lm_head.weight), self.cfg.final_softcap).float()  # (N, vocab)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from pdserve.common.errors import NotSupportedError, UnsupportedModelError
 from pdserve.kernels.quant import QuantExperts, QuantTensor, block_weights, row_bytes
 from pdserve.runtime.config import ModelConfig
+from pdserve.runtime.layer import has_shared_expert, is_moe
 from pdserve_client.errors import InvalidRequestError
 
 PLAN_TIMEOUT_S = 7 * 24 * 3600  # ranks idle between steps wait this long for rank 0's next plan
@@ -202,8 +203,8 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
         out["lm_head.weight"] = vocab_part(tensors["lm_head.weight"], rank, n)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        moe = cfg.moe(i)
-        mlp = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") if moe and cfg.shared_expert_intermediate_size else \
+        moe = is_moe(cfg, i)
+        mlp = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") if moe and has_shared_expert(cfg) else \
             () if moe else ("mlp.gate_proj", "mlp.up_proj")
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *mlp):
             out[p + name + ".weight"] = column_part(tensors[p + name + ".weight"], rank, n)

@@ -1,11 +1,13 @@
 """One rank's part of a Llama-family model under tensor parallelism (Megatron's layout).
 
 Lifecycle: each of a worker's N rank processes builds `TPModel(cfg, shard(tensors), econf,
-group)` once (runtime.tp.shard gives its weights); each projection is a kernels.linear
+group)` once, through runtime.build.build_model (runtime.tp.shard gives its weights; the builder
+`_RankParts` makes runtime.layer's parts of each layer from them); each projection is a kernels.linear
 PackedLinear over the rank's shard (float or GGUF blocks; a fused qkv / gate_up whose parts differ
 in type, a kernels.linear.SplitLinear of one per part). Rank 0's engine calls `forward(batch,
 kv_cache)` as it calls runtime.model.LlamaModel's: it first broadcasts the step's plan, then
-every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes). Per
+every rank runs `run` on it (the others from `follow`, their loop until rank 0 closes): runtime.layer's
+one decoder layer with runtime.layer.TorchOps whose `reduce` is the group's all-reduce. Per
 layer: column-parallel q/k/v (this rank's heads and KV heads: its KV pool holds its KV heads, or
 it reads and writes only those of its worker's whole pool, `my_heads`),
 attention over them (Qwen3's per-head q / k norms, held whole by every rank, first), row-parallel o and one all-reduce; column-parallel gate/up, row-parallel
@@ -28,15 +30,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import paged
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.quant import QuantExperts, QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
-from pdserve.runtime.config import EngineConfig, ModelConfig, RopeScaling
-from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows, activation
+from pdserve.runtime.config import EngineConfig, ModelConfig
+from pdserve.runtime.layer import GatedMLP, TorchOps, activation, build_layers, embedding_scale, rope_tables, run_layers
+from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows
 from pdserve.runtime.moe import MoEBlock
 from pdserve.runtime.rope import RotaryEmbedding
-from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, shard, vocab_range
+from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, vocab_range
 
 
 def _norm(w: torch.Tensor, eps: float, dtype, device, cfg: ModelConfig | None = None) -> RMSNorm:
@@ -47,54 +49,47 @@ def _norm(w: torch.Tensor, eps: float, dtype, device, cfg: ModelConfig | None = 
     return n
 
 
-def _fused(parts: list):
-    """Rows of several shards stacked (q/k/v, gate/up): blocks stay blocks, side by side where
-    their types differ (runtime.model._stack_rows)."""
-    return _stack_rows(parts)
+_HF = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+       "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}  # runtime.layer.PROJECTIONS in HF names
 
 
-class _Layer:
-    def __init__(self, t: dict, i: int, cfg: ModelConfig, linear, dtype: torch.dtype, device):
+class _RankParts:
+    """runtime.layer's builder for a rank: its shard's projections (rows of several stacked, as
+    runtime.model fuses them: blocks stay blocks, side by side where their types differ), the
+    norms every rank holds whole, the rank's share of every expert."""
+
+    def __init__(self, model: TPModel, t: dict, linear):
+        self.m, self.t, self.linear_of = model, t, linear
+
+    def norm(self, i: int, name: str) -> RMSNorm:
+        m = self.m
+        return _norm(self.t[f"model.layers.{i}.{name}.weight"], m.cfg.rms_eps, m.dtype, m.device, m.cfg)
+
+    head_norm = norm
+
+    def linear(self, i: int, role: str):
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = torch.cat([t[a + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")]) if a + "q_proj.bias" in t else None
-        self.qkv = linear(_fused([t[a + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")]), bias)
-        self.o = linear(t[a + "o_proj.weight"], None)
-        self.gate_up = self.down = self.moe = None
-        if cfg.moe(i):  # this rank's share of every expert's width (runtime.moe); Qwen2-MoE's shared expert split likewise
-            m = p + "mlp."
-            shared = None
-            if cfg.shared_expert_intermediate_size:
-                s_gate_up = linear(_fused([t[m + "shared_expert.gate_proj.weight"], t[m + "shared_expert.up_proj.weight"]]), None)
-                s_down = linear(t[m + "shared_expert.down_proj.weight"], None)
-                act = activation(cfg.activation)
+        names = _HF[role]
+        bias = torch.cat([self.t[p + n + ".bias"] for n in names]) if p + names[0] + ".bias" in self.t else None
+        return self.linear_of(_stack_rows([self.t[p + n + ".weight"] for n in names]), bias)
 
-                def shared(x):
-                    gate, up = s_gate_up(x).split(cfg.shared_expert_intermediate_size, dim=-1)
-                    return s_down(act(gate) * up)
+    def moe(self, i: int, shared: bool) -> MoEBlock:
+        """This rank's share of every expert's width (runtime.moe); Qwen2-MoE's shared expert split likewise."""
+        m, t, p = self.m, self.t, f"model.layers.{i}.mlp."
+        expert = GatedMLP(self.linear_of(_stack_rows([t[p + "shared_expert.gate_proj.weight"], t[p + "shared_expert.up_proj.weight"]]), None),
+                          self.linear_of(t[p + "shared_expert.down_proj.weight"], None), activation(m.cfg.activation)) if shared else None
 
-            def dense(w):
-                return (w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w).to(dtype).to(device).contiguous()
+        def dense(w):
+            return (w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w).to(m.dtype).to(m.device).contiguous()
 
-            self.moe = MoEBlock(cfg, dense(t[m + "gate.weight"]), torch.cat([dense(t[m + "experts.gate_proj"]), dense(t[m + "experts.up_proj"])], 1),
-                                dense(t[m + "experts.down_proj"]), shared, dense(t[m + "shared_expert_gate.weight"]) if shared else None)
-            self.moe_linears = [s_gate_up, s_down] if shared else []
-        else:
-            self.gate_up = linear(_fused([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]), None)
-            self.down = linear(t[p + "mlp.down_proj.weight"], None)
-        def norm(name):
-            return _norm(t[p + name + ".weight"], cfg.rms_eps, dtype, device, cfg)
+        return MoEBlock(m.cfg, dense(t[p + "gate.weight"]), torch.cat([dense(t[p + "experts.gate_proj"]), dense(t[p + "experts.up_proj"])], 1),
+                        dense(t[p + "experts.down_proj"]), expert, dense(t[p + "shared_expert_gate.weight"]) if shared else None)
 
-        self.in_norm = norm("input_layernorm")
-        self.window = cfg.window(i)  # sliding window in keys (0: full attention)
-        self.local_rope = cfg.local_rope(i)  # Gemma 3's sliding layers rotate by the local table
-        qk = cfg.qk_norm  # Qwen3, Gemma 3: per-head q / k RMSNorm (every rank holds them whole)
-        self.q_norm = norm("self_attn.q_norm") if qk else None
-        self.k_norm = norm("self_attn.k_norm") if qk else None
-        # post_norm: the MLP input's; Gemma's attn_out_norm / mlp_out_norm normalise the all-reduced outputs
-        self.post_norm = norm("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
-        self.attn_out_norm = norm("post_attention_layernorm") if cfg.sandwich_norms else None
-        self.mlp_out_norm = norm("post_feedforward_layernorm") if cfg.sandwich_norms else None
+    def rope(self, local: bool) -> RotaryEmbedding:
+        return self.m.rope_local if local else self.m.rope
+
+    def activation(self, name: str):
+        return activation(name)
 
 
 class TPModel:
@@ -112,18 +107,14 @@ class TPModel:
             w = w if isinstance(w, QuantTensor) else w.to(self.dtype).to(self.device)
             return PackedLinear(w, None if bias is None else bias.to(self.dtype).to(self.device), kind, activations=econf.quant_activations)
 
-        self.layers = [_Layer(tensors, i, self.cfg, linear, self.dtype, self.device) for i in range(full.num_layers)]
+        self.rope, self.rope_local = rope_tables(full, self.device)  # rope_local: Gemma 3's sliding layers' (or None)
+        self.layers = build_layers(self.cfg, _RankParts(self, tensors, linear))
         embed = tensors["model.embed_tokens.weight"]
         self.embed = embed if isinstance(embed, QuantTensor) else embed.to(self.dtype).to(self.device)
         self.vocab_start, self.vocab_end = vocab_range(full.vocab_size, group.rank, group.size)
         # tied: the LM head reads the embedding's own device copy (a second .to(device) would copy it again)
         self.lm_head = linear(self.embed if full.tie_embeddings else tensors["lm_head.weight"], None)
         self.norm = _norm(tensors["model.norm.weight"], full.rms_eps, self.dtype, self.device, full)
-        self.rope = RotaryEmbedding(full.head_dim, full.max_position, full.rope_theta, full.rope_scaling).to(self.device)
-        self.rope_local = RotaryEmbedding(full.head_dim, full.max_position, full.rope_local_theta, RopeScaling()).to(self.device) \
-            if any(layer.local_rope for layer in self.layers) else None
-        self.scale = full.attention_scale
-        self.act = activation(full.activation)
         self.kv_heads = slice(*kv_head_range(full.num_kv_heads, group.rank, group.size))  # this rank's KV heads in a whole worker's pool
 
     def weight_bytes(self) -> int:
@@ -131,13 +122,12 @@ class TPModel:
         def size(w):
             return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
 
-        lins = [self.lm_head, *(x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down) if x is not None),
-                *(x for l in self.layers if l.moe is not None for x in l.moe_linears)]
+        lins = [self.lm_head, *(x for layer in self.layers for x in layer.linears())]
         lins = [part for x in lins for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
         experts = sum(size(w) for l in self.layers if l.moe is not None
                       for w in (l.moe.router, l.moe.gate_up, l.moe.down, l.moe.shared_gate) if w is not None)
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
-        norms = [self.norm, *(n for l in self.layers for n in (l.in_norm, l.post_norm, l.q_norm, l.k_norm, l.attn_out_norm, l.mlp_out_norm)
+        norms = [self.norm, *(n for l in self.layers for n in (l.attn_norm, l.mlp_norm, l.q_norm, l.k_norm, l.attn_out_norm, l.mlp_out_norm)
                               if n is not None)]
         return embed + experts + sum(size(x.weight) for x in lins) + sum(size(n.weight) for n in norms)
 
@@ -169,35 +159,13 @@ class TPModel:
     def run(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
         kv_cache = self.my_heads(kv_cache)
         h = self._embed(batch.input_ids)  # (T, hidden)
-        if self.full.embed_scale != 1.0:  # Gemma, as runtime.model
-            h = h * torch.tensor(self.full.embed_scale, dtype=torch.float32).to(h.dtype)
-        for i, layer in enumerate(self.layers):
-            a = self.group.all_reduce(self._attention(layer, layer.in_norm(h), batch, kv_cache[i, 0], kv_cache[i, 1]))
-            h = h + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))
-            if layer.moe is not None:  # every rank routes the same (whole) input alike; its experts' partial sums
-                m = self.group.all_reduce(layer.moe(layer.post_norm(h)))
-            else:
-                gate, up = layer.gate_up(layer.post_norm(h)).split(self.cfg.intermediate_size, dim=-1)
-                m = self.group.all_reduce(layer.down(self.act(gate) * up))
-            h = h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
-        h = self.norm(h[batch.logits_indices])  # (N, hidden)
+        scale = embedding_scale(self.full, h.dtype)
+        if scale is not None:
+            h = h * scale.to(h.device)
+        ops = TorchOps(self.cfg, batch, self.backend, self.group.all_reduce)  # every rank's partial o and MLP outputs summed
+        delta = run_layers(ops, self.layers, h, ((kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.layers))))
+        h = ops.final_norm(delta, h, batch.logits_indices, self.norm)  # (N, hidden)
         return self._logits(soft_cap(self.lm_head(h), self.full.final_softcap).float())
-
-    def _attention(self, layer: _Layer, x, batch, k_cache, v_cache) -> torch.Tensor:
-        c = self.cfg
-        T = x.shape[0]
-        q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(T, c.num_heads, c.head_dim)  # (T, H / N, D)
-        k = k.reshape(T, c.num_kv_heads, c.head_dim)  # (T, KVH / N, D)
-        v = v.reshape(T, c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = (self.rope_local if layer.local_rope else self.rope)(batch.positions, q, k)
-        paged.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged.paged_attention(
-            q, k_cache, v_cache, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-            max_query_len=batch.max_query_len, scale=self.scale, backend=self.backend, window=layer.window, softcap=self.full.attn_softcap)
-        return layer.o(out.reshape(T, c.q_size).contiguous())  # (T, hidden): this rank's partial sum
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows, zeros for the others', summed over ranks."""
@@ -217,17 +185,3 @@ class TPModel:
         if part.shape[1] < per:
             part = F.pad(part, (0, per - part.shape[1]))
         return torch.cat(self.group.all_gather(part), dim=1)[:, :self.full.vocab_size]
-
-
-def build_tp_model(cfg: ModelConfig, tensors: dict, econf: EngineConfig, group: RankGroup) -> TPModel:
-    """This rank's model from the whole checkpoint's tensors (the rest is dropped by the caller);
-    GGUF blocks stay blocks where TP 1 would keep them on the CPU (runtime.engine), else (and
-    always on CUDA) are dequantized."""
-    from pdserve.runtime.engine import _why_not_quantized, check_attention_backend
-    from pdserve.runtime.weights import dequantize_all
-
-    check_attention_backend(cfg, econf)
-    part = shard(cfg, tensors, group.rank, group.size)
-    if any(isinstance(v, QuantTensor) for v in part.values()) and (econf.device.startswith("cuda") or _why_not_quantized(econf)):
-        part = dequantize_all(part)
-    return TPModel(cfg, part, econf, group)

@@ -1,11 +1,12 @@
 """A tensor-parallel worker's other ranks: started by rank 0, they run its steps until it stops.
 
-Lifecycle: a worker's build calls `load_model(econf, wcfg, make_pool)`. With TP 1 it builds
-runtime.model as before. With TP n it makes the worker's KV pool shared (/dev/shm) and `start`s
+Lifecycle: a worker's build calls `load_model(econf, wcfg, make_pool)`. Every rank's model, and
+TP 1's, is built by runtime.build.build_model (given the rank group under TP n). With TP 1 it builds
+runtime.model's LlamaModel. With TP n it makes the worker's KV pool shared (/dev/shm) and `start`s
 ranks 1..n-1 as `python -m worker.tp_ranks SPEC` (SPEC: a msgspec JSON RankSpec on the command
 line, no pickle, no secret: it names the group's private rendezvous directory, whose token the
 rank reads there); rank 0 then joins their group (runtime.tp.RankGroup: loopback only, every
-connection proven with the token) and builds its own part of the model (runtime.tp_model), whose
+connection proven with the token) and builds its own part of the model (runtime.tp_model's TPModel), whose
 every forward first broadcasts the step's plan. Each
 other rank loads the checkpoint, keeps its shard, maps the worker's pool (only through
 kvtransfer.pool_files' checks: a canonical path in this user's 0700 pool directory, a file of
@@ -47,11 +48,11 @@ from pdserve.common.errors import NotSupportedError
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.heads import HeadParts
 from pdserve.kvtransfer.pool import KVPool, dtype_name
+from pdserve.runtime.build import build_model
 from pdserve.runtime.config import EngineConfig, ModelConfig, WorkerConfig
-from pdserve.runtime.engine import build_model
 from pdserve.runtime.kv_cache import allocate_kv_cache, kv_cache_shape
 from pdserve.runtime.tp import RankGroup, check_split, rank_devices
-from pdserve.runtime.tp_model import TPModel, build_tp_model
+from pdserve.runtime.tp_model import TPModel
 from pdserve.runtime.weights import load_checkpoint
 from pdserve.wire.protocol import KVAccept
 
@@ -146,7 +147,7 @@ def start(cfg: ModelConfig, tensors: dict, econf: EngineConfig, num_blocks: int,
             procs.append(subprocess.Popen([sys.executable, "-P", "-m", "pdserve.worker.tp_ranks", msgspec.json.encode(spec).decode()],
                                           stdin=subprocess.DEVNULL, preexec_fn=_killed_with_parent()))
         group.connect()
-        built = build_tp_model(cfg, tensors, econf, group)
+        built = build_model(cfg, tensors, econf, model, group)
     except BaseException:
         for p in procs:
             p.kill()
@@ -316,7 +317,7 @@ def follow(spec: RankSpec) -> None:
     e = spec.engine  # its device: this rank's
     cfg, tensors = load_checkpoint(spec.model, progress=False, keep_quantized=e.keep_quantized)
     group = RankGroup(spec.rank, spec.size, spec.rendezvous, device=e.device).connect()
-    model = build_tp_model(cfg, tensors, e, group)
+    model = build_model(cfg, tensors, e, spec.model, group)
     del tensors
     release_heap()
     if spec.pool_path:
