@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from pdserve.kernels.kv_quant import as_bytes
 from pdserve.kvtransfer.pool import copy_blocks
 from pdserve.runtime.tp import head_routes, kv_head_range
 
@@ -90,7 +91,8 @@ def scatter_layer(pool, layer: int, idx: torch.Tensor, data: torch.Tensor) -> No
     parts = as_parts(pool)
     for r, p in enumerate(parts):
         lo, hi = kv_head_range(pool.shape[-2], r, len(parts))
-        p[layer].index_copy_(1, idx.to(p.device), (data if len(parts) == 1 else data[..., lo:hi, :]).to(p.device))
+        piece = (data if len(parts) == 1 else data[..., lo:hi, :]).to(p.device)
+        as_bytes(p[layer]).index_copy_(1, idx.to(p.device), as_bytes(piece))  # torch has no float8 index_copy_
 
 
 def settle(pool) -> None:
