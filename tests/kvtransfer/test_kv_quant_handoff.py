@@ -15,8 +15,8 @@ from pdserve.kvtransfer.pool import KVPool
 from pdserve.kvtransfer.transfer import KVDtypeMismatch, KVReceiver, KVSender
 from pdserve.runtime.kv_cache import kv_cache_shape
 from pdserve_client.params import SamplingParams
-from tests.decode.test_worker import all_free, deliver, tokens_of, workers
 from tests.decode.test_worker import admit as admit_on
+from tests.decode.test_worker import all_free, deliver, tokens_of, workers
 from tests.helpers import tiny_engine
 from tests.kvtransfer.test_gpu_backends import Pump, ctx, ready  # noqa: F401 (fixture)
 
