@@ -1346,16 +1346,24 @@ def hello_problem(h: Hello) -> str | None:
 
 def handoff_mismatch(h: Hello, registered: list[Hello]) -> str | None:
     """Why h's KV blocks could not be handed to or from a registered worker (None if they can):
-    a hand-off moves whole blocks between pools of one model, block size and KV dtype, whatever
+    a hand-off moves whole blocks between pools of one model, block size, KV dtype and KV cache
+    dtype (--kv-cache-dtype: int8 / fp8 blocks are not float ones), whatever
     the tensor parallel size of either side; refused at registration, not mid-request."""
     for o in registered:
         if o.worker_id == h.worker_id:
             continue
         for what, mine, theirs in (("model", h.model, o.model), ("block size", h.block_size, o.block_size),
-                                   ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype"))):
+                                   ("KV dtype", h.engine.get("dtype"), o.engine.get("dtype")),
+                                   ("KV cache dtype", _kv_cache_dtype(h), _kv_cache_dtype(o))):
             if mine is not None and theirs is not None and mine != theirs:  # (a worker that does not say is not refused for it)
                 return f"not supported: KV hand-offs between workers of another {what} ({mine!r} here, {theirs!r} on {o.worker_id})"
     return None
+
+
+def _kv_cache_dtype(h: Hello) -> str | None:
+    """A worker's --kv-cache-dtype (fp8 and fp8_e4m3 are one storage), None if it does not say."""
+    kv = h.engine.get("kv_cache_dtype")
+    return "fp8_e4m3" if kv == "fp8" else kv
 
 
 def numbers_ok(msg) -> bool:

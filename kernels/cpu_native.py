@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import native_build
+from pdserve.kernels import kv_quant, native_build
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ _SIGNATURES = {
     "pd_rms_norm": (None, [_P, _I64, _P, _P, _P, _I, _I, _F]),
     "pd_silu_mul": (None, [_P, _P, _I, _I]),
     "pd_rope_write_kv": (None, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "pd_rope_write_kv_q8": (None, [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]),
+    "pd_paged_decode_attention_q8": (_I, [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _I]),
     "pd_q_dequant": (None, [_P, _I64, _I, _I, _P, _I, _P]),
     "pd_q_matmul": (_I, [_P, _I64, _P, _I64, _I, _I, _I, _I, _P, _I64, _I]),
     "pd_f_matmul": (_I, [_P, _I64, _P, _I, _I, _I, _P, _I64]),
@@ -152,7 +154,7 @@ _SIGNATURES = {
     "pd_q_repack16": (_I, [_P, _I64, _I, _I, _I, _P]),
     "pd_q_gemv16": (_I, [_P, _I64, _P, _I, _I, _I, _I, _P, _I64]),
     "pd_peak_loop": (_I64, [_I, _I64, _I, _P]),
-    "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I]),
+    "pd_decode_layers": (_I, [_P, _I, _P, _I64, _I64, *[_P] * 8, _I, *[_P] * 6, _I64, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I]),
 }
 
 
@@ -222,13 +224,15 @@ class NativeOps:
         (window > 0: over its last `window` keys only; kernels.paged's sliding window).
 
         q, out: (T, >= H*D) float32 with contiguous rows; rows: (B,) int64; k_cache, v_cache:
-        (num_blocks, BS, KVH, D) contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
+        (num_blocks, BS, KVH, D) float32 or an int8 cache's (num_blocks, BS, KVH, D + 4) rows
+        (kernels.kv_quant), contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
         """
+        int8 = k_cache.dtype == torch.int8
         if check:  # the step's first layer checks; the rest pass the same tensors' siblings
             _check_rows(q, "q")
             _check_rows(out, "out")
-            _check(k_cache, "k_cache")
-            _check(v_cache, "v_cache")
+            _check(k_cache, "k_cache", torch.int8 if int8 else torch.float32)
+            _check(v_cache, "v_cache", k_cache.dtype)
             _check(rows, "rows", torch.int64)
             _check(block_tables, "block_tables", torch.int32)
             _check(seq_lens, "seq_lens", torch.int32)
@@ -237,11 +241,12 @@ class NativeOps:
             if not (rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
                 raise ValueError("rows, seq_lens and block table rows must be contiguous")
         _, bs, kvh, d = k_cache.shape
+        d -= kv_quant.SCALE_BYTES if int8 else 0
         batch = rows.numel()
         heads = out.shape[1] // d
         if check and (seq_lens.numel() != batch or block_tables.shape[0] != batch or heads % kvh or q.shape[1] < heads * d):
             raise ValueError("decode_attention: rows, seq_lens, block_tables and head counts disagree")
-        failed = self.lib.pd_paged_decode_attention(
+        failed = (self.lib.pd_paged_decode_attention_q8 if int8 else self.lib.pd_paged_decode_attention)(
             _ptr(q), q.stride(0), _ptr(out), out.stride(0), _ptr(rows), _ptr(k_cache), _ptr(v_cache),
             _ptr(block_tables), block_tables.stride(0), _ptr(seq_lens), batch, heads, kvh, d, bs, scale, window,
         )
@@ -274,22 +279,26 @@ class NativeOps:
         self.lib.pd_silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
 
     def rope_write_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, check: bool = True) -> None:
-        """Rotate q and k of the fused qkv rows in place, then store k and v at their slots."""
+        """Rotate q and k of the fused qkv rows in place, then store k and v at their slots (an
+        int8 cache, kernels.kv_quant's rows of D + 4: quantized as kv_quant.pack does)."""
         d = cos.shape[1]
         tokens = qkv.shape[0]
+        int8 = k_cache.dtype == torch.int8
         if check:
             _check_rows(qkv, "qkv")
-            for t, n in ((cos, "cos"), (sin, "sin"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-                _check(t, n)
+            cache_dtype = torch.int8 if int8 else torch.float32
+            for t, n, dt in ((cos, "cos", torch.float32), (sin, "sin", torch.float32), (k_cache, "k_cache", cache_dtype),
+                             (v_cache, "v_cache", cache_dtype)):
+                _check(t, n, dt)
                 if not t.is_contiguous():
                     raise ValueError(f"rope_write_kv: {n} must be contiguous")
             _check(positions, "positions", torch.int64)
             _check(slots, "slots", torch.int64)
-            if qkv.shape[1] != (heads + 2 * kv_heads) * d or k_cache.shape[-2:] != (kv_heads, d):
+            if qkv.shape[1] != (heads + 2 * kv_heads) * d or k_cache.shape[-2:] != (kv_heads, kv_quant.row_width(d, k_cache.dtype)):
                 raise ValueError("rope_write_kv: qkv width, cache shape and head counts disagree")
             if positions.shape != (tokens,) or slots.shape != (tokens,) or not (positions.is_contiguous() and slots.is_contiguous()):
                 raise ValueError("rope_write_kv: positions and slots must be contiguous (T,)")
-        self.lib.pd_rope_write_kv(
+        (self.lib.pd_rope_write_kv_q8 if int8 else self.lib.pd_rope_write_kv)(
             _ptr(qkv), qkv.stride(0), _ptr(positions), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), _ptr(slots),
             tokens, heads, kv_heads, d,
         )
@@ -378,10 +387,11 @@ class NativeOps:
         qkv, attn, o_out, gate_up, act, down = bufs
         t = h.shape[0]
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, tuple(kv_cache.stride()))
+        int8 = kv_cache.dtype == torch.int8  # an int8 cache (kernels.kv_quant rows), else float32
         if layers.pool_key != key:
-            _check(kv_cache, "kv_cache")
+            _check(kv_cache, "kv_cache", torch.int8 if int8 else torch.float32)
             if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[0] != layers.count or kv_cache.shape[1] != 2 \
-                    or kv_cache.shape[-1] != layers.cos.shape[1]:
+                    or kv_cache.shape[-1] != kv_quant.row_width(layers.cos.shape[1], kv_cache.dtype):
                 raise ValueError("decode_layers: kv_cache must be a contiguous (layers, 2, blocks, block size, kv heads, head dim) pool")
             layers.pool_key = key
         for name, m, width in (("h", h, layers.hidden), ("x", x, layers.hidden), ("qkv", qkv, layers.qkv_width), ("attn", attn, layers.q_size),
@@ -397,11 +407,13 @@ class NativeOps:
         if not (pos.shape == slots.shape == rows.shape == lens.shape == (t,)) or tables.shape[0] != t or tables.stride(1) != 1 \
                 or not (pos.is_contiguous() and slots.is_contiguous() and rows.is_contiguous() and lens.is_contiguous()):
             raise ValueError("decode_layers: positions, slots, rows, seq_lens (T,) and block_tables (T, W) must be contiguous")
-        _, _, _, bs, kvh, d = kv_cache.shape
+        _, _, _, bs, kvh, _ = kv_cache.shape
+        d, size = layers.cos.shape[1], kv_cache.element_size()
         if self.lib.pd_decode_layers(
-            layers.array, layers.count, _ptr(kv_cache), kv_cache.stride(0), kv_cache.stride(1), _ptr(h), _ptr(x), _ptr(qkv), _ptr(attn),
+            layers.array, layers.count, _ptr(kv_cache), kv_cache.stride(0) * size, kv_cache.stride(1) * size, _ptr(h), _ptr(x), _ptr(qkv), _ptr(attn),
             _ptr(o_out), _ptr(gate_up), _ptr(act), _ptr(down), t, _ptr(pos), _ptr(slots), _ptr(layers.cos), _ptr(layers.sin), _ptr(rows),
             _ptr(tables), tables.stride(0), _ptr(lens), layers.heads, kvh, d, bs, layers.hidden, layers.inter, scale, eps, layers.activations,
+            int(int8),
         ):
             raise MemoryError("decode_layers: scratch allocation failed")
 

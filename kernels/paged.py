@@ -12,11 +12,15 @@ transformers masks Mistral's and Qwen2's sliding layers); 0 is full causal atten
 soft-cap (`softcap` > 0, Gemma 2: scores s -> softcap * tanh(s / softcap) before the softmax) is
 taken by `torch` and `reference`; `triton` lacks it and refuses it (NotImplementedError; the
 engine refuses such a model on CUDA before building it: runtime.build.check_attention_backend).
+A quantized cache (kernels.kv_quant: --kv-cache-dtype int8 / fp8) is quantized by `write_kv` and
+read by `torch` and `reference`, which dequantize the pages they gather; `triton` refuses it
+(KVCacheDtypeError; EngineConfig refuses the dtype on CUDA first).
 """
 from __future__ import annotations
 
 import torch
 
+from . import kv_quant
 from .reference import paged_attention_ref
 from .torch_paged import paged_attention_torch
 
@@ -24,7 +28,12 @@ BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
-    """Store k, v (T, KVH, D) into the pages (num_blocks, block_size, KVH, D) at slot_mapping (T,)."""
+    """Store k, v (T, KVH, D) into the pages (num_blocks, block_size, KVH, D) at slot_mapping (T,);
+    a quantized cache (kernels.kv_quant: rows of D codes + a scale) stores them quantized."""
+    if kv_quant.is_quantized(k_cache.dtype):
+        k, v = kv_quant.pack(k, k_cache.dtype), kv_quant.pack(v, v_cache.dtype)
+        k_cache, v_cache = kv_quant.as_bytes(k_cache), kv_quant.as_bytes(v_cache)  # torch has no float8 index_copy_
+        k, v = kv_quant.as_bytes(k), kv_quant.as_bytes(v)
     if k_cache.shape[2:] != k.shape[1:] or v_cache.shape[2:] != v.shape[1:]:
         raise ValueError(f"write_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches {tuple(k_cache.shape)}")
     if slot_mapping.shape != k.shape[:1]:
@@ -58,7 +67,11 @@ def paged_attention(
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0, got {window}, {softcap}")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len)
-    if softcap and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+    triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if triton and kv_quant.is_quantized(k_cache.dtype):
+        raise kv_quant.KVCacheDtypeError(f"a {k_cache.dtype} KV cache (--kv-cache-dtype int8 / fp8) is not read by the Triton paged "
+                                         "attention kernel; the torch and reference backends read it")
+    if softcap and triton:
         raise NotImplementedError(f"attention logit soft-capping (Gemma 2) is not supported by the Triton paged attention kernel "
                                 f"(backend {backend!r}); the torch and reference backends take it")
     impl = _backend_impl(backend, q)
@@ -90,11 +103,11 @@ def _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and cache ({k_cache.shape[3]}) differ")
+    if kv_quant.head_dim_of(k_cache) != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and cache ({kv_quant.head_dim_of(k_cache)}) differ")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not kv_quant.is_quantized(k_cache.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     batch = seq_lens.numel()
     if query_start_loc.numel() != batch + 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch:

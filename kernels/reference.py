@@ -4,11 +4,15 @@ Lifecycle: stateless; `paged_attention_ref` is called by tests (and by `paged_at
 backend="reference")`) on small inputs. For each sequence it gathers the keys/values of every
 context position one slot at a time from the pages, builds the causal mask (and the sliding
 window's, `window` > 0: a query at position p sees keys p - window < k <= p) explicitly, soft-caps
-the scores where asked (`softcap` > 0: s -> softcap * tanh(s / softcap)) and runs a float32 softmax. Nothing here is meant to be fast, only to be plainly right.
+the scores where asked (`softcap` > 0: s -> softcap * tanh(s / softcap)) and runs a float32 softmax. A quantized cache's
+slots (kernels.kv_quant) are dequantized to float32 as they are gathered. Nothing here is meant
+to be fast, only to be plainly right.
 """
 from __future__ import annotations
 
 import torch
+
+from . import kv_quant
 
 
 def paged_attention_ref(
@@ -42,7 +46,7 @@ def gather_context(k_cache, v_cache, block_table, seq_len: int):
     pos = torch.arange(seq_len, device=k_cache.device)
     blocks = block_table.long()[pos // block_size]  # (S,)
     offsets = pos % block_size
-    return k_cache[blocks, offsets], v_cache[blocks, offsets]
+    return kv_quant.readable(k_cache[blocks, offsets]), kv_quant.readable(v_cache[blocks, offsets])
 
 
 def _attend(q, k, v, seq_len: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

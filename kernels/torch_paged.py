@@ -11,12 +11,17 @@ prefix, otherwise a bottom-right causal mask). A sliding window (`window` > 0, k
 narrows the mask to each query's last `window` keys where the context is longer than the
 window, as transformers' sliding-window mask does (a lone decode query reads only those keys),
 and the pages are gathered from the first one a window reaches (`window_page`): the entries
-before it may be freed blocks (runtime.kv_cache) and are never read.
+before it may be freed blocks (runtime.kv_cache) and are never read. A quantized cache
+(kernels.kv_quant, --kv-cache-dtype int8 / fp8) is read the same way: the gathered pages are
+unpacked (code * scale) to the query's dtype before the sdpa call: the slow twin of the C int8
+decode kernel.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import kv_quant
 
 # enable_gqa lets sdpa read each KV head for its whole query group without materialising
 # repeat_kv; on CPU it is bit-identical to sdpa over repeated K/V, which transformers falls back to.
@@ -71,6 +76,7 @@ def decode_batched(q, k_cache, v_cache, seq_lens, block_tables, scale: float, wi
             pages, key_start = block_tables[s:e, :n_blocks].reshape(-1).long(), None  # (r*NB,)
         k = torch.index_select(k_cache, 0, pages, out=k_buf[: pages.numel()])
         v = torch.index_select(v_cache, 0, pages, out=v_buf[: pages.numel()])
+        k, v = kv_quant.readable(k, q.dtype), kv_quant.readable(v, q.dtype)  # a quantized cache: its gathered pages unpacked
         out[s:e] = _decode_chunk(q[s:e], k, v, seq_lens[s:e], scale, window, softcap, key_start)
     return out
 
@@ -118,7 +124,8 @@ def varlen_per_sequence(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
-        k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len, window_page(seq_len, q_end - q_start, window, k_cache.shape[1]))
+        k, v = gather_pages(k_cache, v_cache, block_tables[i], seq_len, window_page(seq_len, q_end - q_start, window, k_cache.shape[1]),
+                            q.dtype)
         out[q_start:q_end] = attend_one(q[q_start:q_end], k, v, scale, window, softcap)
     return out
 
@@ -129,14 +136,15 @@ def window_page(seq_len: int, q_len: int, window: int, block_size: int) -> int:
     return max(0, seq_len - q_len - window + 1) // block_size if window > 0 else 0
 
 
-def gather_pages(k_cache, v_cache, block_table, seq_len: int, first_page: int = 0):
+def gather_pages(k_cache, v_cache, block_table, seq_len: int, first_page: int = 0, dtype: torch.dtype = torch.float32):
     """K and V of one sequence's positions first_page * block_size..seq_len-1, each (S, KVH, D),
-    read page by page. attend_one takes them as they are: its masks are relative to the last key."""
+    read page by page (a quantized cache's unpacked to dtype). attend_one takes them as they
+    are: its masks are relative to the last key."""
     n_blocks = -(-seq_len // k_cache.shape[1])
     pages = block_table[first_page:n_blocks].long()
     n = seq_len - first_page * k_cache.shape[1]
-    k = k_cache.index_select(0, pages).flatten(0, 1)[:n]
-    return k, v_cache.index_select(0, pages).flatten(0, 1)[:n]
+    k = kv_quant.readable(k_cache.index_select(0, pages).flatten(0, 1)[:n], dtype)
+    return k, kv_quant.readable(v_cache.index_select(0, pages).flatten(0, 1)[:n], dtype)
 
 
 def attend_one(q, k, v, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

@@ -90,7 +90,13 @@ def scatter_layer(pool, layer: int, idx: torch.Tensor, data: torch.Tensor) -> No
     parts = as_parts(pool)
     for r, p in enumerate(parts):
         lo, hi = kv_head_range(pool.shape[-2], r, len(parts))
-        p[layer].index_copy_(1, idx.to(p.device), (data if len(parts) == 1 else data[..., lo:hi, :]).to(p.device))
+        piece = (data if len(parts) == 1 else data[..., lo:hi, :]).to(p.device)
+        as_bytes(p[layer]).index_copy_(1, idx.to(p.device), as_bytes(piece))  # torch has no float8 index_copy_
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A pool of a 1-byte dtype (int8, float8: a quantized KV cache) as uint8, a view: torch has no float8 index_copy_."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def settle(pool) -> None:

@@ -28,7 +28,10 @@ from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a pool's storage dtype by its wire name (KVAccept.kv_dtype); int8 / float8_e4m3fn: a quantized
+# KV cache (kernels.kv_quant, --kv-cache-dtype), whose blocks carry their scales
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

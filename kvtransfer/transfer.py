@@ -19,7 +19,9 @@ finished blocks the same way under a `KVPart` header, and its KVReady then carri
        before the header (kvtransfer.cuda_ipc).
   nccl: join a communicator (a second KVConnect, with the ncclUniqueId), send the layers after
        the header; the receiver scatters them in `copy_in` (kvtransfer.nccl).
-GPU failures raise KVTransferError. A failed hand-off forgets the destination, so the next one
+The handshake refuses a destination whose pool stores KV otherwise than the sender's
+(`check_same_storage`: dtype and row width, e.g. an int8 --kv-cache-dtype against a float32
+one): KVDtypeMismatch, before any byte moves. GPU failures raise KVTransferError. A failed hand-off forgets the destination, so the next one
 asks again. Both sides validate shapes and block ids: the sender refuses ids outside the
 destination pool (InvalidHandoff) before writing; the receiver turns a KVReady whose ids or tcp
 frames are wrong into a KVFailed for its grant (counted), so the decode worker frees that grant
@@ -94,6 +96,21 @@ def check_header(msg: KVReady | KVPart, num_blocks: int) -> None:
         raise InvalidHandoff(f"a part from block {msg.first}")
 
 
+class KVDtypeMismatch(KVTransferError):
+    """The two workers' KV pools store KV differently (--kv-cache-dtype, or the model dtype)."""
+
+
+def check_same_storage(dest: KVAccept, src, endpoint: str) -> None:
+    """KVDtypeMismatch unless the decode pool `dest` (its KVAccept) stores a block's rows as src
+    does: the same dtype (float32, bfloat16, int8, float8_e4m3fn: kernels.kv_quant) and row width.
+    Checked at the handshake, before any byte moves: a quantized block copied into a float pool
+    (or the reverse) would be garbage, not an error."""
+    ours = dtype_name(src.dtype) if src.dtype in DTYPES.values() else str(src.dtype)
+    if dest.kv_dtype != ours or dest.kv_shape[-1] != src.shape[-1]:
+        raise KVDtypeMismatch(f"{endpoint}: the decode worker's KV cache is {dest.kv_dtype} (rows of {dest.kv_shape[-1]}), this prefill "
+                              f"worker's {ours} (rows of {src.shape[-1]}): start both with the same --kv-cache-dtype (and --dtype)")
+
+
 def gpu_backends(pool: torch.Tensor) -> list[str]:
     """The GPU backends a worker with this KV pool can take part in."""
     return [b.name for b in (CUDA_IPC, NCCL) if b.sends_from(pool)]
@@ -138,6 +155,7 @@ class KVSender:
         dest = self.dests.get(endpoint)
         if dest is None:
             pool = self.handshake(endpoint, KVConnect(self.identity, self.next_nonce()))
+            check_same_storage(pool, src, endpoint)
             gpu = [b for b in pool.backends if b in GPU_BACKENDS]
             try:
                 # a forced backend is tried as it is: a GPU one this side cannot do fails at its first use

@@ -422,6 +422,9 @@ class EngineConfig:
                                launch=True, help=f"KV pool memory budget per worker, MiB (per GPU for a tensor-parallel worker on CUDA: "
                                f"each rank's pool of its KV heads; default: {AUTO_KV_CACHE_MB}, or less on a small "
                                "machine: at most a quarter of the available memory and half of /dev/shm's free space)")
+    kv_cache_dtype: str = flag("auto", group="KV cache and transfer", choices=("auto", "int8", "fp8", "fp8_e4m3"), launch=True,
+                               help="KV cache storage (vLLM's names): auto (the model dtype), int8 or fp8 (e4m3), each row of a "
+                               "token's head with its own float32 scale (CPU only; prefill and decode workers must agree)")
     max_num_seqs: int = flag(64, group="scheduling", launch=True, help="sequences one worker runs at once")
     max_num_batched_tokens: int = flag(2048, group="scheduling", aliases=("--max-batched-tokens",), launch=True,
                                        help="token budget of one step")
@@ -475,6 +478,11 @@ class EngineConfig:
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8", "fp8_e4m3"):
+            raise InvalidRequestError(f"kv_cache_dtype must be auto, int8, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and not self.device.startswith("cpu"):
+            raise NotSupportedError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported on {self.device}: the Triton paged "
+                                    "attention kernels do not read a quantized KV cache (the CPU kernels do)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.linear_kind not in ("auto", "torch", "onednn"):
@@ -514,6 +522,19 @@ class EngineConfig:
 
         return getattr(torch, self.dtype)
 
+    @property
+    def kv_torch_dtype(self):
+        """The KV pool's storage dtype: the model's (auto), or int8 / float8_e4m3fn (kernels.kv_quant)."""
+        from pdserve.kernels import kv_quant
+
+        return kv_quant.storage_dtype(self.kv_cache_dtype, self.torch_dtype)
+
+    def kv_bytes_per_token(self, model: ModelConfig) -> int:
+        """KV bytes one token holds in this pool: every layer, K and V, every KV head (scales included)."""
+        from pdserve.kernels import kv_quant
+
+        return kv_quant.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_torch_dtype)
+
     def blocks_for_budget(self, model: ModelConfig) -> int:
         """Number of KV blocks (all layers, K and V) one KV pool holding `model`'s KV heads gets:
         num_blocks, or what kv_cache_bytes buys, or with gpu_memory_utilization what the device
@@ -523,8 +544,7 @@ class EngineConfig:
         runtime.tp.rank_config; the budget is per GPU, as vLLM's gpu_memory_utilization)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        itemsize = self.torch_dtype.itemsize
-        per_block = 2 * model.num_layers * self.block_size * model.kv_size * itemsize
+        per_block = self.block_size * self.kv_bytes_per_token(model)
         budget = self.kv_cache_bytes if self.gpu_memory_utilization is None else self.gpu_kv_budget()
         return max(1, math.floor(budget / per_block))
 
@@ -548,6 +568,7 @@ class EngineConfig:
         return {
             "dtype": self.dtype, "device": self.device, "max_model_len": max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size, "num_blocks": num_blocks,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "kv_cache_mb": round(self.kv_cache_bytes / 2**20, 3), "kv_pool_mb": round(pool_bytes / 2**20, 3),
             "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
             "quant_activations": self.quant_activations, "prefix_cache": int(self.prefix_cache),

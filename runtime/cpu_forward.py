@@ -27,7 +27,10 @@ length with no cached prefix, adjacent in the step, attend in one sdpa call inst
 decode step runs only where that is the C kernel it calls. Qwen3's per-head q / k RMSNorm runs
 between the qkv GEMM and the rotary call, in torch (the module forward's RMSNorm modules), so
 such a model never takes the one-call step (`one_call_blocker` names what keeps a model off it:
-the C step is the Llama layer only). Gemma's options run here as in the module forward: the
+the C step is the Llama layer only). A quantized KV cache (kernels.kv_quant, --kv-cache-dtype):
+int8 is written and read by the C kernels (the one-call step included); fp8 rows are written by
+paged.write_kv from the C RoPE's float rows and read by kernels.torch_paged (decode rows
+included), so an fp8 cache keeps a model off the one-call step. Gemma's options run here as in the module forward: the
 embedding scale and the final soft-cap around the layers, each layer's own RoPE table (Gemma 3),
 the attention output's and the MLP output's norms (`sandwich_norms`: the C RMSNorm without a
 residual, then the usual fused add + norm), GeGLU in torch, and a soft-capped attention
@@ -48,7 +51,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_native, quant
+from pdserve.kernels import cpu_native, kv_quant, paged, quant
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.blocks import QuantExpertStack, QuantRows
@@ -107,7 +110,8 @@ class CpuForward:
             h.mul_(self.embed_scale)
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
-        if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens):
+        if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens) \
+                and kv_cache.dtype in kv_quant.C_READABLE:  # an fp8 cache: the per-op loop (its attention is torch's)
             x = torch.empty_like(h)
             ops.rms_norm(h, self.layers[0].attn_norm, x, self.eps)
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
@@ -172,7 +176,17 @@ class FusedOps:
         return qkv
 
     def rope_write_kv(self, p, qkv, k_cache, v_cache):
+        """RoPE and the KV write in one C call (a float32 or int8 cache); an fp8 cache: the C call
+        writes the step's rows into float scratch, which paged.write_kv quantizes into the pages."""
         c, b = self.f.cfg, self.batch
+        if k_cache.dtype not in kv_quant.C_READABLE:
+            tokens = qkv.shape[0]
+            k_rows = torch.empty((tokens, c.num_kv_heads, c.head_dim))
+            v_rows = torch.empty_like(k_rows)
+            self.k.rope_write_kv(qkv, b.positions, p.rope[0], p.rope[1], k_rows, v_rows, torch.arange(tokens), c.num_heads,
+                                 c.num_kv_heads, check=p.check)
+            paged.write_kv(k_cache, v_cache, k_rows, v_rows, b.slot_mapping)
+            return qkv
         self.k.rope_write_kv(qkv, b.positions, p.rope[0], p.rope[1], k_cache, v_cache, b.slot_mapping, c.num_heads, c.num_kv_heads,
                              check=p.check)
         return qkv
@@ -182,7 +196,7 @@ class FusedOps:
         torch's eager path, the C kernel has no soft-cap), fresh prompts in one sdpa, the other
         prefills one by one over their pages."""
         c, plan, attn, scale, window, cap = self.f.cfg, self.plan, self.attn_out, self.f.scale, p.window, p.softcap
-        if plan.decode_rows is not None and cap:
+        if plan.decode_rows is not None and (cap or k_cache.dtype not in kv_quant.C_READABLE):  # soft-cap, or an fp8 cache
             q = qkv[plan.decode_rows, : c.q_size].view(-1, c.num_heads, c.head_dim)
             out = decode_batched(q, k_cache, v_cache, plan.decode_lens, plan.decode_tables, scale, window, cap)
             attn[plan.decode_rows] = out.reshape(-1, c.q_size)

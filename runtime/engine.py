@@ -94,7 +94,7 @@ def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -
         return want
     if cfg.kv_window and num_blocks >= -(-cfg.kv_window // config.block_size) + 2:
         return want  # every layer slides: a sequence holds only its window's blocks as it grows (a prompt must fit whole: validate)
-    per_token = 2 * cfg.num_layers * cfg.kv_size * config.torch_dtype.itemsize
+    per_token = config.kv_bytes_per_token(cfg)
     need_mb = -(-want * per_token // 2**20)
     if config.max_model_len is not None:
         raise InvalidRequestError(
@@ -121,7 +121,7 @@ class LLMEngine:
         num_blocks = config.blocks_for_budget(self.cfg) if kv_cache is None else kv_cache.shape[2]
         self.max_model_len = context_that_fits(self.cfg, config, num_blocks)
         if kv_cache is None:
-            kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.torch_dtype, config.device)
+            kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.kv_torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache, window=self.cfg.kv_window)
         if self.cfg.kv_window:
             log.info("sliding window %d on every layer: a sequence's KV blocks wholly before its window are freed as it grows",

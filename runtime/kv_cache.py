@@ -1,7 +1,10 @@
 """The paged KV cache: one tensor of pages and the block manager that hands them out.
 
 Lifecycle: a worker allocates the pool once (`allocate_kv_cache`, optionally over a buffer it
-shares with other processes) and builds one `BlockManager` over its block ids. Sequences grow
+shares with other processes) and builds one `BlockManager` over its block ids. The pool's dtype
+is the model's, or with --kv-cache-dtype int8 / fp8 (EngineConfig.kv_torch_dtype) int8 /
+float8_e4m3fn rows of D codes + a float32 scale (kernels.kv_quant): D + 4 bytes a (token, head)
+instead of 4 D, so the same --kv-cache-mb holds 3.76x the blocks at D = 64. Sequences grow
 their block tables through `BlockManager.ensure_slots`, which answers False, never raises, when
 the pool is short, so the scheduler can preempt; `free_table` gives every block back. Ref counts
 let a block be shared (a forked or prefix-shared sequence); a block returns to the pool when its
@@ -53,16 +56,19 @@ import torch
 
 from pdserve.common.kv_window import first_needed_block
 from pdserve.common.prefix_hash import chain_hashes, new_secret
+from pdserve.kernels import kv_quant
 from pdserve.runtime.config import ModelConfig
 
 
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+    """(layers, 2, num_blocks, block_size, KVH, W): W = D, or for a quantized pool (int8, float8_e4m3fn:
+    --kv-cache-dtype) D codes + a float32 scale's 4 bytes per (token, head) row (kernels.kv_quant)."""
+    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, kv_quant.row_width(cfg.head_dim, dtype))
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    # (layers, 2, num_blocks, block_size, KVH, D); zeros so an unwritten page is harmless if read
-    return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=dtype, device=device)
+    # zeros so an unwritten page is harmless if read (a quantized row of zeros: codes 0, scale 0)
+    return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size, dtype), dtype=dtype, device=device)
 
 
 NULL_BLOCK = -1  # a table entry whose block was freed (before the sliding window): holds nothing, never read

@@ -553,7 +553,7 @@ def tiny_engine(model_dir, prefill_only: bool = False, **config):
 
     econf = EngineConfig(**{"num_blocks": 64, "block_size": 8, **config})
     cfg, tensors = load_checkpoint(str(model_dir), progress=False)
-    pool = allocate_kv_cache(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.torch_dtype, econf.device)
+    pool = allocate_kv_cache(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.kv_torch_dtype, econf.device)
     return LLMEngine(build_model(cfg, tensors, econf), None, econf, kv_cache=pool, prefill_only=prefill_only), pool
 
 

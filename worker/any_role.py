@@ -151,7 +151,7 @@ class Worker:
         def make_pool(shape, shared: bool):
             if engine_cfg.device.startswith("cuda"):  # on the GPU, exported over CUDA IPC when cupy is here
                 return gpu_pool(shape, engine_cfg.torch_dtype, engine_cfg.device)
-            return KVPool.create(shape, engine_cfg.torch_dtype, shared=shared or wcfg.shared_pool)
+            return KVPool.create(shape, engine_cfg.kv_torch_dtype, shared=shared or wcfg.shared_pool)
 
         model, pool, ranks = tp_ranks.load_model(engine_cfg, wcfg, make_pool)  # TP n: ranks 1..n-1 started, sharing the pool
         num_blocks = pool.tensor.shape[2]

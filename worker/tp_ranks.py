@@ -168,12 +168,12 @@ def load_model(econf: EngineConfig, wcfg: WorkerConfig, make_pool) -> tuple:
     cfg, tensors = load_checkpoint(wcfg.model, progress=False, keep_quantized=econf.keep_quantized)
     if econf.tensor_parallel_size == 1:
         model = build_model(cfg, tensors, econf, wcfg.model)
-        return model, make_pool(kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size), False), None
+        return model, make_pool(kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.kv_torch_dtype), False), None
     check_split(cfg, econf.tensor_parallel_size)
     if on_gpus:
         return load_on_gpus(cfg, tensors, econf, wcfg.model)
     # the CPU: one pool of every head in /dev/shm, which every rank maps (the budget is the worker's)
-    shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size)
+    shape = kv_cache_shape(cfg, econf.blocks_for_budget(cfg), econf.block_size, econf.kv_torch_dtype)
     pool = make_pool(shape, True)
     threads = max(1, (wcfg.threads or torch.get_num_threads()) // econf.tensor_parallel_size)
     torch.set_num_threads(threads)
@@ -321,13 +321,13 @@ def follow(spec: RankSpec) -> None:
     del tensors
     release_heap()
     if spec.pool_path:
-        kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size), e.torch_dtype).tensor
+        kv = KVPool.attach(spec.pool_path, kv_cache_shape(cfg, spec.num_blocks, e.block_size, e.kv_torch_dtype), e.kv_torch_dtype).tensor
     elif e.device.startswith("cuda"):  # its heads on its GPU, exported to rank 0
         pool = rank_pool(model, e)
         group.publish(export_key(spec.rank), msgspec.msgpack.encode(pool.accept()))
         kv = pool.tensor
     else:
-        kv = allocate_kv_cache(model.cfg, spec.num_blocks, e.block_size, e.torch_dtype, e.device)
+        kv = allocate_kv_cache(model.cfg, spec.num_blocks, e.block_size, e.kv_torch_dtype, e.device)
     model.follow(kv)
 
 

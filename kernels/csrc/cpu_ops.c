@@ -320,27 +320,138 @@ void pd_silu_mul(const float *gate_up, float *out, int rows, int inter) {
  * q and k heads of the fused qkv rows (T, qkv_stride) = [q (H*D) | k (KVH*D) | v (KVH*D)], then
  * k and v stored at their cache slots: the work of rope + write_kv in one pass.
  * cos, sin: (max_position, D) tables; positions, slots: (T,) int64. */
+/* q and k heads of one qkv row rotated in place (the rotate-half form, torch's order of operations). */
+static inline void rope_row(float *row, const float *c, const float *s, int heads, int D) {
+    const int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *x = row + (int64_t)h * D;
+        float tmp[half];
+#pragma omp simd
+        for (int i = 0; i < half; i++) tmp[i] = x[i];
+#pragma omp simd
+        for (int i = 0; i < half; i++) x[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+#pragma omp simd
+        for (int i = 0; i < half; i++) x[i + half] = x[i + half] * c[i + half] + tmp[i] * s[i + half];
+    }
+}
+
 void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t,
                       const float *sin_t, float *k_cache, float *v_cache, const int64_t *slots,
                       int T, int H, int KVH, int D) {
-    const int half = D / 2;
 #pragma omp parallel for schedule(static) if (T >= 64)
     for (int t = 0; t < T; t++) {
         float *row = qkv + (int64_t)t * qkv_stride;
-        const float *c = cos_t + positions[t] * D;
-        const float *s = sin_t + positions[t] * D;
-        for (int h = 0; h < H + KVH; h++) {
-            float *x = row + (int64_t)h * D;
-            float tmp[half];
-#pragma omp simd
-            for (int i = 0; i < half; i++) tmp[i] = x[i];
-#pragma omp simd
-            for (int i = 0; i < half; i++) x[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-#pragma omp simd
-            for (int i = 0; i < half; i++) x[i + half] = x[i + half] * c[i + half] + tmp[i] * s[i + half];
-        }
+        rope_row(row, cos_t + positions[t] * D, sin_t + positions[t] * D, H + KVH, D);
         const int64_t slot = slots[t];
         memcpy(k_cache + slot * KVH * D, row + (int64_t)H * D, sizeof(float) * KVH * D);
         memcpy(v_cache + slot * KVH * D, row + (int64_t)(H + KVH) * D, sizeof(float) * KVH * D);
     }
+}
+
+/* The int8 KV cache (kernels/kv_quant.py): a (token, kv head) row is D int8 codes then the 4
+ * bytes of its float32 scale; x ~ code * scale. quantize_q8 is kv_quant.pack's arithmetic:
+ * scale = amax / 127, code = round-half-even(x / scale) clamped to +-127 (0 where amax is 0). */
+#define Q8_SCALE_BYTES 4
+static inline float q8_scale(const int8_t *row, int D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
+}
+
+static inline void quantize_q8(const float *x, int8_t *row, int D) {
+    float amax = 0.0f;
+    for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax / 127.0f;
+    for (int i = 0; i < D; i++) row[i] = scale > 0.0f ? (int8_t)fminf(fmaxf(nearbyintf(x[i] / scale), -127.0f), 127.0f) : 0;
+    memcpy(row + D, &scale, sizeof scale);
+}
+
+/* pd_rope_write_kv into an int8 cache (num_blocks * BS slots of KVH rows of D + 4 bytes). */
+void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t,
+                         const float *sin_t, int8_t *k_cache, int8_t *v_cache, const int64_t *slots,
+                         int T, int H, int KVH, int D) {
+    const int64_t W = D + Q8_SCALE_BYTES;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + (int64_t)t * qkv_stride;
+        rope_row(row, cos_t + positions[t] * D, sin_t + positions[t] * D, H + KVH, D);
+        const int64_t slot = slots[t];
+        for (int h = 0; h < KVH; h++) {
+            quantize_q8(row + (int64_t)(H + h) * D, k_cache + (slot * KVH + h) * W, D);
+            quantize_q8(row + (int64_t)(H + KVH + h) * D, v_cache + (slot * KVH + h) * W, D);
+        }
+    }
+}
+
+/* decode_item over an int8 cache: each score is (q . codes) * the key's scale, each value row
+ * adds (weight * its scale) * codes; the same sums as decode_item over code * scale, up to rounding. */
+static inline __attribute__((always_inline)) void decode_item_q8(
+    const float *qs, float *ob, float *s, float *acc, const int8_t *k_cache, const int8_t *v_cache,
+    const int32_t *table, int first, int len, int kh, int G, int KVH, const int BS, const int D) {
+    const int64_t W = D + Q8_SCALE_BYTES, row = (int64_t)KVH * W;
+    float mx[G];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    const int8_t *kp = k_cache, *vp = v_cache;
+    for (int t = 0; t < len; t++) {
+        const int u = first + t;
+        kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : kp + row;
+        const float ks = q8_scale(kp, D);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) dot = fmaf(qg[d], (float)kp[d], dot);
+            dot *= ks;
+            s[(int64_t)g * len + t] = dot;
+            mx[g] = dot > mx[g] ? dot : mx[g];
+        }
+    }
+    float inv_sum[G];
+    for (int g = 0; g < G; g++) inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const int u = first + t;
+        vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : vp + row;
+        const float vs = q8_scale(vp, D);
+        for (int g = 0; g < G; g++) {
+            const float w = s[(int64_t)g * len + t] * vs;
+            float *ag = acc + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) ag[d] = fmaf(w, (float)vp[d], ag[d]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+/* pd_paged_decode_attention over an int8 cache (rows of D codes + scale, as pd_rope_write_kv_q8 writes). */
+int pd_paged_decode_attention_q8(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+    const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
+    const int G = H / KVH;
+    int failed = 0;
+    int64_t work = 0;
+    for (int b = 0; b < B; b++) work += window > 0 && seq_lens[b] > window ? window : seq_lens[b];
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > ATTN_PARALLEL_WORK) reduction(| : failed)
+    for (int b = 0; b < B; b++) {
+        for (int kh = 0; kh < KVH; kh++) {
+            const int first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int len = seq_lens[b] - first;
+            const int32_t *table = block_tables + (int64_t)b * bt_stride;
+            const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
+            float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
+            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D);
+            if (s == NULL) { failed = 1; continue; }
+            float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
+            for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
+            if (D == 64)
+                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64);
+            else if (D == 128)
+                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 128);
+            else
+                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, D);
+        }
+    }
+    return failed;
 }

@@ -39,6 +39,12 @@ void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float 
 void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
 void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
                       float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
+/* ... over an int8 KV cache (kernels/kv_quant.py rows: D codes, then a float32 scale) */
+void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
+                         int8_t *k_cache, int8_t *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
+int pd_paged_decode_attention_q8(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+                                 const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window);
 
 /* quant_ops.c */
 void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int64_t *rows, int n, float *out);
@@ -83,9 +89,9 @@ typedef struct {
     int64_t window;
 } pd_layer;
 
-int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
+int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
                      float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
                      const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int H, int KVH, int D, int BS,
-                     int hidden, int inter, float scale, float eps, int activations);
+                     int hidden, int inter, float scale, float eps, int activations, int kv_int8);
 #endif

@@ -19,25 +19,33 @@ static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int i8) 
  * layers. h (T, hidden): the residual stream; x: layer 0's normalised input on entry. Scratch
  * rows: qkv (T, qkv.n), attn (T, H*D), o_out (T, hidden), gate_up (T, 2*inter), act (T, inter),
  * down (T, hidden): on return down holds the last layer's output, not yet added into h (the
- * caller's final norm adds it). Layer l's k cache is kv + l * kv_layer_stride, its v cache
- * kv_half_stride further. Returns nonzero if a scratch allocation failed. */
-int pd_decode_layers(const pd_layer *layers, int L, float *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
+ * caller's final norm adds it). Layer l's k cache is kv + l * kv_layer_stride bytes, its v cache
+ * kv_half_stride bytes further; kv_int8: the pool is an int8 cache (kernels/kv_quant.py rows),
+ * written and read by the _q8 kernels, else float32. Returns nonzero if a scratch allocation failed. */
+int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
                      float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
                      const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int H, int KVH, int D, int BS,
-                     int hidden, int inter, float scale, float eps, int activations) {
+                     int hidden, int inter, float scale, float eps, int activations, int kv_int8) {
     for (int l = 0; l < L; l++) {
         const pd_layer *ly = layers + l;
-        float *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
+        char *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
         if (l > 0) pd_rms_norm(down, hidden, h, ly->input_norm, x, T, hidden, eps);
         if (q_mm(&ly->qkv, x, T, qkv, activations)) return 1;
         if (ly->qkv_bias)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < ly->qkv.n; j++) qkv[(int64_t)t * ly->qkv.n + j] += ly->qkv_bias[j];
-        pd_rope_write_kv(qkv, ly->qkv.n, positions, cos_t, sin_t, k_cache, v_cache, slots, T, H, KVH, D);
-        if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, k_cache, v_cache, block_tables, bt_stride,
-                                      seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
-            return 1;
+        if (kv_int8) {
+            pd_rope_write_kv_q8(qkv, ly->qkv.n, positions, cos_t, sin_t, (int8_t *)k_cache, (int8_t *)v_cache, slots, T, H, KVH, D);
+            if (pd_paged_decode_attention_q8(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, (const int8_t *)k_cache, (const int8_t *)v_cache,
+                                             block_tables, bt_stride, seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
+                return 1;
+        } else {
+            pd_rope_write_kv(qkv, ly->qkv.n, positions, cos_t, sin_t, (float *)k_cache, (float *)v_cache, slots, T, H, KVH, D);
+            if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, (const float *)k_cache, (const float *)v_cache,
+                                          block_tables, bt_stride, seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
+                return 1;
+        }
         if (q_mm(&ly->o, attn, T, o_out, activations)) return 1;
         pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);
         if (q_mm(&ly->gate_up, x, T, gate_up, activations)) return 1;

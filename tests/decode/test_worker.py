@@ -17,12 +17,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 DEST = "local://decode-1"
 
 
-def workers(tiny, **config):
+def workers(tiny, kv_cache_dtype: str = "auto", **config):
+    """(prefill worker, decode worker, the decode side's inbox); config: the decode engine's, kv_cache_dtype both's."""
     kv = LocalKV()
-    d_engine, d_pool = tiny_engine(tiny, **config)
+    d_engine, d_pool = tiny_engine(tiny, kv_cache_dtype=kv_cache_dtype, **config)
     d = Worker("decode-1", d_engine, kv, FakeLink())
     inbox = kv.register(DEST, d_pool)
-    p_engine, p_pool = tiny_engine(tiny, prefill_only=True)
+    p_engine, p_pool = tiny_engine(tiny, prefill_only=True, kv_cache_dtype=kv_cache_dtype)
     return PrefillWorker("prefill-1", p_engine, p_pool, kv, FakeLink()), d, inbox
 
 
