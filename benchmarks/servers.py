@@ -139,7 +139,10 @@ def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, 
         raise FileNotFoundError(f"{script} not found (pass --peers DIR)")
     env = {**os.environ, "PROJECT_PY": sys.executable, peer.port_var: str(free_port())}
     subprocess.run(["bash", str(script), "setup"], check=True, env=env, cwd=REPO)
-    return run_server(["bash", str(script), "serve"], f"http://127.0.0.1:{env[peer.port_var]}", "/v1/models",
+    # llama.cpp serves the GGUF pdserve serves when that is one (a later -m wins over the script's default model)
+    model = getattr(args, "model", None)
+    extra = ["-m", str(model)] if row == "llamacpp" and model and str(model).endswith(".gguf") else []
+    return run_server(["bash", str(script), "serve", *extra], f"http://127.0.0.1:{env[peer.port_var]}", "/v1/models",
                       os.path.join(log_dir, f"{row}.log"), workloads, tokenizer, env=env, timeout=900)
 
 

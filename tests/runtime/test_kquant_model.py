@@ -115,3 +115,20 @@ def test_one_call_decode_step_takes_k_quants_and_equals_the_layer_loop(tmp_path,
     assert fast.step_layers is not None and fast.fused_step
     calls = one_call_equals_loop(model, monkeypatch, decode_steps=2)  # 7 rows: int16's GEMM
     assert calls == [1] * 2 + [3] * 2 + [7] * 2  # each fused decode step made the one call; the loop never did
+
+
+def test_a_measured_back_end_table_covers_each_part_of_a_mixed_type_qkv(tmp_path):
+    """`--linear-backend auto` (the workers' default) measures every PackedLinear's shape, a
+    SplitLinear's parts each on its own (Q4_K q / k, Q6_K v): a model whose fused qkv mixes types
+    loads with a table and every part runs a back-end from it."""
+    from pdserve.runtime import linear_plan
+    from pdserve.runtime.cpu_forward import SplitLinear
+
+    save_tiny_model(tmp_path / "hf", **SHAPE)
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q4_K_M")
+    _, quant = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, linear_backend="auto"))
+    qkv = quant.fast.layers[1].qkv
+    assert isinstance(qkv, SplitLinear)
+    lins = linear_plan.linears(quant.fast)
+    assert all(part in lins for part in qkv.parts) and not any(isinstance(x, SplitLinear) for x in lins)
+    assert quant.fast.linear_table is not None and all(part.backend_at(1) for part in qkv.parts)
