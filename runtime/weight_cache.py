@@ -179,6 +179,9 @@ class WeightCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(head.ljust(HEADER, b"\0"))
                 f.write(memoryview(payload).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old name or the whole file, and the
+                # mapping that follows reads clean pages (smaps counted unwritten-back pages as the mapper's dirty ones)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -198,6 +201,8 @@ def _write_atomic(directory: Path, name: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, directory / name)
 
 

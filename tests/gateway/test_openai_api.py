@@ -86,7 +86,8 @@ def test_models_health_and_openapi(service, client, model, model_dir):
     assert models[0].root == models[0].id and str(model_dir) not in str(models) and models[0].max_model_len == SERVED and models[0].owned_by == "pdserve"
     doc = httpx.get(f"{service.plan.http_url}/openapi.json", timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/version",
-            "/openapi.json", "/v1/responses", "/v1/responses/{response_id}"} == set(doc["paths"])
+            "/openapi.json", "/v1/responses", "/v1/responses/{response_id}", "/health/ready", "/v2/health/live",
+            "/v2/health/ready"} == set(doc["paths"])
     schemas = doc["components"]["schemas"]
     assert "prompt" in schemas["CompletionRequest"]["required"] and "messages" in schemas["ChatCompletionRequest"]["required"]
     assert "ignore_eos" in schemas["ChatCompletionRequest"]["properties"]

@@ -4,6 +4,7 @@ port (not a fixed prefill worker); no worker gets the client keypair, the API ke
 flags. On a private cluster the arguments (which Ray keeps in its control store) hold no key material at all, only
 paths into the launch's 0700 directory; on another cluster they hold the role's key files. Directories whose process
 is gone are removed, the others kept."""
+import atexit
 import base64
 import importlib.util
 import os
@@ -11,6 +12,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -52,13 +55,21 @@ def test_keys_without_worker_keys_stop_the_launch_with_a_config_error(keys):
     assert set(role_key_files(keys, "prefill", True)) == ALWAYS  # a fixed prefill worker admits no one
 
 
+# the driver resolves each model's served name from its path (RayLaunch: per-model replica limits), so
+# the path must exist: an empty directory named "m" (the actors' arguments are what these tests read)
+_MODEL_ROOT = tempfile.mkdtemp(prefix="pdserve-ray-creds-")
+atexit.register(shutil.rmtree, _MODEL_ROOT, True)
+MODEL = str(Path(_MODEL_ROOT) / "m")
+os.makedirs(MODEL)
+
+
 def launch_args(keys: str, fixed_roles: bool) -> dict[str, dict]:
     """role -> the decoded arguments RayLaunch.actor_args makes for a one-worker actor of that role on a cluster given by
     address (the launch's own files out of its actors' reach)."""
     from pdserve.ray_config import RayConfig
     from pdserve.ray_launch import RayLaunch
 
-    plan = NodePlan(coordinator=True, gateway=True, keys=keys, api_key=API_KEY, fixed_roles=fixed_roles, model="m",
+    plan = NodePlan(coordinator=True, gateway=True, keys=keys, api_key=API_KEY, fixed_roles=fixed_roles, model=MODEL,
                     gateway_args=["--max-tokens-limit", "9"], coordinator_args=["--pending-timeout", "9"])
     launch = RayLaunch(plan, RayConfig(address="127.0.0.1:6379"))
     return {role: msgspec.json.decode(launch.actor_args(plan.models[0], role, f"ray{i}")) for i, role in enumerate(("prefill", "decode"))}
@@ -84,7 +95,7 @@ def test_actor_args_on_a_private_cluster_carry_paths_not_keys(keys):
     from pdserve.ray_config import RayConfig
     from pdserve.ray_launch import RayLaunch
 
-    plan = NodePlan(coordinator=True, gateway=True, keys=keys, api_key=API_KEY, model="m")
+    plan = NodePlan(coordinator=True, gateway=True, keys=keys, api_key=API_KEY, model=MODEL)
     launch = RayLaunch(plan, RayConfig(address="auto"))
     launch.files = LaunchFiles()
     try:
@@ -141,7 +152,7 @@ def test_without_keys_the_actors_get_the_launchs_own_and_bind_loopback_only():
     from pdserve.ray_launch import RayLaunch
     from pdserve.wire import security
 
-    plan = NodePlan(coordinator=True, gateway=True, api_key=API_KEY, model="m")
+    plan = NodePlan(coordinator=True, gateway=True, api_key=API_KEY, model=MODEL)
     launch = RayLaunch(plan, RayConfig(address="127.0.0.1:6379"))
     launch.local.own_keys = security.write_launch_keys([plan.client_addr])
     try:

@@ -3,6 +3,8 @@ the GGUF and the node's weight-cache files (runtime.weight_cache: q/k/v and gate
 16-row GEMV copies) read-only in both workers, whose pages are then shared: each file mapped in
 both, with Shared_Clean pages in both and a PSS summed over the two workers under 1.5x one
 worker's resident bytes of it (two private copies would sum to 2x)."""
+import os
+
 import pytest
 
 from pdserve.common.model_path import default_model_path
@@ -31,6 +33,7 @@ def test_a_launch_maps_one_copy_of_the_weights(tmp_path, monkeypatch):
     save_tiny_served_model(tmp_path / "hf", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     gguf = tmp_path / "m.gguf"
     write_gguf(gguf, tmp_path / "hf", "Q8_0", tokenizer_from=default_model_path())
+    os.sync()  # the file's pages written back: smaps counts pages not yet written back as dirty in every mapping of them
     cache = tmp_path / "cache"
     monkeypatch.setenv("PDSERVE_WEIGHT_CACHE", str(cache))
     launcher = start_cluster(gguf, tmp_path / "logs", prefill=1, decode=1)
@@ -47,7 +50,8 @@ def test_a_launch_maps_one_copy_of_the_weights(tmp_path, monkeypatch):
     assert kept and kept <= made and set(maps[1]) == set(maps[0]), "the workers map different files"
     for files in maps:
         assert str(gguf.resolve()) in files
-        assert all(not v.get("Private_Dirty") for v in files.values())  # nothing written into them
+        dirty = {f: v for f, v in files.items() if v.get("Private_Dirty")}
+        assert not dirty, f"pages written into the mapped weights: {dirty}"  # nothing written into them
     both = [f for f in maps[0] if all(m[f].get("Rss") for m in maps)]
     assert both and all(m[f].get("Shared_Clean", 0) > 0 for f in both for m in maps)
     pss = sum(m[f]["Pss"] for f in both for m in maps)
