@@ -9,7 +9,12 @@ refused at start), then each of its N rank processes opens a `RankGroup` (its co
 on the CPU, NCCL on CUDA: `compute_backend`; the rendezvous below) and takes
 its `shard(tensors, rank, n)` of the HF-named checkpoint tensors: Megatron's layout, column
 split (whole output rows) for q/k/v and gate/up, row split (whole GGUF blocks of the input dim)
-for o and down, the vocabulary split for the embedding and the LM head. Every step rank 0 sends
+for o and down, the vocabulary split for the embedding and the LM head; a mixture of experts'
+stacks give every expert's gate / up rows and down columns (`expert_rows_part`, `expert_cols_part`),
+GGUF expert stacks (kernels.quant.QuantExperts) in whole blocks too: always for gate / up (a row's
+blocks lie along hidden), for down where a rank's share of the experts' width is whole blocks of
+its type (32 weights, a K-quant's 256), else that down stack's share is dequantized to float
+(one warning per shard, naming the width and the block). Every step rank 0 sends
 the step's `StepPlan` (msgspec bytes broadcast over the plan group: no pickle) and every rank
 runs the same forward (runtime.tp_model); `StepPlan(stop=True)` ends the other ranks' loop.
 
@@ -38,6 +43,7 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import shutil
@@ -61,6 +67,8 @@ AUTH_TIMEOUT_S = 60.0  # a peer whose proof has not come this long after the gro
 AUTH_TAG = 0x7D5  # the proofs' tag on the gloo pairs (nothing else is sent point to point)
 LOOPBACK = "127.0.0.1"  # every rank of a group is on this host: its sockets need no other address
 STORE_FILE, TOKEN_FILE = "store", "token"  # in the rendezvous directory
+
+log = logging.getLogger("pdserve.runtime")
 
 
 def check_split(cfg: ModelConfig, n: int) -> None:
@@ -158,11 +166,6 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _dense(w):
-    """Float of w (a GGUF matrix or expert stack kept in blocks dequantized)."""
-    return w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w
-
-
 def column_part(w, rank: int, n: int):
     """Rank's whole output rows of w (out, in): a float slice, or the rows of GGUF blocks."""
     rows = w.shape[0] // n
@@ -194,9 +197,31 @@ def vocab_part(w, rank: int, n: int):
     return _own(w[start:end])
 
 
+def expert_rows_part(stack, rank: int, n: int):
+    """Rank's share of every expert's rows of a gate or up stack (E, I, hidden) -> (E, I / n, hidden):
+    float, or blocks (a row's blocks lie along hidden, so a row cut is always whole blocks)."""
+    rows = stack.shape[1] // n
+    if isinstance(stack, QuantExperts):
+        return QuantExperts(_own(stack.raw[:, rank * rows:(rank + 1) * rows]), stack.qtype, (stack.shape[0], rows, stack.shape[2]))
+    return _own(stack[:, rank * rows:(rank + 1) * rows])
+
+
+def expert_cols_part(stack, rank: int, n: int):
+    """Rank's share of every expert's columns of a down stack (E, hidden, I) -> (E, hidden, I / n):
+    float, or blocks where I / n is whole blocks of the stack's type; None where it is not."""
+    cols = stack.shape[2] // n
+    if not isinstance(stack, QuantExperts):
+        return _own(stack[:, :, rank * cols:(rank + 1) * cols])
+    if cols % block_weights(stack.qtype):
+        return None
+    width = row_bytes(stack.qtype, cols)
+    return QuantExperts(_own(stack.raw[:, :, rank * width:(rank + 1) * width]), stack.qtype, (stack.shape[0], stack.shape[1], cols))
+
+
 def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
     """Rank's part of the HF-named checkpoint tensors (`lm_head.weight` only when untied)."""
     check_split(cfg, n)
+    dense_downs = []  # MoE layers whose experts' down share is not whole blocks (dequantized)
     out = {"model.embed_tokens.weight": vocab_part(tensors["model.embed_tokens.weight"], rank, n),
            "model.norm.weight": tensors["model.norm.weight"]}
     if not cfg.tie_embeddings:
@@ -213,13 +238,14 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
         down = ("mlp.shared_expert.down_proj",) if moe and cfg.shared_expert_intermediate_size else () if moe else ("mlp.down_proj",)
         for name in ("self_attn.o_proj", *down):
             out[p + name + ".weight"] = row_part(tensors[p + name + ".weight"], rank, n, p + name)
-        if moe:  # every expert on every rank, a 1/n share of its width: gate / up rows, down columns; the router whole.
-            # Expert stacks kept in blocks (kernels.quant.QuantExperts) are dequantized here: a rank holds its share as float
+        if moe:  # every expert on every rank, a 1/n share of its width: gate / up rows, down columns; the router whole
             e = p + "mlp.experts."
-            width = cfg.moe_intermediate_size // n
             for name in ("gate_proj", "up_proj"):
-                out[e + name] = _own(_dense(tensors[e + name])[:, rank * width:(rank + 1) * width])
-            out[e + "down_proj"] = _own(_dense(tensors[e + "down_proj"])[:, :, rank * width:(rank + 1) * width])
+                out[e + name] = expert_rows_part(tensors[e + name], rank, n)
+            out[e + "down_proj"] = expert_cols_part(tensors[e + "down_proj"], rank, n)
+            if out[e + "down_proj"] is None:  # not whole blocks: this stack's share as float
+                out[e + "down_proj"] = expert_cols_part(tensors[e + "down_proj"].dequantize(), rank, n)
+                dense_downs.append(i)
             for name in ("mlp.gate.weight", "mlp.shared_expert_gate.weight"):
                 if p + name in tensors:
                     out[p + name] = tensors[p + name]
@@ -227,6 +253,11 @@ def shard(cfg: ModelConfig, tensors: dict, rank: int, n: int) -> dict:
                      "post_feedforward_layernorm"):
             if p + name + ".weight" in tensors:  # q_norm / k_norm (Qwen3, Gemma 3) and Gemma's other norms: whole on every rank
                 out[p + name + ".weight"] = tensors[p + name + ".weight"]
+    if dense_downs:
+        down = tensors[f"model.layers.{dense_downs[0]}.mlp.experts.down_proj"]
+        log.warning("tensor parallel size %d: each rank's share of the experts' width, %d, is not whole %s blocks (%d weights), so the "
+                    "experts' down_proj stacks of %d layer(s) are dequantized to float on each rank (gate / up stay in blocks)",
+                    n, down.shape[2] // n, down.qtype, block_weights(down.qtype), len(dense_downs))
     return out
 
 

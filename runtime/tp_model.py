@@ -18,9 +18,10 @@ embeddings (zero rows for ids another rank holds) are all-reduced, partial logit
 A mixture-of-experts layer (runtime.moe) holds every expert on every rank, each cut to a 1/N
 share of its width (gate / up rows, down columns; Qwen2-MoE's shared expert as the dense MLP),
 and the router whole: every rank routes its identical input alike, computes its share of the
-chosen experts, and one all-reduce sums them. A GGUF's expert stacks, which TP 1 keeps in their
-blocks (runtime.moe.PackedExperts), are dequantized to float here (runtime.tp.shard): cutting
-each expert's width per rank in whole blocks is not done yet.
+chosen experts, and one all-reduce sums them. A GGUF's expert stacks stay in their blocks as at
+TP 1: runtime.tp.shard cuts each rank's share in whole blocks and the rank runs it as
+runtime.moe.PackedExperts (one PackedLinear per expert over its share); a down stack whose share is
+not whole blocks comes as float from the shard (logged there) and runs as a float stack.
 The slow twin is the TP 1 model (runtime.model), which the tests compare this with.
 On CUDA each rank runs on its own GPU (econf.device: runtime.tp.rank_devices), the all-reduces and
 the logits' gather are NCCL's, and GGUF blocks are dequantized (the Triton block kernel is TP 1's).
@@ -31,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.linear import PackedLinear, SplitLinear
-from pdserve.kernels.quant import QuantExperts, QuantTensor
+from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
+from pdserve.runtime.blocks import ExpertBlocks, _expert_stack
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.layer import GatedMLP, TorchOps, activation, build_layers, embedding_scale, rope_tables, run_layers
 from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows
-from pdserve.runtime.moe import MoEBlock
+from pdserve.runtime.moe import MoEBlock, PackedExperts, stack_bytes
 from pdserve.runtime.rope import RotaryEmbedding
 from pdserve.runtime.tp import RankGroup, StepPlan, batch_of, kv_head_range, plan_of, rank_config, vocab_range
 
@@ -79,11 +81,16 @@ class _RankParts:
         expert = GatedMLP(self.linear_of(_stack_rows([t[p + "shared_expert.gate_proj.weight"], t[p + "shared_expert.up_proj.weight"]]), None),
                           self.linear_of(t[p + "shared_expert.down_proj.weight"], None), activation(m.cfg.activation)) if shared else None
 
-        def dense(w):
-            return (w.dequantize() if isinstance(w, (QuantTensor, QuantExperts)) else w).to(m.dtype).to(m.device).contiguous()
+        def dense(w):  # the router (a GGUF's in blocks: dequantized, as TP 1's), the shared expert's gate, a float stack
+            return (w.dequantize() if isinstance(w, QuantTensor) else w).to(m.dtype).to(m.device).contiguous()
 
-        return MoEBlock(m.cfg, dense(t[p + "gate.weight"]), torch.cat([dense(t[p + "experts.gate_proj"]), dense(t[p + "experts.up_proj"])], 1),
-                        dense(t[p + "experts.down_proj"]), expert, dense(t[p + "shared_expert_gate.weight"]) if shared else None)
+        def stack(parts):
+            """gate + up (or down alone): shares in blocks stay blocks (PackedExperts), float otherwise."""
+            joined = parts[0] if len(parts) == 1 and isinstance(parts[0], torch.Tensor) else _expert_stack(parts)
+            return PackedExperts(joined.parts, m.activations) if isinstance(joined, ExpertBlocks) else dense(joined)
+
+        return MoEBlock(m.cfg, dense(t[p + "gate.weight"]), stack([t[p + "experts.gate_proj"], t[p + "experts.up_proj"]]),
+                        stack([t[p + "experts.down_proj"]]), expert, dense(t[p + "shared_expert_gate.weight"]) if shared else None)
 
     def rope(self, local: bool) -> RotaryEmbedding:
         return self.m.rope_local if local else self.m.rope
@@ -99,6 +106,7 @@ class TPModel:
         self.cfg = rank_config(full, group.size)  # heads, KV heads, MLP width: this rank's
         self.device, self.backend = econf.device, econf.attention_backend
         kind = econf.linear_kind if econf.fast_path else "torch"
+        self.activations = econf.quant_activations  # how the C kernels take a small batch over blocks (kernels.quant)
 
         def linear(w, bias):
             if isinstance(w, MixedBlocks):  # parts in different quantized types: one PackedLinear each, the bias split among them
@@ -124,7 +132,7 @@ class TPModel:
 
         lins = [self.lm_head, *(x for layer in self.layers for x in layer.linears())]
         lins = [part for x in lins for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
-        experts = sum(size(w) for l in self.layers if l.moe is not None
+        experts = sum(stack_bytes(w) for l in self.layers if l.moe is not None
                       for w in (l.moe.router, l.moe.gate_up, l.moe.down, l.moe.shared_gate) if w is not None)
         embed = 0 if self.lm_head.weight is self.embed else size(self.embed)  # tied: one copy, counted once
         norms = [self.norm, *(n for l in self.layers for n in (l.attn_norm, l.mlp_norm, l.q_norm, l.k_norm, l.attn_out_norm, l.mlp_out_norm)

@@ -80,6 +80,47 @@ def all_position_logits(model, ids: list[int], dtype) -> torch.Tensor:
     return model(batch, kv).float()
 
 
+class TPRank:
+    """A runtime.tp_model.TPModel's own step (`run`: no plan sent), called as all_position_logits calls a model."""
+
+    def __init__(self, model):
+        self.model, self.cfg = model, model.cfg
+
+    def __call__(self, batch, kv):
+        return self.model.run(batch, kv)
+
+
+def in_tp_threads(cfg, tensors: dict, econf, n: int, fn, timeout_s: float = 120) -> dict:
+    """{rank: fn(its TPModel)} from n ranks of one TP group, each a thread of this process (a
+    real gloo group on loopback; runtime.build.build_model builds each rank's model from the
+    whole checkpoint's tensors). fn runs on every rank at once (its collectives need them all)."""
+    import shutil
+    import threading
+
+    from pdserve.runtime.build import build_model
+    from pdserve.runtime.tp import RankGroup, make_rendezvous
+
+    rendezvous, got = make_rendezvous(), {}
+
+    def rank(r: int):
+        try:
+            group = RankGroup(r, n, rendezvous).connect()
+            got[r] = fn(build_model(cfg, tensors, econf, group=group))
+        except Exception as e:  # noqa: BLE001 (the caller's assert reports it)
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+    assert all(r in got and not isinstance(got[r], Exception) for r in range(n)), got
+    return got
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = True):
     """HF transformers greedy generate: (new token ids, per-step logits)."""
     out = model.generate(
@@ -143,7 +184,7 @@ def _moe_for_gguf(w: dict) -> tuple[dict, dict]:
 
 
 def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool | None = None, extra: dict | None = None,
-               vocab_key: bool = True, tokenizer_from=None) -> dict:
+               vocab_key: bool = True, tokenizer_from=None, experts_qtype: str | None = None) -> dict:
     """Convert a tiny HF llama (qwen2, qwen3, phi3, gemma2, gemma3) checkpoint to GGUF the way llama.cpp does (llama: Q/K
     permuted; phi3: fused attn_qkv and ffn_up as they are, rope.dimension_count written; gemma: every
     norm weight stored as 1 + w, the soft-caps, sliding window, the sliding layers' rope base
@@ -153,7 +194,8 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
     (and the experts' and shared expert's widths), the router as ffn_gate_inp, each matrix of every
     expert merged into one 3-D ffn_{gate,up,down}_exps (quantized too, K-quants included: rows of
     256 multiples), Qwen2-MoE's shared expert
-    as ffn_*_shexp and its gate as the F32 vector ffn_gate_inp_shexp.
+    as ffn_*_shexp and its gate as the F32 vector ffn_gate_inp_shexp. experts_qtype: the expert
+    stacks' type where it is not `qtype` (K-quant experts beside Q8_0 matrices narrower than 256 a rank).
 
     extra: further GGUF tensors (name -> float32 array) written as they are, e.g. ones a loader must refuse.
     tokenizer_from: a GGUF whose tokenizer (tokenizer.ggml.*, the chat template) is copied in, so that
@@ -246,7 +288,7 @@ def write_gguf(path, hf_dir, qtype: str = "F32", arch: str = "llama", tie: bool 
         if name.endswith("shared_expert_gate.weight"):
             arr = arr.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector (hidden,), kept in F32
         stack = arr.ndim == 3 and qtype not in ("Q4_K_M", "Q5_K_M")  # an expert stack: the plain type asked (gguf's quantizer)
-        qt = gguf.GGMLQuantizationType[qtype if stack else tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
+        qt = gguf.GGMLQuantizationType[(experts_qtype or qtype) if stack else tensor_qtype(qtype, gname, arr.shape, cfg["num_hidden_layers"])]
         if arr.ndim >= 2 and qt != gguf.GGMLQuantizationType.F32:
             data = quantize_blocks(arr.reshape(-1, arr.shape[-1]), qt.name).reshape(*arr.shape[:-1], -1)  # a stack: its experts' rows
             back = quants.dequantize(data, qt)

@@ -7,8 +7,6 @@ all three forms' logits; and none of the three paths' sources reads a family opt
 from __future__ import annotations
 
 import ast
-import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,8 @@ import torch
 from pdserve.runtime import layer
 from pdserve.runtime.build import build_model
 from pdserve.runtime.config import EngineConfig
-from pdserve.runtime.tp import RankGroup, make_rendezvous
 from pdserve.runtime.weights import load_checkpoint
-from tests.helpers import all_position_logits, save_tiny_model
+from tests.helpers import TPRank, all_position_logits, in_tp_threads, save_tiny_model
 
 FAMILIES = {
     "gemma2": dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
@@ -32,40 +29,11 @@ FAMILIES = {
 IDS = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()  # past the windows of 8
 
 
-class _Rank:
-    """A TPModel's own step (`run`: no plan sent) called as all_position_logits calls a model."""
-
-    def __init__(self, model):
-        self.model, self.cfg = model, model.cfg
-
-    def __call__(self, batch, kv):
-        return self.model.run(batch, kv)
-
-
 def tp_logits(path: str, n: int = 2) -> torch.Tensor:
-    """Every position's logits from n ranks of one TP group, each a thread of this process
-    (a real gloo group on loopback); rank 0's answer (every rank gathers the same)."""
+    """Every position's logits from n ranks of one TP group, each a thread of this process;
+    rank 0's answer (every rank gathers the same)."""
     cfg, tensors = load_checkpoint(path, progress=False)
-    rendezvous, got = make_rendezvous(), {}
-
-    def rank(r: int):
-        try:
-            group = RankGroup(r, n, rendezvous).connect()
-            model = build_model(cfg, tensors, EngineConfig(), group=group)
-            got[r] = all_position_logits(_Rank(model), IDS, torch.float32)
-        except Exception as e:  # noqa: BLE001 (the test reports it)
-            got[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
-    assert all(isinstance(got.get(r), torch.Tensor) for r in range(n)), got
-    return got[0]
+    return in_tp_threads(cfg, tensors, EngineConfig(), n, lambda model: all_position_logits(TPRank(model), IDS, torch.float32))[0]
 
 
 def three_forms(path: str) -> dict[str, torch.Tensor]:

@@ -13,27 +13,33 @@ kernel on CUDA), against the same file loaded dequantized.
 - The packed path never reads an unchosen expert: those experts' blocks overwritten with 0xFF
   (fp16 scale NaN) leave the logits (fast path, default int16 activations; module forward)
   unchanged, while the dense twin's turn NaN.
-- Tensor parallelism's shard still dequantizes the stacks (the same floats as the dequantized
-  load); the Triton kernel (CUDA's path) takes one expert's view of the stack's bytes.
+- Tensor parallelism keeps them in blocks too: runtime.tp cuts each rank's share of every expert
+  (gate / up rows, down columns) in whole blocks, which dequantize to the float shares; at TP 2
+  (ranks as threads) each rank runs PackedExperts over half of TP 1's expert bytes (Q8_0, Q4_K)
+  and its logits equal TP 1's packed model's; a down share that is not whole blocks is float,
+  logged once per rank.
+- The Triton kernel (CUDA's path) takes one expert's view of the stack's bytes.
 """
+import logging
+
 import pytest
 import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.kernels.quant import QTYPES, QuantExperts, block_weights
 from pdserve.runtime import moe
+from pdserve.runtime.build import build_model
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import load_model
 from pdserve.runtime.model import ExpertBlocks, QuantExpertStack
-from tests.helpers import all_position_logits, quant_blocks, save_tiny_model, write_gguf
+from pdserve.runtime.weights import load_checkpoint
+from tests.helpers import TPRank, all_position_logits, in_tp_threads, quant_blocks, save_tiny_model, write_gguf
 from tests.runtime.test_moe import logits_and_chosen_experts
 from tests.runtime.test_quantized import greedy_scored
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the quantized kernels")
 
 WIDTH = 256  # hidden and the experts' width: whole K-quant super-blocks in every expert row
-SHAPES = {"mixtral": dict(hidden_size=WIDTH, intermediate_size=WIDTH),
-          "qwen2_moe": dict(hidden_size=WIDTH, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, intermediate_size=WIDTH)}
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}
 
 
@@ -65,9 +71,16 @@ def test_packed_experts_equal_the_dense_twin(types, tokens):
         assert torch.allclose(moe.experts_dense(x, weights, ids, *stacks), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
 
-def _gguf(tmp_path, arch: str, qtype: str):
-    save_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=2, **SHAPES[arch])
-    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch=GGUF_ARCH[arch])
+def shape(arch: str, hidden: int = WIDTH, width: int = WIDTH) -> dict:
+    """A tiny model's widths: hidden, and every MLP's (the experts', Qwen2-MoE's shared expert's) `width`."""
+    if arch == "mixtral":
+        return dict(hidden_size=hidden, intermediate_size=width)
+    return dict(hidden_size=hidden, moe_intermediate_size=width, shared_expert_intermediate_size=width, intermediate_size=width)
+
+
+def _gguf(tmp_path, arch: str, qtype: str, hidden: int = WIDTH, width: int = WIDTH, experts_qtype: str | None = None):
+    save_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=2, **shape(arch, hidden, width))
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch=GGUF_ARCH[arch], experts_qtype=experts_qtype)
     return tmp_path / "m.gguf"
 
 
@@ -149,11 +162,29 @@ def test_packed_path_reads_only_the_chosen_experts(tmp_path, monkeypatch):
         del fast
 
 
-def test_tensor_parallel_shard_dequantizes_expert_stacks(tmp_path):
-    """runtime.tp.shard keeps dequantizing the expert stacks (a rank holds its share of each
-    expert's width as float): from a keep_quantized load it gives what the dequantized load gives."""
+@pytest.mark.parametrize("qtype,cols,whole,not_whole", [("Q8_0", 96, 3, 2), ("Q4_K", 512, 2, 4)])
+def test_expert_shares_in_blocks_are_the_float_shares(qtype, cols, whole, not_whole):
+    """runtime.tp's cuts of a stack in blocks: each rank's gate / up rows and down columns, still
+    blocks (owning their bytes, 1/n of them), dequantize to the same slices of the dequantized
+    stack; a down share that is not whole blocks (Q8_0: 48 of 32-weight blocks; Q4_K: 128 of 256) is None."""
+    from pdserve.runtime.tp import expert_cols_part, expert_rows_part
+
+    down, gate = random_stack(qtype, 3, 8, cols, 7), random_stack(qtype, 3, 6, cols, 8)  # (E, hidden, I), (E, I, hidden)
+    for stack, cut, dim in ((down, expert_cols_part, 2), (gate, expert_rows_part, 1)):
+        ref, n = stack.dequantize(), whole
+        for rank in range(n):
+            part = cut(stack, rank, n)
+            assert isinstance(part, QuantExperts) and part.qtype == qtype and part.nbytes * n == stack.nbytes
+            assert part.raw.untyped_storage().nbytes() == part.nbytes  # its own bytes, not a view keeping the whole stack
+            assert torch.equal(part.dequantize(), ref.narrow(dim, rank * ref.shape[dim] // n, ref.shape[dim] // n))
+    assert expert_cols_part(down, 0, not_whole) is None
+
+
+def test_tensor_parallel_shard_cuts_expert_blocks(tmp_path):
+    """runtime.tp.shard keeps the expert stacks in blocks (Q4_0, a 128-wide share of 256: whole
+    blocks): each rank's share dequantizes to what the shard of the dequantized load gives."""
     from pdserve.runtime.tp import shard
-    from pdserve.runtime.weights import dequantize_all, load_checkpoint
+    from pdserve.runtime.weights import dequantize_all
 
     path = _gguf(tmp_path, "qwen2_moe", "Q4_0")
     cfg, kept = load_checkpoint(path, progress=False, keep_quantized=True)
@@ -161,8 +192,66 @@ def test_tensor_parallel_shard_dequantizes_expert_stacks(tmp_path):
     plain = dequantize_all(kept)
     for rank in range(2):
         got, want = shard(cfg, kept, rank, 2), shard(cfg, plain, rank, 2)
-        for name in [n for n in want if ".mlp.experts." in n]:
-            assert isinstance(got[name], torch.Tensor) and torch.equal(got[name], want[name]), name
+        names = [n for n in want if ".mlp.experts." in n]
+        assert len(names) == 3 * cfg.num_layers
+        for name in names:
+            assert isinstance(got[name], QuantExperts) and torch.equal(got[name].dequantize(), want[name]), name
+
+
+TP_CASES = {  # name: (arch, experts' type, experts' width); hidden WIDTH, the other matrices Q8_0 (a rank's o: 128 wide)
+    "mixtral-Q8_0": ("mixtral", "Q8_0", WIDTH),  # a rank's share of the width, 128: four Q8_0 blocks
+    "qwen2_moe-Q4_K": ("qwen2_moe", "Q4_K", 2 * WIDTH),  # 256: one Q4_K super-block; the shared expert beside them
+}
+
+
+def tp_and_tp1(path, ids: list[int], n: int = 2):
+    """(TP 1 packed model's logits and layers' expert stacks, {rank: (its stacks, its logits)}) of one
+    GGUF loaded in blocks, float activations (so that only the summation order differs)."""
+    econf = EngineConfig(num_blocks=64, block_size=8, quant_activations="float")
+    cfg, tensors = load_checkpoint(path, progress=False, keep_quantized=True)
+    tp1 = build_model(cfg, tensors, econf)
+    whole = [(layer.moe.gate_up, layer.moe.down) for layer in tp1.fast.layers]
+
+    def run(model):
+        return [(layer.moe.gate_up, layer.moe.down) for layer in model.layers], all_position_logits(TPRank(model), ids, torch.float32)
+
+    return all_position_logits(tp1, ids, torch.float32), whole, in_tp_threads(cfg, tensors, econf, n, run)
+
+
+@pytest.mark.parametrize("case", sorted(TP_CASES))
+def test_tensor_parallel_ranks_keep_expert_blocks(tmp_path, case):
+    """TP 2 over a GGUF's experts in blocks: each rank runs its share of every expert packed
+    (runtime.moe.PackedExperts over blocks of the file's type, half of TP 1's expert bytes, not
+    float) and its all-position logits equal TP 1's packed model's within float32 summation order."""
+    arch, qtype, width = TP_CASES[case]
+    hidden, ids = WIDTH, list(range(3, 40))
+    ref, whole, ranks = tp_and_tp1(_gguf(tmp_path, arch, "Q8_0", hidden, width, experts_qtype=qtype), ids)
+    scale = float(ref.abs().max())
+    for rank, (stacks, logits) in ranks.items():
+        for (gate_up, down), (whole_gate_up, whole_down) in zip(stacks, whole, strict=True):
+            assert isinstance(gate_up, moe.PackedExperts) and isinstance(down, moe.PackedExperts), rank
+            assert [p.qtype for p in (*gate_up.parts, *down.parts)] == [qtype, qtype]
+            assert gate_up.shape == (whole_gate_up.shape[0], whole_gate_up.shape[1] // 2, hidden) and down.shape[2] == width // 2
+            assert 2 * gate_up.nbytes == whole_gate_up.nbytes and 2 * down.nbytes == whole_down.nbytes
+        err = float((logits - ref).abs().max())
+        assert err <= 1e-4 * scale, f"rank {rank}: {err / scale:.2e} of the logits' scale off TP 1's"
+
+
+def test_tensor_parallel_down_share_not_whole_blocks_is_float(tmp_path, caplog):
+    """Experts 96 wide in Q8_0 at TP 2: a rank's down share, 48 columns, is not whole 32-weight
+    blocks, so each rank's down stacks are float (its share, logged once per rank naming why), its
+    gate / up stay packed; the logits still equal TP 1's."""
+    ids = list(range(3, 40))
+    with caplog.at_level(logging.WARNING, logger="pdserve.runtime"):
+        ref, whole, ranks = tp_and_tp1(_gguf(tmp_path, "mixtral", "Q8_0", hidden=64, width=96), ids)
+    scale = float(ref.abs().max())
+    for rank, (stacks, logits) in ranks.items():
+        for (gate_up, down), (whole_gate_up, whole_down) in zip(stacks, whole, strict=True):
+            assert isinstance(gate_up, moe.PackedExperts) and 2 * gate_up.nbytes == whole_gate_up.nbytes
+            assert isinstance(down, torch.Tensor) and down.dtype == torch.float32 and down.shape == (whole_down.shape[0], 64, 48)
+        assert float((logits - ref).abs().max()) <= 1e-4 * scale
+    said = [r.getMessage() for r in caplog.records if "not whole Q8_0 blocks" in r.getMessage()]
+    assert len(said) == 2 and "48" in said[0] and "2 layer(s)" in said[0], said  # once per rank's shard, not per layer
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])

@@ -119,16 +119,17 @@ def test_tp_equals_tp1(tmp_path, layout):
     assert whole / n <= mine <= whole / n * 1.05 + 1024, (mine, whole)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_tp_quantized_blocks(tmp_path, qtype):
+@pytest.mark.parametrize("qtype,arch", [("Q8_0", "llama"), ("Q4_K_M", "llama"), ("Q8_0", "mixtral")])
+def test_tp_quantized_blocks(tmp_path, qtype, arch):
     """GGUF blocks kept as blocks: column shards take whole rows, row shards whole blocks. Q4_K_M
     (rows of 64: Q5_0, and Q8_0 for layer 2's v) mixes types in layer 2's qkv, which stays in its
     blocks, one quantized linear per part (kernels.linear.SplitLinear), on every rank as at TP 1;
     it runs float activations (Q5_0's int16 rounding, per shard, moves logprobs by ~1.1e-3, before
-    this split too)."""
-    save_tiny_model(tmp_path, max_position_embeddings=128, hidden_size=64, intermediate_size=128)
+    this split too). Mixtral: every rank holds its share of each expert (64 of 128 columns of
+    down: two Q8_0 blocks) in blocks, so rank 0's weights are half of TP 1's, not float experts."""
+    save_tiny_model(tmp_path, arch=arch, max_position_embeddings=128, hidden_size=64, intermediate_size=128)
     gguf = tmp_path / "tiny.gguf"
-    write_gguf(gguf, tmp_path, qtype)
+    write_gguf(gguf, tmp_path, qtype)  # Mixtral: llama.cpp's llama arch with expert stacks
     acts = {"quant_activations": "float"} if qtype == "Q4_K_M" else {}
     econf = EngineConfig(num_blocks=64, block_size=8, **acts)
     cfg, tensors = load_checkpoint(str(gguf), progress=False, keep_quantized=True)
