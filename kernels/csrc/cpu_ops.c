@@ -226,49 +226,6 @@ static int decode_item64_any(const float *qs, float *ob, float *s, const float *
  * parallel region's few us). Each item's arithmetic is the same either way. */
 #define ATTN_PARALLEL_WORK 384
 
-/* Decode attention straight from the pages: one query token per sequence, no gather.
- *
- * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
- * k_cache, v_cache: (num_blocks, BS, KVH, D) contiguous. block_tables: (B, bt_stride) int32.
- * The sequence sees keys 0..seq_lens[b]-1, or with window > 0 only the last `window` of them
- * (transformers' sliding window: the query at position p sees keys p - window < k <= p). Work item = (sequence, kv head): the G = H / KVH
- * query heads that read one kv head share each key and value load. Returns 0, or 1 when a
- * scratch allocation failed (out then holds garbage for the failed items).
- */
-int pd_paged_decode_attention(
-    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-    const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
-    const int G = H / KVH;
-    int failed = 0;
-    int64_t work = 0;
-    for (int b = 0; b < B; b++) work += window > 0 && seq_lens[b] > window ? window : seq_lens[b];
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * KVH > ATTN_PARALLEL_WORK) reduction(| : failed)
-    for (int b = 0; b < B; b++) {
-        for (int kh = 0; kh < KVH; kh++) {
-            const int first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
-            const int len = seq_lens[b] - first;
-            const int32_t *table = block_tables + (int64_t)b * bt_stride;
-            const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
-            float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
-            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D);
-            if (s == NULL) { failed = 1; continue; }
-            float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
-            for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
-            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS))
-                continue;  /* the AVX-512 form took it */
-            if (D == 64)
-                (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, 16, 64)
-                         : decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64));
-            else if (D == 128)
-                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 128);
-            else
-                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, D);
-        }
-    }
-    return failed;
-}
-
 /* RMSNorm of `rows` rows of x (row stride x_stride) into out (contiguous), as transformers'
  * LlamaRMSNorm: out = w * (x * rsqrt(mean(x^2) + eps)). With residual != NULL it first adds x
  * into the residual stream (residual += x) and normalises the sum (vLLM's fused_add_rms_norm). */
@@ -424,11 +381,13 @@ static inline __attribute__((always_inline)) void decode_item_q8(
         for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
 }
 
-/* pd_paged_decode_attention over an int8 cache (rows of D codes + scale, as pd_rope_write_kv_q8 writes). */
-int pd_paged_decode_attention_q8(
+/* The decode attention of both caches: float pages, or (q8) int8 rows of D codes + scale. */
+static int decode_attention_pages(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-    const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
-    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
+    const void *k_pages, const void *v_pages, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window, int q8) {
+    const float *k_cache = k_pages, *v_cache = v_pages;
+    const int8_t *k_codes = k_pages, *v_codes = v_pages;
     const int G = H / KVH;
     int failed = 0;
     int64_t work = 0;
@@ -445,13 +404,49 @@ int pd_paged_decode_attention_q8(
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
+            if (q8) {  /* int8 rows of D codes + their scale (pd_rope_write_kv_q8) */
+                if (D == 64)
+                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 64);
+                else if (D == 128)
+                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 128);
+                else
+                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, D);
+                continue;
+            }
+            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS))
+                continue;  /* the AVX-512 form took it */
             if (D == 64)
-                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64);
+                (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, 16, 64)
+                         : decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64));
             else if (D == 128)
-                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 128);
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 128);
             else
-                decode_item_q8(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, D);
+                decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, D);
         }
     }
     return failed;
+}
+
+/* Decode attention straight from the pages: one query token per sequence, no gather.
+ *
+ * q, out: row rows[b] of (T, H, D) with row stride q_stride / out_stride (floats).
+ * k_cache, v_cache: (num_blocks, BS, KVH, D) contiguous. block_tables: (B, bt_stride) int32.
+ * The sequence sees keys 0..seq_lens[b]-1, or with window > 0 only the last `window` of them
+ * (transformers' sliding window: the query at position p sees keys p - window < k <= p). Work item = (sequence, kv head): the G = H / KVH
+ * query heads that read one kv head share each key and value load. Returns 0, or 1 when a
+ * scratch allocation failed (out then holds garbage for the failed items).
+ */
+int pd_paged_decode_attention(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+    const float *k_cache, const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
+    return decode_attention_pages(q, q_stride, out, out_stride, rows, k_cache, v_cache, block_tables, bt_stride, seq_lens, B, H, KVH, D, BS, scale, window, 0);
+}
+
+/* pd_paged_decode_attention over an int8 cache (rows of D codes + scale, as pd_rope_write_kv_q8 writes). */
+int pd_paged_decode_attention_q8(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+    const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
+    return decode_attention_pages(q, q_stride, out, out_stride, rows, k_cache, v_cache, block_tables, bt_stride, seq_lens, B, H, KVH, D, BS, scale, window, 1);
 }

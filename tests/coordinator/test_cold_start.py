@@ -57,14 +57,6 @@ def errors(c: Recorded) -> dict[str, ErrorReply]:
     return {m.request_id: m for m in c.to_clients if isinstance(m, ErrorReply)}
 
 
-@pytest.fixture
-def closing():
-    made = []
-    yield made.append
-    for c in made:
-        c.release_sockets()
-
-
 def test_a_request_waits_for_a_cold_start_and_its_ttft_target_counts_from_the_registration(closing):
     # class 1's TTFT target (1 s) is far under the 30 s estimate: before, it was refused at once (503 cold_start)
     c = coordinator(cold_start_s=30.0, max_held_requests=1, class_targets={1: (1000.0, 500.0)})

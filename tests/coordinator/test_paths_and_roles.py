@@ -57,14 +57,6 @@ def coordinator(workers, core_share: str = "", **cfg) -> Recorded:
     return c
 
 
-@pytest.fixture
-def closing():
-    made = []
-    yield made.append
-    for c in made:
-        c.release_sockets()
-
-
 def start(c: Recorded, rid: str, n: int, max_tokens: int = 4) -> str:
     first = 100 + 1000 * len(c.requests)  # no prompt shares a prefix with another
     prompt = list(range(first, first + n))

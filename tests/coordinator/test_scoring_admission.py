@@ -2,7 +2,6 @@
 computes every prompt row (runtime/scoring.py), so the backlog, the blocks it reserves and its
 prediction count its whole prompt, and it never waits for a twin to fill the cache it does not
 use. In one process with the sends recorded (tests/coordinator/recorded.py)."""
-import pytest
 
 from pdserve.coordinator.server import CoordinatorConfig
 from pdserve.wire.protocol import PROTOCOL_VERSION, Admit, Generate, Hello, PromptLogprobs, Role
@@ -21,14 +20,6 @@ def coordinator(roles, **cfg) -> Recorded:
         c.on_worker(wid.encode(), Hello(PROTOCOL_VERSION, wid, int(role), 1, "h", "b", "m", 2048, 64, 16,
                                         kv_endpoint="tcp://127.0.0.1:1", engine={"prefix_cache": 1}))
     return c
-
-
-@pytest.fixture
-def closing():
-    made = []
-    yield made.append
-    for c in made:
-        c.release_sockets()
 
 
 def start(c: Recorded, rid: str, params: SamplingParams) -> str:
