@@ -88,7 +88,7 @@ class CpuForward:
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
-        for lin in [self.lm_head, *(x for layer in self.layers for x in _packed(layer))]:
+        for lin in [self.lm_head, *(x for layer in self.layers for x in packed_linears(layer))]:
             shapes.setdefault((lin.out_features, lin.in_features, lin.bias is not None), lin)
         for lin in shapes.values():
             lin.warm()
@@ -291,7 +291,7 @@ class _FusedParts:
         return act
 
 
-def _packed(layer) -> list:
+def packed_linears(layer) -> list:
     """A layer's PackedLinears (a SplitLinear's parts; a MoE layer's experts are not: they are read by expert)."""
     return [part for x in layer.linears() for part in (x.parts if isinstance(x, SplitLinear) else (x,))]
 

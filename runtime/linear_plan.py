@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels import backends, quant, select
-from pdserve.kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS, SplitLinear
+from pdserve.kernels.linear import NATIVE_ROWS, ONEDNN_MAX_ROWS
 from pdserve_client.errors import InvalidRequestError
 
 log = logging.getLogger("pdserve.runtime")
@@ -41,8 +41,9 @@ GATE_BLOCK = 16
 def linears(fast) -> list:
     """Every PackedLinear of a CpuForward: the LM head, then each layer's qkv, o, gate_up, down (a
     SplitLinear's parts, each its own shape and type: a Q4_K_M file's Q4_K q / k beside its Q6_K v)."""
-    return [fast.lm_head, *(part for layer in fast.layers for lin in layer.linears()
-                            for part in (lin.parts if isinstance(lin, SplitLinear) else (lin,)))]
+    from pdserve.runtime.cpu_forward import packed_linears
+
+    return [fast.lm_head, *(lin for layer in fast.layers for lin in packed_linears(layer))]
 
 
 def rules_choice(key: str, rows: int, activations: str) -> str:
