@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from pdserve.kvtransfer.pool_files import SHM_DIR, create_pool_file, new_pool_path, open_peer_pool, sweep_dead_pools
+from pdserve.kvtransfer.pool_files import create_pool_file, new_pool_path, open_peer_pool, shm_dir, sweep_dead_pools
 from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
@@ -44,8 +44,9 @@ class ShmSpaceError(PdserveError):
     code = "shm_space"
 
 
-def shm_free_bytes(directory: str = SHM_DIR) -> int:
-    st = os.statvfs(directory)
+def shm_free_bytes(directory: str | None = None) -> int:
+    """Free bytes of the filesystem the pools live on (pool_files.shm_dir, or directory)."""
+    st = os.statvfs(directory or shm_dir())
     return st.f_bavail * st.f_frsize
 
 
@@ -106,8 +107,8 @@ class KVPool:
 
 
 def _too_big(nbytes: int, free: int) -> str:
-    return (f"the KV pool needs {nbytes / 2**20:.1f} MiB of shared memory but {SHM_DIR} has {free / 2**20:.1f} MiB free: "
-            "lower --kv-cache-mb (or --num-blocks), enlarge /dev/shm (docker run --shm-size=...), or end what fills it")
+    return (f"the KV pool needs {nbytes / 2**20:.1f} MiB of shared memory but {shm_dir()} has {free / 2**20:.1f} MiB free: "
+            "lower --kv-cache-mb (or --num-blocks), enlarge /dev/shm (docker run --shm-size=...) or point $PDSERVE_SHM_DIR at a larger tmpfs, or end what fills it")
 
 
 def map_fd(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

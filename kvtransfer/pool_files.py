@@ -2,8 +2,8 @@
 those whose owners are gone. Imports no torch (the launcher and the commands' flag parsing use it).
 
 Lifecycle: every shared pool is a file in one per-user directory, /dev/shm/pdserve-<uid>/
-(`ensure_pool_dir`: made 0700 on first use; on every use it must be a real directory, not a
-symlink, owned by this user with mode 0700, else `PoolDirError`). Its owner (the worker that
+($PDSERVE_SHM_DIR/pdserve-<uid>/ where that is set; `ensure_pool_dir`: made 0700 on first use;
+on every use it must be a real directory, not a symlink, owned by this user with mode 0700, else `PoolDirError`). Its owner (the worker that
 creates it, kvtransfer.pool.KVPool.create) names it `new_pool_path()`:
 kv-<owner pid>-<owner start time>-<16 random hex digits>, opens it O_CREAT|O_EXCL|O_NOFOLLOW,
 holds an flock on it while it lives and unlinks it at close. A SIGKILL of the owner, or of its
@@ -34,7 +34,8 @@ from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # the shared-memory filesystem, unless $PDSERVE_SHM_DIR names another (shm_dir)
+SHM_DIR_ENV = "PDSERVE_SHM_DIR"
 POOL_NAME = re.compile(r"kv-(\d+)-(\d+)-[0-9a-f]{16}")
 LEGACY_NAME = re.compile(r"pdserve-kv-(\d+)")  # where pdserve before the pool directory put a worker's pool: /dev/shm/pdserve-kv-<pid>
 CREATING_GRACE_S = 10.0  # an empty, unlocked pool younger than this may be one its owner is still creating
@@ -53,9 +54,15 @@ class PoolRefused(PdserveError, ValueError):
     code = "kv_pool_refused"
 
 
+def shm_dir() -> str:
+    """The directory the pools live under: $PDSERVE_SHM_DIR if set (another tmpfs, where a container's
+    /dev/shm is small: docker gives 64 MiB), else /dev/shm. Every worker of a cluster must see the same one."""
+    return os.environ.get(SHM_DIR_ENV) or SHM_DIR
+
+
 def pool_dir() -> str:
-    """This user's pool directory: /dev/shm/pdserve-<uid>, /dev/shm resolved (it may be a symlink to /run/shm)."""
-    return os.path.join(os.path.realpath(SHM_DIR), f"pdserve-{os.geteuid()}")
+    """This user's pool directory: /dev/shm/pdserve-<uid> (shm_dir), resolved (/dev/shm may be a symlink to /run/shm)."""
+    return os.path.join(os.path.realpath(shm_dir()), f"pdserve-{os.geteuid()}")
 
 
 def check_pool_dir(directory: str) -> None:

@@ -388,7 +388,7 @@ KV_BACKENDS = ("auto", "shm", "tcp", "cuda_ipc", "nccl")  # --kv-backend (kvtran
 AUTO_KV_CACHE_MB = 2048  # the workers' KV budget unless --kv-cache-mb is given (vLLM's CPU peer here runs with 2 GiB)
 
 
-def auto_kv_cache_mb(shm_dir: str = "/dev/shm") -> int:
+def auto_kv_cache_mb(shm_dir: str | None = None) -> int:
     """A worker's default KV pool budget in MiB: AUTO_KV_CACHE_MB, or less on a small machine: at
     most a quarter of the memory available now and half of the free space of /dev/shm (where the
     shared pools of disaggregated workers live). 512 MiB, the old fixed default, held 11,650
@@ -402,7 +402,9 @@ def auto_kv_cache_mb(shm_dir: str = "/dev/shm") -> int:
     except (OSError, StopIteration, ValueError):
         pass
     try:
-        st = os.statvfs(shm_dir)
+        from pdserve.kvtransfer.pool_files import shm_dir as pools_dir  # (no torch)
+
+        st = os.statvfs(shm_dir or pools_dir())
         budget = min(budget, st.f_bavail * st.f_frsize // 2**20 // 2)
     except OSError:
         pass

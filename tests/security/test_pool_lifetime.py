@@ -2,18 +2,22 @@
 group (the OOM killer, docker kill, Kubernetes after its grace period) leaves each worker's pool
 in this user's pool directory, since nothing of the node runs to unlink it; the next launch
 removes them before it starts any worker (so before any sizes its KV from /dev/shm's free space),
-says so, and then serves and stops cleanly."""
+says so, and then serves and stops cleanly. The launches here keep their pools under a directory of
+their own ($PDSERVE_SHM_DIR): a worker another test starts meanwhile sweeps this user's pool
+directory too, and once removed these pools before the second launch could (CI, two test processes)."""
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from pdserve.kvtransfer.pool_files import start_time
+from pdserve.kvtransfer.pool_files import SHM_DIR, SHM_DIR_ENV, start_time
 from tests.helpers import free_port, pools_of, save_tiny_served_model
 from tests.serving.test_launcher import children_of, wait_ready
 
@@ -23,6 +27,15 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
     save_tiny_served_model(d)
     return d
+
+
+@pytest.fixture
+def own_shm_dir(monkeypatch):
+    """$PDSERVE_SHM_DIR: a directory of this test's own on the shared-memory filesystem (the launches inherit it)."""
+    d = tempfile.mkdtemp(prefix="pool-lifetime-", dir=SHM_DIR)
+    monkeypatch.setenv(SHM_DIR_ENV, d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def launch(model_dir, log_dir):
@@ -57,13 +70,13 @@ def line_with(lines: queue.Queue, text: str, timeout: float) -> str:
 
 
 @pytest.mark.timeout(180)  # two launches of the tiny model: 20-40 s on 2 cores
-def test_pools_left_by_a_sigkilled_process_group_are_removed_by_the_next_launch(model_dir, tmp_path):
+def test_pools_left_by_a_sigkilled_process_group_are_removed_by_the_next_launch(model_dir, tmp_path, own_shm_dir):
     proc, clients, _ = launch(model_dir, tmp_path / "first")
     try:
         wait_ready(proc, clients, 2)
         kids = children_of(proc.pid)
         left = pools_of(*kids)
-        assert left, "the workers' shared pools"
+        assert left and all(p.startswith(own_shm_dir) for p in left), "the workers' shared pools, in their own directory"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole node at once: no launcher survives to sweep
         proc.wait(timeout=30)
