@@ -108,7 +108,8 @@ class KVPool:
 
 def _too_big(nbytes: int, free: int) -> str:
     return (f"the KV pool needs {nbytes / 2**20:.1f} MiB of shared memory but {shm_dir()} has {free / 2**20:.1f} MiB free: "
-            "lower --kv-cache-mb (or --num-blocks), enlarge /dev/shm (docker run --shm-size=...) or point $PDSERVE_SHM_DIR at a larger tmpfs, or end what fills it")
+            "lower --kv-cache-mb (or --num-blocks), enlarge /dev/shm (docker run --shm-size=...) or point $PDSERVE_SHM_DIR "
+            "at a larger tmpfs, or end what fills it")
 
 
 def map_fd(fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,12 +30,11 @@ import secrets
 import stat
 import time
 
+from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV, shm_dir  # noqa: F401 (SHM_DIR_ENV: for the tests)
 from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
 
-SHM_DIR = "/dev/shm"  # the shared-memory filesystem, unless $PDSERVE_SHM_DIR names another (shm_dir)
-SHM_DIR_ENV = "PDSERVE_SHM_DIR"
 POOL_NAME = re.compile(r"kv-(\d+)-(\d+)-[0-9a-f]{16}")
 LEGACY_NAME = re.compile(r"pdserve-kv-(\d+)")  # where pdserve before the pool directory put a worker's pool: /dev/shm/pdserve-kv-<pid>
 CREATING_GRACE_S = 10.0  # an empty, unlocked pool younger than this may be one its owner is still creating
@@ -52,12 +51,6 @@ class PoolRefused(PdserveError, ValueError):
     """A peer named a pool file that is not one of this user's pools of the expected size: nothing is mapped."""
 
     code = "kv_pool_refused"
-
-
-def shm_dir() -> str:
-    """The directory the pools live under: $PDSERVE_SHM_DIR if set (another tmpfs, where a container's
-    /dev/shm is small: docker gives 64 MiB), else /dev/shm. Every worker of a cluster must see the same one."""
-    return os.environ.get(SHM_DIR_ENV) or SHM_DIR
 
 
 def pool_dir() -> str:

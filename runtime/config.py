@@ -402,7 +402,7 @@ def auto_kv_cache_mb(shm_dir: str | None = None) -> int:
     except (OSError, StopIteration, ValueError):
         pass
     try:
-        from pdserve.kvtransfer.pool_files import shm_dir as pools_dir  # (no torch)
+        from pdserve.common.shm import shm_dir as pools_dir
 
         st = os.statvfs(shm_dir or pools_dir())
         budget = min(budget, st.f_bavail * st.f_frsize // 2**20 // 2)
