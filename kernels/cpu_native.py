@@ -435,17 +435,21 @@ class _QWeight(ctypes.Structure):
                 ("w16", _P)]
 
 
+QKV_PARTS, GATE_UP_PARTS = 3, 2  # pd_ops.h PD_QKV_PARTS, PD_GATE_UP_PARTS: a fused projection's parts of different types
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight),
-                ("down", _QWeight), ("window", _I64)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("qkv", _QWeight * QKV_PARTS), ("o", _QWeight),
+                ("gate_up", _QWeight * GATE_UP_PARTS), ("down", _QWeight), ("window", _I64)]
 
 
 class DecodeLayers:
     """The C description (step_ops.c pd_layer[]) of a model's decoder layers, built once from
-    per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the four
-    weights kernels.quant.QuantTensor, and the rotary cos / sin tables (positions, head dim);
-    `windows`: each layer's sliding window (0 or none given: full attention). The tensors are
-    kept referenced for the array's life."""
+    per-layer (input_norm, post_norm, qkv_bias or None, qkv, o, gate_up, down) with the weights
+    kernels.quant.QuantTensor (qkv and gate_up: one, or a list of the parts of a fused projection
+    whose parts differ in type, each writing its columns: up to QKV_PARTS / GATE_UP_PARTS), and
+    the rotary cos / sin tables (positions, head dim); `windows`: each layer's sliding window (0
+    or none given: full attention). The tensors are kept referenced for the array's life."""
 
     def __init__(self, layers: list, heads: int, activations: str, cos: torch.Tensor, sin: torch.Tensor, windows: tuple = ()):
         self.count, self.heads, self.activations = len(layers), heads, activation_mode(activations)
@@ -458,6 +462,7 @@ class DecodeLayers:
         self.pool_key = None  # the KV pool decode_layers last checked
         self.array = (_Layer * len(layers))()
         ops = native()  # the variant decode_layers calls: its 16-row GEMV, if it has one, takes int16 steps of <= 2 rows
+        shapes = set()
         for i, (slot, (in_norm, post_norm, bias, *weights)) in enumerate(zip(self.array, layers)):
             slot.window = windows[i] if windows else 0
             for v, n in ((in_norm, "input_norm"), (post_norm, "post_norm")) + (((bias, "qkv_bias"),) if bias is not None else ()):
@@ -465,16 +470,31 @@ class DecodeLayers:
                 if not v.is_contiguous():
                     raise ValueError(f"DecodeLayers: {n} must be contiguous")
             slot.input_norm, slot.post_norm, slot.qkv_bias = _ptr(in_norm), _ptr(post_norm), None if bias is None else _ptr(bias)
-            for name, w in zip(("qkv", "o", "gate_up", "down"), weights):
-                n, k = w.shape
-                w16 = ops.gemv16_copy(w) if ops is not None and activations == "int16" else None
-                setattr(slot, name, _QWeight(w.raw.data_ptr(), w.raw.stride(0), w.type_id, n, k, 0, None if w16 is None else w16.data_ptr()))
-        qkv, o, gate_up, down = layers[0][3:]
-        self.qkv_width, self.q_size, self.hidden, self.inter = qkv.shape[0], o.shape[1], o.shape[0], down.shape[1]
-        for _, _, _, q, o2, g, dn in layers:
-            if (q.shape[0], o2.shape, g.shape, dn.shape) != (self.qkv_width, o.shape, (2 * self.inter, self.hidden), (self.hidden, self.inter)) \
-                    or q.shape[1] != self.hidden:
-                raise ValueError("DecodeLayers: the layers' weight shapes disagree")
+            widths = []
+            for name, w, most in zip(("qkv", "o", "gate_up", "down"), weights, (QKV_PARTS, 1, GATE_UP_PARTS, 1)):
+                parts = list(w) if isinstance(w, (list, tuple)) else [w]
+                if not 1 <= len(parts) <= most or len({p.shape[1] for p in parts}) != 1:
+                    raise ValueError(f"DecodeLayers: {name} must be 1 to {most} weights of one input width")
+                qweights = [self._qweight(ops, p, activations) for p in parts]
+                if most == 1:
+                    setattr(slot, name, qweights[0])
+                else:
+                    for j, q in enumerate(qweights):
+                        getattr(slot, name)[j] = q
+                widths.append((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+            if bias is not None and bias.numel() != widths[0][0]:
+                raise ValueError("DecodeLayers: the qkv bias must span every part's columns")
+            shapes.add(tuple(widths))
+        (qkv, o, gate_up, down), = shapes if len(shapes) == 1 else (None,)
+        if qkv is None or gate_up != (2 * down[1], o[0]) or down[0] != o[0] or qkv[1] != o[0]:
+            raise ValueError("DecodeLayers: the layers' weight shapes disagree")
+        self.qkv_width, self.q_size, self.hidden, self.inter = qkv[0], o[1], o[0], down[1]
+
+    @staticmethod
+    def _qweight(ops, w, activations: str) -> _QWeight:
+        n, k = w.shape
+        w16 = ops.gemv16_copy(w) if ops is not None and activations == "int16" else None  # (kept on w: QuantTensor.derived)
+        return _QWeight(w.raw.data_ptr(), w.raw.stride(0), w.type_id, n, k, 0, None if w16 is None else w16.data_ptr())
 
 
 # ------------------------------------------------------------------ torch twins

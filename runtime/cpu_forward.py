@@ -126,8 +126,8 @@ class CpuForward:
 
     def _c_step(self, tokens: int) -> bool:
         """Whether the layers' back-ends at this many rows are the C kernel the one-call step runs."""
-        layer, c_kernel = self.layers[0], ("rules", f"c-{self.activations}")
-        return all(lin.backend_at(tokens) in c_kernel for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        c_kernel = ("rules", f"c-{self.activations}")  # every layer's: a mixed-type file's layers differ in their parts' types
+        return all(p.backend_at(tokens) in c_kernel for layer in self.layers for p in packed_linears(layer))
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
@@ -300,11 +300,26 @@ def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> cpu_na
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call); the caller
     first rules out the models whose layer the C step does not compute (`one_call_blocker`)."""
-    if not all(lin.quantized and lin.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down)) \
-            or not all(layer.qkv.quantized for layer in layers):
+    def parts(lin) -> list:
+        return lin.parts if isinstance(lin, SplitLinear) else [lin]
+
+    if not all(p.quantized for layer in layers for lin in (layer.qkv, layer.gate_up) for p in parts(lin)) \
+            or not all(p.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down) for p in parts(lin)) \
+            or not all(lin.quantized for layer in layers for lin in (layer.o, layer.down)):
         return None
-    return cpu_native.DecodeLayers([(layer.attn_norm, layer.mlp_norm, layer.qkv.bias, layer.qkv.weight, layer.o.weight,
-                                     layer.gate_up.weight, layer.down.weight) for layer in layers], heads, activations, cos, sin,
+
+    def weight(lin):  # a SplitLinear (parts of different types): each part's weight, in column order
+        return [p.weight for p in lin.parts] if isinstance(lin, SplitLinear) else lin.weight
+
+    def qkv_bias(lin):  # one vector over every part's columns (a part without one: zeros)
+        if not isinstance(lin, SplitLinear):
+            return lin.bias
+        if all(p.bias is None for p in lin.parts):
+            return None
+        return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in lin.parts]).float().contiguous()
+
+    return cpu_native.DecodeLayers([(layer.attn_norm, layer.mlp_norm, qkv_bias(layer.qkv), weight(layer.qkv), layer.o.weight,
+                                     weight(layer.gate_up), layer.down.weight) for layer in layers], heads, activations, cos, sin,
                                     tuple(layer.window for layer in layers))
 
 

@@ -381,6 +381,87 @@ static inline __attribute__((always_inline)) void decode_item_q8(
         for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
 }
 
+#ifdef __AVX512F__
+/* decode_item_q8 for head dim 64 and a query group of G (constant, 1..4) heads, AVX-512, as
+ * decode_item64 does it for float pages: a row's 64 codes widened to four float vectors once and
+ * used by every head of the group, the queries and accumulators in registers. The same sums as
+ * decode_item_q8 up to summation order (measured: the generic form ran a 4k-token lone stream's
+ * attention at about half the float pages' speed, though it reads a quarter of the bytes). */
+static inline __attribute__((always_inline)) void q8_row64(const int8_t *p, __m512 r[4]) {
+    for (int i = 0; i < 4; i++) r[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
+}
+
+static inline __attribute__((always_inline)) void decode_item64_q8(
+    const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table, int first, int len,
+    int kh, int KVH, const int BS, const int G) {
+    const int64_t W = 64 + Q8_SCALE_BYTES, row = (int64_t)KVH * W;
+    __m512 q[4][4], a[4][4];
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
+    const int8_t *kp = k_cache;
+    for (int t = 0; t < len; t++) {
+        const int u = first + t;
+        kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : kp + row;
+        __m512 k[4], p[4];
+        q8_row64(kp, k);
+        for (int g = 0; g < 4; g++) {
+            if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
+            p[g] = _mm512_mul_ps(q[g][0], k[0]);
+            for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], k[i], p[g]);
+        }
+        float dots[4];
+        _mm_storeu_ps(dots, hsum4(p));
+        const float ks = q8_scale(kp, 64);
+        for (int g = 0; g < G; g++) {
+            const float dot = dots[g] * ks;
+            s[(int64_t)g * len + t] = dot;
+            mx[g] = dot > mx[g] ? dot : mx[g];
+        }
+    }
+    float inv_sum[4];
+    for (int g = 0; g < G; g++) inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
+    const int8_t *vp = v_cache;
+    for (int t = 0; t < len; t++) {
+        const int u = first + t;
+        vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : vp + row;
+        __m512 v[4];
+        q8_row64(vp, v);
+        const float vs = q8_scale(vp, 64);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(s[(int64_t)g * len + t] * vs);
+            for (int i = 0; i < 4; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
+}
+
+/* decode_item64_q8 for the group sizes it takes (1 when it does not: the caller runs decode_item_q8). */
+static int decode_item64_q8_any(const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table,
+                                int first, int len, int kh, int G, int KVH, int BS) {
+    switch (G * (BS == 16 ? 1 : -1)) {
+        case 1: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 1); return 0;
+        case 2: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 2); return 0;
+        case 3: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 3); return 0;
+        case 4: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 4); return 0;
+        case -1: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 1); return 0;
+        case -2: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 2); return 0;
+        case -3: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 3); return 0;
+        case -4: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 4); return 0;
+        default: return 1;
+    }
+}
+#else
+static int decode_item64_q8_any(const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table,
+                                int first, int len, int kh, int G, int KVH, int BS) {
+    (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)first; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
+    return 1;
+}
+#endif
+
 /* The decode attention of both caches: float pages, or (q8) int8 rows of D codes + scale. */
 static int decode_attention_pages(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
@@ -405,6 +486,8 @@ static int decode_attention_pages(
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
             if (q8) {  /* int8 rows of D codes + their scale (pd_rope_write_kv_q8) */
+                if (D == 64 && !decode_item64_q8_any(qs, ob, s, k_codes, v_codes, table, first, len, kh, G, KVH, BS))
+                    continue;  /* the AVX-512 form took it */
                 if (D == 64)
                     decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 64);
                 else if (D == 128)

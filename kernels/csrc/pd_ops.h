@@ -81,11 +81,16 @@ typedef struct {
     const uint8_t *w16;  /* its pd_q_repack16 copy, or NULL: a step of <= 2 rows with int16 activations then runs pd_q_gemv16 */
 } pd_qweight;
 
-/* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none), four weights
- * and its sliding window (0: full attention; pd_paged_decode_attention's window). */
+/* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none), its weights
+ * and its sliding window (0: full attention; pd_paged_decode_attention's window). A fused
+ * projection whose parts differ in type (a Q4_K_M file's Q4_K q / k and Q6_K v) is up to
+ * PD_QKV_PARTS (PD_GATE_UP_PARTS) weights, each writing its columns of the fused output; n == 0
+ * ends the list. */
+#define PD_QKV_PARTS 3
+#define PD_GATE_UP_PARTS 2
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
-    pd_qweight qkv, o, gate_up, down;
+    pd_qweight qkv[PD_QKV_PARTS], o, gate_up[PD_GATE_UP_PARTS], down;
     int64_t window;
 } pd_layer;
 

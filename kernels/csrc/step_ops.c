@@ -9,10 +9,22 @@
  */
 #include "pd_ops.h"
 
-static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int i8) {
+/* x (M, w->k) times weight w into out (M, w->n), its rows ld apart. */
+static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int64_t ld, int i8) {
     if (w->w16 && i8 == ACT_INT16 && M <= PD_GEMV16_ROWS)  /* the same bits, 16 rows a vector (gemv16_ops.c) */
-        return pd_q_gemv16(x, w->k, w->w16, w->qt, M, w->n, w->k, out, w->n);
-    return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, w->n, i8);
+        return pd_q_gemv16(x, w->k, w->w16, w->qt, M, w->n, w->k, out, ld);
+    return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, ld, i8);
+}
+
+/* A fused projection's parts (n == 0 ends them) into the columns of out (T, width); returns width
+ * in *width. */
+static int q_mm_parts(const pd_qweight *parts, int count, const float *x, int M, float *out, int i8, int *width) {
+    int w = 0;
+    for (int i = 0; i < count && parts[i].n; i++) w += parts[i].n;
+    *width = w;
+    for (int i = 0, col = 0; i < count && parts[i].n; col += parts[i].n, i++)
+        if (q_mm(parts + i, x, M, out + col, w, i8)) return 1;
+    return 0;
 }
 
 /* T decode rows (one query token per sequence, B = T sequences, row b is sequence b) through L
@@ -31,26 +43,28 @@ int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_s
         const pd_layer *ly = layers + l;
         char *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
         if (l > 0) pd_rms_norm(down, hidden, h, ly->input_norm, x, T, hidden, eps);
-        if (q_mm(&ly->qkv, x, T, qkv, activations)) return 1;
+        int qkv_n, gate_up_n;
+        if (q_mm_parts(ly->qkv, PD_QKV_PARTS, x, T, qkv, activations, &qkv_n)) return 1;
         if (ly->qkv_bias)
             for (int t = 0; t < T; t++)
-                for (int j = 0; j < ly->qkv.n; j++) qkv[(int64_t)t * ly->qkv.n + j] += ly->qkv_bias[j];
+                for (int j = 0; j < qkv_n; j++) qkv[(int64_t)t * qkv_n + j] += ly->qkv_bias[j];
         if (kv_int8) {
-            pd_rope_write_kv_q8(qkv, ly->qkv.n, positions, cos_t, sin_t, (int8_t *)k_cache, (int8_t *)v_cache, slots, T, H, KVH, D);
-            if (pd_paged_decode_attention_q8(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, (const int8_t *)k_cache, (const int8_t *)v_cache,
+            pd_rope_write_kv_q8(qkv, qkv_n, positions, cos_t, sin_t, (int8_t *)k_cache, (int8_t *)v_cache, slots, T, H, KVH, D);
+            if (pd_paged_decode_attention_q8(qkv, qkv_n, attn, (int64_t)H * D, rows, (const int8_t *)k_cache, (const int8_t *)v_cache,
                                              block_tables, bt_stride, seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
                 return 1;
         } else {
-            pd_rope_write_kv(qkv, ly->qkv.n, positions, cos_t, sin_t, (float *)k_cache, (float *)v_cache, slots, T, H, KVH, D);
-            if (pd_paged_decode_attention(qkv, ly->qkv.n, attn, (int64_t)H * D, rows, (const float *)k_cache, (const float *)v_cache,
+            pd_rope_write_kv(qkv, qkv_n, positions, cos_t, sin_t, (float *)k_cache, (float *)v_cache, slots, T, H, KVH, D);
+            if (pd_paged_decode_attention(qkv, qkv_n, attn, (int64_t)H * D, rows, (const float *)k_cache, (const float *)v_cache,
                                           block_tables, bt_stride, seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
                 return 1;
         }
-        if (q_mm(&ly->o, attn, T, o_out, activations)) return 1;
+        if (q_mm(&ly->o, attn, T, o_out, ly->o.n, activations)) return 1;
         pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);
-        if (q_mm(&ly->gate_up, x, T, gate_up, activations)) return 1;
+        if (q_mm_parts(ly->gate_up, PD_GATE_UP_PARTS, x, T, gate_up, activations, &gate_up_n)) return 1;
+        (void)gate_up_n;  /* 2 * inter: checked when the layers were described (kernels/cpu_native.py) */
         pd_silu_mul(gate_up, act, T, inter);
-        if (q_mm(&ly->down, act, T, down, activations)) return 1;
+        if (q_mm(&ly->down, act, T, down, ly->down.n, activations)) return 1;
     }
     return 0;
 }

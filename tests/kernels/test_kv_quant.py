@@ -134,7 +134,7 @@ def test_c_rope_write_kv_int8_is_pack_bit_for_bit(heads, kv_heads, head_dim, ops
 
 @needs_c
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [(9, 3, 64, 16, 0), (4, 4, 128, 8, 0), (8, 2, 40, 32, 0),
-                                                                        (6, 1, 64, 16, 0), (9, 3, 64, 16, 20)])
+                                                                        (6, 1, 64, 16, 0), (9, 3, 64, 16, 20), (8, 2, 64, 8, 0)])
 def test_c_decode_attention_int8_matches_torch_twin(heads, kv_heads, head_dim, block_size, window, ops):
     g = torch.Generator().manual_seed(heads * head_dim + window)
     blocks = 64

@@ -10,12 +10,12 @@
   ~16) by up to 1.8e-2, measured; the unchanged Q8_0 path on the same model by 0.9e-2, and float
   activations (summation order only) by 5e-5; the figure is printed. A layer whose q/k/v mix Q4_K and Q6_K keeps each
   in its blocks (QuantTensor.cat declines; model.QuantRows, the fast path's SplitLinear: one
-  quantized linear per part, no float32 copy), and the one-call decode step declines the model
-  (cpu_forward._step_layers: no single qkv block matrix) and the per-op loop runs; with float
-  activations such a model's logits equal its dequantized twin's to summation order.
-- Files of one K-quant each (Q4_K, Q6_K: every projection packed) run the one-call decode step
-  (kernels/csrc/step_ops.c), which equals the per-op loop bit for bit (logits), at the direct
-  (1, 3 rows) and the integer-GEMM (7+ rows) row counts, int16 and float activations.
+  quantized linear per part, no float32 copy); the one-call decode step takes its parts (step_ops.c
+  pd_layer.qkv[]: each part's columns of the fused output); with float activations such a model's
+  logits equal its dequantized twin's to summation order.
+- Files of one K-quant each (Q4_K, Q6_K: every projection packed) and Q4_K_M's mix run the
+  one-call decode step (kernels/csrc/step_ops.c), which equals the per-op loop bit for bit
+  (logits), at the direct (1, 3 rows) and the integer-GEMM (7+ rows) row counts, int16 and float activations.
 """
 import pytest
 
@@ -49,7 +49,7 @@ def test_q4_k_m_file_decodes_like_its_float_twin(tmp_path):
     as_float = sum(q.shape[0] * q.shape[1] * 4 for q in quant.model.quantized.values())
     ratio = max(QTYPES[t][1] / (block_weights(t) * 4) for t in kept.values())
     assert packed <= as_float * ratio and quant.model.weight_bytes() < twin.model.weight_bytes() - as_float + packed + 1024
-    assert quant.model.fast is not None and quant.model.fast.step_layers is None  # a split qkv: the per-op loop
+    assert quant.model.fast is not None and quant.model.fast.step_layers is not None  # a split qkv: its parts in the one call
 
     prompts = [[5, 9, 12, 30, 7], list(range(3, 40)), [17]]
     seqs_t, scores_t = greedy_scored(twin.model, prompts, 16, set())
@@ -86,7 +86,7 @@ def test_mixed_type_qkv_stays_in_its_blocks_and_equals_the_dequantized_twin(tmp_
     parts = [quant.quantized[f"layers.1.self_attn.qkv_proj.parts.{i}.weight"] for i in range(3)]
     assert [p.qtype for p in parts] == ["Q4_K", "Q4_K", "Q6_K"] and "layers.1.self_attn.qkv_proj.weight" not in quant.quantized
     qkv = quant.fast.layers[1].qkv
-    assert isinstance(qkv, SplitLinear) and [lin.weight for lin in qkv.parts] == parts and quant.fast.step_layers is None
+    assert isinstance(qkv, SplitLinear) and [lin.weight for lin in qkv.parts] == parts and quant.fast.step_layers is not None
     assert (qkv.parts[0].bias is not None) == (arch == "qwen2")
     fused_float = sum(p.shape[0] for p in parts) * parts[0].shape[1] * 4
     assert sum(p.nbytes for p in parts) < fused_float / 5
@@ -105,12 +105,17 @@ def test_mixed_type_qkv_stays_in_its_blocks_and_equals_the_dequantized_twin(tmp_
         assert same >= 4 and (lq[:same] - lt[:same]).abs().max() <= 1e-4 * lt.abs().max()
 
 
-@pytest.mark.parametrize("qtype,acts", [("Q4_K", "int16"), ("Q6_K", "int16"), ("Q4_K", "float"), ("Q5_K", "int8")])
-def test_one_call_decode_step_takes_k_quants_and_equals_the_layer_loop(tmp_path, monkeypatch, qtype, acts):
-    save_tiny_model(tmp_path / "hf", **{**SHAPE, "intermediate_size": 512})
-    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)
+@pytest.mark.parametrize("qtype,acts,arch", [("Q4_K", "int16", "llama"), ("Q6_K", "int16", "llama"), ("Q4_K", "float", "llama"),
+                                             ("Q5_K", "int8", "llama"), ("Q4_K_M", "int16", "llama"), ("Q4_K_M", "float", "qwen2")])
+def test_one_call_decode_step_takes_k_quants_and_equals_the_layer_loop(tmp_path, monkeypatch, qtype, acts, arch):
+    """Q4_K_M: layer 1's qkv is Q4_K q / k and Q6_K v (three parts; Qwen2: with their biases)."""
+    save_tiny_model(tmp_path / "hf", **{**SHAPE, "intermediate_size": 512, "arch": arch})
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype, arch=arch)
     _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, quant_activations=acts))
-    assert {q.qtype for q in model.quantized.values()} == {qtype}
+    if qtype == "Q4_K_M":
+        assert len(model.fast.layers[1].qkv.parts) == 3
+    else:
+        assert {q.qtype for q in model.quantized.values()} == {qtype}
     fast = model.fast
     assert fast.step_layers is not None and fast.fused_step
     calls = one_call_equals_loop(model, monkeypatch, decode_steps=2)  # 7 rows: int16's GEMM
