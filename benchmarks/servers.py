@@ -36,7 +36,7 @@ class Peer:
 
 
 PEERS = {"vllm": Peer("vllm_cpu.sh", "VLLM_PORT", "vLLM CPU 0.32 (float32)"),
-         "llamacpp": Peer("llama_cpp.sh", "LLAMA_PORT", "llama.cpp server (Q4_1)")}
+         "llamacpp": Peer("llama_cpp.sh", "LLAMA_PORT", "llama.cpp server")}  # (the default model: its Q4_1 GGUF; --model FILE: that file)
 
 
 @dataclasses.dataclass

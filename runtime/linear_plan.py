@@ -86,8 +86,8 @@ def apply(model, econf, source=None) -> select.Table | None:
         reduced = gate(model, econf, source, reps) if mode == "auto-reduced" else set()
         table = _measured(reps, acts, reduced)
         if fast.fused_step:
-            layer = fast.layers[0]
-            for key in pin_one_call_rows(table, {select.shape_key(lin.weight) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}, acts):
+            step = {select.shape_key(p.weight) for p in lins if p is not fast.lm_head}  # every layer's, a split qkv's parts too
+            for key in pin_one_call_rows(table, step, acts):
                 log.warning("linear back-ends: %s keeps c-%s at up to %d rows (the one-call decode step needs it there)", key, acts,
                             ONE_CALL_ROWS)
     for lin in lins:

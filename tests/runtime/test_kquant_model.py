@@ -132,6 +132,10 @@ def test_a_measured_back_end_table_covers_each_part_of_a_mixed_type_qkv(tmp_path
     save_tiny_model(tmp_path / "hf", **SHAPE)
     write_gguf(tmp_path / "m.gguf", tmp_path / "hf", "Q4_K_M")
     _, quant = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=8, linear_backend="auto"))
+    assert quant.fast.fused_step  # the one-call step's rows pinned over every layer's parts (layer 1's split qkv too)
+    quant.fast.layers.reverse()  # and so with the split layer first, as a 1B Q4_K_M file's layer 0 is
+    linear_plan.apply(quant, EngineConfig(num_blocks=64, block_size=8, linear_backend="auto"), tmp_path / "m.gguf")
+    quant.fast.layers.reverse()
     qkv = quant.fast.layers[1].qkv
     assert isinstance(qkv, SplitLinear)
     lins = linear_plan.linears(quant.fast)
