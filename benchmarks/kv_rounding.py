@@ -62,7 +62,8 @@ def main() -> None:
         exact_write(k_cache, v_cache, k, v, slot_mapping)
 
     paged.write_kv = write_kv
-    engine = LLMEngine.load(None, EngineConfig(fast_path=False, kv_cache_bytes=1 << 29), progress=False)
+    # no prefix cache: every run computes (and rounds) its prompts' KV, none reads blocks an earlier run cached
+    engine = LLMEngine.load(None, EngineConfig(fast_path=False, kv_cache_bytes=1 << 29, prefix_cache=False), progress=False)
     prompts = chat_prompts(engine.tokenizer, args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     ref = [c.token_ids for c in engine.generate(prompts, params)]
