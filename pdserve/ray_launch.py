@@ -47,8 +47,13 @@ stops with it; its directory is removed).
 With --min-replicas 0 every model's coordinator runs with cold starts on (--cold-start-s, the estimate
 until one is measured: coordinator/cold_start.py): a request that finds no worker waits for the one the
 autoscaler starts, bounded (--cold-start-timeout-s, --max-held-requests, --max-held-kb).
-Not built: tensor parallel workers under --ray (their ranks would need a placement group) and a
-cluster TOML with --ray; both are refused with "not supported".
+Tensor-parallel workers (--prefill-tp / --decode-tp N): a worker's ranks are its own child
+processes on its node, sharing its shared-memory KV pool (worker/tp_ranks.py), so its N slots must
+be on one node; its actor asks for N times --ray-num-cpus / --ray-num-gpus (`tp_size`), which Ray
+grants only on a node that has them all (what a STRICT_PACK placement group of N bundles would
+reserve, without a group to create and remove), and with GPUs sets the actor's
+CUDA_VISIBLE_DEVICES to its N devices, which the ranks take as cuda:0..N-1.
+Not built: a cluster TOML with --ray (refused with "not supported").
 """
 from __future__ import annotations
 
@@ -223,8 +228,9 @@ class RayLaunch:
         self.serial += 1
         m = pool.model
         name = f"{m.prefix}ray{self.serial}"
-        actor = WorkerActor.options(name=actor_name(m.worker_addr, name), num_cpus=self.cfg.num_cpus,
-                                    num_gpus=self.cfg.num_gpus, scheduling_strategy="SPREAD").remote(self.actor_args(m, role, name))
+        tp = tp_size(self.plan, role)  # a TP worker's ranks run beside it: its actor holds their slots too
+        actor = WorkerActor.options(name=actor_name(m.worker_addr, name), num_cpus=self.cfg.num_cpus * tp,
+                                    num_gpus=self.cfg.num_gpus * tp, scheduling_strategy="SPREAD").remote(self.actor_args(m, role, name))
         rep = Replica(name, role, actor, time.monotonic())
         pool.replicas.append(rep)
         print(f"pdserve launch: ray: adding {role} worker {rep.worker_id}: {why}", file=sys.stderr, flush=True)
@@ -452,12 +458,15 @@ def with_cold_start(args: list[str]) -> list[str]:
     return [*args, "--cold-start-s", f"{DEFAULT_COLD_START_S:g}"]
 
 
+def tp_size(plan: NodePlan, role: str) -> int:
+    """The tensor-parallel size `role`'s workers run with (the last --tensor-parallel-size of the
+    engine's and the role's flags; 1 without one)."""
+    args = plan.engine_args + (plan.prefill_args if role == "prefill" else plan.decode_args)
+    sizes = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--tensor-parallel-size", "-tp")]
+    return int(sizes[-1]) if sizes and sizes[-1].isdigit() and int(sizes[-1]) > 0 else 1  # a bad value: the worker's own flag check
+
+
 def check_supported(plan: NodePlan) -> None:
     """NotSupportedError for what --ray does not run yet."""
-    args = plan.engine_args + plan.prefill_args + plan.decode_args
-    for i, a in enumerate(args[:-1]):
-        if a == "--tensor-parallel-size" and args[i + 1].isdigit() and int(args[i + 1]) > 1:  # a bad value: the worker's own flag check
-            raise NotSupportedError("tensor parallel workers under --ray are not supported (their ranks would need a Ray "
-                                    "placement group); run them with `pdserve launch` on their node")
     if not plan.coordinator:
         raise NotSupportedError("--ray with a cluster TOML (--config/--node) is not supported: --ray places every worker itself")

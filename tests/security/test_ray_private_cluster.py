@@ -143,7 +143,7 @@ class PrivateLaunch:
             [sys.executable, "-m", "pdserve", "launch", "--model", str(model_dir), "--clients", self.clients,
              "--workers", f"tcp://127.0.0.1:{free_port()}", "--http-port", str(free_port()), "--threads", "1", "--no-slo",
              "--log-dir", str(tmp_path / "logs"), "--ray", "auto", "--ray-num-cpus", "0.25", "--keys", self.keys,
-             "--api-key", API_KEY, "--engine-arg=--kv-cache-mb=8"],
+             "--api-key", API_KEY, "--engine-arg=--kv-cache-mb=8", "--decode-tp", "2"],  # TP ranks: listeners and keys too
             stderr=open(self.err, "w"))
 
     def stderr(self) -> str:
@@ -190,6 +190,15 @@ def tree(launch) -> dict[int, str]:
 
 def test_auto_starts_a_private_cluster_on_loopback(launch):
     assert "started a private one on 127.0.0.1 (token authentication on, no dashboard)" in launch.stderr(), launch.stderr()
+
+
+def test_a_tensor_parallel_worker_runs_as_one_actor_with_its_ranks_beside_it(launch):
+    """--decode-tp 2 under --ray: the decode worker reports TP 2 and its second rank runs as its child on the same node."""
+    with Client(launch.clients, timeout=5, keys=launch.keys) as c:
+        decode = next(w for w in c.stats()["workers"] if w["role"] == "decode")
+    assert decode["engine"]["tensor_parallel_size"] == 2, decode
+    ranks = [p for p in descendants(decode["pid"]) if "pdserve.worker.tp_ranks" in " ".join(cmdline(p))]
+    assert len(ranks) == 1, ranks
 
 
 def test_every_listener_of_the_launch_and_its_ray_cluster_binds_loopback(launch):
