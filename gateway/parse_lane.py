@@ -5,8 +5,9 @@ Why a process: msgspec holds the GIL for a whole decode (tens of milliseconds fo
 corpus's largest bodies), and a thread holding the GIL stalls the loop that streams every other
 request (docs/performance.md, "Figures behind design choices").
 
-Lifecycle: the gateway makes one `ParseLane` and closes it at shutdown; the first large body starts
-its child (`python -m gateway.parse_lane LIMITS_JSON`, which lowers its own CPU priority).
+Lifecycle: the gateway makes one `ParseLane`, starts its child as it starts (`start_early`: the
+child's imports, ~0.4 s, were the first large body's wait, and 1.7 s under load) and closes it at
+shutdown; the child is `python -m gateway.parse_lane LIMITS_JSON`, which lowers its own CPU priority.
 `prepare(body, kind, limits)` is the one function that turns a body into its request Struct: the
 scan for what is certainly over the bounds (refuse_oversized), the decode, and the checks of every
 field of that kind against the table of bounds; small bodies run it inline on the loop, larger
@@ -101,12 +102,21 @@ class ParseLane:
         self.proc: subprocess.Popen | None = None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="parse-lane")  # one body at a time, in order
         self.lock = threading.Lock()  # the child's pipes: the lane's thread, and close()
-        self.starts = 0  # the child is started on the first large body, again after it died
+        self.starts = 0  # the child is started at the gateway's start (start_early), again by the next large body after it died
 
     def start(self) -> None:
         self.starts += 1
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.gateway.parse_lane", msgspec.json.encode(self.limits).decode()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def start_early(self) -> None:
+        """Start the child now, from the lane's thread (which holds the pipes), not on the first large body."""
+        self.thread.submit(self._ensure_started)
+
+    def _ensure_started(self) -> None:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.start()
 
     async def parse(self, body: bytes, kind: str):
         """prepare(body, kind) in the child; cancelling the caller while it waits drops the body."""

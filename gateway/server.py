@@ -128,6 +128,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.models.open(self.cfg.request_timeout_s, self.cfg.keys)
+        self.parse_lane.start_early()  # its child imports while the gateway starts, not on the first large body
         self.readiness = self.ready(await self.stats())  # the first probe already has an answer (at most stats_timeout_s)
         tasks = [asyncio.ensure_future(self.watch_health()),
                  asyncio.ensure_future(liveness.beat())]  # the launcher's hang check (wire/liveness.py)
