@@ -16,21 +16,17 @@ import torch
 
 from benchmarks.kv_dtype import chat_prompts
 from benchmarks.machine import cpu_line
-from pdserve.kernels import paged
+from pdserve.kernels import kv_quant, paged
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
 from pdserve_client.params import SamplingParams
 
 
 def int8_rows(group: int = 0):
-    """x rounded to int8 codes times one absmax scale per row (per `group` channels if given), as kv_quant.pack."""
+    """x as `--kv-cache-dtype int8` stores it (kv_quant.pack, then unpack): one scale per row, or per `group` channels."""
     def rounded(x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if group:
-            x = x.reshape(*shape[:-1], shape[-1] // group, group)
-        scale = x.abs().amax(-1, keepdim=True) / 127
-        safe = torch.where(scale > 0, scale, 1.0)
-        return torch.where(scale > 0, torch.round(x / safe).clamp(-127, 127) * scale, 0.0).reshape(shape)
+        grouped = x.reshape(*x.shape[:-1], x.shape[-1] // group, group) if group else x
+        return kv_quant.unpack(kv_quant.pack(grouped, torch.int8)).reshape(x.shape)
     return rounded
 
 

@@ -111,12 +111,16 @@ class ParseLane:
 
     def start_early(self) -> None:
         """Start the child now, from the lane's thread (which holds the pipes), not on the first large body."""
-        self.thread.submit(self._ensure_started)
+        def start() -> None:
+            with self.lock:
+                self._start_if_down()
 
-    def _ensure_started(self) -> None:
-        with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                self.start()
+        self.thread.submit(start)
+
+    def _start_if_down(self) -> None:
+        """(Under self.lock.) Start the child unless it runs."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
 
     async def parse(self, body: bytes, kind: str):
         """prepare(body, kind) in the child; cancelling the caller while it waits drops the body."""
@@ -143,8 +147,7 @@ class ParseLane:
     def _round_trip(self, job: _Job) -> _Reply:
         with self.lock:
             try:
-                if self.proc is None or self.proc.poll() is not None:
-                    self.start()
+                self._start_if_down()
                 _write(self.proc.stdin, msgspec.msgpack.encode(job))
                 return msgspec.msgpack.decode(_read(self.proc.stdout), type=_Reply)
             except (OSError, EOFError, msgspec.DecodeError):

@@ -485,8 +485,8 @@ class DecodeLayers:
             if bias is not None and bias.numel() != widths[0][0]:
                 raise ValueError("DecodeLayers: the qkv bias must span every part's columns")
             shapes.add(tuple(widths))
-        (qkv, o, gate_up, down), = shapes if len(shapes) == 1 else (None,)
-        if qkv is None or gate_up != (2 * down[1], o[0]) or down[0] != o[0] or qkv[1] != o[0]:
+        (qkv, o, gate_up, down), *others = shapes  # (rows, input width) of each projection, summed over its parts
+        if others or gate_up != (2 * down[1], o[0]) or down[0] != o[0] or qkv[1] != o[0]:
             raise ValueError("DecodeLayers: the layers' weight shapes disagree")
         self.qkv_width, self.q_size, self.hidden, self.inter = qkv[0], o[1], o[0], down[1]
 

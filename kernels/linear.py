@@ -131,11 +131,10 @@ def _native_float(weight: torch.Tensor):
 class SplitLinear:
     """A fused projection whose parts are quantized in different types (runtime.model.QuantRows:
     a Q4_K_M file's Q4_K q / k and Q6_K v): each part's PackedLinear writes its columns of the
-    output. Not `quantized` as one matrix, so the one-call decode step declines such a model
-    (runtime.cpu_forward) and its per-op loop runs it; the module forward (dequantize + F.linear
-    per part) is its twin."""
+    output (the one-call decode step takes the parts the same way: step_ops.c pd_layer.qkv[]);
+    the module forward (dequantize + F.linear per part) is its twin."""
 
-    quantized = False  # not one block matrix (runtime.cpu_forward._step_layers)
+    quantized = False  # not one block matrix: its parts are (runtime.cpu_forward._step_layers)
     bias = None  # each part adds its own
 
     def __init__(self, parts: list[PackedLinear]):

@@ -30,7 +30,7 @@ import secrets
 import stat
 import time
 
-from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV, shm_dir  # noqa: F401 (SHM_DIR_ENV: for the tests)
+from pdserve.common.shm import SHM_DIR, shm_dir
 from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")

@@ -12,7 +12,7 @@ tested against (for a quantized model, the twin is the same file loaded dequanti
 module forward for every step.
 
 A decode-only step of a model whose projections are all quantized (the default model served
-`--quantization auto`) makes one C call for all layers (kernels/csrc/step_ops.c: the same
+`--quantization auto`; a SplitLinear's parts each in its own type) makes one C call for all layers (kernels/csrc/step_ops.c: the same
 kernels in the same order, so the same bits as the loop below, its twin). Otherwise it runs
 runtime.layer's one decoder layer with `FusedOps`, the fused kernels for its parts; per layer
 eight calls instead of about forty torch ops: RMSNorm fused with the
@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_native, kv_quant, paged, quant
+from pdserve.kernels import cpu_native, kv_quant, paged, quant, select
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.blocks import QuantExpertStack, QuantRows
@@ -85,6 +85,9 @@ class CpuForward:
         self.one_call_blocker = one_call_blocker(c)
         self.step_layers = None if self.one_call_blocker else _step_layers(self.layers, c.num_heads, activations, self.cos, self.sin)
         self.fused_step = self.step_layers is not None
+        # one projection of each weight shape and type: back-ends are assigned per shape key (runtime.linear_plan), so
+        # these answer for every layer's (a mixed-type file's layers differ in their parts' types) at each decode step
+        self._step_kinds = list({select.shape_key(p.weight): p for layer in self.layers for p in packed_linears(layer)}.values())
         self.linear_table = None  # a kernels.select.Table once runtime.linear_plan installs one
         self.batch_fresh = True  # equal-length fresh prompts attend in one call (off: per prompt, the twin)
         shapes = {}  # one layer of each weight shape: oneDNN's primitives are per shape, not per weight
@@ -126,8 +129,8 @@ class CpuForward:
 
     def _c_step(self, tokens: int) -> bool:
         """Whether the layers' back-ends at this many rows are the C kernel the one-call step runs."""
-        c_kernel = ("rules", f"c-{self.activations}")  # every layer's: a mixed-type file's layers differ in their parts' types
-        return all(p.backend_at(tokens) in c_kernel for layer in self.layers for p in packed_linears(layer))
+        c_kernel = ("rules", f"c-{self.activations}")
+        return all(p.backend_at(tokens) in c_kernel for p in self._step_kinds)
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
         """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
@@ -300,27 +303,21 @@ def _step_layers(layers: list, heads: int, activations: str, cos, sin) -> cpu_na
     """The C description of the layers for the one-call decode step, or None unless every
     projection is quantized (a float projection runs oneDNN, which C cannot call); the caller
     first rules out the models whose layer the C step does not compute (`one_call_blocker`)."""
-    def parts(lin) -> list:
+    def parts(lin) -> list:  # a SplitLinear's (parts of different types, in column order), or the one
         return lin.parts if isinstance(lin, SplitLinear) else [lin]
 
-    if not all(p.quantized for layer in layers for lin in (layer.qkv, layer.gate_up) for p in parts(lin)) \
-            or not all(p.bias is None for layer in layers for lin in (layer.o, layer.gate_up, layer.down) for p in parts(lin)) \
-            or not all(lin.quantized for layer in layers for lin in (layer.o, layer.down)):
-        return None
-
-    def weight(lin):  # a SplitLinear (parts of different types): each part's weight, in column order
-        return [p.weight for p in lin.parts] if isinstance(lin, SplitLinear) else lin.weight
-
-    def qkv_bias(lin):  # one vector over every part's columns (a part without one: zeros)
-        if not isinstance(lin, SplitLinear):
-            return lin.bias
-        if all(p.bias is None for p in lin.parts):
+    def joined_bias(lin):  # one vector over every part's columns (a part without one: zeros), or None
+        ps = parts(lin)
+        if all(p.bias is None for p in ps):
             return None
-        return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in lin.parts]).float().contiguous()
+        return ps[0].bias if len(ps) == 1 else torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in ps])
 
-    return cpu_native.DecodeLayers([(layer.attn_norm, layer.mlp_norm, qkv_bias(layer.qkv), weight(layer.qkv), layer.o.weight,
-                                     weight(layer.gate_up), layer.down.weight) for layer in layers], heads, activations, cos, sin,
-                                    tuple(layer.window for layer in layers))
+    if not all(p.quantized for layer in layers for p in packed_linears(layer)) \
+            or any(p.bias is not None for layer in layers for lin in (layer.o, layer.gate_up, layer.down) for p in parts(lin)):
+        return None
+    return cpu_native.DecodeLayers([(layer.attn_norm, layer.mlp_norm, joined_bias(layer.qkv), [p.weight for p in parts(layer.qkv)],
+                                     layer.o.weight, [p.weight for p in parts(layer.gate_up)], layer.down.weight) for layer in layers],
+                                    heads, activations, cos, sin, tuple(layer.window for layer in layers))
 
 
 class _AttentionPlan:

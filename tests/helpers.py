@@ -121,6 +121,23 @@ def in_tp_threads(cfg, tensors: dict, econf, n: int, fn, timeout_s: float = 120)
     return got
 
 
+def hf_from_gguf(path):
+    """HF transformers' model of a GGUF file, dequantized to float32. Its GGUF loader parses the
+    file twice (config, then weights) and rebuilds gguf's tensor-name map once per module (~400
+    times): ~60% of its load time. Both are pure functions of their arguments, so they are
+    memoized for this load; what HF computes is unchanged."""
+    import functools
+
+    import gguf
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = True):
     """HF transformers greedy generate: (new token ids, per-step logits)."""
     out = model.generate(

@@ -93,6 +93,16 @@ static float *scratch(size_t n) {
     return buf;
 }
 
+/* The int8 KV cache (kernels/kv_quant.py): a (token, kv head) row is D int8 codes then the 4
+ * bytes of its float32 scale; x ~ code * scale. quantize_q8 is kv_quant.pack's arithmetic:
+ * scale = amax / 127, code = round-half-even(x / scale) clamped to +-127 (0 where amax is 0). */
+#define Q8_SCALE_BYTES 4
+static inline float q8_scale(const int8_t *row, int D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
+}
+
 /* One (sequence, kv head) item of decode attention: the G query heads qs (G, D), already scaled,
  * against the len keys/values first..first+len-1 of kv head kh (first > 0: a sliding window),
  * read page by page through `table`. s: G * len scores of scratch, acc: G * D. Always inlined with a constant D so that the D-loops compile
@@ -139,11 +149,15 @@ static inline __attribute__((always_inline)) void decode_item(
 }
 
 #ifdef __AVX512F__
-/* decode_item for head dim 64 and a query group of G (constant, 1..4) heads, AVX-512: a key or
- * value row is four vectors; the group's queries and its G x 64 output accumulators stay in
- * registers (the generic form kept the accumulators in memory, a load and a store per value
- * row), and the G dot products of a key are summed across lanes together (hsum4: one add tree
- * for four heads instead of one per head). Same arithmetic as decode_item up to summation order. */
+/* decode_item (Q8: decode_item_q8) for head dim 64 and a query group of G (constant, 1..4) heads,
+ * AVX-512: a key or value row is four vectors (an int8 row's 64 codes widened once, then shared
+ * by the group's heads; its scale applied to the score and to the value's weight); the group's
+ * queries and its G x 64 output accumulators stay in registers (the generic form kept the
+ * accumulators in memory, a load and a store per value row), and the G dot products of a key are
+ * summed across lanes together (hsum4: one add tree for four heads instead of one per head).
+ * Same arithmetic as the generic forms up to summation order. (The generic int8 form ran a
+ * 4k-token lone stream's attention at about half the float pages' speed, though it reads a
+ * quarter of the bytes.) */
 static inline __m128 hsum4(const __m512 p[4]) {
     __m256 h[4];
     for (int g = 0; g < 4; g++) h[g] = _mm256_add_ps(_mm512_castps512_ps256(p[g]), _mm512_extractf32x8_ps(p[g], 1));
@@ -151,71 +165,87 @@ static inline __m128 hsum4(const __m512 p[4]) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  /* lane g: head g's sum */
 }
 
+/* Row u of kv head kh (float pages, or Q8 int8 rows of 64 codes + scale) as four float vectors; its scale in *scale (1 for float). */
+static inline __attribute__((always_inline)) const char *row64(const char *cache, const char *prev, const int32_t *table, int t, int u,
+                                                               int kh, int KVH, const int BS, const int Q8, __m512 r[4], float *scale) {
+    const int64_t bytes = Q8 ? 64 + Q8_SCALE_BYTES : 64 * sizeof(float), row = (int64_t)KVH * bytes;
+    const char *p = t == 0 || u % BS == 0 ? cache + ((int64_t)table[u / BS] * BS * KVH + kh) * bytes + (int64_t)(u % BS) * row : prev + row;
+    for (int i = 0; i < 4; i++)
+        r[i] = Q8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))))
+                  : _mm512_loadu_ps((const float *)p + 16 * i);
+    *scale = Q8 ? q8_scale((const int8_t *)p, 64) : 1.0f;
+    return p;
+}
+
 static inline __attribute__((always_inline)) void decode_item64(
-    const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table, int first, int len,
-    int kh, int KVH, const int BS, const int G) {
-    const int64_t row = (int64_t)KVH * 64;
+    const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache, const int32_t *table, int first, int len,
+    int kh, int KVH, const int BS, const int G, const int Q8) {
     __m512 q[4][4], a[4][4];
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
-    const float *kp = k_cache;
+    const char *kp = k_cache;
     for (int t = 0; t < len; t++) {
-        const int u = first + t;
-        kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * 64 + (int64_t)(u % BS) * row : kp + row;
-        __m512 p[4];
+        __m512 k[4], p[4];
+        float ks;
+        kp = row64(k_cache, kp, table, t, first + t, kh, KVH, BS, Q8, k, &ks);
         for (int g = 0; g < 4; g++) {
             if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
-            p[g] = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(kp));
-            for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], _mm512_loadu_ps(kp + 16 * i), p[g]);
+            p[g] = _mm512_mul_ps(q[g][0], k[0]);
+            for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], k[i], p[g]);
         }
         float dots[4];
         _mm_storeu_ps(dots, hsum4(p));
         for (int g = 0; g < G; g++) {
-            s[(int64_t)g * len + t] = dots[g];
-            mx[g] = dots[g] > mx[g] ? dots[g] : mx[g];
+            const float dot = Q8 ? dots[g] * ks : dots[g];
+            s[(int64_t)g * len + t] = dot;
+            mx[g] = dot > mx[g] ? dot : mx[g];
         }
     }
     float inv_sum[4];
     for (int g = 0; g < G; g++) inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
-    const float *vp = v_cache;
+    const char *vp = v_cache;
     for (int t = 0; t < len; t++) {
-        const int u = first + t;
-        vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * 64 + (int64_t)(u % BS) * row : vp + row;
-        const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32), v3 = _mm512_loadu_ps(vp + 48);
+        __m512 v[4];
+        float vs;
+        vp = row64(v_cache, vp, table, t, first + t, kh, KVH, BS, Q8, v, &vs);
         for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(s[(int64_t)g * len + t]);
-            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
-            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
-            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+            const __m512 w = _mm512_set1_ps(Q8 ? s[(int64_t)g * len + t] * vs : s[(int64_t)g * len + t]);
+            for (int i = 0; i < 4; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
         }
     }
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
 }
 
-/* decode_item64 for the group sizes it takes (1 when it does not: the caller runs decode_item). */
-static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
-                             int first, int len, int kh, int G, int KVH, int BS) {
+/* decode_item64 for the group sizes it takes, Q8 constant (1 when it does not: the caller runs the generic form). */
+static inline __attribute__((always_inline)) int decode_item64_g(const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache,
+                                                                 const int32_t *table, int first, int len, int kh, int G, int KVH, int BS, const int Q8) {
     switch (G * (BS == 16 ? 1 : -1)) {
-        case 1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 1); return 0;
-        case 2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 2); return 0;
-        case 3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 3); return 0;
-        case 4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 4); return 0;
-        case -1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 1); return 0;
-        case -2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 2); return 0;
-        case -3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 3); return 0;
-        case -4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 4); return 0;
+        case 1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 1, Q8); return 0;
+        case 2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 2, Q8); return 0;
+        case 3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 3, Q8); return 0;
+        case 4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 4, Q8); return 0;
+        case -1: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 1, Q8); return 0;
+        case -2: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 2, Q8); return 0;
+        case -3: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 3, Q8); return 0;
+        case -4: decode_item64(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 4, Q8); return 0;
         default: return 1;
     }
 }
+
+static int decode_item64_any(const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache, const int32_t *table,
+                             int first, int len, int kh, int G, int KVH, int BS, int q8) {
+    return q8 ? decode_item64_g(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 1)
+              : decode_item64_g(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 0);
+}
 #else
-static int decode_item64_any(const float *qs, float *ob, float *s, const float *k_cache, const float *v_cache, const int32_t *table,
-                             int first, int len, int kh, int G, int KVH, int BS) {
+static int decode_item64_any(const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache, const int32_t *table,
+                             int first, int len, int kh, int G, int KVH, int BS, int q8) {
     (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)first; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
+    (void)q8;
     return 1;
 }
 #endif
@@ -305,16 +335,7 @@ void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, 
     }
 }
 
-/* The int8 KV cache (kernels/kv_quant.py): a (token, kv head) row is D int8 codes then the 4
- * bytes of its float32 scale; x ~ code * scale. quantize_q8 is kv_quant.pack's arithmetic:
- * scale = amax / 127, code = round-half-even(x / scale) clamped to +-127 (0 where amax is 0). */
-#define Q8_SCALE_BYTES 4
-static inline float q8_scale(const int8_t *row, int D) {
-    float s;
-    memcpy(&s, row + D, sizeof s);
-    return s;
-}
-
+/* quantize_q8: one row as pd_rope_write_kv_q8 stores it (the row format: above decode_item). */
 static inline void quantize_q8(const float *x, int8_t *row, int D) {
     float amax = 0.0f;
     for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -381,87 +402,6 @@ static inline __attribute__((always_inline)) void decode_item_q8(
         for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
 }
 
-#ifdef __AVX512F__
-/* decode_item_q8 for head dim 64 and a query group of G (constant, 1..4) heads, AVX-512, as
- * decode_item64 does it for float pages: a row's 64 codes widened to four float vectors once and
- * used by every head of the group, the queries and accumulators in registers. The same sums as
- * decode_item_q8 up to summation order (measured: the generic form ran a 4k-token lone stream's
- * attention at about half the float pages' speed, though it reads a quarter of the bytes). */
-static inline __attribute__((always_inline)) void q8_row64(const int8_t *p, __m512 r[4]) {
-    for (int i = 0; i < 4; i++) r[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
-}
-
-static inline __attribute__((always_inline)) void decode_item64_q8(
-    const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table, int first, int len,
-    int kh, int KVH, const int BS, const int G) {
-    const int64_t W = 64 + Q8_SCALE_BYTES, row = (int64_t)KVH * W;
-    __m512 q[4][4], a[4][4];
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
-    const int8_t *kp = k_cache;
-    for (int t = 0; t < len; t++) {
-        const int u = first + t;
-        kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : kp + row;
-        __m512 k[4], p[4];
-        q8_row64(kp, k);
-        for (int g = 0; g < 4; g++) {
-            if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
-            p[g] = _mm512_mul_ps(q[g][0], k[0]);
-            for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], k[i], p[g]);
-        }
-        float dots[4];
-        _mm_storeu_ps(dots, hsum4(p));
-        const float ks = q8_scale(kp, 64);
-        for (int g = 0; g < G; g++) {
-            const float dot = dots[g] * ks;
-            s[(int64_t)g * len + t] = dot;
-            mx[g] = dot > mx[g] ? dot : mx[g];
-        }
-    }
-    float inv_sum[4];
-    for (int g = 0; g < G; g++) inv_sum[g] = 1.0f / exp_shifted(s + (int64_t)g * len, len, mx[g]);
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
-    const int8_t *vp = v_cache;
-    for (int t = 0; t < len; t++) {
-        const int u = first + t;
-        vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : vp + row;
-        __m512 v[4];
-        q8_row64(vp, v);
-        const float vs = q8_scale(vp, 64);
-        for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(s[(int64_t)g * len + t] * vs);
-            for (int i = 0; i < 4; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
-}
-
-/* decode_item64_q8 for the group sizes it takes (1 when it does not: the caller runs decode_item_q8). */
-static int decode_item64_q8_any(const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table,
-                                int first, int len, int kh, int G, int KVH, int BS) {
-    switch (G * (BS == 16 ? 1 : -1)) {
-        case 1: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 1); return 0;
-        case 2: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 2); return 0;
-        case 3: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 3); return 0;
-        case 4: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, 16, 4); return 0;
-        case -1: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 1); return 0;
-        case -2: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 2); return 0;
-        case -3: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 3); return 0;
-        case -4: decode_item64_q8(qs, ob, s, k_cache, v_cache, table, first, len, kh, KVH, BS, 4); return 0;
-        default: return 1;
-    }
-}
-#else
-static int decode_item64_q8_any(const float *qs, float *ob, float *s, const int8_t *k_cache, const int8_t *v_cache, const int32_t *table,
-                                int first, int len, int kh, int G, int KVH, int BS) {
-    (void)qs; (void)ob; (void)s; (void)k_cache; (void)v_cache; (void)table; (void)first; (void)len; (void)kh; (void)G; (void)KVH; (void)BS;
-    return 1;
-}
-#endif
-
 /* The decode attention of both caches: float pages, or (q8) int8 rows of D codes + scale. */
 static int decode_attention_pages(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
@@ -485,9 +425,9 @@ static int decode_attention_pages(
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
+            if (D == 64 && !decode_item64_any(qs, ob, s, k_pages, v_pages, table, first, len, kh, G, KVH, BS, q8))
+                continue;  /* the AVX-512 form took it */
             if (q8) {  /* int8 rows of D codes + their scale (pd_rope_write_kv_q8) */
-                if (D == 64 && !decode_item64_q8_any(qs, ob, s, k_codes, v_codes, table, first, len, kh, G, KVH, BS))
-                    continue;  /* the AVX-512 form took it */
                 if (D == 64)
                     decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 64);
                 else if (D == 128)
@@ -496,8 +436,6 @@ static int decode_attention_pages(
                     decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, D);
                 continue;
             }
-            if (D == 64 && !decode_item64_any(qs, ob, s, k_cache, v_cache, table, first, len, kh, G, KVH, BS))
-                continue;  /* the AVX-512 form took it */
             if (D == 64)
                 (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, 16, 64)
                          : decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64));

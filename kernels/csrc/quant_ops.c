@@ -156,6 +156,29 @@ static inline void qk_store_codes(int16_t *c, __m256i v, int sgn) {
 }
 #endif
 
+/* A Q4_K / Q5_K super-block's eight sub-block scales s = d * sc and offsets m = -(dmin * mn)
+ * (qk_scale_min four bytes at a time: u[0..2] are the 12 packed bytes). */
+static inline void qk_scales_mins(const uint8_t *blk, float *restrict s, float *restrict m) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    uint32_t u[3], sc[2], mn[2];
+    memcpy(u, blk + 4, 12);
+    sc[0] = u[0] & 0x3f3f3f3f;
+    sc[1] = (u[2] & 0x0f0f0f0f) | (u[0] >> 6 & 0x03030303) << 4;
+    mn[0] = u[1] & 0x3f3f3f3f;
+    mn[1] = (u[2] >> 4 & 0x0f0f0f0f) | (u[1] >> 6 & 0x03030303) << 4;
+#ifdef __AVX2__
+    const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
+    const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0)));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), scv));
+    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnv), _mm256_set1_ps(-0.0f)));
+#else
+    for (int i = 0; i < 8; i++) {
+        s[i] = d * (float)(sc[i >> 2] >> 8 * (i & 3) & 255);
+        m[i] = -(dmin * (float)(mn[i >> 2] >> 8 * (i & 3) & 255));
+    }
+#endif
+}
+
 static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, float *restrict s, float *restrict m) {
 #ifdef __AVX2__
     /* the codes as the plain C below spells them, 32 bytes at a time (byte shifts by 16-bit lanes, then masked) */
@@ -204,25 +227,7 @@ static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, fl
 #endif
         return;
     }
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    /* qk_scale_min four bytes at a time: u[0..2] are the 12 packed bytes */
-    uint32_t u[3], sc[2], mn[2];
-    memcpy(u, blk + 4, 12);
-    sc[0] = u[0] & 0x3f3f3f3f;
-    sc[1] = (u[2] & 0x0f0f0f0f) | (u[0] >> 6 & 0x03030303) << 4;
-    mn[0] = u[1] & 0x3f3f3f3f;
-    mn[1] = (u[2] >> 4 & 0x0f0f0f0f) | (u[1] >> 6 & 0x03030303) << 4;
-#ifdef __AVX2__
-    const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
-    const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0)));
-    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), scv));
-    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnv), _mm256_set1_ps(-0.0f)));
-#else
-    for (int i = 0; i < 8; i++) {
-        s[i] = d * (float)(sc[i >> 2] >> 8 * (i & 3) & 255);
-        m[i] = -(dmin * (float)(mn[i >> 2] >> 8 * (i & 3) & 255));
-    }
-#endif
+    qk_scales_mins(blk, s, m);
 #ifndef __AVX2__
     const uint8_t *qh = blk + 16, *qs = blk + (qt == QT_Q5_K ? 48 : 16);
     for (int k = 0; k < 4; k++)
@@ -997,20 +1002,11 @@ static float qk_row1_i16_512(const uint8_t *row, int qt, int K, const int16_t *x
                     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scl, acc);
                 }
             }
-        } else {  /* Q4_K: the scales and offsets as qk_unpack computes them */
-            const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-            uint32_t u[3], sc[2], mn[2];
-            memcpy(u, blk + 4, 12);
-            sc[0] = u[0] & 0x3f3f3f3f;
-            sc[1] = (u[2] & 0x0f0f0f0f) | (u[0] >> 6 & 0x03030303) << 4;
-            mn[0] = u[1] & 0x3f3f3f3f;
-            mn[1] = (u[2] >> 4 & 0x0f0f0f0f) | (u[1] >> 6 & 0x03030303) << 4;
-            const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
-            const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0)));
-            const __m256 s = _mm256_mul_ps(_mm256_set1_ps(d), scv);
-            const __m256 m = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mnv), _mm256_set1_ps(-0.0f));
-            _mm256_store_ps(sd, _mm256_mul_ps(s, _mm256_loadu_ps(dx + 8 * sb)));
-            moff = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + 8 * sb), moff);
+        } else {  /* Q4_K */
+            float sc[8] __attribute__((aligned(32))), mn[8] __attribute__((aligned(32)));
+            qk_scales_mins(blk, sc, mn);
+            _mm256_store_ps(sd, _mm256_mul_ps(_mm256_load_ps(sc), _mm256_loadu_ps(dx + 8 * sb)));
+            moff = _mm256_fmadd_ps(_mm256_load_ps(mn), _mm256_loadu_ps(xsum + 8 * sb), moff);
             for (int k = 0; k < 4; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
                 const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));

@@ -16,14 +16,17 @@ static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int64_t 
     return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, ld, i8);
 }
 
-/* A fused projection's parts (n == 0 ends them) into the columns of out (T, width); returns width
- * in *width. */
-static int q_mm_parts(const pd_qweight *parts, int count, const float *x, int M, float *out, int i8, int *width) {
+/* The output width of a fused projection's parts (n == 0 ends them). */
+static int parts_width(const pd_qweight *parts, int count) {
     int w = 0;
     for (int i = 0; i < count && parts[i].n; i++) w += parts[i].n;
-    *width = w;
+    return w;
+}
+
+/* A fused projection's parts into their columns of out (M, ld). */
+static int q_mm_parts(const pd_qweight *parts, int count, const float *x, int M, float *out, int64_t ld, int i8) {
     for (int i = 0, col = 0; i < count && parts[i].n; col += parts[i].n, i++)
-        if (q_mm(parts + i, x, M, out + col, w, i8)) return 1;
+        if (q_mm(parts + i, x, M, out + col, ld, i8)) return 1;
     return 0;
 }
 
@@ -43,8 +46,8 @@ int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_s
         const pd_layer *ly = layers + l;
         char *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + kv_half_stride;
         if (l > 0) pd_rms_norm(down, hidden, h, ly->input_norm, x, T, hidden, eps);
-        int qkv_n, gate_up_n;
-        if (q_mm_parts(ly->qkv, PD_QKV_PARTS, x, T, qkv, activations, &qkv_n)) return 1;
+        const int qkv_n = parts_width(ly->qkv, PD_QKV_PARTS);
+        if (q_mm_parts(ly->qkv, PD_QKV_PARTS, x, T, qkv, qkv_n, activations)) return 1;
         if (ly->qkv_bias)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < qkv_n; j++) qkv[(int64_t)t * qkv_n + j] += ly->qkv_bias[j];
@@ -61,8 +64,7 @@ int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_s
         }
         if (q_mm(&ly->o, attn, T, o_out, ly->o.n, activations)) return 1;
         pd_rms_norm(o_out, hidden, h, ly->post_norm, x, T, hidden, eps);
-        if (q_mm_parts(ly->gate_up, PD_GATE_UP_PARTS, x, T, gate_up, activations, &gate_up_n)) return 1;
-        (void)gate_up_n;  /* 2 * inter: checked when the layers were described (kernels/cpu_native.py) */
+        if (q_mm_parts(ly->gate_up, PD_GATE_UP_PARTS, x, T, gate_up, 2 * inter, activations)) return 1;
         pd_silu_mul(gate_up, act, T, inter);
         if (q_mm(&ly->down, act, T, down, ly->down.n, activations)) return 1;
     }

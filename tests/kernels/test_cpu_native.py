@@ -130,19 +130,29 @@ def test_silu_mul_matches_twin(rows, inter, ops):
     close(out, cn.silu_mul_twin(gate_up), rel=4e-6)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 40)])
-def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim, ops):
+def rope_write_case(heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype = torch.float32):
+    """rope_write_kv's inputs in its tests: the RoPE table, 70 qkv rows (above the kernel's
+    threading threshold) at random positions, empty k / v caches of 40 blocks of 16 slots in
+    cache_dtype's rows (kernels.kv_quant.row_width), and 70 random slots."""
+    from pdserve.kernels import kv_quant
     from pdserve.runtime.config import RopeScaling
     from pdserve.runtime.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, RopeScaling())
-    tokens = 70  # above the kernel's threading threshold
+    tokens = 70
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
-    k_cache = torch.zeros(40, 16, kv_heads, head_dim)
+    k_cache = torch.zeros(40, 16, kv_heads, kv_quant.row_width(head_dim, cache_dtype), dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(640, generator=g)[:tokens]
+    return rope, qkv, positions, k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 40)])
+def test_rope_write_kv_is_bit_exact(heads, kv_heads, head_dim, ops):
+    rope, qkv, positions, k_cache, v_cache, slots = rope_write_case(heads, kv_heads, head_dim)
+    tokens = qkv.shape[0]
     before = qkv.clone()
     ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, slots, heads, kv_heads)
     q0 = before[:, : heads * head_dim].view(tokens, heads, head_dim)

@@ -16,6 +16,7 @@ import torch
 from pdserve.kernels import cpu_native as cn
 from pdserve.kernels import kv_quant, native_build, paged
 from pdserve.kernels.reference import paged_attention_ref
+from tests.kernels.test_cpu_native import rope_write_case
 from tests.kernels.variants import isa  # noqa: F401  (the fixture)
 
 QUANT = (torch.int8, torch.float8_e4m3fn)
@@ -107,19 +108,9 @@ def ops(isa):  # noqa: F811
 @needs_c
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 40)])
 def test_c_rope_write_kv_int8_is_pack_bit_for_bit(heads, kv_heads, head_dim, ops):
-    from pdserve.runtime.config import RopeScaling
-    from pdserve.runtime.rope import RotaryEmbedding
-
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, RopeScaling())
-    tokens = 70  # above the kernel's threading threshold
-    g = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    rope, qkv, positions, k_cache, v_cache, slots = rope_write_case(heads, kv_heads, head_dim, torch.int8)
+    tokens, w = qkv.shape[0], k_cache.shape[-1]
     qkv[3, (heads + kv_heads) * head_dim:(heads + kv_heads + 1) * head_dim] = 0.0  # a zero v row
-    positions = torch.randint(0, 4096, (tokens,), generator=g)
-    w = head_dim + 4
-    k_cache = torch.zeros(40, 16, kv_heads, w, dtype=torch.int8)
-    v_cache = torch.zeros_like(k_cache)
-    slots = torch.randperm(640, generator=g)[:tokens]
     before = qkv.clone()
     ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, slots, heads, kv_heads)
     k0 = before[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from pdserve.common.shm import SHM_DIR_ENV
 from pdserve.kvtransfer import pool_files
 from pdserve.kvtransfer.pool import KVPool, ShmSpaceError, shm_free_bytes
 from pdserve.kvtransfer.pool_files import PoolDirError, ensure_pool_dir, owner_of, pool_dir, start_time, sweep_dead_pools
@@ -83,7 +84,7 @@ def test_a_reused_pid_does_not_keep_a_dead_owners_pool_but_a_held_flock_does():
 
 
 def test_a_pool_directory_that_is_a_symlink_or_not_a_0700_directory_of_ours_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(pool_files.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)
     os.symlink(target, pool_dir())

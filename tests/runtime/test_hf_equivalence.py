@@ -14,7 +14,7 @@ from pdserve.runtime.config import EngineConfig, RopeScaling
 from pdserve.runtime.engine import LLMEngine, build_model
 from pdserve.runtime.weights import load_checkpoint
 from pdserve_client.params import SamplingParams
-from tests.helpers import all_position_logits, assert_greedy_equal, hf_greedy, save_tiny_model
+from tests.helpers import all_position_logits, assert_greedy_equal, hf_from_gguf, hf_greedy, save_tiny_model
 
 # Gemma 2: soft-caps small enough for random weights' scores and logits to pass them, window 8 on
 # layers 0 and 2 (transformers' default pattern), head_dim 32 while hidden / heads is 16,
@@ -205,23 +205,11 @@ def default_engine():
 
 @pytest.mark.timeout(180)  # measured 20-70 s on 2 cores
 @pytest.mark.slow
-def test_default_model_matches_hf(default_engine, monkeypatch):
-    import functools
-
-    import gguf
-    from transformers import AutoModelForCausalLM
-
+def test_default_model_matches_hf(default_engine):
     from pdserve.common.tokenizer import render_chat
     from pdserve.runtime.weights import default_model_path
 
-    path = default_model_path()
-    # transformers' GGUF loader parses the file twice (config, then weights) and rebuilds gguf's
-    # tensor-name map once per module (~400 times): ~60% of its load time. Both are pure functions
-    # of their arguments, so they are memoized for this load; what HF computes is unchanged.
-    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
-    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    monkeypatch.undo()
+    hf = hf_from_gguf(default_model_path())
     eng = default_engine
     prompts = [render_chat(eng.tokenizer, [{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=48)

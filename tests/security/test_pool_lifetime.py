@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from pdserve.kvtransfer.pool_files import SHM_DIR, SHM_DIR_ENV, start_time
+from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
+from pdserve.kvtransfer.pool_files import start_time
 from tests.helpers import free_port, pools_of, save_tiny_served_model
 from tests.serving.test_launcher import children_of, wait_ready
 

@@ -11,7 +11,6 @@ with HF transformers on the same file (`python -m tests.serving.test_long_prompt
 tests/serving/long_prompt_hf.json, keyed by the GGUF's sha256 and transformers' version); where
 the service's tokens differ from it, or the key does not match, HF runs here and decides.
 """
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from pdserve_client.library import Client
-from tests.helpers import assert_greedy_equal, hf_greedy, start_cluster, wait_all_blocks_free
+from tests.helpers import assert_greedy_equal, hf_from_gguf, hf_greedy, start_cluster, wait_all_blocks_free
 
 PROMPT_TOKENS = 6000
 MAX_TOKENS = 4
@@ -45,13 +44,7 @@ def reference_key(path: Path) -> dict:
 
 def hf_reference(path: Path, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """HF transformers' greedy tokens and logits on the default model's file, dequantized to float32."""
-    import gguf
-    from transformers import AutoModelForCausalLM
-
-    with pytest.MonkeyPatch.context() as mp:  # as tests/runtime/test_hf_equivalence.py loads it: the GGUF parsed once
-        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(path)
     with torch.no_grad():
         return hf_greedy(hf, prompt, MAX_TOKENS, eos=False)
 
