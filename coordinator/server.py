@@ -33,14 +33,15 @@ role), then SetRole tells it its new role and its RoleSet switches `WorkerState.
 there, or no answer, and it keeps its role for good). Admission targets are the targets less a
 headroom that follows the measured prediction error (coordinator/calibration.py: predictions are
 recorded against what each finished request saw). Launchers report their roles' restart counts
-(NodeReport), shown under `nodes` in the stats. Bad frames on either port are counted and dropped
+(NodeReport, on the worker port with the worker keys: pdserve/launcher_link.py), shown under `nodes`
+in the stats. Bad frames on either port are counted and dropped
 (clients get an ErrorReply "bad_message"). The coordinator never loads a model: only the tokenizer.
 With cold starts on (--cold-start-s > 0: workers started on demand) a request that finds no worker
 able to decode is held (coordinator/cold_start.py: bounded in count, prompt bytes and time, its prompt
 checked first against the model's context as its files state it) until one registers; that
 registration is the measured cold start (stats `cold_start`, the Retry-After of a refusal) and the
 point its TTFT target counts from (RequestState.cold_wait_s). A launcher removing a worker (a
-scale-down: DrainWorker) first has it drained: placement skips it (`alive`), its requests in flight
+scale-down: DrainWorker, on the worker port: a client key cannot drain a worker) first has it drained: placement skips it (`alive`), its requests in flight
 complete there, and the stats show the drain (the worker's `draining`) until the launcher, seeing
 nothing in flight, stops it; its disappearance then counts `workers_removed`, not `workers_lost`,
 and places nothing again. The launch's worker ids
@@ -95,6 +96,8 @@ from pdserve.wire.protocol import (
     Granted,
     Heartbeat,
     Hello,
+    LauncherToCoordinator,
+    NodeReport,
     Prefill,
     PrefillDone,
     PromptLogprobs,
@@ -115,12 +118,10 @@ from pdserve_client.protocol import (
     AbortRequest,
     ClientToCoordinator,
     Delta,
-    DrainWorker,
     ErrorReply,
     Final,
     FinishReason,
     GenerateRequest,
-    NodeReport,
     StatsReply,
     StatsRequest,
     StatusRequest,
@@ -370,9 +371,13 @@ class Coordinator:
         elif isinstance(msg, StatusRequest):
             if (ident, msg.request_id) not in self.by_client and (ident, msg.request_id) not in self.tokenizing:
                 self.send_client(ident, ErrorReply(msg.request_id, "unknown_request", "the coordinator does not know this request (it may have restarted)"))
-        elif isinstance(msg, NodeReport):
+
+    def on_launcher(self, msg) -> None:
+        """A launcher's NodeReport or DrainWorker: on the worker port, whose peers hold the cluster's worker
+        keys (a client key cannot send them: the client port's decoder does not know them)."""
+        if isinstance(msg, NodeReport):
             self.on_node_report(msg)
-        elif isinstance(msg, DrainWorker):
+        else:
             self.drain_for_removal(msg.worker_id[:self.cfg.limits.max_name_length])
 
     def drain_for_removal(self, wid: str) -> None:
@@ -887,6 +892,9 @@ class Coordinator:
     def on_worker(self, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
             self.on_hello(ident, msg)
+            return
+        if isinstance(msg, LauncherToCoordinator):  # a launcher's (pdserve/launcher_link.py): worker keys, no Hello
+            self.on_launcher(msg)
             return
         w = self.worker_by_ident(ident)
         if w is None:

@@ -454,10 +454,11 @@ class Launcher:
                 c.args = [*c.args, "--device", devices[c.name]]  # the last --device is the one a worker takes
 
     def clients(self) -> list:
-        """A client to each model's coordinator (the caller closes them)."""
-        from pdserve_client.library import Client
+        """A LauncherLink to each model's coordinator (stats; NodeReport and DrainWorker with the worker keys;
+        the caller closes them)."""
+        from pdserve.launcher_link import LauncherLink
 
-        return [Client(m.client_addr, timeout=2.0, keys=self.keys) for m in self.plan.models]
+        return [LauncherLink(m.client_addr, m.worker_addr, self.keys) for m in self.plan.models]
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         """Block until this node's workers are registered with their coordinators; returns the first model's stats."""
@@ -582,15 +583,11 @@ class Launcher:
             self.next_report = time.monotonic() + REPORT_S
 
     def report(self, clients: list) -> None:
-        """Tell each model's coordinator this node's restart counts (shown by `pdserve stats` under `nodes`)."""
-        from pdserve_client.library import ClientError
-
+        """Tell each model's coordinator this node's restart counts (shown by `pdserve stats` under `nodes`; one the
+        coordinator misses, down or restarting, the next report makes up)."""
         for client in clients:
-            try:
-                client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
-                                   {c.name: c.last_exit for c in self.children if c.last_exit})
-            except ClientError:
-                pass  # the coordinator is down (or restarting): the next report gets through
+            client.report_node(self.plan.name, {c.name: c.restarts for c in self.children},
+                               {c.name: c.last_exit for c in self.children if c.last_exit})
 
     def stop(self, grace: float = 10.0) -> None:
         self.stopping = True

@@ -295,8 +295,6 @@ class RayLaunch:
     def report_restarts(self, pool: ModelPool, client) -> None:
         """The pool's actors' restart counts to its coordinator, each as the NodeReport its own launcher would send (named
         by the actor, as `ray3`): asked every REPORT_S, reported when answered (a tick never waits for an actor)."""
-        from pdserve_client.library import ClientError
-
         now, names = time.monotonic(), {r.name for r in pool.replicas}
         pool.asked = {name: ref for name, ref in pool.asked.items() if name in names}
         for r in pool.replicas:
@@ -311,8 +309,8 @@ class RayLaunch:
             try:
                 got = msgspec.json.decode(ray.get(ref))
                 client.report_node(r.name, got["restarts"], got["last_exit"])
-            except (ray.exceptions.RayError, ClientError):
-                pass  # the actor restarts, or the coordinator: the next ask
+            except ray.exceptions.RayError:
+                pass  # the actor restarts: the next ask
         if now >= pool.next_ask:
             pool.next_ask = now + REPORT_S
 

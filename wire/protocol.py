@@ -14,6 +14,8 @@ Lifecycle of one request (docs/architecture.md; coordinator/server.py holds its 
   decode  -> coord         TokenBatch       every step's tokens; an entry with finish_reason ends it
   coord   -> client        Delta ... Final  (or ErrorReply at any point)
   colocated mode: coord -> worker Generate, then TokenBatch as above.
+A launcher's NodeReport (restart counts) and DrainWorker (a scale-down) come on the worker port too,
+with the worker keys (pdserve/launcher_link.py).
 Each socket has one typed decoder over the union of what may arrive on it; tensors travel as
 extra zero-copy frames after the msgpack body, never inside it. No pickle anywhere.
 """
@@ -221,7 +223,29 @@ class RoleSet(_Msg):
     error: str = ""
 
 
-WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PromptLogprobs, PrefillDone, WorkerError, RoleSet]
+class NodeReport(_Msg):
+    """Launcher -> coordinator (worker port, every few seconds; pdserve/launcher_link.py): how often
+    each role of its node was restarted, and how each last exited; shown by `pdserve stats` under `nodes`."""
+
+    node: str
+    restarts: dict[str, int]
+    last_exit: dict[str, str] = {}
+
+
+class DrainWorker(_Msg):
+    """Launcher -> coordinator (worker port, no answer; pdserve/launcher_link.py): the launcher is
+    about to remove this worker (an autoscaler's scale-down). The coordinator places nothing more on
+    it, lets what is in flight there complete, and shows the drain in its stats (the worker's
+    `draining`); the launcher stops it once nothing is in flight. Sent again every tick until then
+    (idempotent: a restarted coordinator learns it again). On the worker port, so only a holder of
+    the cluster's worker keys (a launcher, a worker) drains a worker, never a client-key holder."""
+
+    worker_id: str
+
+
+LauncherToCoordinator = (NodeReport, DrainWorker)  # accepted on the worker port from a peer not registered as a worker too
+WorkerToCoordinator = Union[Hello, Heartbeat, Granted, AdmitRefused, TokenBatch, PromptLogprobs, PrefillDone, WorkerError, RoleSet,
+                            NodeReport, DrainWorker]
 CoordinatorToWorker = Union[Welcome, Reject, Admit, Prefill, Generate, Abort, Release, Shutdown, SetRole]
 
 

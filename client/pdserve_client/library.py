@@ -26,11 +26,9 @@ from pdserve_client.protocol import (
     ChatMessage,
     CoordinatorToClient,
     Delta,
-    DrainWorker,
     ErrorReply,
     Final,
     GenerateRequest,
-    NodeReport,
     StatsReply,
     StatsRequest,
     StatusRequest,
@@ -327,17 +325,6 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         _send_now(self.sock, encode(AbortRequest(request_id)))
-
-    def report_node(self, node: str, restarts: dict[str, int], last_exit: dict[str, str]) -> None:
-        """The launcher's restart counts for its node (no answer comes back)."""
-        self.endpoint.renew()
-        _send_now(self.sock, encode(NodeReport(node, restarts, last_exit)))
-
-    def drain_worker(self, worker_id: str) -> None:
-        """Tell the coordinator this worker is about to be removed: it places nothing more there (no answer
-        comes back; the worker's `draining` in the stats shows it)."""
-        self.endpoint.renew()
-        _send_now(self.sock, encode(DrainWorker(worker_id)))
 
     def stats(self, timeout: float = 10.0) -> dict:
         self.endpoint.renew()

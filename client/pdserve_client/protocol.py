@@ -5,8 +5,8 @@ and its worker messages (wire/protocol.py) are built on the same `Message` base.
 Lifecycle of one request on the client port: the client sends GenerateRequest; the coordinator
 answers with Delta messages and one Final, or an ErrorReply at any point. AbortRequest ends a
 request early, StatusRequest asks whether one is still known, StatsRequest -> StatsReply gives
-the cluster's stats, NodeReport carries a launcher's restart counts, DrainWorker a launcher's
-notice that it will remove a worker (no new request is placed there). Each socket has one typed
+the cluster's stats. (A launcher's messages, NodeReport and DrainWorker, go to the worker port:
+wire/protocol.py.) Each socket has one typed
 decoder over the union of what may arrive on it (`decoder`); no pickle anywhere.
 """
 from __future__ import annotations
@@ -116,26 +116,7 @@ class StatsReply(Message):
     json: bytes  # msgspec-JSON encoded stats document (free-form, for humans and dashboards)
 
 
-class NodeReport(Message):
-    """Launcher -> coordinator (client port, every few seconds): how often each role of its node
-    was restarted, and how each last exited; shown by `pdserve stats` under `nodes`."""
-
-    node: str
-    restarts: dict[str, int]
-    last_exit: dict[str, str] = {}
-
-
-class DrainWorker(Message):
-    """Launcher -> coordinator (client port, no answer): the launcher is about to remove this worker
-    (an autoscaler's scale-down). The coordinator places nothing more on it, lets what is in flight
-    there complete, and shows the drain in its stats (the worker's `draining`); the launcher stops it
-    once nothing is in flight. Sent again every tick until then (idempotent: a restarted coordinator
-    learns it again)."""
-
-    worker_id: str
-
-
-ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest, NodeReport, DrainWorker]
+ClientToCoordinator = Union[GenerateRequest, AbortRequest, StatsRequest, StatusRequest]
 CoordinatorToClient = Union[Delta, Final, ErrorReply, StatsReply]
 
 

@@ -7,8 +7,8 @@ a drained id stays drained; a repeated DrainWorker changes nothing. tests/faults
 runs the same through `pdserve launch --ray`'s scale-down."""
 import pytest
 
-from pdserve.wire.protocol import Admit, Generate, Role, TokenBatch, TokenOut
-from pdserve_client.protocol import DrainWorker, Final, FinishReason
+from pdserve.wire.protocol import Admit, DrainWorker, Generate, Role, TokenBatch, TokenOut
+from pdserve_client.protocol import Final, FinishReason
 from tests.coordinator.test_cold_start import coordinator, register, start
 
 
@@ -39,8 +39,8 @@ def test_a_draining_worker_gets_no_new_request_and_its_own_complete(c):
     first = start(c, "r0")
     going = placed_on(c, first)
     other = ({"d0", "d1"} - {going}).pop()
-    c.on_client(b"launcher", DrainWorker(going))
-    c.on_client(b"launcher", DrainWorker(going))  # again (every tick until it is stopped): nothing changes
+    c.on_worker(b"launcher", DrainWorker(going))
+    c.on_worker(b"launcher", DrainWorker(going))  # again (every tick until it is stopped): nothing changes
     assert worker_stats(c, going)["draining"]["inflight_at_start"] == 1 and worker_stats(c, other)["draining"] is None
     later = [start(c, f"r{i}") for i in range(1, 7)]
     assert {placed_on(c, iid) for iid in later} == {other}  # without the drain every one goes to `going` (most room, first)
@@ -61,7 +61,7 @@ def test_a_draining_worker_gets_no_new_request_and_its_own_complete(c):
 def test_a_request_waits_while_the_only_worker_drains_and_a_worker_lost_mid_drain_counts_lost(c):
     register(c, "d0", Role.DECODE)
     inflight = start(c, "r0")
-    c.on_client(b"launcher", DrainWorker("d0"))
+    c.on_worker(b"launcher", DrainWorker("d0"))
     waiting = start(c, "r1")
     assert placed_on(c, inflight) == "d0" and waiting in c.requests and waiting in c.pending  # parked, not placed on d0
     c.retry_pending(0.0)  # a retry tick: still nowhere to go

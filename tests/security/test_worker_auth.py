@@ -2,7 +2,8 @@
 directory in this user's run directory, wire/security.py) are what let a process register at the
 worker port or send a request to the client port: a Hello in clear or under a keypair of its own
 never gets an answer, the client keypair cannot register a worker, the launch's worker keypair is
-welcomed; the same user's Client finds the keys by the port, a client in clear is never answered,
+welcomed, and only the worker keys drain a worker (a client key's DrainWorker is a bad
+message); the same user's Client finds the keys by the port, a client in clear is never answered,
 and an impostor bound on the port never sees a request. With the operator's keys the same rules
 hold (tests/security/test_curve.py, on its keyed cluster). Each launch test ends with the
 workers' pools whole."""
@@ -16,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
+from pdserve.launcher_link import LauncherLink
 from pdserve.wire import security
-from pdserve.wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, Hello, Role, Welcome
+from pdserve.wire.protocol import PROTOCOL_VERSION, CoordinatorToWorker, DrainWorker, Hello, Role, Welcome
 from pdserve_client.keys import launch_keys_for, run_dir
 from pdserve_client.library import Client, CoordinatorUnreachable, RequestTimeout
-from pdserve_client.protocol import decoder, encode
+from pdserve_client.protocol import CoordinatorToClient, ErrorReply, decoder, encode
 from tests.gateway.helpers import poll
 from tests.helpers import free_port, save_tiny_served_model, start_cluster, wait_all_blocks_free
 
@@ -49,6 +51,33 @@ def say_hello(addr: str, options: dict, wid: str, wait_s: float, model: str = "m
 
 def registered(c: Client) -> set[str]:
     return {w["id"] for w in c.stats()["workers"]}
+
+
+def draining(c: Client, wid: str):
+    return next(w["draining"] for w in c.stats()["workers"] if w["id"] == wid)
+
+
+def only_worker_keys_drain(launcher, keys: str, wid: str) -> None:
+    """A DrainWorker under the client keys (any application's) is a bad message on the client port and drains
+    nothing; the launcher's, on the worker port under the worker keys (pdserve/launcher_link.py), drains wid."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    security.apply(s, security.client_options(keys))
+    s.connect(launcher.plan.client_addr)
+    try:
+        s.send(encode(DrainWorker(wid)))
+        assert s.poll(10_000), "no answer to a client's DrainWorker"
+        reply = decoder(CoordinatorToClient).decode(s.recv())
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_message", reply
+    finally:
+        s.close()
+    with Client(launcher.plan.client_addr, timeout=30) as c:
+        assert draining(c, wid) is None
+        link = LauncherLink(launcher.plan.client_addr, launcher.plan.worker_addr, keys)
+        try:
+            poll(lambda: link.drain_worker(wid) and draining(c, wid) is not None, timeout=10)
+        finally:
+            link.close()
 
 
 def end_whole(launcher, ghost: str) -> None:
@@ -86,6 +115,7 @@ def test_a_launch_makes_its_own_keys_and_admits_only_their_holders(model, tmp_pa
         with Client(launcher.plan.client_addr, timeout=30) as c:  # this user's client: the launch's keys, found by the port
             assert not {"intruder", "intruder-key", "intruder-client-key"} & registered(c) and len(registered(c)) == 2
         assert say_hello(addr, security.worker_options(keys), "holder", 5.0, str(model))
+        only_worker_keys_drain(launcher, keys, "holder")
         end_whole(launcher, "holder")
     finally:
         launcher.stop()
