@@ -14,7 +14,7 @@ says when it may be stopped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.flags import flag
 from pdserve.launch import ROLES
@@ -40,8 +40,9 @@ class RayConfig:
                                help="with --ray: the most workers of a role (of each model), N (every role), ROLE=N or "
                                     "MODEL:ROLE=N; above the launch's count, workers are added while the role is short (default: the launch's count)")
     downscale_delay_s: float = flag(600.0, group=GROUP, min=0,
-                                    help="with --ray: a worker idle this long is removed while its role has more than "
-                                         "--min-replicas (Ray Serve's default)")
+                                    help="with --ray: once the role's other workers have had room (their max_num_seqs) for "
+                                         "all it has in flight this long, its least busy worker is drained and removed, "
+                                         "while the role has more than --min-replicas (Ray Serve's default)")
 
     def named_roles(self) -> set[str]:
         """Roles --min-replicas / --max-replicas name (ROLE=N, MODEL:ROLE=N): a role the launch starts none of may still scale."""
@@ -101,7 +102,6 @@ class Replica:
     actor: object
     asked: float  # when it was asked for (monotonic)
     registered: float | None = None  # when its worker first appeared in the coordinator's stats
-    idle_since: float | None = None
     draining_since: float | None = None  # when its removal began: drained (DrainWorker), stopped once nothing is in flight
 
     @property
@@ -122,6 +122,7 @@ class Autoscaler:
     register_timeout_s: float = 300.0
     # a draining worker still holding requests this long after its drain began is stopped all the same (they are placed again)
     drain_timeout_s: float = 600.0
+    spare_since: dict[str, float] = field(default_factory=dict)  # role -> since when its others' room holds its load (spare)
 
     def short(self, stats: dict, role: str, workers: list[dict]) -> str | None:
         """Why `role` needs a worker more (None: it does not)."""
@@ -139,7 +140,7 @@ class Autoscaler:
         return None
 
     def decide(self, stats: dict, replicas: list[Replica], now: float) -> tuple[list[tuple[str, str]], list[Replica]]:
-        """([(role, why)] to add, [replica] to remove); marks registrations and idle clocks."""
+        """([(role, why)] to add, [replica] to remove); marks registrations and each role's spare clock."""
         by_id = {w["id"]: w for w in stats.get("workers", [])}
         add, remove = [], []
         replicas = [r for r in replicas if r.draining_since is None]  # those being removed count no more
@@ -148,19 +149,39 @@ class Autoscaler:
             remove += stale
             mine = [r for r in replicas if r.role == role and r not in stale]
             for r in mine:
-                w = by_id.get(r.worker_id)
-                if w is not None and r.registered is None:
+                if r.registered is None and r.worker_id in by_id:
                     r.registered = now
-                busy = w is None or w["inflight"] or w["queue"] or w["running"]
-                r.idle_since = None if busy else (r.idle_since or now)
             why = self.short(stats, role, [by_id[r.worker_id] for r in mine if r.worker_id in by_id])
-            if why and len(mine) < hi and all(r.registered is not None for r in mine):
-                add.append((role, why))
-            elif not why and len(mine) > lo:
-                idle = [r for r in mine if r.idle_since is not None and now - r.idle_since >= self.downscale_delay_s]
-                remove += sorted(idle, key=lambda r: r.idle_since)[:1]
+            if why:
+                self.spare_since.pop(role, None)
+                if len(mine) < hi and all(r.registered is not None for r in mine):
+                    add.append((role, why))
+            elif len(mine) > lo:
+                spare = self.spare(role, mine, by_id, now)
+                remove += [spare] if spare is not None else []
+            else:
+                self.spare_since.pop(role, None)
         self.cold_refusals = stats.get("requests", {}).get("error:cold_start", 0)
         return add, remove
+
+    def spare(self, role: str, mine: list[Replica], by_id: dict, now: float) -> Replica | None:
+        """The replica `role` can give up now (None: none): the one with the fewest requests in flight (the newest of
+        equals), once the others' room (each its max_num_seqs, from its Hello's engine) has held the role's whole
+        in-flight load for downscale_delay_s, Ray Serve's rule with each worker's max_num_seqs as its target of
+        ongoing requests. A role's last worker is spare once nothing is in flight on it; the spare one may hold
+        requests: its drain lets them complete there. Never while a replica of the role has not registered."""
+        workers = [by_id.get(r.worker_id) for r in mine]
+        if any(w is None for w in workers):
+            self.spare_since.pop(role, None)
+            return None
+        inflight = [w["inflight"] + w["queue"] for w in workers]
+        i = min(range(len(mine)), key=lambda j: (inflight[j], -(mine[j].registered or 0.0)))
+        room = sum(max(1, int((w.get("engine") or {}).get("max_num_seqs") or 1)) for j, w in enumerate(workers) if j != i)
+        if sum(inflight) > room:
+            self.spare_since.pop(role, None)
+            return None
+        since = self.spare_since.setdefault(role, now)
+        return mine[i] if now - since >= self.downscale_delay_s else None
 
     def drained(self, stats: dict, rep: Replica, now: float) -> str | None:
         """Why a draining replica may be stopped now (None: not yet, its drain goes on): its worker is not registered

@@ -38,8 +38,9 @@ its actors and its own Autoscaler, within that model's --min-replicas/--max-repl
 its coordinator's stats, report its actors' restart counts (asked every REPORT_S), and
 `Autoscaler.decide` (a role whose phase load is
 over 1 (coordinator/planner.py's phase_loads, in the stats), that has requests queued on its
-workers or waiting for a worker, gets one more worker, one at a time; a worker idle for
---downscale-delay-s is removed while its role has more than its minimum: drained first (DrainWorker:
+workers or waiting for a worker, gets one more worker, one at a time; once the others' room (their max_num_seqs)
+has held all its role has in flight for --downscale-delay-s (Ray Serve's rule), its least busy worker is removed
+while its role has more than its minimum, requests in flight on it or not: drained first (DrainWorker:
 its coordinator places nothing more there, what is in flight there completes), stopped once the
 stats show nothing in flight on it, so that no request placed there in its last seconds is placed again) -> on SIGINT/SIGTERM
 stop every actor's worker (SIGTERM), then the local roles, and leave the cluster (a private one
@@ -261,8 +262,8 @@ class RayLaunch:
             pool.replicas.remove(rep)
             stop_actors([rep])
             return
-        print(f"pdserve launch: ray: draining {rep.role} worker {rep.worker_id} to remove it: idle for "
-              f"{self.cfg.downscale_delay_s:g} s", file=sys.stderr, flush=True)
+        print(f"pdserve launch: ray: draining {rep.role} worker {rep.worker_id} to remove it: the role's other workers have had "
+              f"room for all it has in flight for {self.cfg.downscale_delay_s:g} s", file=sys.stderr, flush=True)
         rep.draining_since = time.monotonic()
         client.drain_worker(rep.worker_id)
 

@@ -40,6 +40,8 @@ MAX_TOKENS = 150  # each stream; run_and_kill (tests/faults/test_worker_death.py
 OBJECT_STORE = 80 * 2**20  # per node: Ray's smallest, the workers pass nothing through it
 NODE = dict(num_cpus=1, object_store_memory=OBJECT_STORE)  # (Ray binds its own ports on the node address it finds)
 BURST_TOKENS = 400
+SHORT = 4  # prompts(8)'s first 4 are 12-15 tokens: no full KV block
+MAX_SEQS = 2  # each worker's: two steady streams fit in one decode worker, so the scale-down drains one holding a stream
 DOWNSCALE_S = 6.0
 COLD_START_S = 20.0
 BETA, BETA_TOKENS = "beta", 16  # the second model's name, and its answer's length
@@ -96,7 +98,7 @@ def node(cluster, model_dir, beta_dir, tmp_path_factory):
              "--ray-num-cpus", "0.125", "--min-replicas", "0", "--max-replicas", "decode=2", "--downscale-delay-s", str(DOWNSCALE_S),
              "--cold-start-s", str(COLD_START_S),
              "--max-held-requests", "1", "--ttft-p99-ms", "60000", "--class-target", "1:1000:500", "--max-client-priority", "1",
-             "--engine-arg=--kv-cache-mb=16", "--engine-arg=--max-num-seqs=1")
+             "--engine-arg=--kv-cache-mb=16", f"--engine-arg=--max-num-seqs={MAX_SEQS}")
     try:
         n.wait_workers(2)
         yield n
@@ -203,8 +205,9 @@ def decode_count(node) -> int:
 
 
 def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worker_it_removes(node, expected):
-    """A burst brings decode to two workers (every burst request completes); a steady load goes on after it (one stream at a time, greedy-checked) while the
-    worker it leaves idle is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
+    """A burst brings decode to two workers (every burst request completes); a steady load goes on after it (two streams,
+    greedy-checked, which one worker's max_num_seqs holds: the role is spare under load, not only idle) while one
+    worker is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
     0 in the launch's log, taken from the coordinator's count of placements there), stopped once nothing is in flight on
     it; every request completes identically, none is placed again (retries and workers_lost unchanged)."""
     # a decode worker up (idle since the fixture, the roles may be at zero: the burst must not meet a cold start); not
@@ -217,21 +220,24 @@ def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worke
     log_from = len(node.stderr())
     stop, outs, burst_done = [], [], []
 
-    def steady():
+    def steady(lane: int):
+        """One stream after another of prompts(8)'s first SHORT ones (under one block: no prefix cache draws them to the
+        worker that served them before, so placement spreads the two lanes by room)."""
         with Client(node.clients, timeout=180) as c:
-            i = 0
+            i = lane
             while not stop:
-                p = prompts(8)[i % 8]
-                outs.append((i % 8, c.generate(token_ids=p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids))
-                i += 1
+                outs.append((i % SHORT, c.generate(token_ids=prompts(8)[i % SHORT], temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True).token_ids))
+                i += MAX_SEQS
 
     async def burst():
         async with AsyncClient(node.clients, timeout=180) as c:
             return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
                                           for p in prompts(8)))
 
-    load = threading.Thread(target=steady)
-    load.start()
+    loads = [threading.Thread(target=steady, args=(lane,)) for lane in range(MAX_SEQS)]
+    for t in loads:
+        t.start()
     b = threading.Thread(target=lambda: burst_done.append(asyncio.run(burst())))
     b.start()
     try:
@@ -245,18 +251,20 @@ def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worke
         poll("the steady load served after the removal", lambda: len(outs) >= n + 2, 60)
     finally:
         stop.append(1)
-        load.join(180)
+        for t in loads:
+            t.join(180)
         b.join(1)
-    assert not load.is_alive() and outs
+    assert not any(t.is_alive() for t in loads) and outs
     assert all(ids == expected[i] for i, ids in outs), [i for i, ids in outs if ids != expected[i]]
     log = node.stderr()[log_from:]
     wid = removed[0].split("removing decode worker ")[1].split(":")[0]
     assert f"draining decode worker {wid} to remove it" in log and "0 placed on it since" in removed[0], removed
+    inflight = int(removed[0].split("the ")[1].split(" requests in flight at its start completed")[0])
     with Client(node.clients, timeout=10) as c:
         after = wait_all_blocks_free(c, timeout=5)["requests"]
     assert after.get("retries", 0) == before.get("retries", 0) and after.get("workers_lost", 0) == before.get("workers_lost", 0), after
     assert after["drains"] >= before.get("drains", 0) + 1 and after["workers_removed"] >= before.get("workers_removed", 0) + 1
-    print(f"scale-down under load: {removed[0]}; {len(outs)} steady requests served")
+    print(f"scale-down under load: {removed[0]} ({inflight} in flight at its start); {len(outs)} steady requests served")
 
 
 def test_a_second_model_idle_at_zero_answers_after_its_cold_start(node, model_dir, beta_dir, expected):

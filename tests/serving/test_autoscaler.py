@@ -92,6 +92,24 @@ def test_a_busy_worker_restarts_its_idle_clock():
     assert scaler.decide(stats(worker("ray1-decode-0")), reps, 11.0)[1] == reps
 
 
+def test_a_worker_with_requests_in_flight_goes_once_the_others_have_room_for_them():
+    """Ray Serve's rule with max_num_seqs as the target: the role's in-flight load held by the other workers' room for
+    the delay makes the least busy worker spare (the newest of equals), its requests in flight included (its drain
+    lets them complete there); a load over the others' room restarts the clock."""
+    scaler = Autoscaler({"decode": (1, 3)}, 5.0, {"decode"})
+    reps = [Replica("ray1", "decode", None, 0.0, registered=0.0), Replica("ray2", "decode", None, 0.0, registered=1.0)]
+
+    def two(a, b, seqs=2):
+        return stats(*(dict(worker(w, inflight=n), engine={"max_num_seqs": seqs}) for w, n in (("ray1-decode-0", a), ("ray2-decode-0", b))))
+
+    assert scaler.decide(two(1, 2), reps, 0.0) == ([], [])  # 3 in flight, the other's room 2: both needed
+    assert scaler.decide(two(1, 1), reps, 1.0) == ([], [])  # 2 fit in one: the clock starts
+    assert scaler.decide(two(2, 1), reps, 4.0) == ([], [])  # 3 again: it restarts
+    assert scaler.decide(two(1, 1), reps, 5.0) == ([], [])
+    assert scaler.decide(two(1, 1), reps, 10.5) == ([], [reps[1]])  # ray2 (newest of equals) with its request in flight
+    assert scaler.decide(two(2, 1, seqs=1), reps, 20.0) == ([], [])  # one sequence a worker: 1 + 2 never fit in one
+
+
 def test_the_kuberay_example_parses_and_its_launch_command_line_parses():
     """docs/operations.md's RayCluster: valid YAML of that kind, and its `pdserve launch` flags are the
     command's (tests/deploy/test_kuberay_manifest.py validates it against KubeRay's CRD schema)."""
@@ -146,12 +164,12 @@ def test_a_removed_worker_drains_and_is_stopped_once_nothing_is_in_flight_on_it(
     """decide's removal starts a drain (ray_launch's `remove`); a draining replica counts no more for its role, and
     `drained` says stop only once the coordinator shows the drain with nothing in flight (or past drain_timeout_s)."""
     scaler = Autoscaler({"decode": (0, 2)}, 5.0, {"decode"}, drain_timeout_s=60.0)
-    reps = [Replica("ray1", "decode", None, 0.0, registered=0.0, idle_since=0.0, draining_since=10.0),
+    reps = [Replica("ray1", "decode", None, 0.0, registered=0.0, draining_since=10.0),
             Replica("ray2", "decode", None, 0.0, registered=0.0)]
     drain = {"for_s": 1.0, "inflight_at_start": 1, "placed_since": 0}
     busy = stats(dict(worker("ray1-decode-0", inflight=1), draining=drain), dict(worker("ray2-decode-0"), draining=None))
     add, remove = scaler.decide(busy, reps, 11.0)
-    assert not add and not remove  # ray1 is leaving already: not removed twice; ray2's idle clock starts
+    assert not add and not remove  # ray1 is leaving already: not removed twice; ray2's (the role's) spare clock starts
     assert scaler.drained(busy, reps[0], 11.0) is None  # a request in flight on it: it completes there first
     not_yet = stats(dict(worker("ray1-decode-0"), draining=None))  # the coordinator has not seen the DrainWorker (restarted)
     assert scaler.drained(not_yet, reps[0], 12.0) is None
