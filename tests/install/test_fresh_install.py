@@ -34,7 +34,8 @@ print(kernels.__file__, hasattr(kernels, "CUDAProperties"), pdserve.kernels.page
 def venv(tmp_path_factory):
     d = tmp_path_factory.mktemp("fresh") / "venv"
     t0 = time.monotonic()
-    r = subprocess.run([str(ROOT / "scripts" / "install"), "--venv", str(d), "--wheel"], capture_output=True, text=True, timeout=540)
+    r = subprocess.run([str(ROOT / "scripts" / "install"), "--venv", str(d), "--wheel"], capture_output=True, text=True, timeout=540,
+                       env={**os.environ, "PDSERVE_COMPILE_BYTECODE": "0"})  # (bytecode: an environment used once)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(f"fresh install from the lock: {time.monotonic() - t0:.0f} s")
     return d
