@@ -15,6 +15,7 @@ is dropped, the median of the rest is printed with the KV bytes a prompt moves.
 
   python -m benchmarks.handoff_cost --prompt-tokens 2048 6000 --trials 3          # the default model
   python -m benchmarks.handoff_cost --kv-shape-1b --prompt-tokens 2048 8192       # 16 layers x 8 KV heads of 64
+  python -m benchmarks.handoff_cost --kv-shape-1b --link-gbit 1                   # tcp between network namespaces at 1 Gbit/s (root)
 
 `--kv-shape-1b` writes (HF transformers, random weights, in a temp dir) a checkpoint with a 1B
 Llama-3's KV shape (16 layers, 8 KV heads of 64: 64 KiB a token in fp32) and a narrow MLP and
@@ -30,6 +31,7 @@ over tcp (loopback). With chunks of 2,048 the same prompt is one chunk and nothi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -39,6 +41,7 @@ import time
 
 import zmq
 
+from benchmarks.netns import hosts
 from pdserve.ports import free_port
 from pdserve.wire.protocol import (
     PROTOCOL_VERSION,
@@ -55,14 +58,17 @@ from pdserve.wire.protocol import (
 from pdserve_client.params import SamplingParams
 from pdserve_client.protocol import decoder, encode
 
+LINK_SUBNET = "10.232.78"  # --link-gbit: the namespaces' private subnet; this script's coordinator on the bridge, .254
+LINK_HOSTS = {"p": 2, "d": 3}  # host (the role's initial) -> its address's last number
+
 
 class Coordinator:
     """The worker port's side of the protocol, as little as a hand-off needs."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.address = f"tcp://{host}:{free_port()}"
         self.sock.bind(self.address)
         self.decode = decoder(WorkerToCoordinator)
         self.workers: dict[str, tuple[bytes, Hello]] = {}  # role name -> (ident, Hello)
@@ -97,13 +103,15 @@ class Coordinator:
         self.ctx.term()
 
 
-def start_worker(role: str, coordinator: str, model: str | None, args, stream: bool, backend: str, log) -> subprocess.Popen:
+def start_worker(role: str, coordinator: str, model: str | None, args, stream: bool, backend: str, log, net=None) -> subprocess.Popen:
+    """One worker; with net (--link-gbit) inside its own host's namespace, its KV port on that host's address."""
+    where = [] if net is None else ["--kv-bind", f"tcp://{net.subnet}.{LINK_HOSTS[role[0]]}:*", "--insecure"]
     cmd = [sys.executable, "-P", "-m", "pdserve", "worker", "--role", role, "--coordinator", coordinator,
            "--kv-backend", backend, "--threads", str(args.threads), "--no-prefix-cache", "--kv-cache-mb", str(args.kv_cache_mb),
            "--max-num-batched-tokens", str(args.chunk), "--worker-id", f"bench-{role}",
            "--handoff-stream" if stream else "--no-handoff-stream", *(["--model", model] if model else []),
-           *args.worker_arg]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+           *where, *args.worker_arg]
+    return subprocess.Popen(cmd if net is None else net.run(role[0], cmd), stdout=log, stderr=subprocess.STDOUT)
 
 
 def trial(coord: Coordinator, rid: str, prompt: list[int]) -> dict:
@@ -173,40 +181,52 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per worker")
     ap.add_argument("--kv-cache-mb", type=int, default=2048)
     ap.add_argument("--worker-arg", action="append", default=[], help="one more worker flag (repeat)")
+    ap.add_argument("--link-gbit", type=float, default=0.0,
+                    help="tcp only: each worker in a network namespace of its own, the links shaped to this rate (tc tbf; root)")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
+    if args.link_gbit:
+        args.backends = ["tcp"]
     from benchmarks.machine import load_line, machine
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="handoff-cost-")
     os.makedirs(log_dir, exist_ok=True)
     tmp = tempfile.TemporaryDirectory(prefix="kv-shape-1b-") if args.kv_shape_1b else None
     model = write_kv_shape_1b(tmp.name) if tmp is not None else args.model
-    print(f"# {machine()}\n# {load_line()}\n# model: {model or 'default'}, chunk {args.chunk} tokens, {args.threads} threads per worker")
+    link = f", workers in network namespaces on a {args.link_gbit:g} Gbit/s link (tc tbf)" if args.link_gbit else ""
+    print(f"# {machine()}\n# {load_line()}\n# model: {model or 'default'}, chunk {args.chunk} tokens, {args.threads} threads per worker{link}")
     print("prompt  backend  stream  kv_MiB  handoff_ms  send_after_last_step_ms  first_decode_step_end_ms  ttft_s")
     modes = [args.handoff_stream] if args.handoff_stream is not None else [False, True]
-    for backend in args.backends:
-        for stream in modes:
-            coord = Coordinator()
-            with open(os.path.join(log_dir, f"{backend}-{'stream' if stream else 'whole'}.log"), "w") as log:
-                procs = [start_worker(role, coord.address, model, args, stream, backend, log) for role in ("decode", "prefill")]
-                try:
-                    coord.wait_for({"decode", "prefill"})
-                    for n in args.prompt_tokens:
-                        prompt = [1000 + (31 * j) % 20000 for j in range(n)]
-                        rows = [trial(coord, f"{backend}-{stream}-{n}-{i}", prompt) for i in range(args.trials + 1)][1:]
-                        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-                        print(f"{n:6d}  {backend:7s}  {'on' if stream else 'off':6s}  {med['kv_bytes'] / 2**20:6.1f}  "
-                              f"{1000 * med['handoff']:10.1f}  {1000 * med['send_after_last_step']:23.1f}  "
-                              f"{1000 * med['first_decode_step_end']:24.1f}  {med['ttft']:6.2f}", flush=True)
-                finally:
-                    for p in procs:
-                        p.terminate()
-                    for p in procs:
-                        p.wait(30)
-                    coord.close()
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(hosts(LINK_SUBNET, LINK_HOSTS, args.link_gbit)) if args.link_gbit else None
+        for backend in args.backends:
+            for stream in modes:
+                run_pair(args, model, log_dir, backend, stream, net)
     print(f"# {load_line()}")
     if tmp is not None:
         tmp.cleanup()
+
+
+def run_pair(args, model: str | None, log_dir: str, backend: str, stream: bool, net) -> None:
+    """One (backend, streaming) pair of workers through every prompt length: a row each."""
+    coord = Coordinator(f"{net.subnet}.254" if net is not None else "127.0.0.1")
+    with open(os.path.join(log_dir, f"{backend}-{'stream' if stream else 'whole'}.log"), "w") as log:
+        procs = [start_worker(role, coord.address, model, args, stream, backend, log, net) for role in ("decode", "prefill")]
+        try:
+            coord.wait_for({"decode", "prefill"})
+            for n in args.prompt_tokens:
+                prompt = [1000 + (31 * j) % 20000 for j in range(n)]
+                rows = [trial(coord, f"{backend}-{stream}-{n}-{i}", prompt) for i in range(args.trials + 1)][1:]
+                med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                print(f"{n:6d}  {backend:7s}  {'on' if stream else 'off':6s}  {med['kv_bytes'] / 2**20:6.1f}  "
+                      f"{1000 * med['handoff']:10.1f}  {1000 * med['send_after_last_step']:23.1f}  "
+                      f"{1000 * med['first_decode_step_end']:24.1f}  {med['ttft']:6.2f}", flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+            coord.close()
 
 
 if __name__ == "__main__":

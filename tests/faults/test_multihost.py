@@ -4,16 +4,15 @@ binds loopback), each started with `pdserve launch --config cluster.toml --node 
 Requests succeed; cutting the decode host's link ends its requests with a typed error within
 5 s (as a kill does); restoring the link lets the worker rejoin, and requests succeed again."""
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
+from benchmarks.netns import hosts
 from pdserve.wire.security import keygen
 from pdserve_client.library import Client, RequestError
 from tests.helpers import save_tiny_served_model, wait_all_blocks_free
@@ -25,49 +24,13 @@ SUBNET = "10.231.77"  # addresses of this test's own namespaces only; nothing el
 HOSTS = {"c": 1, "p": 2, "d": 3}
 
 
-def sh(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def drop_leftovers():
-    """Remove the bridge and namespaces of an earlier run killed before its teardown: its bridge
-    holds SUBNET too, so the kernel routes this run's packets to it (seen: the client's first
-    request unanswered for 120 s while both workers registered)."""
-    links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True).stdout
-    for name in re.findall(r"^\d+: (pdbr[0-9a-f]{5})[:@]", links, re.M):
-        subprocess.run(["ip", "link", "del", name], capture_output=True)
-    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for name in re.findall(r"^(pd[cpd][0-9a-f]{5})\b", spaces, re.M):
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def net():
-    drop_leftovers()
-    tag = uuid.uuid4().hex[:5]
-    bridge = f"pdbr{tag}"
-    names = {h: f"pd{h}{tag}" for h in HOSTS}
-    sh("link", "add", bridge, "type", "bridge")
-    sh("addr", "add", f"{SUBNET}.254/24", "dev", bridge)
-    sh("link", "set", bridge, "up")
-    try:
-        for h, n in names.items():
-            sh("netns", "add", n)
-            sh("link", "add", f"v{h}{tag}", "type", "veth", "peer", "name", f"b{h}{tag}")
-            sh("link", "set", f"v{h}{tag}", "netns", n)
-            sh("link", "set", f"b{h}{tag}", "master", bridge, "up")
-            sh("-n", n, "addr", "add", f"{SUBNET}.{HOSTS[h]}/24", "dev", f"v{h}{tag}")
-            sh("-n", n, "link", "set", f"v{h}{tag}", "up")
-            sh("-n", n, "link", "set", "lo", "up")
-        yield names, tag
-    finally:
-        for n in names.values():
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    with hosts(SUBNET, HOSTS) as n:
+        yield n
 
 
 def test_three_hosts_cut_and_restore_decode_link(net, tmp_path):
-    names, tag = net
     model = tmp_path / "model"
     save_tiny_served_model(model)
     keys = keygen(str(tmp_path / "keys"))
@@ -99,9 +62,9 @@ threads = 1
 """)
     procs = {}
     for h in ("c", "p", "d"):
-        procs[h] = subprocess.Popen(["ip", "netns", "exec", names[h], sys.executable, "-m", "pdserve", "launch", "--config", str(cfg),
-                                     "--node", h, "--no-gateway", "--log-dir", str(tmp_path / h),
-                                     "--paths", "remote"])  # every prompt crosses hosts (auto would prefill these short ones on d)
+        procs[h] = subprocess.Popen(net.run(h, [sys.executable, "-m", "pdserve", "launch", "--config", str(cfg),
+                                                "--node", h, "--no-gateway", "--log-dir", str(tmp_path / h),
+                                                "--paths", "remote"]))  # every prompt crosses hosts (auto would prefill these short ones on d)
     address = f"tcp://{SUBNET}.1:7555"
     try:
         with Client(address, keys=str(keys), timeout=30) as c:
@@ -118,7 +81,7 @@ threads = 1
             # Cut the decode host's link in the middle of a long stream.
             stream = c.stream(token_ids=[21, 22, 23], temperature=0, max_tokens=900, ignore_eos=True)
             next(stream)
-            sh("link", "set", f"bd{tag}", "down")
+            net.cut("d")
             t_cut = time.monotonic()
             with pytest.raises(RequestError) as err:
                 for _ in stream:
@@ -126,7 +89,7 @@ threads = 1
             assert time.monotonic() - t_cut < 5.0
             assert err.value.code in ("worker_lost", "no_workers")
 
-            sh("link", "set", f"bd{tag}", "up")
+            net.restore("d")
             deadline = time.monotonic() + 30
             while "d-decode-0" not in {w["id"] for w in c.stats()["workers"]}:
                 assert time.monotonic() < deadline, "decode worker did not rejoin"
