@@ -55,7 +55,7 @@ from pdserve.kernels import cpu_native, kv_quant, paged, quant, select
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.blocks import QuantExpertStack, QuantRows
-from pdserve.runtime.layer import MODULE_NAMES, GatedMLP, activation, build_layers, embedding_scale, one_call_blocker, run_layers
+from pdserve.runtime.layer import MODULE_NAMES, GatedMLP, activation, build_layers, embedding_scale, kv_views, one_call_blocker, run_layers
 from pdserve.runtime.moe import MoEBlock, PackedExperts
 
 __all__ = ["CpuForward", "one_call_blocker"]
@@ -114,7 +114,8 @@ class CpuForward:
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
         if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens) \
-                and kv_cache.dtype in kv_quant.C_READABLE:  # an fp8 cache: the per-op loop (its attention is torch's)
+                and kv_cache.dtype in kv_quant.C_READABLE \
+                and batch.group_slots is None:  # an fp8 cache, or KV groups (one table a layer): the per-op loop
             x = torch.empty_like(h)
             ops.rms_norm(h, self.layers[0].attn_norm, x, self.eps)
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,
@@ -133,10 +134,10 @@ class CpuForward:
         return all(p.backend_at(tokens) in c_kernel for p in self._step_kinds)
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
-        """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
+        """Each layer's (k_cache, v_cache) views (runtime.layer.kv_views), made once per pool instead of per step."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if self._kv_key != key:
-            self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+            self._kv_key, self._kv = key, kv_views(self.cfg, kv_cache)
         return self._kv
 
 
@@ -147,13 +148,26 @@ class FusedOps:
     so the same bits), RoPE fused with the KV write, the attention of `_AttentionPlan`'s rows, the
     C silu * up (GeGLU: torch). Eight calls a layer instead of about forty torch ops."""
 
-    __slots__ = ("f", "k", "batch", "plan", "x", "normed", "qkv_out", "attn_out", "o_out", "gate_up_out", "act_out", "down_out")
+    __slots__ = ("f", "k", "batch", "plan", "x", "normed", "qkv_out", "attn_out", "o_out", "gate_up_out", "act_out", "down_out",
+                 "groups", "plans")
 
     def __init__(self, fast: CpuForward, batch, plan: _AttentionPlan, h: torch.Tensor, bufs: tuple):
         self.f, self.k, self.batch, self.plan = fast, fast.ops, batch, plan
         self.x = torch.empty_like(h)  # each norm's output: the next projection's input
         self.qkv_out, self.attn_out, self.o_out, self.gate_up_out, self.act_out, self.down_out = bufs
         self.normed = torch.empty_like(h) if fast.layers[0].attn_out_norm is not None else None  # Gemma: an output's norm
+        # KV groups (runtime.kv_groups): each group's batch (its slots and tables) and attention plan, made on first use
+        self.groups = batch.group_batches()
+        self.plans: list = [None] * len(self.groups)
+
+    def use_group(self, g: int) -> None:
+        """Point the KV write and attention at KV group g's slots and tables (a batch of one table
+        for every layer, as runtime.linear_plan's timing batch: that one)."""
+        if not self.groups:
+            return
+        if self.plans[g] is None:
+            self.plans[g] = _AttentionPlan.of(self.groups[g], self.f.batch_fresh)
+        self.batch, self.plan = self.groups[g], self.plans[g]
 
     def add_norm(self, p, delta, h, weight):
         if delta is None:
