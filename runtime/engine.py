@@ -184,7 +184,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         if n >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens (prompt + output)")
-        if self.blocks.table_blocks(n + 1) > self.blocks.num_blocks:
+        if self.blocks.table_blocks(n + 1, self.config.max_num_batched_tokens) > self.blocks.num_blocks:
             raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

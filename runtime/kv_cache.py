@@ -231,10 +231,17 @@ class BlockManager:
         """Blocks a sequence's tables hold, all groups together."""
         return sum(len(t) - t.count(NULL_BLOCK) for t in tables)
 
-    def table_blocks(self, num_tokens: int) -> int:
-        """Blocks a sequence of num_tokens tokens computed in one step holds at once (every
-        group's table full; a sliding group frees its old ones only after the step)."""
-        return self.groups * self.blocks_for(num_tokens)
+    def table_blocks(self, num_tokens: int, chunk: int | None = None) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once while it is computed in
+        steps of at most `chunk` tokens (None: all in one step): every group's table whole, but a
+        sliding group's (KV groups) only its window and one step's blocks (it frees the older
+        ones after each step: from first_needed on, at most (chunk + window - 3) // block_size + 2,
+        or (chunk - 2) // block_size + 3 where the block before the one being filled is kept)."""
+        n = self.blocks_for(num_tokens)
+        if self.groups == 1 or chunk is None:
+            return self.groups * n
+        bs = self.block_size
+        return sum(min(n, max((chunk + w - 3) // bs + 2, (chunk - 2) // bs + 3)) if w else n for w in self.group_windows)
 
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size

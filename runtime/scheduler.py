@@ -99,7 +99,7 @@ class Scheduler:
     def _drop_unfittable(self, out: SchedulerOutput) -> None:
         # With nothing running the whole pool is free: a head that still does not fit never will.
         seq = self.waiting[0]
-        if self.blocks.table_blocks(seq.num_tokens) > self.blocks.free_blocks:
+        if self.blocks.table_blocks(seq.num_tokens, self.max_num_batched_tokens) > self.blocks.free_blocks:
             self.finish(seq, FinishReason.LENGTH)
             out.finished.append(seq)
 
