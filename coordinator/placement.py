@@ -15,6 +15,11 @@ compute; a decode worker, when any holds part of the prompt, the blocks it would
 plus the blocks its streams hold (Dynamo's KV router weighs overlap against load the same way),
 so a shared system prompt does not pull every stream onto one worker.
 
+Room for a hand-off (`handoff_need`): a model whose every layer slides is granted no blocks before
+its window (`kv_window`); one whose sliding layers sit beside full ones (`kv_group_windows`,
+runtime.kv_groups) one table per KV group, a sliding group's from its own window on, and a prompt
+it computes itself holds every group's table at once (`computed_blocks`).
+
 The predictions (docs/operations.md, "Latency targets"): TTFT = waited + the prefill worker's backlog and
 this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
 measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence, stretched on a

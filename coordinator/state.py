@@ -151,7 +151,7 @@ class WorkerState:
     @property
     def kv_group_windows(self) -> tuple[int, ...]:
         """Its model's KV groups' windows (runtime.kv_groups; () for one group), from its Hello's engine settings."""
-        return tuple(int(w) for w in self.hello.engine.get("kv_group_windows") or ())
+        return tuple(int(w) for w in str(self.hello.engine.get("kv_group_windows") or "").split(",") if w)
 
 
 @dataclass

@@ -39,6 +39,9 @@ decode kernel has no soft-cap). A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
 `window` keys, the sdpa calls take transformers' sliding-window mask over the pages from the
 first one the window reaches (kernels.torch_paged; those before may be freed, runtime.kv_cache).
+A model with KV groups (runtime.kv_groups: sliding layers beside full ones) reads each layer's
+pages through its group's slots and tables (`FusedOps.use_group`, ForwardBatch.group_slots /
+group_tables) and never takes the one-call step, whose C loop holds one table for every layer.
 A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
 calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
 that chose it, reading only that expert's slice of the stacked weights (never the others'; a

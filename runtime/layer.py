@@ -18,7 +18,9 @@ sliding layers). Every step a form makes its ops object (its kernels, holding th
 and scratch) and calls `run_layers(ops, parts, h, kv_views)`: `layer_forward`'s sequence of parts
 for each layer, the residual stream h updated in place (`add_norm`: h += delta, then the norm of
 h, which the CPU form fuses into one C call), each layer's output added at the next layer's
-input norm (or at the final norm, `ops.final_norm`). The one-call C decode step
+input norm (or at the final norm, `ops.final_norm`). Each layer's pages are its KV group's slot
+of the pool (`kv_views`, runtime.kv_groups); with several groups `run_layers` first points the
+ops at the layer's group's slots and tables (`ops.use_group`). The one-call C decode step
 (kernels/csrc/step_ops.c) computes the plain Llama layer only; `one_call_blocker` names the
 options it lacks.
 """

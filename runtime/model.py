@@ -11,7 +11,8 @@ runtime.layer.TorchOps), as the fused CPU path and a tensor-parallel rank do wit
 family option (Qwen3's q / k norms, Gemma's scaled embeddings, sandwich norms, GeGLU, soft-caps
 and local RoPE table, windows, MoE) is read there. Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
-position and its slot in the paged cache, each sequence its block table. It writes the new K/V
+position and its slot in the paged cache, each sequence its block table (with KV groups,
+runtime.kv_groups, one per group: a layer reads its group's pool slot through its group's table). It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
 `enable_fast_path()` (called by the engine after loading) switches `forward` to the fused CPU
 path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
