@@ -63,19 +63,19 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq, _ in scheduled)  # every group's table is as long as the first's
         tables = [[_table_row(seq.block_tables[g], width) for seq, _ in scheduled] for g in range(groups)]
         dev = self.device
-        group_slots = torch.tensor(slots, dtype=torch.int64, device=dev)
-        group_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+        group_slots = torch.tensor(slots, dtype=torch.int64, device=dev) if groups > 1 else None
+        group_tables = torch.tensor(tables, dtype=torch.int32, device=dev) if groups > 1 else None
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=group_slots[0],
+            slot_mapping=group_slots[0] if groups > 1 else torch.tensor(slots[0], dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=group_tables[0],
+            block_tables=group_tables[0] if groups > 1 else torch.tensor(tables[0], dtype=torch.int32, device=dev),
             max_query_len=max(n for _, n in scheduled),
             logits_indices=torch.tensor(logit_rows + score_rows, dtype=torch.int64, device=dev),
-            group_slots=group_slots if groups > 1 else None,
-            group_tables=group_tables if groups > 1 else None,
+            group_slots=group_slots,
+            group_tables=group_tables,
         )
         return batch, samplers, scoring
 

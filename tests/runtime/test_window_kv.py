@@ -73,6 +73,20 @@ def run(eng, prompts, params, each_step=None) -> list[list[int]]:
     return [out[s.request_id] for s in seqs]
 
 
+def decode_handed_off(dec: Worker, inbox: list) -> dict[str, list[int]]:
+    """Give the decode worker what the hand-offs sent it and run it dry; the tokens it emitted, by request."""
+    dec.link.inbox += inbox
+    inbox.clear()
+    while dec.link.inbox or dec.engine.has_work():
+        dec.turn(0)
+    got: dict[str, list[int]] = {}
+    for batch in dec.link.taken(TokenBatch):
+        for item in batch.items:
+            if item.token_id >= 0:
+                got.setdefault(item.request_id, []).append(item.token_id)
+    return got
+
+
 # ------------------------------------------------------------------ the block manager alone
 
 def test_blocks_wholly_before_the_window_are_freed_and_the_pool_stays_whole():
@@ -212,15 +226,7 @@ def test_the_hand_off_sends_only_the_window(mistral, hf_refs):
     while pre.jobs or pre.link.inbox:
         pre.turn(0)
     assert kv.bytes_sent == sent_blocks * block_bytes(p_pool)
-    dec.link.inbox += inbox
-    inbox.clear()
-    while dec.link.inbox or d_engine.has_work():
-        dec.turn(0)
-    got: dict[str, list[int]] = {}
-    for batch in dec.link.taken(TokenBatch):
-        for item in batch.items:
-            if item.token_id >= 0:
-                got.setdefault(item.request_id, []).append(item.token_id)
+    got = decode_handed_off(dec, inbox)
     for rid, (tokens, logits) in zip("ab", hf_refs):
         assert assert_greedy_equal(got[rid], tokens[:40], logits, f"handed-off {rid}") == 40
     assert whole(p_engine) and whole(d_engine) and not dec.grants and not d_engine.seqs
@@ -404,15 +410,7 @@ def test_a_gemma_hand_off_sends_the_sliding_groups_window_only(gemma, stream):
         pre.turn(0)
     assert kv.bytes_sent == sent * block_bytes(p_pool) and sent < whole_tables
     assert whole(p_engine)
-    dec.link.inbox += inbox
-    inbox.clear()
-    while dec.link.inbox or d_engine.has_work():
-        dec.turn(0)
-    got: dict[str, list[int]] = {}
-    for batch in dec.link.taken(TokenBatch):
-        for item in batch.items:
-            if item.token_id >= 0:
-                got.setdefault(item.request_id, []).append(item.token_id)
+    got = decode_handed_off(dec, inbox)
     for rid, (tokens, logits) in zip("ab", refs):
         assert assert_greedy_equal(got[rid], tokens, logits, f"{name} handed-off {rid}") >= GEMMA_NEW - 8
     assert whole(d_engine) and not dec.grants and not d_engine.seqs
