@@ -41,7 +41,8 @@ decode kernel has no soft-cap). A layer with a sliding window
 first one the window reaches (kernels.torch_paged; those before may be freed, runtime.kv_cache).
 A model with KV groups (runtime.kv_groups: sliding layers beside full ones) reads each layer's
 pages through its group's slots and tables (`FusedOps.use_group`, ForwardBatch.group_slots /
-group_tables) and never takes the one-call step, whose C loop holds one table for every layer.
+group_tables) and never takes the one-call step, whose C loop holds one table for every layer
+(`one_call_blocker`).
 A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
 calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
 that chose it, reading only that expert's slice of the stacked weights (never the others'; a
@@ -117,8 +118,7 @@ class CpuForward:
         # outputs every layer overwrites (a quantized linear writes into them; other kinds allocate)
         bufs = tuple(torch.empty((tokens, w), dtype=h.dtype) for w in self.widths)
         if self.fused_step and not plan.prefills and not plan.fresh and tokens <= quant.DIRECT_ROWS and self._c_step(tokens) \
-                and kv_cache.dtype in kv_quant.C_READABLE \
-                and batch.group_slots is None:  # an fp8 cache, or KV groups (one table a layer): the per-op loop
+                and kv_cache.dtype in kv_quant.C_READABLE:  # an fp8 cache: the per-op loop (its attention is torch's)
             x = torch.empty_like(h)
             ops.rms_norm(h, self.layers[0].attn_norm, x, self.eps)
             ops.decode_layers(self.step_layers, kv_cache, h, x, bufs, batch.positions, batch.slot_mapping, plan.decode_rows,

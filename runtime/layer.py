@@ -119,6 +119,8 @@ def one_call_blocker(cfg: ModelConfig) -> str | None:
         return "a second RoPE table for the sliding layers (Gemma 3)"
     if cfg.num_experts:
         return "mixture-of-experts layers (Mixtral, Qwen-MoE; the C step's MLP is dense)"
+    if cfg.kv_groups.split:
+        return "KV groups (sliding layers beside full ones, runtime.kv_groups: the C step reads one block table for every layer)"
     return None
 
 

@@ -78,9 +78,10 @@ def finished_blocks(table: list[int], dest_ids: list[int], skip: int, computed: 
 def blocks_to_send(table: list[int], dest_ids: list[int], skip: int) -> tuple[list[int], list[int]]:
     """(source blocks, destination blocks) of a hand-off: each entry from skip on whose
     destination entry is a block (with KV groups: interleaved tables, skip 0). A destination
-    NULL_BLOCK marks a position wholly before the decode side's sliding window, which it never reads (decode/grants.py); this side freed the
-    same positions after the prefill (runtime.kv_cache), so the two must agree. ValueError if the
-    grant does not fit the table or its NULL_BLOCK entries are not the blocks freed here."""
+    NULL_BLOCK marks a position wholly before the decode side's sliding window, which it never
+    reads (decode/grants.py); this side freed the same positions after the prefill
+    (runtime.kv_cache), so the two must agree. ValueError if the grant does not fit the table or
+    its NULL_BLOCK entries are not the blocks freed here."""
     if len(dest_ids) != len(table) or not 0 <= skip < len(table):
         raise ValueError(f"granted {len(dest_ids)} blocks ({skip} cached) for {len(table)} needed")
     if any((s == NULL_BLOCK) != (d == NULL_BLOCK) for s, d in zip(table[skip:], dest_ids[skip:])):
