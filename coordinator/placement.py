@@ -15,6 +15,11 @@ compute; a decode worker, when any holds part of the prompt, the blocks it would
 plus the blocks its streams hold (Dynamo's KV router weighs overlap against load the same way),
 so a shared system prompt does not pull every stream onto one worker.
 
+Room for a hand-off (`handoff_need`): a model whose every layer slides is granted no blocks before
+its window (`kv_window`); one whose sliding layers sit beside full ones (`kv_group_windows`,
+runtime.kv_groups) one table per KV group, a sliding group's from its own window on, and a prompt
+it computes itself holds every group's table at once (`computed_blocks`).
+
 The predictions (docs/operations.md, "Latency targets"): TTFT = waited + the prefill worker's backlog and
 this prompt's uncached tokens at its measured rate + relay + one decode step and the hand-off's
 measured cost beyond it (`handoff_s`); TPOT = a decode step with one more sequence, stretched on a
@@ -56,6 +61,9 @@ class WorkerSnapshot:
     chunk_tokens: int = 2048  # prompt tokens one of its steps takes at most (max_num_batched_tokens)
     max_seqs: int = 0  # sequences one of its steps runs at most (max_num_seqs; 0: unknown)
     kv_window: int = 0  # every layer's sliding window (runtime.kv_cache): a hand-off's grant leaves the blocks before it out
+    # a model with KV groups (sliding layers beside full ones, runtime.kv_groups): each group's window (0: full),
+    # a sequence holding one table per group; () for one group
+    kv_group_windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,10 +145,14 @@ def blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def handoff_need(tokens: int, held: int, block_size: int, window: int) -> int:
+def handoff_need(tokens: int, held: int, block_size: int, window: int, group_windows: tuple[int, ...] = ()) -> int:
     """Blocks a decode worker allocates for a handed-off prompt of `tokens` tokens whose first
     `held` it holds (prefix cache): with a sliding window on every layer, none for the positions
-    before the window of its first decoded position (decode/grants.py grants them as -1)."""
+    before the window of its first decoded position (decode/grants.py grants them as -1). With
+    KV groups (group_windows; no prefix cache there) each group's table, a sliding group's from
+    its own window on."""
+    if group_windows:
+        return sum(handoff_need(tokens, 0, block_size, w) for w in group_windows)
     skip = max(held, first_needed_block(tokens, window, block_size) * block_size)
     return blocks_needed(tokens - skip, block_size)
 
@@ -148,7 +160,13 @@ def handoff_need(tokens: int, held: int, block_size: int, window: int) -> int:
 def handoff_blocks(d: WorkerSnapshot, tokens: int) -> int:
     """handoff_need on decode worker d (REMOTE: the prompt computed elsewhere; LOCAL computes it
     whole there, decode_blocks)."""
-    return handoff_need(tokens, d.cached_tokens, d.block_size, d.kv_window)
+    return handoff_need(tokens, d.cached_tokens, d.block_size, d.kv_window, d.kv_group_windows)
+
+
+def computed_blocks(tokens: int, block_size: int, group_windows: tuple[int, ...] = ()) -> int:
+    """Blocks a worker holds while it computes a prompt of `tokens` (uncached) tokens in one step:
+    with KV groups every group's table (a sliding group frees its old blocks only after the step)."""
+    return blocks_needed(tokens, block_size) * max(1, len(group_windows))
 
 
 def predict_prefill(w: WorkerSnapshot, tokens: int) -> float:
@@ -178,7 +196,7 @@ def decode_blocks(d: WorkerSnapshot, tokens: int) -> int:
     """Blocks a decode worker must allocate for a prompt: those its prefix cache lacks (a
     prefix its streams share is not free and not needed; a cached one nobody holds is counted
     free and not needed, so room is overestimated by it: the worker refuses, the request waits)."""
-    return blocks_needed(tokens - d.cached_tokens, d.block_size)
+    return computed_blocks(tokens - d.cached_tokens, d.block_size, d.kv_group_windows)
 
 
 def pick_decode(fits: list[WorkerSnapshot], tokens: int) -> WorkerSnapshot:

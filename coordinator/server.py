@@ -687,7 +687,7 @@ class Coordinator:
     def admit(self, st: RequestState, p: WorkerState, d: WorkerState, decision: Decision) -> None:
         """Reserve st's blocks on d (Admit); its Granted sends the Prefill to p (on_granted)."""
         held = self.cached_on(d, st)
-        need = placement.handoff_need(st.num_tokens, held, d.hello.block_size, d.kv_window)  # what d lacks
+        need = placement.handoff_need(st.num_tokens, held, d.hello.block_size, d.kv_window, d.kv_group_windows)  # what d lacks
         backlog = st.num_tokens - self.cached_on(p, st)  # the tokens p will compute
         st.prefill, st.decode, st.reserved, st.backlog = p.hello.worker_id, d.hello.worker_id, need, backlog
         self.move(st, Phase.ADMITTING)
@@ -714,7 +714,7 @@ class Coordinator:
         held = self.cached_on(w, st)
         st.decode, st.backlog = w.hello.worker_id, st.num_tokens - held
         self.move(st, Phase.COLOCATED)
-        st.reserved = placement.blocks_needed(st.num_tokens - held, w.hello.block_size)
+        st.reserved = placement.computed_blocks(st.num_tokens - held, w.hello.block_size, w.kv_group_windows)
         w.reserved_blocks += st.reserved
         if decision.predicted_ttft is not None:  # a parked request keeps its first prediction
             st.predicted_ttft, st.predicted_tpot = decision.predicted_ttft, decision.predicted_tpot

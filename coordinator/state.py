@@ -140,12 +140,18 @@ class WorkerState:
             chunk_tokens=int(self.hello.engine.get("max_num_batched_tokens") or 2048),
             max_seqs=int(self.hello.engine.get("max_num_seqs") or 0),
             kv_window=self.kv_window,
+            kv_group_windows=self.kv_group_windows,
         )
 
     @property
     def kv_window(self) -> int:
         """Its model's sliding window on every layer (0: none), from its Hello's engine settings."""
         return int(self.hello.engine.get("kv_window") or 0)
+
+    @property
+    def kv_group_windows(self) -> tuple[int, ...]:
+        """Its model's KV groups' windows (runtime.kv_groups; () for one group), from its Hello's engine settings."""
+        return tuple(int(w) for w in str(self.hello.engine.get("kv_group_windows") or "").split(",") if w)
 
 
 @dataclass

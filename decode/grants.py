@@ -70,19 +70,26 @@ def grant_blocks(blocks, msg: Admit) -> tuple[list[int], int] | None:
     layer (BlockManager.window) the positions wholly before the window of the first decoded
     position get BlockManager.NULL (runtime.kv_cache's NULL_BLOCK, -1 on the wire), not a block
     (a cached one found there is given back): the decode side never reads them, so the
-    hand-off does not send them (worker/handoff.py)."""
+    hand-off does not send them (worker/handoff.py). A model with KV groups (BlockManager.groups,
+    runtime.kv_groups; no prefix cache) gets each group's table so, NULL before each sliding
+    group's own window, interleaved position by position (BlockManager.interleave), which the
+    prefill side's tables and hand-off follow."""
     need = blocks.blocks_for(msg.num_tokens)
     cached = blocks.match_tokens(msg.prefix_token_ids, need - 1, msg.cache_salt)
-    first = blocks.first_needed(msg.num_tokens)
-    rest = blocks.allocate(need - max(len(cached), first))
+    firsts = blocks.first_needed_by_group(msg.num_tokens)
+    rest = blocks.allocate(sum(need - max(len(cached), first) for first in firsts))
     if rest is None:
         blocks.free(cached)
         return None
     if blocks.prefix_cache:
         blocks.count_lookup(msg.num_tokens, len(cached) * blocks.block_size)
-    blocks.free(cached[:first])
-    ids = [blocks.NULL] * first + cached[first:] + rest
-    return ids, len(cached)
+    tables = []
+    for first in firsts:  # one group, or KV groups with nothing cached
+        blocks.free(cached[:first])
+        n = need - max(len(cached), first)
+        tables.append([blocks.NULL] * first + cached[first:] + rest[:n])
+        del rest[:n]
+    return blocks.interleave(tables), len(cached)
 
 
 def part_problem(msg: KVPart, grant: Grant, null: int) -> str | None:

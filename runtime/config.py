@@ -11,12 +11,14 @@ builds its flags from these classes without loading the engine.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import NotSupportedError, UnsupportedModelError
 from pdserve.common.flags import COMPUTED, flag, insecure_flag, keys_flag
+from pdserve.runtime.kv_groups import KVGroups, kv_groups
 from pdserve_client.errors import InvalidRequestError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
@@ -199,9 +201,17 @@ class ModelConfig:
     def kv_window(self) -> int:
         """The window in keys past which no layer reads a sequence's KV again: every layer slides
         (the widest window when they differ); 0 when any layer attends in full (Gemma 2 / 3,
-        Qwen2's layer_types), which needs every block of one shared block table
-        (runtime.kv_cache: what the block manager may free as a sequence grows)."""
+        Qwen2's layer_types), whose sliding layers free their blocks through their own KV groups'
+        tables instead (`kv_groups`; runtime.kv_cache: what the block manager may free as a
+        sequence grows)."""
         return max(self.layer_windows) if self.layer_windows and min(self.layer_windows) > 0 else 0
+
+    @functools.cached_property
+    def kv_groups(self) -> KVGroups:
+        """How the layers share the KV pool (runtime.kv_groups): one group of every layer unless
+        full-attention and sliding layers (or different windows) mix, then one block table per group."""
+        windows = self.layer_windows if self.layer_windows and min(self.layer_windows) == 0 else ()
+        return kv_groups(windows if len(set(windows)) > 1 else (), self.num_layers)
 
     @property
     def q_size(self) -> int:
@@ -546,7 +556,10 @@ class EngineConfig:
         runtime.tp.rank_config; the budget is per GPU, as vLLM's gpu_memory_utilization)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = self.block_size * self.kv_bytes_per_token(model)
+        from pdserve.kernels import kv_quant
+
+        # a block id holds one KV group's layers (runtime.kv_groups: every layer unless windows mix)
+        per_block = self.block_size * kv_quant.bytes_per_token(model.kv_groups.size, model.num_kv_heads, model.head_dim, self.kv_torch_dtype)
         budget = self.kv_cache_bytes if self.gpu_memory_utilization is None else self.gpu_kv_budget()
         return max(1, math.floor(budget / per_block))
 

@@ -39,6 +39,10 @@ decode kernel has no soft-cap). A layer with a sliding window
 (ModelConfig.window) passes it to every attention call: the C decode kernel reads only the last
 `window` keys, the sdpa calls take transformers' sliding-window mask over the pages from the
 first one the window reaches (kernels.torch_paged; those before may be freed, runtime.kv_cache).
+A model with KV groups (runtime.kv_groups: sliding layers beside full ones) reads each layer's
+pages through its group's slots and tables (`FusedOps.use_group`, ForwardBatch.group_slots /
+group_tables) and never takes the one-call step, whose C loop holds one table for every layer
+(`one_call_blocker`).
 A mixture-of-experts layer (Mixtral, Qwen3-MoE, Qwen2-MoE) replaces the gate/up, SwiGLU and down
 calls by runtime.moe.MoEBlock: the router, then per chosen expert its two GEMMs over the tokens
 that chose it, reading only that expert's slice of the stacked weights (never the others'; a
@@ -55,7 +59,7 @@ from pdserve.kernels import cpu_native, kv_quant, paged, quant, select
 from pdserve.kernels.linear import PackedLinear, SplitLinear
 from pdserve.kernels.torch_paged import attend_fresh, attend_one, decode_batched, gather_pages, soft_cap, window_page
 from pdserve.runtime.blocks import QuantExpertStack, QuantRows
-from pdserve.runtime.layer import MODULE_NAMES, GatedMLP, activation, build_layers, embedding_scale, one_call_blocker, run_layers
+from pdserve.runtime.layer import MODULE_NAMES, GatedMLP, activation, build_layers, embedding_scale, kv_views, one_call_blocker, run_layers
 from pdserve.runtime.moe import MoEBlock, PackedExperts
 
 __all__ = ["CpuForward", "one_call_blocker"]
@@ -133,10 +137,10 @@ class CpuForward:
         return all(p.backend_at(tokens) in c_kernel for p in self._step_kinds)
 
     def _kv_views(self, kv_cache: torch.Tensor) -> list:
-        """Each layer's (k_cache, v_cache) views, made once per pool instead of per step."""
+        """Each layer's (k_cache, v_cache) views (runtime.layer.kv_views), made once per pool instead of per step."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if self._kv_key != key:
-            self._kv_key, self._kv = key, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+            self._kv_key, self._kv = key, kv_views(self.cfg, kv_cache)
         return self._kv
 
 
@@ -147,13 +151,26 @@ class FusedOps:
     so the same bits), RoPE fused with the KV write, the attention of `_AttentionPlan`'s rows, the
     C silu * up (GeGLU: torch). Eight calls a layer instead of about forty torch ops."""
 
-    __slots__ = ("f", "k", "batch", "plan", "x", "normed", "qkv_out", "attn_out", "o_out", "gate_up_out", "act_out", "down_out")
+    __slots__ = ("f", "k", "batch", "plan", "x", "normed", "qkv_out", "attn_out", "o_out", "gate_up_out", "act_out", "down_out",
+                 "groups", "plans")
 
     def __init__(self, fast: CpuForward, batch, plan: _AttentionPlan, h: torch.Tensor, bufs: tuple):
         self.f, self.k, self.batch, self.plan = fast, fast.ops, batch, plan
         self.x = torch.empty_like(h)  # each norm's output: the next projection's input
         self.qkv_out, self.attn_out, self.o_out, self.gate_up_out, self.act_out, self.down_out = bufs
         self.normed = torch.empty_like(h) if fast.layers[0].attn_out_norm is not None else None  # Gemma: an output's norm
+        # KV groups (runtime.kv_groups): each group's batch (its slots and tables) and attention plan, made on first use
+        self.groups = batch.group_batches()
+        self.plans: list = [None] * len(self.groups)
+
+    def use_group(self, g: int) -> None:
+        """Point the KV write and attention at KV group g's slots and tables (a batch of one table
+        for every layer, as runtime.linear_plan's timing batch: that one)."""
+        if not self.groups:
+            return
+        if self.plans[g] is None:
+            self.plans[g] = _AttentionPlan.of(self.groups[g], self.f.batch_fresh)
+        self.batch, self.plan = self.groups[g], self.plans[g]
 
     def add_norm(self, p, delta, h, weight):
         if delta is None:

@@ -9,7 +9,9 @@ with the same values and their logits are dropped. Any other step (prefill, chun
 batches, more sequences) runs eagerly, exactly as before. A size is captured the first time it
 is needed, after one eager warm-up run on a side stream (Triton compiles and loads its kernels
 outside the capture); all graphs share one memory pool. The block table is padded to the width
-that max_model_len needs, which the decode kernel reads only up to each sequence's length.
+that max_model_len needs, which the decode kernel reads only up to each sequence's length. A
+model with KV groups (runtime.kv_groups: a block table per group) always runs eagerly: the
+captured batch holds one table.
 """
 from __future__ import annotations
 
@@ -68,9 +70,9 @@ class GraphRunner(ModelRunner):
         self.replays = 0  # steps that ran by replay (for tests and stats)
 
     def graphable(self, scheduled) -> bool:
-        """Every sequence decodes exactly its last token, and the batch fits a capture size."""
+        """Every sequence decodes exactly its last token, and the batch fits a capture size (one KV group)."""
         return (
-            0 < len(scheduled) <= self.sizes[-1]
+            self.blocks.groups == 1 and 0 < len(scheduled) <= self.sizes[-1]
             and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and len(seq.block_table) <= self.width
                     for seq, n in scheduled)
         )

@@ -15,13 +15,15 @@ this engine.
 
 A model whose every layer slides (ModelConfig.kv_window) frees each sequence's blocks wholly
 before its window after every step it computes and when it joins (runtime.kv_cache
-drop_outside_window): a long generation holds about window / block_size + 1 blocks; a held
-prefill keeps only its window's blocks for the hand-off. A model with full-attention layers too
-keeps every block (logged at start).
+drop_outside_windows): a long generation holds about window / block_size + 1 blocks; a held
+prefill keeps only its window's blocks for the hand-off. A model whose sliding layers sit beside
+full-attention ones (ModelConfig.kv_groups: Gemma 2 / 3) holds one block table per KV group and
+frees each sliding group's blocks before its window the same way, the full groups keeping every
+block (logged at start, with the prefix cache off: runtime.kv_cache).
 
 Prefill mode (`prefill_only=True`, the prefill worker): a sequence leaves the batch as soon as
 its prompt is computed and its first token sampled; that step's output carries the token, and
-the sequence's blocks stay allocated (`seqs[request_id].block_table`) until `release(request_id)`,
+the sequence's blocks stay allocated (`seqs[request_id].block_tables`) until `release(request_id)`,
 so the worker can hand them off first. Stop conditions are left to the engine that decodes.
 The same per sequence (`add_request(..., hold=True)`): a worker that decodes its other sequences
 prefills this one in its steps and holds it, blocks and all, until its hand-off and `release`
@@ -43,7 +45,7 @@ from pdserve.common.tokenizer import IncrementalDetokenizer, eos_token_ids, load
 from pdserve.runtime import structured
 from pdserve.runtime.build import build_model, check_attention_backend, load_model  # noqa: F401 (re-exported: where callers found them)
 from pdserve.runtime.config import EngineConfig, ModelConfig
-from pdserve.runtime.kv_cache import BlockManager, allocate_kv_cache
+from pdserve.runtime.kv_cache import BlockManager, allocate_kv_cache, deinterleave
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.scheduler import Scheduler
@@ -87,9 +89,10 @@ def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -
     context is lowered to what the pool holds, with a warning (vLLM refuses that too, so that a
     default launch of a long-context model on the default pool would not start). A model whose
     every layer slides holds only its window's blocks however long it grows (ModelConfig.kv_window),
-    so only its prompts are bounded by the pool (validate)."""
+    so only its prompts are bounded by the pool (validate); one with KV groups (ModelConfig.kv_groups)
+    holds its full groups' blocks for every token, its sliding groups' only for their windows."""
     want = min(config.max_model_len or cfg.max_position, cfg.max_position)
-    holds = num_blocks * config.block_size  # tokens one sequence can have in the whole pool
+    holds = _tokens_one_sequence_holds(cfg, num_blocks, config.block_size)
     if want <= holds:
         return want
     if cfg.kv_window and num_blocks >= -(-cfg.kv_window // config.block_size) + 2:
@@ -104,6 +107,17 @@ def context_that_fits(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -
     log.warning("the model's context of %d tokens does not fit the KV pool (%d tokens, %d blocks; %d MiB would hold it): "
                 "serving a context of %d tokens; raise --kv-cache-mb for more", want, holds, num_blocks, need_mb, holds)
     return holds
+
+
+def _tokens_one_sequence_holds(cfg: ModelConfig, num_blocks: int, block_size: int) -> int:
+    """The longest context one sequence can have in a pool of num_blocks blocks: every block one
+    table's, or with KV groups what is left for the full groups' tables once each sliding group
+    holds its window's blocks (its window / block_size + 2: runtime.kv_cache first_needed)."""
+    groups = cfg.kv_groups
+    if not groups.split:
+        return num_blocks * block_size
+    sliding = sum(-(-w // block_size) + 2 for w in groups.windows if w)
+    return max(0, num_blocks - sliding) // groups.windows.count(0) * block_size
 
 
 class LLMEngine:
@@ -122,14 +136,17 @@ class LLMEngine:
         self.max_model_len = context_that_fits(self.cfg, config, num_blocks)
         if kv_cache is None:
             kv_cache = allocate_kv_cache(self.cfg, num_blocks, config.block_size, config.kv_torch_dtype, config.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache, window=self.cfg.kv_window)
+        groups = self.cfg.kv_groups
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache, window=self.cfg.kv_window,
+                                   group_windows=groups.windows)
         if self.cfg.kv_window:
             log.info("sliding window %d on every layer: a sequence's KV blocks wholly before its window are freed as it grows",
                      self.cfg.kv_window)
-        elif self.cfg.windowed:
-            log.info("sliding-window layers beside full-attention ones (%d of %d layers slide): every KV block is kept, "
-                     "since one block table serves all layers and the full ones read them all",
-                     sum(1 for w in self.cfg.layer_windows if w), self.cfg.num_layers)
+        elif groups.split:
+            log.info("sliding-window layers beside full-attention ones (%d of %d layers slide): %d KV groups of %d layers "
+                     "(windows %s), one block table each; a sliding group's blocks before its window are freed as a "
+                     "sequence grows; prefix cache off", sum(1 for w in self.cfg.layer_windows if w), self.cfg.num_layers,
+                     groups.count, groups.size, groups.windows)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(tokenizer, self.cfg.eos_token_ids) if tokenizer is not None else set(self.cfg.eos_token_ids)
         self.runner = ModelRunner(model, kv_cache, self.blocks, eos_token_id=min(self.eos_ids) if self.eos_ids else None)
@@ -167,7 +184,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         if n >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens (prompt + output)")
-        if self.blocks.blocks_for(n + 1) > self.blocks.num_blocks:
+        if self.blocks.table_blocks(n + 1, self.config.max_num_batched_tokens) > self.blocks.num_blocks:
             raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self.blocks.num_blocks * self.blocks.block_size}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -192,15 +209,16 @@ class LLMEngine:
                       block_table: list[int], num_computed: int, logprob=None, top_logprobs=None, priority: int = 0,
                       prompt_logprobs: list | None = None) -> StepOutput:
         """Join a request prefilled elsewhere: its KV for num_computed tokens is in block_table
-        (owned from now on by this engine), its last output token is new (with the prompt's
+        (owned from now on by this engine; with KV groups every group's table, runtime.kv_cache
+        interleave's order), its last output token is new (with the prompt's
         scores, when it asked for them). Returns that token's output, already checked against
         the stop conditions."""
         seq = Sequence(request_id, prompt_token_ids, params, output_token_ids[:-1], priority)
         seq.prompt_scores = prompt_logprobs
-        seq.block_table = block_table
+        seq.block_tables = deinterleave(block_table, self.blocks.groups)
         seq.num_computed_tokens = num_computed
         self.scheduler.register_computed(seq, 0)  # its prompt's full blocks join this worker's prefix cache (none past a freed one)
-        self.blocks.drop_outside_window(seq.block_table, num_computed)
+        self.blocks.drop_outside_windows(seq.block_tables, num_computed)
         self.seqs[request_id] = seq
         self._enter(seq, self.scheduler.add_running)
         return self._append(seq, output_token_ids[-1], logprob, top_logprobs)
@@ -295,7 +313,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             ctx += seq.num_computed_tokens
             self.scheduler.register_computed(seq, seq.num_computed_tokens - n)
-            self.blocks.drop_outside_window(seq.block_table, seq.num_computed_tokens)  # a model whose every layer slides
+            self.blocks.drop_outside_windows(seq.block_tables, seq.num_computed_tokens)  # every layer slides, or a sliding KV group
         sample = (len(scheduled), sum(n for _, n in scheduled), ctx, dt)
         threads = self.core_share.role_share if self.core_share is not None else 0
         if threads:
@@ -324,7 +342,7 @@ class LLMEngine:
         for i, (b, n) in enumerate(runs):
             if i == 1:
                 self.step_log.clear()
-            if self.blocks.blocks_for(n + decode_steps + 1) * b > self.blocks.num_blocks:
+            if self.blocks.table_blocks(n + decode_steps + 1) * b > self.blocks.num_blocks:
                 break
             prompts = [torch.randint(0, self.cfg.vocab_size, (n,), generator=g).tolist() for _ in range(b)]
             self.generate(prompts, params)

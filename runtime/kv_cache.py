@@ -43,9 +43,22 @@ next block's key (a window shorter than a block would otherwise free it first). 
 registered block joins the evictable cache like any other: its KV is that of its whole prefix,
 so `match` may still hand it to a prompt whose chain it ends (a chain is matched from block 0, so
 once an early block is evicted the blocks after it are unreachable); a table with a NULL_BLOCK
-registers nothing from there on. A model with a full-attention layer (Gemma 2 / 3, Qwen2's
-layer_types) has window 0 here: one table serves all layers, and its full layers read every
-block. `window_freed` counts the blocks freed this way; `held(table)` the blocks a table holds.
+registers nothing from there on. `window_freed` counts the blocks freed this way; `held(table)`
+the blocks a table holds.
+
+KV groups (`group_windows`, ModelConfig.kv_groups: a model whose sliding layers sit beside
+full-attention ones, Gemma 2 / 3, Qwen2's layer_types; runtime.kv_groups): the layers are split
+into groups of one window each, a pool block holds one group's layers, and a sequence holds one
+table per group (`Sequence.block_tables`, every table as long as the others), all drawn from the
+one free list. The plural calls take a sequence's tables: `ensure_tables` grows all of them or
+none, `drop_outside_windows` frees each sliding group's blocks before its own window (the full
+group keeps all), `free_tables` frees them all, `held_by` counts them; a single-group manager
+(every model whose layers attend alike: `groups == 1`) runs the same calls on its one table, so
+its behaviour is the single table's above. A hand-off carries a sequence's tables as one list,
+position by position and group by group within a position (`interleave` / `deinterleave`).
+The prefix cache is off for a multi-group manager (`prefix_cache` False whatever was asked):
+keys, `match` and `register` are per block of one table, and a group-aware match (every group's
+blocks of a prefix present, a sliding group's only within its window) is not built.
 """
 from __future__ import annotations
 
@@ -62,8 +75,9 @@ from pdserve.runtime.config import ModelConfig
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """(layers, 2, num_blocks, block_size, KVH, W): W = D, or for a quantized pool (int8, float8_e4m3fn:
-    --kv-cache-dtype) D codes + a float32 scale's 4 bytes per (token, head) row (kernels.kv_quant)."""
-    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, kv_quant.row_width(cfg.head_dim, dtype))
+    --kv-cache-dtype) D codes + a float32 scale's 4 bytes per (token, head) row (kernels.kv_quant).
+    `layers` is one KV group's (cfg.kv_groups.size): every layer's unless sliding and full ones mix."""
+    return (cfg.kv_groups.size, 2, num_blocks, block_size, cfg.num_kv_heads, kv_quant.row_width(cfg.head_dim, dtype))
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
@@ -75,15 +89,38 @@ NULL_BLOCK = -1  # a table entry whose block was freed (before the sliding windo
 MAX_CHANGES = 4096  # key additions/evictions kept for the next heartbeat; beyond this the oldest are dropped
 
 
+def interleave(tables: list[list[int]]) -> list[int]:
+    """A sequence's per-group tables (all of one length) as one list, position-major: entry
+    k * groups + g is group g's block k (a hand-off's grant and send order). One table: itself."""
+    if len(tables) == 1:
+        return tables[0]
+    return [b for row in zip(*tables, strict=True) for b in row]
+
+
+def deinterleave(flat: list[int], groups: int) -> list[list[int]]:
+    """`interleave`'s inverse: groups tables of len(flat) / groups entries each (one group: [flat])."""
+    if groups == 1:
+        return [flat]
+    if len(flat) % groups:
+        raise ValueError(f"{len(flat)} block ids do not split into {groups} KV groups' tables")
+    return [flat[g::groups] for g in range(groups)]
+
+
 class BlockManager:
     NULL = NULL_BLOCK  # for those that may not import this module (decode/grants.py)
+    interleave = staticmethod(interleave)  # likewise
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, prefix_key: bytes | None = None, window: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, prefix_key: bytes | None = None, window: int = 0,
+                 group_windows: tuple[int, ...] = ()):
+        if len(group_windows) > 1 and window:
+            raise ValueError("a KV-group manager takes each group's window (group_windows), not one window for every layer")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.window = window  # every layer's sliding window in keys (the widest), 0 if any layer attends in full
+        self.group_windows = tuple(group_windows) if len(group_windows) > 1 else (window,)  # each KV group's window (0: full)
+        self.groups = len(self.group_windows)  # block tables a sequence holds: one per KV group
         self.window_freed = 0  # blocks freed because they fell wholly before their sequence's window
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = prefix_cache and self.groups == 1  # not built for KV groups (module docstring)
         self.prefix_key = prefix_key or new_secret()  # the secret block keys are made with (set_prefix_key)
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))  # count 0, holding nothing
@@ -164,6 +201,48 @@ class BlockManager:
         self.free(block_table[::-1])  # a sequence's last blocks are the least likely to be asked for again: evicted first
         block_table.clear()
 
+    # ------------------------------------------------------------------ a sequence's tables (one per KV group)
+
+    def new_tables(self) -> list[list[int]]:
+        return [[] for _ in range(self.groups)]
+
+    def ensure_tables(self, tables: list[list[int]], num_tokens: int) -> bool:
+        """Grow every group's table (in place) to hold num_tokens tokens; False (nothing taken) if the pool is short."""
+        if self.groups == 1:
+            return self.ensure_slots(tables[0], num_tokens)
+        if len(tables) != self.groups:
+            raise ValueError(f"{len(tables)} block tables for {self.groups} KV groups")
+        want = self.blocks_for(num_tokens)
+        ids = self.allocate(sum(max(0, want - len(t)) for t in tables))
+        if ids is None:
+            return False
+        for t in tables:
+            n = max(0, want - len(t))
+            t.extend(ids[:n])
+            del ids[:n]
+        return True
+
+    def free_tables(self, tables: list[list[int]]) -> None:
+        for t in tables:
+            self.free_table(t)
+
+    @staticmethod
+    def held_by(tables: list[list[int]]) -> int:
+        """Blocks a sequence's tables hold, all groups together."""
+        return sum(len(t) - t.count(NULL_BLOCK) for t in tables)
+
+    def table_blocks(self, num_tokens: int, chunk: int | None = None) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once while it is computed in
+        steps of at most `chunk` tokens (None: all in one step): every group's table whole, but a
+        sliding group's (KV groups) only its window and one step's blocks (it frees the older
+        ones after each step: from first_needed on, at most (chunk + window - 3) // block_size + 2,
+        or (chunk - 2) // block_size + 3 where the block before the one being filled is kept)."""
+        n = self.blocks_for(num_tokens)
+        if self.groups == 1 or chunk is None:
+            return self.groups * n
+        bs = self.block_size
+        return sum(min(n, max((chunk + w - 3) // bs + 2, (chunk - 2) // bs + 3)) if w else n for w in self.group_windows)
+
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
@@ -180,14 +259,27 @@ class BlockManager:
         window, the block before the one being filled excepted (its link chains the next key)."""
         return first_needed_block(num_computed, self.window, self.block_size)
 
-    def drop_outside_window(self, block_table: list[int], num_computed: int) -> int:
+    def first_needed_by_group(self, num_computed: int) -> tuple[int, ...]:
+        """`first_needed` for each KV group's table (a full group's: 0)."""
+        if self.groups == 1:
+            return (self.first_needed(num_computed),)
+        return tuple(first_needed_block(num_computed, w, self.block_size) for w in self.group_windows)
+
+    def drop_outside_windows(self, tables: list[list[int]], num_computed: int) -> int:
+        """`drop_outside_window` for each sliding group's table of a sequence; returns how many blocks were freed."""
+        if self.groups == 1:
+            return self.drop_outside_window(tables[0], num_computed)
+        return sum(self.drop_outside_window(t, num_computed, w) for t, w in zip(tables, self.group_windows, strict=True) if w)
+
+    def drop_outside_window(self, block_table: list[int], num_computed: int, window: int | None = None) -> int:
         """Free the blocks of block_table (in place: NULL_BLOCK in their entries) that lie wholly
-        before the window of a sequence with num_computed tokens computed; returns how many.
-        Entries before the window are a run of NULL_BLOCK then held blocks (the run only grows),
-        so the walk goes back from the window's start to the first NULL_BLOCK."""
-        if not self.window:
+        before the window (`window`, else every layer's) of a sequence with num_computed tokens
+        computed; returns how many. Entries before the window are a run of NULL_BLOCK then held
+        blocks (the run only grows), so the walk goes back from the window's start to the first NULL_BLOCK."""
+        window = self.window if window is None else window
+        if not window:
             return 0
-        k = self.first_needed(num_computed) - 1
+        k = first_needed_block(num_computed, window, self.block_size) - 1
         dropped = []
         while k >= 0 and block_table[k] != NULL_BLOCK:
             dropped.append(block_table[k])

@@ -18,7 +18,9 @@ sliding layers). Every step a form makes its ops object (its kernels, holding th
 and scratch) and calls `run_layers(ops, parts, h, kv_views)`: `layer_forward`'s sequence of parts
 for each layer, the residual stream h updated in place (`add_norm`: h += delta, then the norm of
 h, which the CPU form fuses into one C call), each layer's output added at the next layer's
-input norm (or at the final norm, `ops.final_norm`). The one-call C decode step
+input norm (or at the final norm, `ops.final_norm`). Each layer's pages are its KV group's slot
+of the pool (`kv_views`, runtime.kv_groups); with several groups `run_layers` first points the
+ops at the layer's group's slots and tables (`ops.use_group`). The one-call C decode step
 (kernels/csrc/step_ops.c) computes the plain Llama layer only; `one_call_blocker` names the
 options it lacks.
 """
@@ -117,6 +119,8 @@ def one_call_blocker(cfg: ModelConfig) -> str | None:
         return "a second RoPE table for the sliding layers (Gemma 3)"
     if cfg.num_experts:
         return "mixture-of-experts layers (Mixtral, Qwen-MoE; the C step's MLP is dense)"
+    if cfg.kv_groups.split:
+        return "KV groups (sliding layers beside full ones, runtime.kv_groups: the C step reads one block table for every layer)"
     return None
 
 
@@ -126,7 +130,7 @@ class LayerParts:
     options read once. The layer routine tests only which parts are present."""
 
     __slots__ = ("index", "check", "attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm",
-                 "qkv", "o", "gate_up", "down", "act", "moe", "rope", "window", "softcap")
+                 "qkv", "o", "gate_up", "down", "act", "moe", "rope", "window", "softcap", "kv_group")
 
     def linears(self) -> list:
         """The projections (MoE: qkv, o and the shared expert's; the routed experts are read by expert)."""
@@ -166,6 +170,7 @@ def build_layers(cfg: ModelConfig, make) -> list[LayerParts]:
         p.rope = make.rope(cfg.local_rope(i))
         p.window = cfg.window(i)  # sliding window in keys (0: full attention)
         p.softcap = cfg.attn_softcap  # Gemma 2 (0: none)
+        p.kv_group = cfg.kv_groups.group_of[i] if cfg.kv_groups.split else None  # its block tables' group (None: the one table)
         layers.append(p)
     return layers
 
@@ -189,22 +194,37 @@ def layer_forward(ops, p: LayerParts, h: torch.Tensor, delta, k_cache, v_cache):
 
 
 def run_layers(ops, layers: list[LayerParts], h: torch.Tensor, kv_views) -> torch.Tensor:
-    """Every layer in turn; returns the last one's output (the caller's ops.final_norm adds it)."""
+    """Every layer in turn; returns the last one's output (the caller's ops.final_norm adds it).
+    A layer of a KV group (runtime.kv_groups) first points ops at its group's slots and tables."""
     delta = None
     for p, (k_cache, v_cache) in zip(layers, kv_views):
+        if p.kv_group is not None:
+            ops.use_group(p.kv_group)
         delta = layer_forward(ops, p, h, delta, k_cache, v_cache)
     return delta
+
+
+def kv_views(cfg: ModelConfig, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (k_cache, v_cache) pages: its slot of the pool (cfg.kv_groups; layer i's own
+    slot i when the layers form one group)."""
+    return [(kv_cache[s, 0], kv_cache[s, 1]) for s in cfg.kv_groups.slot_of]
 
 
 class TorchOps:
     """The parts in torch as transformers computes them (bit-equal in float32): the module form's
     and a tensor-parallel rank's (`reduce`: its all-reduce; here none). One per step."""
 
-    __slots__ = ("c", "batch", "backend", "reduce")
+    __slots__ = ("c", "batch", "backend", "reduce", "groups")
 
     def __init__(self, cfg: ModelConfig, batch, backend: str, reduce=None):
         self.c, self.batch, self.backend = cfg, batch, backend
         self.reduce = _same if reduce is None else reduce
+        self.groups = batch.group_batches()  # each KV group's view of the batch (none: one group)
+
+    def use_group(self, g: int) -> None:
+        """KV group g's slots and tables (a batch of one table for every layer: that one)."""
+        if self.groups:
+            self.batch = self.groups[g]
 
     def add_norm(self, p, delta, h, norm):
         if delta is not None:

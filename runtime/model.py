@@ -11,7 +11,8 @@ runtime.layer.TorchOps), as the fused CPU path and a tensor-parallel rank do wit
 family option (Qwen3's q / k norms, Gemma's scaled embeddings, sandwich norms, GeGLU, soft-caps
 and local RoPE table, windows, MoE) is read there. Then `forward(batch, kv)`
 runs any mix of sequences in flattened (varlen) form: no padding, each token carries its
-position and its slot in the paged cache, each sequence its block table. It writes the new K/V
+position and its slot in the paged cache, each sequence its block table (with KV groups,
+runtime.kv_groups, one per group: a layer reads its group's pool slot through its group's table). It writes the new K/V
 into the pages and returns float32 logits only for the rows in `batch.logits_indices`.
 `enable_fast_path()` (called by the engine after loading) switches `forward` to the fused CPU
 path of runtime.cpu_forward where it can run; the module forward below stays its slow twin
@@ -27,7 +28,7 @@ multiplied from its own blocks (runtime.moe), never the whole stack.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from pdserve.runtime.layer import (
     gated_mlp,
     has_shared_expert,
     is_moe,
+    kv_views,
     norm_roles,
     rope_tables,
     run_layers,
@@ -63,6 +65,17 @@ class ForwardBatch:
     block_tables: torch.Tensor  # (B, max_blocks) int32
     max_query_len: int
     logits_indices: torch.Tensor  # (N,) int64 rows of T whose logits are wanted
+    # a model with KV groups (runtime.kv_groups: sliding layers beside full ones), each group's own
+    # slots and tables, group 0's also in slot_mapping / block_tables; None: one group
+    group_slots: torch.Tensor | None = None  # (G, T) int64
+    group_tables: torch.Tensor | None = None  # (G, B, max_blocks) int32
+
+    def group_batches(self) -> list[ForwardBatch]:
+        """The batch as each KV group's layers see it (its slots and tables); [] for one group."""
+        if self.group_slots is None:
+            return []
+        return [replace(self, slot_mapping=s, block_tables=t, group_slots=None, group_tables=None)
+                for s, t in zip(self.group_slots, self.group_tables, strict=True)]
 
 
 class RMSNorm(nn.Module):
@@ -273,7 +286,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_modules(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        # kv_cache: (layers, 2, num_blocks, block_size, KVH, D)
+        # kv_cache: (layers of a KV group, 2, num_blocks, block_size, KVH, D)
         if isinstance(self.embed_tokens, QuantLinear):
             h = self.embed_tokens.rows(batch.input_ids, self.dtype)
         else:
@@ -282,7 +295,7 @@ class LlamaModel(nn.Module):
         if scale is not None:
             h = h * scale.to(h.device)
         ops = TorchOps(self.cfg, batch, self.attention_backend)
-        delta = run_layers(ops, self.parts, h, ((kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.parts))))
+        delta = run_layers(ops, self.parts, h, kv_views(self.cfg, kv_cache))
         h = ops.final_norm(delta, h, batch.logits_indices, self.norm)  # (N, hidden): the final norm is per row
         if isinstance(self.lm_head, QuantLinear):
             return soft_cap(self.lm_head(h), self.cfg.final_softcap).float()

@@ -3,7 +3,8 @@
 Lifecycle: built once per worker over a model and its KV pool; `execute(scheduled)` is called
 once per step. It flattens the scheduled tokens of all sequences into one varlen batch (no
 padding), maps each token to its cache slot (a table's entries freed before a sliding window
-become block 0, which attention never reads: runtime.kv_cache), and samples one token for every sequence whose
+become block 0, which attention never reads: runtime.kv_cache; a model with KV groups gets
+every group's slots and tables, ForwardBatch.group_slots / group_tables), and samples one token for every sequence whose
 computed range reaches its last token (prefill done, or decode); for a sequence that asks for
 prompt logprobs it also scores the chunk's prompt rows (runtime/scoring.py: their logits follow
 the sampling rows). It does not change sequence state: the engine applies the sampled tokens and
@@ -40,15 +41,16 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence], list[tuple[Sequence, range]]]:
         """The step's batch, the sequences that sample (their logits rows first, in order) and
         the (sequence, positions) whose prompt rows are scored (their rows after, in order)."""
-        bs = self.blocks.block_size
-        ids, pos, slots, qsl, lens, logit_rows, samplers, score_rows, scoring = [], [], [], [0], [], [], [], [], []
+        bs, groups = self.blocks.block_size, self.blocks.groups
+        ids, pos, qsl, lens, logit_rows, samplers, score_rows, scoring = [], [], [0], [], [], [], [], []
+        slots: list[list[int]] = [[] for _ in range(groups)]
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
             ids.extend(seq.tokens(start, end))
             pos.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for g, table in enumerate(seq.block_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + n)
             lens.append(end)
             if end == seq.num_tokens:
@@ -58,18 +60,22 @@ class ModelRunner:
             if scored:
                 score_rows.extend(qsl[-2] + p - start for p in scored)
                 scoring.append((seq, scored))
-        width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [_table_row(seq.block_table, width) for seq, _ in scheduled]
+        width = max(len(seq.block_table) for seq, _ in scheduled)  # every group's table is as long as the first's
+        tables = [[_table_row(seq.block_tables[g], width) for seq, _ in scheduled] for g in range(groups)]
         dev = self.device
+        group_slots = torch.tensor(slots, dtype=torch.int64, device=dev) if groups > 1 else None
+        group_tables = torch.tensor(tables, dtype=torch.int32, device=dev) if groups > 1 else None
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=group_slots[0] if groups > 1 else torch.tensor(slots[0], dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=group_tables[0] if groups > 1 else torch.tensor(tables[0], dtype=torch.int32, device=dev),
             max_query_len=max(n for _, n in scheduled),
             logits_indices=torch.tensor(logit_rows + score_rows, dtype=torch.int64, device=dev),
+            group_slots=group_slots,
+            group_tables=group_tables,
         )
         return batch, samplers, scoring
 

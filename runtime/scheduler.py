@@ -11,7 +11,9 @@ most runtime/scoring.py's SCORE_CHUNK, and never from the prefix cache). With th
 first takes the cached blocks of its longest cached prefix (never its last token: that one's
 logits are needed) and starts computing after them; if the rest does not fit, the match is
 given back and the sequence keeps waiting (with a sliding window on every layer, the matched
-blocks before its window are given back at once: runtime.kv_cache drop_outside_window). A sequence whose next uncached block another
+blocks before its window are given back at once: runtime.kv_cache drop_outside_window). Every
+block call takes a sequence's tables, one per KV group (runtime.kv_cache): a model with sliding
+and full layers grows, preempts and frees all of them together. A sequence whose next uncached block another
 sequence computes in the same step waits one step (keeping its place) and then finds it cached. The output is plain data, so it is tested on the
 CPU without a model.
 """
@@ -51,6 +53,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue in arrival order within a priority class, higher classes first."""
         seq.status = SeqStatus.WAITING
+        if len(seq.block_tables) != self.blocks.groups and not any(seq.block_tables):
+            seq.block_tables = self.blocks.new_tables()
         if not self.waiting or self.waiting[-1].priority >= seq.priority:
             self.waiting.append(seq)
             return
@@ -73,7 +77,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             n = _chunk(seq, budget)
-            while not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
+            while not self.blocks.ensure_tables(seq.block_tables, seq.num_computed_tokens + n):
                 victim = min(queue + [seq], key=lambda s: (s.priority, -s.arrival_time))
                 if victim is not seq:
                     queue.remove(victim)
@@ -95,7 +99,7 @@ class Scheduler:
     def _drop_unfittable(self, out: SchedulerOutput) -> None:
         # With nothing running the whole pool is free: a head that still does not fit never will.
         seq = self.waiting[0]
-        if self.blocks.blocks_for(seq.num_tokens) > self.blocks.free_blocks:
+        if self.blocks.table_blocks(seq.num_tokens, self.max_num_batched_tokens) > self.blocks.free_blocks:
             self.finish(seq, FinishReason.LENGTH)
             out.finished.append(seq)
 
@@ -105,13 +109,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._match_prefix(seq)
-            self.blocks.drop_outside_window(seq.block_table, seq.num_computed_tokens)  # a long cached prefix: only its window kept
+            self.blocks.drop_outside_windows(seq.block_tables, seq.num_computed_tokens)  # a long cached prefix: only its window kept
             if self._defer(seq, computing):
                 self._unmatch(seq)
                 deferred.append(self.waiting.popleft())
                 continue
             n = _chunk(seq, budget)
-            if not self.blocks.ensure_slots(seq.block_table, seq.num_computed_tokens + n):
+            if not self.blocks.ensure_tables(seq.block_tables, seq.num_computed_tokens + n):
                 if hit:
                     self._unmatch(seq)
                 break
@@ -149,7 +153,7 @@ class Scheduler:
         return k < len(keys) and keys[k] in computing
 
     def _unmatch(self, seq: Sequence) -> None:
-        self.blocks.free_table(seq.block_table)
+        self.blocks.free_tables(seq.block_tables)
         seq.num_computed_tokens = 0
 
     def _match_prefix(self, seq: Sequence) -> int:
@@ -158,7 +162,7 @@ class Scheduler:
             return 0  # a scoring sequence computes every prompt row (runtime/scoring.py)
         bs = self.blocks.block_size
         n = (seq.num_tokens - 1) // bs
-        seq.block_table = self.blocks.match(seq.hashes(bs, n, self.blocks.prefix_key), seq.tokens(0, n * bs))
+        seq.block_tables = [self.blocks.match(seq.hashes(bs, n, self.blocks.prefix_key), seq.tokens(0, n * bs))]  # one group (prefix_cache)
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
@@ -171,7 +175,7 @@ class Scheduler:
             self.blocks.register(seq.block_table, seq.hashes(bs, full, self.blocks.prefix_key), first, seq.tokens(first * bs, full * bs))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.blocks.free_table(seq.block_table)
+        self.blocks.free_tables(seq.block_tables)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -189,6 +193,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free_table(seq.block_table)
+        self.blocks.free_tables(seq.block_tables)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

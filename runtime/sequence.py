@@ -2,7 +2,8 @@
 
 Lifecycle: WAITING (queued, nothing computed) -> RUNNING (blocks held; each step computes
 `num_computed_tokens` further, a step that reaches the last token samples one more) ->
-FINISHED. Preemption sends a RUNNING sequence back to WAITING with its blocks freed and
+FINISHED. Its blocks are `block_tables`, one table per KV group of its model (one for most
+models; runtime.kv_cache). Preemption sends a RUNNING sequence back to WAITING with its blocks freed and
 `num_computed_tokens = 0`; its output so far is kept and recomputed by the next prefill, so
 greedy output is unchanged. `num_computed_tokens` is the single progress counter: prefill,
 chunked prefill, decode and recompute are all "compute tokens [computed, computed + n)".
@@ -26,7 +27,7 @@ class SeqStatus(enum.IntEnum):
 class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
-        "block_table", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
+        "block_tables", "finish_reason", "arrival_time", "logprobs", "top_logprobs", "stop_text", "priority",
         "block_hashes", "hash_secret", "prompt_scores",
     )
 
@@ -38,7 +39,7 @@ class Sequence:
         self.params = params
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]  # one per KV group (runtime.kv_cache; the scheduler sets as many as its pool has)
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic()
         self.logprobs: list[float | None] = []
@@ -49,6 +50,11 @@ class Sequence:
         self.hash_secret = b""  # the secret they were made with
         # its prompt tokens' scores so far while it asks for prompt_logprobs and has not handed them out (runtime/scoring.py)
         self.prompt_scores: list | None = [] if params.prompt_logprobs is not None else None
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its first KV group's table: the only one of a model whose layers attend alike."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

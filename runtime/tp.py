@@ -275,15 +275,24 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     max_query_len: int = 0
     logits_indices: bytes = b""
     stop: bool = False  # the worker is closing: the other ranks leave their loop
+    groups: int = 0  # a model with KV groups (runtime.kv_groups): how many; 0: one (no group fields)
+    group_slots: bytes = b""  # ForwardBatch.group_slots, (groups, T) int64
+    group_tables: bytes = b""  # ForwardBatch.group_tables, (groups, B, table_width) int32
 
 
 _PLAN_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
 _PLAN_DTYPES = {"query_start_loc": torch.int32, "seq_lens": torch.int32, "block_tables": torch.int32}
 
 
+def _raw(t: torch.Tensor) -> bytes:
+    return t.cpu().contiguous().numpy().tobytes()
+
+
 def plan_of(batch) -> StepPlan:
-    return StepPlan(**{f: getattr(batch, f).cpu().contiguous().numpy().tobytes() for f in _PLAN_FIELDS},
-                    table_width=batch.block_tables.shape[1], max_query_len=batch.max_query_len)
+    grouped = {} if batch.group_slots is None else {
+        "groups": batch.group_slots.shape[0], "group_slots": _raw(batch.group_slots), "group_tables": _raw(batch.group_tables)}
+    return StepPlan(**{f: _raw(getattr(batch, f)) for f in _PLAN_FIELDS},
+                    table_width=batch.block_tables.shape[1], max_query_len=batch.max_query_len, **grouped)
 
 
 def batch_of(plan: StepPlan, device="cpu"):
@@ -292,6 +301,10 @@ def batch_of(plan: StepPlan, device="cpu"):
     fields = {f: torch.frombuffer(bytearray(getattr(plan, f)), dtype=_PLAN_DTYPES.get(f, torch.int64)).to(device) if getattr(plan, f)
               else torch.empty(0, dtype=_PLAN_DTYPES.get(f, torch.int64), device=device) for f in _PLAN_FIELDS}
     fields["block_tables"] = fields["block_tables"].view(-1, plan.table_width) if plan.table_width else fields["block_tables"].view(0, 0)
+    if plan.groups:
+        fields["group_slots"] = torch.frombuffer(bytearray(plan.group_slots), dtype=torch.int64).to(device).view(plan.groups, -1)
+        fields["group_tables"] = torch.frombuffer(bytearray(plan.group_tables), dtype=torch.int32).to(device).view(
+            plan.groups, -1, plan.table_width)
     return ForwardBatch(**fields, max_query_len=plan.max_query_len)
 
 

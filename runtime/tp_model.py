@@ -36,7 +36,7 @@ from pdserve.kernels.quant import QuantTensor
 from pdserve.kernels.torch_paged import soft_cap
 from pdserve.runtime.blocks import ExpertBlocks, _expert_stack
 from pdserve.runtime.config import EngineConfig, ModelConfig
-from pdserve.runtime.layer import GatedMLP, TorchOps, activation, build_layers, embedding_scale, rope_tables, run_layers
+from pdserve.runtime.layer import GatedMLP, TorchOps, activation, build_layers, embedding_scale, kv_views, rope_tables, run_layers
 from pdserve.runtime.model import MixedBlocks, RMSNorm, _stack_rows
 from pdserve.runtime.moe import MoEBlock, PackedExperts, stack_bytes
 from pdserve.runtime.rope import RotaryEmbedding
@@ -171,7 +171,7 @@ class TPModel:
         if scale is not None:
             h = h * scale.to(h.device)
         ops = TorchOps(self.cfg, batch, self.backend, self.group.all_reduce)  # every rank's partial o and MLP outputs summed
-        delta = run_layers(ops, self.layers, h, ((kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.layers))))
+        delta = run_layers(ops, self.layers, h, kv_views(self.cfg, kv_cache))
         h = ops.final_norm(delta, h, batch.logits_indices, self.norm)  # (N, hidden)
         return self._logits(soft_cap(self.lm_head(h), self.full.final_softcap).float())
 

@@ -12,7 +12,11 @@ worker by the backend the sender picked from that worker's pool description; KVR
 and then released, which frees its blocks here; the other outputs are returned to the worker.
 For a model whose every layer slides the decode side grants NULL_BLOCK for the positions
 wholly before the window of the first position it decodes (decode/grants.py), so only the
-window's blocks travel (`blocks_to_send`); this side freed the same ones after the prefill.
+window's blocks travel (`blocks_to_send`); this side freed the same ones after the prefill. A
+model with KV groups (sliding layers beside full ones: runtime.kv_groups) is granted every
+group's table, interleaved position by position (BlockManager.interleave), NULL before each
+sliding group's own window: its sequence's tables are interleaved alike, so the full group's
+blocks all travel and each sliding group's only within its window.
 `abort(rid)` drops a job not yet handed off and tells the decode side. Every path frees the
 job's blocks: a hand-off that fails tells the decode side (KVFailed, it frees the grant) and the
 coordinator (WorkerError), a finished one tells the coordinator PrefillDone naming the grant
@@ -53,14 +57,16 @@ class Job:
     streamed_bytes: int = 0
 
 
-def finished_blocks(table: list[int], dest_ids: list[int], skip: int, computed: int, block_size: int) -> list[tuple[int, int]]:
+def finished_blocks(table: list[int], dest_ids: list[int], skip: int, computed: int, block_size: int,
+                    groups: int = 1) -> list[tuple[int, int]]:
     """(source, destination) pairs of the blocks a prompt's `computed` tokens fill completely, from
     position skip on, whose destination entry is a block (blocks_to_send's pairs, as far as they
-    are final): never the grant's last position, which the KVReady carries. ValueError if such a
+    are final): never the grant's last position, which the KVReady carries. With KV groups table
+    and dest_ids hold `groups` entries a position (BlockManager.interleave). ValueError if such a
     source block was freed (a sliding window frees here only what the grant leaves NULL)."""
-    done = min(computed // block_size, len(dest_ids) - 1, len(table))
+    done = min(computed // block_size, len(dest_ids) // groups - 1, len(table) // groups) * groups
     pairs = []
-    for s, d in zip(table[skip:done], dest_ids[skip:done]):
+    for s, d in zip(table[skip * groups:done], dest_ids[skip * groups:done]):
         if d == NULL_BLOCK:
             continue
         if s == NULL_BLOCK:
@@ -70,11 +76,12 @@ def finished_blocks(table: list[int], dest_ids: list[int], skip: int, computed: 
 
 
 def blocks_to_send(table: list[int], dest_ids: list[int], skip: int) -> tuple[list[int], list[int]]:
-    """(source blocks, destination blocks) of a hand-off: each position from skip on whose
-    destination entry is a block. A destination NULL_BLOCK marks a position wholly before the
-    decode side's sliding window, which it never reads (decode/grants.py); this side freed the
-    same positions after the prefill (runtime.kv_cache), so the two must agree. ValueError if the
-    grant does not fit the table or its NULL_BLOCK entries are not the blocks freed here."""
+    """(source blocks, destination blocks) of a hand-off: each entry from skip on whose
+    destination entry is a block (with KV groups: interleaved tables, skip 0). A destination
+    NULL_BLOCK marks a position wholly before the decode side's sliding window, which it never
+    reads (decode/grants.py); this side freed the same positions after the prefill
+    (runtime.kv_cache), so the two must agree. ValueError if the grant does not fit the table or
+    its NULL_BLOCK entries are not the blocks freed here."""
     if len(dest_ids) != len(table) or not 0 <= skip < len(table):
         raise ValueError(f"granted {len(dest_ids)} blocks ({skip} cached) for {len(table)} needed")
     if any((s == NULL_BLOCK) != (d == NULL_BLOCK) for s, d in zip(table[skip:], dest_ids[skip:])):
@@ -94,10 +101,12 @@ class Handoffs:
 
     def accept(self, msg: Prefill) -> None:
         """Queue msg's prompt (held after its prefill), or fail it at once if its grant or tokens are wrong."""
-        need = self.engine.blocks.blocks_for(len(msg.prompt_token_ids) + len(msg.output_token_ids))
-        if len(msg.dest_block_ids) != need or not 0 <= msg.dest_cached_blocks < need:
+        blocks = self.engine.blocks
+        need = blocks.blocks_for(len(msg.prompt_token_ids) + len(msg.output_token_ids))
+        if len(msg.dest_block_ids) != need * blocks.groups or not 0 <= msg.dest_cached_blocks < need \
+                or (blocks.groups > 1 and msg.dest_cached_blocks):
             self.fail(msg, "kv_transfer_failed", f"invalid hand-off: granted {len(msg.dest_block_ids)} blocks "
-                                                 f"({msg.dest_cached_blocks} cached) for {need} needed")
+                                                 f"({msg.dest_cached_blocks} cached) for {need} needed in each of {blocks.groups} KV groups")
             return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.output_token_ids, msg.priority, hold=True)
@@ -148,14 +157,15 @@ class Handoffs:
     def stream_parts(self) -> None:
         """Send, for every job still prefilling, the blocks finished since its last part (one KVPart
         each); a job whose part fails is failed and freed, its decode side and the coordinator told."""
-        bs = self.engine.blocks.block_size
+        blocks = self.engine.blocks
         for rid, job in list(self.jobs.items()):
             seq = self.engine.seqs.get(rid)
             if seq is None or not seq.num_computed_tokens:
                 continue
             msg = job.msg
             try:
-                new = finished_blocks(seq.block_table, msg.dest_block_ids, msg.dest_cached_blocks, seq.num_computed_tokens, bs)[job.streamed:]
+                new = finished_blocks(blocks.interleave(seq.block_tables), msg.dest_block_ids, msg.dest_cached_blocks,
+                                      seq.num_computed_tokens, blocks.block_size, blocks.groups)[job.streamed:]
                 if not new:
                     continue
                 liveness.touch()
@@ -185,7 +195,7 @@ class Handoffs:
         skip = msg.dest_cached_blocks  # the decode worker holds these already
         t0 = time.perf_counter()
         try:
-            src, dest = blocks_to_send(seq.block_table, msg.dest_block_ids, skip)
+            src, dest = blocks_to_send(self.engine.blocks.interleave(seq.block_tables), msg.dest_block_ids, skip)
             ready = KVReady(
                 msg.request_id, seq.prompt_token_ids, list(seq.output_token_ids), msg.params, dest,
                 seq.num_computed_tokens, "", out.logprob, out.top_logprobs, msg.priority, msg.grant,  # the sender names its backend

@@ -53,7 +53,11 @@ def hello(role: Role, wid: str, wcfg: WorkerConfig, engine: LLMEngine, pool: tor
         engine={**engine.config.summary(engine.max_model_len, pool.shape[2], pool.nbytes), "linear_table": linear_table(engine),
                 "core_share": (wcfg.core_share or "").rpartition(":")[0],  # the workers it shares its cores with share this
                 "cores": getattr(engine.core_share, "cores", 0),  # its threads alone on them (CoreShare.cores; 0: no share)
-                "kv_window": engine.cfg.kv_window},  # its grants leave the blocks before the window out (runtime.kv_cache)
+                "kv_window": engine.cfg.kv_window,  # its grants leave the blocks before the window out (runtime.kv_cache)
+                # KV groups (runtime.kv_groups): a table per group, a sliding group's grant from its window on ("0,8,8": each
+                # group's window; "": one group)
+                "kv_group_windows": ",".join(map(str, engine.blocks.group_windows)) if engine.blocks.groups > 1 else "",
+                "prefix_cache": int(engine.blocks.prefix_cache)},  # off with KV groups whatever was asked (runtime.kv_cache)
         roles=list(roles or []),
     )
 

@@ -14,6 +14,8 @@ from pdserve.coordinator.placement import (
     RequestView,
     ShedReason,
     WorkerSnapshot,
+    computed_blocks,
+    handoff_need,
     place_colocated,
     place_pair,
     prefill_share,
@@ -58,6 +60,16 @@ def test_a_sliding_window_decode_worker_needs_room_for_the_window_only():
     assert place_pair(REQ, [prefill("p0")], [windowed], None).worker == "d0"
     assert place_pair(REQ, [prefill("p0")], [windowed], TARGETS).worker == "d0"
     assert place_pair(REQ, [prefill("p0")], [dataclasses.replace(windowed, free_blocks=2)], None).outcome is Outcome.WAIT
+
+
+def test_a_kv_group_decode_worker_needs_each_sliding_groups_window_and_the_full_groups_all():
+    """KV groups (runtime.kv_groups: Gemma's sliding layers beside full ones), windows (0, 32, 32):
+    100 tokens in blocks of 16 need the full group's 7 and blocks 4..6 of each sliding group, 13;
+    computed on the worker itself, every group's 7 at once (21)."""
+    grouped = WorkerSnapshot("d0", FAST, free_blocks=13, block_size=16, kv_group_windows=(0, 32, 32))
+    assert handoff_need(100, 0, 16, 0, (0, 32, 32)) == 13 and computed_blocks(100, 16, (0, 32, 32)) == 21
+    assert place_pair(REQ, [prefill("p0")], [grouped], None).worker == "d0"
+    assert place_pair(REQ, [prefill("p0")], [dataclasses.replace(grouped, free_blocks=12)], None).outcome is Outcome.WAIT
 
 
 # ------------------------------------------------------------------ pairs, SLO control on

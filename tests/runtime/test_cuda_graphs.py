@@ -28,9 +28,10 @@ def seq(computed: int, total: int, blocks: int = 1):
 
 
 def test_only_pure_decode_steps_that_fit_replay():
-    runner = SimpleNamespace(sizes=[1, 2, 4], width=4)
+    runner = SimpleNamespace(sizes=[1, 2, 4], width=4, blocks=SimpleNamespace(groups=1))
     ok = cuda_graphs.GraphRunner.graphable
     assert ok(runner, [(seq(9, 10), 1), (seq(3, 4), 1)])
+    assert not ok(SimpleNamespace(sizes=[1, 2, 4], width=4, blocks=SimpleNamespace(groups=2)), [(seq(9, 10), 1)])  # KV groups: eager
     assert not ok(runner, [])
     assert not ok(runner, [(seq(0, 10), 10)])  # prefill
     assert not ok(runner, [(seq(9, 10), 1), (seq(0, 5), 5)])  # mixed

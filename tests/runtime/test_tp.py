@@ -100,7 +100,7 @@ def compare(ref: LLMEngine, model, n: int, tol: float = LOGPROB_TOL, **config) -
             assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < tol
         hits = engine.blocks.hits
         assert engine.generate(PROMPTS[1:2], params)[0].token_ids == wanted[1].token_ids  # its prefix cached on every rank
-        assert engine.blocks.hits > hits
+        assert engine.blocks.hits > hits or not engine.blocks.prefix_cache  # KV groups (sliding beside full layers): none
         assert engine.blocks.free_blocks == engine.blocks.num_blocks  # cached prefix blocks count as free
     finally:
         ranks.close()

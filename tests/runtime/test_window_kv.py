@@ -1,11 +1,14 @@
 """A model whose every layer slides keeps only its window's KV blocks (runtime.kv_cache
-drop_outside_window), and a hand-off sends only those.
+drop_outside_window), and a hand-off sends only those; a model whose sliding layers sit beside
+full ones (Gemma 2 / 3: KV groups, runtime.kv_groups) does so for its sliding groups.
 
 A tiny random Mistral with sliding_window 16, blocks of 4 tokens: a generation of 200 tokens holds
 at most ceil(16 / 4) + 1 = 5 blocks a sequence at any step, in a pool of 16 blocks that could not
 hold one such sequence whole, and its greedy tokens equal HF's; preemption, abort and the prefix
 cache keep the pool whole and the tokens right; prefill -> decode in one process moves only the
-window's blocks and decodes as HF.
+window's blocks and decodes as HF. Random Gemma 2 (4 layers) and Gemma 3 (12 layers, 5:1)
+checkpoints with windows of 8: each sequence holds its full group's blocks and each sliding
+group's window only, greedy tokens equal HF's, and a hand-off moves only those blocks.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from pdserve.kvtransfer.local import LocalKV
 from pdserve.prefill.fixed_worker import PrefillWorker
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.engine import LLMEngine
-from pdserve.runtime.kv_cache import NULL_BLOCK, BlockManager
+from pdserve.runtime.kv_cache import NULL_BLOCK, BlockManager, deinterleave
+from pdserve.runtime.kv_groups import kv_groups
 from pdserve.wire.protocol import Admit, Granted, Prefill, TokenBatch, WorkerError
 from pdserve.worker.any_role import Worker
 from pdserve_client.params import SamplingParams
@@ -67,6 +71,20 @@ def run(eng, prompts, params, each_step=None) -> list[list[int]]:
         if each_step is not None:
             each_step([s for s in seqs if not s.finished])
     return [out[s.request_id] for s in seqs]
+
+
+def decode_handed_off(dec: Worker, inbox: list) -> dict[str, list[int]]:
+    """Give the decode worker what the hand-offs sent it and run it dry; the tokens it emitted, by request."""
+    dec.link.inbox += inbox
+    inbox.clear()
+    while dec.link.inbox or dec.engine.has_work():
+        dec.turn(0)
+    got: dict[str, list[int]] = {}
+    for batch in dec.link.taken(TokenBatch):
+        for item in batch.items:
+            if item.token_id >= 0:
+                got.setdefault(item.request_id, []).append(item.token_id)
+    return got
 
 
 # ------------------------------------------------------------------ the block manager alone
@@ -208,15 +226,7 @@ def test_the_hand_off_sends_only_the_window(mistral, hf_refs):
     while pre.jobs or pre.link.inbox:
         pre.turn(0)
     assert kv.bytes_sent == sent_blocks * block_bytes(p_pool)
-    dec.link.inbox += inbox
-    inbox.clear()
-    while dec.link.inbox or d_engine.has_work():
-        dec.turn(0)
-    got: dict[str, list[int]] = {}
-    for batch in dec.link.taken(TokenBatch):
-        for item in batch.items:
-            if item.token_id >= 0:
-                got.setdefault(item.request_id, []).append(item.token_id)
+    got = decode_handed_off(dec, inbox)
     for rid, (tokens, logits) in zip("ab", hf_refs):
         assert assert_greedy_equal(got[rid], tokens[:40], logits, f"handed-off {rid}") == 40
     assert whole(p_engine) and whole(d_engine) and not dec.grants and not d_engine.seqs
@@ -236,3 +246,171 @@ def test_a_grant_that_wants_the_freed_blocks_fails_the_hand_off_at_once(mistral)
     pre.turn(0)
     assert [type(m).__name__ for m, _ in inbox] == ["KVFailed"] and kv.bytes_sent == 0
     assert [e.code for e in pre.link.taken(WorkerError)] == ["kv_transfer_failed"] and whole(p_engine)
+
+
+# ------------------------------------------------------------------ KV groups: sliding layers beside full ones
+
+# Gemma 2: every other layer slides (4 layers: 2 groups of 2); Gemma 3: five of each six slide
+# (12 layers: a full group of 2 and 5 sliding groups of 2). Windows of 8 keys, blocks of 4 tokens.
+GEMMA_WINDOW = 8
+GEMMAS = {
+    "gemma2": dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=4.0, num_hidden_layers=4),
+    "gemma3": dict(arch="gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW, num_hidden_layers=12,
+                   layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, final_logit_softcapping=4.0),
+}
+GEMMA_GROUPS = {"gemma2": (0, GEMMA_WINDOW), "gemma3": (0,) + (GEMMA_WINDOW,) * 5}
+GEMMA_NEW = 40
+
+
+@pytest.fixture(scope="module", params=sorted(GEMMAS))
+def gemma(request, tmp_path_factory):
+    """(name, checkpoint, prompts of 30 and 45 tokens, HF's greedy GEMMA_NEW tokens after each)."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp(request.param)
+    save_tiny_model(d, **GEMMAS[request.param])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (30, 45)]
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return request.param, d, prompts, [hf_greedy(hf, p, GEMMA_NEW, eos=False) for p in prompts]
+
+
+def held_by_design(blocks, computed: int) -> int:
+    """Blocks a sequence with `computed` tokens computed holds: every full group's table whole,
+    each sliding group's from its window on (runtime.kv_cache first_needed)."""
+    n = blocks.blocks_for(computed)
+    return sum(n - first for first in blocks.first_needed_by_group(computed))
+
+
+def test_layers_split_into_kv_groups_of_one_window():
+    assert kv_groups((8, 0) * 2, 4).layers == ((1, 3), (0, 2))  # Gemma 2: a full group, a sliding one
+    g3 = kv_groups(((8,) * 5 + (0,)) * 2, 12)
+    assert g3.size == 2 and g3.windows == (0,) + (8,) * 5 and g3.layers[0] == (5, 11)
+    assert sorted(layer for group in g3.layers for layer in group) == list(range(12))
+    assert all(g3.layers[g3.group_of[i]][g3.slot_of[i]] == i for i in range(12))
+    uneven = kv_groups(((8,) * 5 + (0,)) * 4 + (8, 8), 26)  # Gemma 3 1B: 4 full, 22 sliding
+    assert uneven.size == 4 and [len(ls) for ls in uneven.layers] == [4, 4, 4, 4, 4, 4, 2]  # the last group's slots half used
+    assert not kv_groups((), 6).split and kv_groups((), 6).size == 6  # every layer full: one group, today's pool
+    base = dict(architecture="Gemma2ForCausalLM", max_position=128, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                num_heads=2, num_kv_heads=1, head_dim=16)
+    assert ModelConfig(**base, layer_windows=(8, 0, 8, 0)).kv_groups.windows == (0, 8)
+    assert not ModelConfig(**base, layer_windows=(8, 8, 8, 8)).kv_groups.split  # every layer slides: one table, kv_window
+    assert not ModelConfig(**base, layer_windows=(8, 16, 8, 16)).kv_groups.split  # different windows, none full: likewise
+
+
+def test_a_group_manager_frees_only_the_sliding_groups_blocks():
+    bm = BlockManager(64, BS, group_windows=(0, WINDOW, WINDOW))
+    assert bm.groups == 3 and not bm.prefix_cache  # not built for KV groups
+    tables = bm.new_tables()
+    assert bm.ensure_tables(tables, 41) and [len(t) for t in tables] == [11] * 3 and bm.free_blocks == 64 - 33
+    assert bm.drop_outside_windows(tables, 40) == 2 * 6  # each sliding group's blocks 0..5; the full group keeps all
+    assert tables[0].count(NULL_BLOCK) == 0 and tables[1][:6] == [NULL_BLOCK] * 6 and bm.held_by(tables) == 11 + 2 * 5
+    assert not bm.ensure_tables(tables, 41 + 4 * 20)  # 3 x 20 more: short, nothing taken
+    assert bm.held_by(tables) == 21 and bm.free_blocks == 64 - 21
+    flat = bm.interleave(tables)
+    assert flat[:3] == [tables[0][0], NULL_BLOCK, NULL_BLOCK] and deinterleave(flat, 3) == tables
+    bm.free_tables(tables)
+    assert bm.free_blocks == 64 and bm.leaked() == [] and tables == [[], [], []]
+
+
+def test_table_blocks_bounds_what_a_sequence_computed_in_chunks_holds():
+    """The scheduler's and validate's bound (a prompt that can never fit is refused, one that
+    can is kept): over windows, block sizes, chunks and lengths, a sliding group's table never
+    holds more than table_blocks counts for it."""
+    for bs, w, chunk in [(4, 8, 16), (4, 3, 5), (1, 5, 2), (8, 33, 31), (16, 8, 1), (2, 16, 16)]:
+        bm = BlockManager(4096, bs, group_windows=(0, w))
+        for total in range(1, 120, 7):
+            tables, computed, most = bm.new_tables(), 0, 0
+            while computed < total:
+                n = min(chunk, total - computed)
+                assert bm.ensure_tables(tables, computed + n)
+                most = max(most, bm.held_by(tables[1:]))
+                computed += n
+                bm.drop_outside_windows(tables, computed)
+            assert most <= bm.table_blocks(total, chunk) - bm.blocks_for(total), (bs, w, chunk, total)
+            bm.free_tables(tables)
+        assert bm.free_blocks == 4096
+
+
+def test_a_grant_for_kv_groups_leaves_out_each_sliding_groups_positions_before_its_window():
+    bm = BlockManager(64, BS, group_windows=(0, WINDOW))
+    ids, cached = grant_blocks(bm, Admit("a", 40, 1))
+    full, sliding = deinterleave(ids, 2)
+    assert cached == 0 and len(full) == len(sliding) == 10 and NULL_BLOCK not in full
+    assert sliding[:6] == [NULL_BLOCK] * 6 and NULL_BLOCK not in sliding[6:] and bm.free_blocks == 64 - 14
+    bm.free(ids)
+    assert bm.free_blocks == 64
+
+
+def test_a_gemma_generation_frees_its_sliding_groups_blocks(gemma):
+    """Gemma 2 and 3, prompts of 30 and 45 tokens past their windows of 8, GEMMA_NEW tokens each,
+    batched: after every step each sequence holds its full group's blocks and each sliding
+    group's window only (held_by_design: fewer than one table for every layer would), the
+    pool's count agrees, the tokens are HF's and the pool is whole at the end."""
+    name, d, prompts, refs = gemma
+    eng = engine(d, num_blocks=256)
+    assert eng.blocks.group_windows == GEMMA_GROUPS[name] and eng.runner.kv_cache.shape[0] == 2
+    fewer = []
+
+    def check(running):
+        held = [eng.blocks.held_by(s.block_tables) for s in running]
+        assert held == [held_by_design(eng.blocks, s.num_computed_tokens) for s in running]
+        assert eng.blocks.num_blocks - eng.blocks.free_blocks == sum(held)
+        fewer.extend(h < eng.blocks.table_blocks(s.num_computed_tokens) for h, s in zip(held, running))
+
+    outs = run(eng, prompts, SamplingParams(temperature=0, max_tokens=GEMMA_NEW, ignore_eos=True), check)
+    assert fewer and all(fewer), "a sliding group kept blocks before its window"
+    assert eng.blocks.window_freed > 0
+    for i, (tokens, logits) in enumerate(refs):
+        assert assert_greedy_equal(outs[i], tokens, logits, f"{name} prompt {i}") >= GEMMA_NEW - 8
+    assert whole(eng)
+
+
+@pytest.mark.timeout(300)  # the tight pool preempts and recomputes the longer sequence about ten times
+def test_gemma_preemption_and_chunked_prefill_keep_the_pool_whole_and_the_tokens(gemma):
+    """A pool too small for both sequences at once, prompts in chunks of 16 tokens: preempted and
+    recomputed, the same tokens as a roomy pool, and every block back."""
+    name, d, prompts, _ = gemma
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = run(engine(d, num_blocks=256), prompts, params)
+    # at their ends (54 and 69 tokens) they hold 14 + 3 and 18 + 3 blocks (Gemma 2) or 14 + 5 x 3 and 18 + 5 x 3 (Gemma 3);
+    # the longer alone, in 16-token chunks, at most 18 + 7 or 18 + 5 x 7 (BlockManager.table_blocks)
+    eng = engine(d, num_blocks={"gemma2": 30, "gemma3": 56}[name], max_num_batched_tokens=16)
+    assert run(eng, prompts, params) == want
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.window_freed > 0 and whole(eng)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_gemma_hand_off_sends_the_sliding_groups_window_only(gemma, stream):
+    """Prefill worker -> decode worker in one process (kvtransfer.local): the grant leaves each
+    sliding group's positions before its window out, only the rest moves (streamed per 16-token
+    chunk, or all with the KVReady), the decode side decodes as HF and both pools end whole."""
+    name, d, prompts, refs = gemma
+    groups = len(GEMMA_GROUPS[name])
+    kv = LocalKV()
+    d_engine, d_pool = tiny_engine(d, block_size=BS, num_blocks=256)
+    dec = Worker("decode-1", d_engine, kv, FakeLink())
+    inbox = kv.register("local://decode-1", d_pool)
+    p_engine, p_pool = tiny_engine(d, prefill_only=True, block_size=BS, num_blocks=256, max_num_batched_tokens=16)
+    pre = PrefillWorker("prefill-1", p_engine, p_pool, kv, FakeLink(), handoff_stream=stream)
+    params = SamplingParams(temperature=0, max_tokens=GEMMA_NEW, ignore_eos=True)
+    sent = whole_tables = 0
+    for rid, prompt in zip("ab", prompts):
+        dec.link.inbox.append(Admit(rid, len(prompt), 1))
+        dec.turn(0)
+        ids = [m for m in dec.link.taken(Granted) if m.request_id == rid][-1].block_ids
+        need = d_engine.blocks.blocks_for(len(prompt))
+        tables = deinterleave(ids, groups)
+        assert [t.count(NULL_BLOCK) for t in tables] == list(d_engine.blocks.first_needed_by_group(len(prompt)))
+        sent += len(ids) - ids.count(NULL_BLOCK)
+        whole_tables += groups * need
+        pre.link.inbox.append(Prefill(rid, prompt, params, "decode-1", "local://decode-1", ids))
+    while pre.jobs or pre.link.inbox:
+        pre.turn(0)
+    assert kv.bytes_sent == sent * block_bytes(p_pool) and sent < whole_tables
+    assert whole(p_engine)
+    got = decode_handed_off(dec, inbox)
+    for rid, (tokens, logits) in zip("ab", refs):
+        assert assert_greedy_equal(got[rid], tokens, logits, f"{name} handed-off {rid}") >= GEMMA_NEW - 8
+    assert whole(d_engine) and not dec.grants and not d_engine.seqs
