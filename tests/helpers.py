@@ -541,6 +541,21 @@ def start_cluster(model_dir, log_dir, prefill=1, decode=1, colocated=0, kv_backe
     return launcher
 
 
+def run_until_blocks_free(launcher, generate) -> tuple:
+    """(what generate(client address) returns, the coordinator's stats once every worker's blocks
+    are free again: wait_all_blocks_free); the launcher is stopped either way."""
+    import asyncio
+
+    from pdserve_client.library import Client
+
+    try:
+        results = asyncio.run(generate(launcher.plan.client_addr))
+        with Client(launcher.plan.client_addr) as c:
+            return results, wait_all_blocks_free(c)
+    finally:
+        launcher.stop()
+
+
 def wait_all_blocks_free(client, timeout: float = 5.0) -> dict:
     """Poll the coordinator's stats until every worker reports all its KV blocks free in a
     heartbeat sent after this call began: the second one counted from now (the first may have

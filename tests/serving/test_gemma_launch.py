@@ -14,8 +14,8 @@ import torch
 
 from pdserve.common.kv_window import first_needed_block
 from pdserve.runtime.config import ModelConfig
-from pdserve_client.library import AsyncClient, Client
-from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_served_model, start_cluster, wait_all_blocks_free
+from pdserve_client.library import AsyncClient
+from tests.helpers import assert_greedy_equal, hf_greedy, run_until_blocks_free, save_tiny_served_model, start_cluster
 
 GEMMA2 = dict(arch="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
               final_logit_softcapping=4.0, tie_word_embeddings=True, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -78,12 +78,7 @@ def test_gemma3_hands_off_and_keeps_only_its_sliding_groups_windows(gemma3, tmp_
     # every layer would hold 6 x (11 + 16 + 20) = 282
     launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=1, kv_backend="shm",
                              engine_args=["--num-blocks", "120", "--block-size", str(BS)])
-    try:
-        results = asyncio.run(_generate(launcher.plan.client_addr, GEMMA3_PROMPTS, NEW))
-        with Client(launcher.plan.client_addr) as c:
-            stats = wait_all_blocks_free(c)
-    finally:
-        launcher.stop()
+    results, stats = run_until_blocks_free(launcher, lambda addr: _generate(addr, GEMMA3_PROMPTS, NEW))
     for i, (r, (tokens, logits)) in enumerate(zip(results, refs)):
         assert assert_greedy_equal(r.token_ids, tokens, logits, f"gemma3 prompt {i}") >= NEW - 8
     # each prompt's full group's blocks and each sliding group's from the window of its last position on: 13, 23, 27

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve.runtime.config import ModelConfig
-from pdserve_client.library import AsyncClient, Client
-from tests.helpers import assert_greedy_equal, hf_greedy, save_tiny_served_model, start_cluster, wait_all_blocks_free
+from pdserve_client.library import AsyncClient
+from tests.helpers import assert_greedy_equal, hf_greedy, run_until_blocks_free, save_tiny_served_model, start_cluster
 
 WINDOW, BS, NEW = 16, 4, 64
 PROMPTS = [[100 + 37 * i + 11 * j for j in range(n)] for i, n in enumerate((5, 30, 60))]
@@ -39,12 +39,7 @@ def test_a_window_model_hands_off_and_holds_only_its_window(mistral, tmp_path):
     # 24 blocks of 4 tokens: the three sequences (69 to 124 tokens) would need 73 blocks whole
     launcher = start_cluster(model_dir, tmp_path, prefill=1, decode=1, kv_backend="shm",
                              engine_args=["--num-blocks", "24", "--block-size", str(BS)])
-    try:
-        results = asyncio.run(_generate(launcher.plan.client_addr))
-        with Client(launcher.plan.client_addr) as c:
-            stats = wait_all_blocks_free(c)
-    finally:
-        launcher.stop()
+    results, stats = run_until_blocks_free(launcher, _generate)
     for i, (r, (tokens, logits)) in enumerate(zip(results, refs)):
         assert assert_greedy_equal(r.token_ids, tokens, logits, f"prompt {i}") >= NEW - 8
     # each prompt's KV from the window of its last position on (runtime.kv_cache first_needed): 2, 5
