@@ -58,6 +58,11 @@ ANY_ROWS = 1 << 62
 # steps only; int16 at every row count (above 7 rows, quant_ops.c q_gemm: 1.1-1.2x dequantize + MKL at
 # prompt sizes, 1.3-1.5x the float tiled kernel at 32-64 rows)
 DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
+# The K-quants at up to K256_ROWS rows (a lone stream's decode step; quant_ops.c QK256_ROWS) take
+# their integer activations with one scale per 256-wide super-block instead of per 32 (int8:
+# llama.cpp's q8_K), so that the sub-block scales are applied in integers (quantize_activations_256,
+# matmul_k256_twin; takes_k256)
+K256_ROWS = 4
 
 
 def block_weights(qtype: str) -> int:
@@ -406,15 +411,51 @@ def int_form(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.reshape(n, cols).to(torch.int16), d.repeat_interleave(2, -1), m
 
 
+def takes_k256(w: QuantTensor, rows: int, kind: str) -> bool:
+    """Whether the C kernel rounds `rows` rows of x per 256 (K256_ROWS) rather than per 32."""
+    return kind in INT_LIMITS and w.qtype in K_QTYPES and rows <= K256_ROWS
+
+
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
     """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
     per 32-wide block of activations dx * sum over its halves of scale * (codes . xq), plus
-    offset * sum(x) (int_form). Its difference from `matmul_twin` is the activations' rounding to
-    int8 or int16, which is the price of those paths."""
+    offset * sum(x) (int_form); the K-quants' few-row case (takes_k256) is matmul_k256_twin.
+    Its difference from `matmul_twin` is the activations' rounding to int8 or int16, which is the
+    price of those paths."""
     rows, cols = x.shape
+    if takes_k256(w, rows, kind):
+        return matmul_k256_twin(x, w, kind)
     xq, dx, xsum = quantize_activations(x, kind)
     q, scale, m = int_form(w)
     halves = cols // 16
     dots = torch.einsum("nhj,mhj->mnh", q.double().reshape(-1, halves, 16), xq.reshape(rows, halves, 16).double())  # exact integers
     dxh = dx.double().repeat_interleave(2, -1)  # (M, halves)
     return (dots * scale.unsqueeze(0) * dxh.unsqueeze(1)).sum(-1) + xsum.double() @ m.T
+
+
+def quantize_activations_256(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K-quants' few-row activations (quant_ops.c qk256_activations): (codes (M, K) int8 or
+    int16, scales (M, K/256), sums of x (M, K/32)), x ~ scale * codes per 256-wide super-block,
+    scale = max|x| / L (INT_LIMITS), rounded half to even; int8 is llama.cpp's q8_K. (The C
+    kernel's int8 sums of each 16 codes, Q6_K's offset taken in integers, are the codes' own sums:
+    the twin needs none.)"""
+    rows, cols = x.shape
+    limit = INT_LIMITS[kind]
+    supers = x.reshape(rows, cols // SUPER_BLOCK, SUPER_BLOCK)
+    amax = supers.abs().amax(-1)
+    inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    codes = torch.round(supers * inv.unsqueeze(-1)).to(torch.int8 if kind == "int8" else torch.int16)
+    return codes.reshape(rows, cols), amax / limit, x.reshape(rows, cols // BLOCK, BLOCK).sum(-1)
+
+
+def matmul_k256_twin(x: torch.Tensor, w: QuantTensor, kind: str) -> torch.Tensor:
+    """What the K-quants' few-row path (quant_ops.c qk8_rows_avx2 / qk16_rows_avx2 /
+    qk256_row_scalar) computes, in float64: per super-block xd * sum over 16-wide groups of
+    scale * (codes . xq) (int_form: Q6_K's codes q - 32), plus offset * sum(x) per 32."""
+    rows, cols = x.shape
+    xq, xd, xsum = quantize_activations_256(x, kind)
+    q, scale, m = int_form(w)
+    groups = cols // 16
+    dots = torch.einsum("ngj,mgj->mng", q.double().reshape(-1, groups, 16), xq.reshape(rows, groups, 16).double())  # exact integers
+    xdg = xd.double().repeat_interleave(SUPER_BLOCK // 16, -1)  # (M, groups)
+    return (dots * scale.unsqueeze(0) * xdg.unsqueeze(1)).sum(-1) + xsum.double() @ m.T
