@@ -159,6 +159,33 @@ static inline void qk_store_codes(int16_t *c, __m256i v, int sgn) {
     _mm256_storeu_si256((__m256i *)c, sgn ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo));
     _mm256_storeu_si256((__m256i *)(c + 16), sgn ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi));
 }
+
+/* Half h (weights 128h..128h + 127) of a Q6_K super-block as four vectors of 32 unsigned code
+ * bytes q (0..63), q[k] = weights 128h + 32k..: nibbles of ql (low for k < 2, high above; bytes
+ * 0..31 for even k, 32..63 for odd) under bits 2k, 2k+1 of qh (16-bit shifts, then masked). */
+static inline void qk6_codes(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), _mm256_and_si256(hb, top2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top2));
+}
+
+/* Sub-blocks 2k (*lo) and 2k + 1 (*hi) of a Q4_K / Q5_K super-block as 32 unsigned code bytes
+ * each: the nibbles of qs[32k..], Q5_K with bits 2k, 2k + 1 of qh (its 32 bytes) above them. */
+static inline void qk45_codes(const uint8_t *blk, int qt, int k, __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (qt == QT_Q5_K ? 48 : 16) + 32 * k));
+    *lo = _mm256_and_si256(v, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (qt == QT_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+    }
+}
 #endif
 
 /* A Q4_K / Q5_K super-block's eight 6-bit scales and mins as bytes, four a word (sub-blocks 0..3
@@ -192,29 +219,17 @@ static inline void qk_scales_mins(const uint8_t *blk, float *restrict s, float *
 
 static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, float *restrict s, float *restrict m) {
 #ifdef __AVX2__
-    /* the codes as the plain C below spells them, 32 bytes at a time (byte shifts by 16-bit lanes, then masked) */
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    /* the codes as the plain C below spells them, 32 bytes at a time */
     if (qt == QT_Q6_K) {
         for (int half = 0; half < 2; half++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)), bias = _mm256_set1_epi8(32);
-            const __m256i nib[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
-            for (int k = 0; k < 4; k++) {
-                const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), low2), 4);
-                qk_store_codes(c + 128 * half + 32 * k, _mm256_sub_epi8(_mm256_or_si256(nib[k], top), bias), 1);
-            }
+            __m256i q[4];
+            qk6_codes(blk, half, q);
+            for (int k = 0; k < 4; k++) qk_store_codes(c + 128 * half + 32 * k, _mm256_sub_epi8(q[k], _mm256_set1_epi8(32)), 1);
         }
     } else {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
         for (int k = 0; k < 4; k++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if (qt == QT_Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
-            }
+            __m256i lo, hi;
+            qk45_codes(blk, qt, k, &lo, &hi);
             qk_store_codes(c + 64 * k, lo, 0);
             qk_store_codes(c + 64 * k + 32, hi, 0);
         }
@@ -975,6 +990,11 @@ static inline __attribute__((always_inline)) void qk_direct_f32(
     for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* The next super-block's bb bytes into L1, a line at a time. */
+static inline void qk_prefetch(const uint8_t *blk, int bb) {
+    for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + off, _MM_HINT_T0);
+}
+
 /* The eight offsets m = -(dmin * mn) of a Q4_K / Q5_K super-block (mn: qk_scale_min_words). */
 static inline __m256 qk_mins8(float dmin, const uint32_t mn[2]) {
     return _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0))));
@@ -1002,13 +1022,11 @@ static inline __attribute__((always_inline)) void qk8_rows_avx2(
     const float *xsum, float *out, int64_t os, int n, const int R) {
     const int nsb = K / 256, bb = q_block_bytes(qt);
     const uint8_t *row = w + (int64_t)n * row_bytes;
-    const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi8(1);
     __m256 acc[QK256_ROWS], moff[QK256_ROWS];
     for (int r = 0; r < R; r++) acc[r] = moff[r] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + (int64_t)sb * bb;
-        if (sb + 1 < nsb)
-            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + bb + off, _MM_HINT_T0);
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
         __m256i isum[QK256_ROWS][2];
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
         float d;
@@ -1019,12 +1037,8 @@ static inline __attribute__((always_inline)) void qk8_rows_avx2(
             for (int r = 0; r < R; r++)  /* -32 * sum of sc * (group's code sum): the codes' offset */
                 isum[r][1] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsum + (int64_t)r * (K / 16) + 16 * sb))), 5);
             for (int half = 0; half < 2; half++) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-                const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2)),
-                                      _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2)),
-                                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), _mm256_and_si256(h, top2)),
-                                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(h, 2), top2))};
+                __m256i q[4];
+                qk6_codes(blk, half, q);
                 for (int k = 0; k < 4; k++) {  /* weights 128 half + 32 k..: groups g, g + 1 in the two 128-bit lanes */
                     const int g = 8 * half + 2 * k;
                     const __m256i scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(0x0101010101010101LL * (g + 1), 0x0101010101010101LL * g)));
@@ -1043,15 +1057,9 @@ static inline __attribute__((always_inline)) void qk8_rows_avx2(
             const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
             const __m256 m8 = qk_mins8(dmin, mn);
             for (int r = 0; r < R; r++) moff[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (int64_t)r * (K / 32) + 8 * sb), moff[r]);
-            const __m256i qh = qt == QT_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
             for (int c = 0; c < 4; c++) {  /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                if (qt == QT_Q5_K) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-                }
+                __m256i lo, hi;
+                qk45_codes(blk, qt, c, &lo, &hi);
                 const __m256i slo = _mm256_shuffle_epi8(scw, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
                 const __m256i shi = _mm256_shuffle_epi8(scw, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
                 for (int r = 0; r < R; r++) {
@@ -1077,14 +1085,12 @@ static inline __attribute__((always_inline)) void qk16_rows_avx2(
     int64_t os, int n, const int R) {
     const int nsb = K / 256, bb = q_block_bytes(qt);
     const uint8_t *row = w + (int64_t)n * row_bytes;
-    const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi8(1), bias = _mm256_set1_epi8(32);
     __m256 acc[QK256_ROWS], moff[QK256_ROWS];
     for (int r = 0; r < R; r++) acc[r] = moff[r] = _mm256_setzero_ps();
     int16_t scw[16] __attribute__((aligned(32)));  /* the super-block's integer scales */
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + (int64_t)sb * bb;
-        if (sb + 1 < nsb)
-            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + bb + off, _MM_HINT_T0);
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
         __m256i isum[QK256_ROWS][2];
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
         __m256i q[8];  /* 32 codes each, as bytes: Q6_K groups 2i, 2i + 1; Q4_K / Q5_K sub-block i */
@@ -1092,15 +1098,9 @@ static inline __attribute__((always_inline)) void qk16_rows_avx2(
         if (qt == QT_Q6_K) {
             d = half_to_float(blk + 208);
             _mm256_store_si256((__m256i *)scw, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
-            for (int half = 0; half < 2; half++) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-                q[4 * half] = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2));
-                q[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2));
-                q[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), _mm256_and_si256(h, top2));
-                q[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(h, 2), top2));
-            }
-            for (int i = 0; i < 8; i++) q[i] = _mm256_sub_epi8(q[i], bias);
+            qk6_codes(blk, 0, q);
+            qk6_codes(blk, 1, q + 4);
+            for (int i = 0; i < 8; i++) q[i] = _mm256_sub_epi8(q[i], _mm256_set1_epi8(32));
         } else {
             d = half_to_float(blk);
             uint32_t sc[2], mn[2];
@@ -1108,17 +1108,7 @@ static inline __attribute__((always_inline)) void qk16_rows_avx2(
             _mm_store_si128((__m128i *)scw, _mm_cvtepu8_epi16(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
             const __m256 m8 = qk_mins8(half_to_float(blk + 2), mn);
             for (int r = 0; r < R; r++) moff[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (int64_t)r * (K / 32) + 8 * sb), moff[r]);
-            const __m256i qh = qt == QT_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                q[2 * c] = _mm256_and_si256(v, low4);
-                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                if (qt == QT_Q5_K) {
-                    q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-                    q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-                }
-            }
+            for (int c = 0; c < 4; c++) qk45_codes(blk, qt, c, q + 2 * c, q + 2 * c + 1);
         }
         for (int i = 0; i < 8; i++) {  /* weights 32i..32i + 31: two vectors of 16 */
             const __m128i lo = _mm256_castsi256_si128(q[i]), hi = _mm256_extracti128_si256(q[i], 1);
@@ -1156,8 +1146,7 @@ static inline __attribute__((always_inline)) void qk16_rows_512(
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); moff[r] = _mm256_setzero_ps(); }
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = row + (int64_t)sb * bb;
-        if (sb + 1 < nsb)
-            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + bb + off, _MM_HINT_T0);
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
         __m512i isum[QK256_ROWS][2], scz;
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
         __m512i c[8];  /* weights 32i..32i + 31 as int16 codes (Q6_K: q - 32) */
@@ -1166,15 +1155,10 @@ static inline __attribute__((always_inline)) void qk16_rows_512(
         if (qt == QT_Q6_K) {
             d = half_to_float(blk + 208);
             scz = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
-            const __m256i low4b = _mm256_set1_epi8(15), top2b = _mm256_set1_epi8(0x30), bias8 = _mm256_set1_epi8(32);
-            for (int half = 0; half < 2; half++) {  /* as qk16_rows_avx2 spells the codes in bytes, then widened */
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-                const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(v0, low4b), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2b)),
-                                      _mm256_or_si256(_mm256_and_si256(v1, low4b), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2b)),
-                                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4b), _mm256_and_si256(h, top2b)),
-                                      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4b), _mm256_and_si256(_mm256_srli_epi16(h, 2), top2b))};
-                for (int k = 0; k < 4; k++) c[4 * half + k] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q[k], bias8));
+            for (int half = 0; half < 2; half++) {  /* spelled in bytes, then widened */
+                __m256i q[4];
+                qk6_codes(blk, half, q);
+                for (int k = 0; k < 4; k++) c[4 * half + k] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q[k], _mm256_set1_epi8(32)));
             }
         } else {
             d = half_to_float(blk);
