@@ -61,7 +61,7 @@ DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
 # The K-quants at up to K256_ROWS rows (a lone stream's decode step; quant_ops.c QK256_ROWS) take
 # their integer activations with one scale per 256-wide super-block instead of per 32 (int8:
 # llama.cpp's q8_K), so that the sub-block scales are applied in integers (quantize_activations,
-# matmul_k256_twin; takes_k256)
+# matmul_int_twin; takes_k256)
 K256_ROWS = 4
 
 
@@ -419,30 +419,16 @@ def takes_k256(w: QuantTensor, rows: int, kind: str) -> bool:
 
 
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
-    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
-    per 32-wide block of activations dx * sum over its halves of scale * (codes . xq), plus
-    offset * sum(x) (int_form); the K-quants' few-row case (takes_k256) is matmul_k256_twin.
-    Its difference from `matmul_twin` is the activations' rounding to int8 or int16, which is the
-    price of those paths."""
+    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64: per
+    block of activations (32 wide; the K-quants' few-row case, takes_k256: 256, quant_ops.c
+    qk16_rows_* / qk8_rows_avx2 / qk256_row_scalar) dx * sum over its 16-wide groups of scale *
+    (codes . xq), plus offset * sum(x) per 32 (int_form: Q6_K's codes q - 32). Its difference from
+    `matmul_twin` is the activations' rounding to int8 or int16, which is the price of those paths."""
     rows, cols = x.shape
-    if takes_k256(w, rows, kind):
-        return matmul_k256_twin(x, w, kind)
-    xq, dx, xsum = quantize_activations(x, kind)
-    q, scale, m = int_form(w)
-    halves = cols // 16
-    dots = torch.einsum("nhj,mhj->mnh", q.double().reshape(-1, halves, 16), xq.reshape(rows, halves, 16).double())  # exact integers
-    dxh = dx.double().repeat_interleave(2, -1)  # (M, halves)
-    return (dots * scale.unsqueeze(0) * dxh.unsqueeze(1)).sum(-1) + xsum.double() @ m.T
-
-
-def matmul_k256_twin(x: torch.Tensor, w: QuantTensor, kind: str) -> torch.Tensor:
-    """What the K-quants' few-row path (quant_ops.c qk8_rows_avx2 / qk16_rows_avx2 /
-    qk256_row_scalar) computes, in float64: per super-block xd * sum over 16-wide groups of
-    scale * (codes . xq) (int_form: Q6_K's codes q - 32), plus offset * sum(x) per 32."""
-    rows, cols = x.shape
-    xq, xd, xsum = quantize_activations(x, kind, SUPER_BLOCK)
+    width = SUPER_BLOCK if takes_k256(w, rows, kind) else BLOCK
+    xq, dx, xsum = quantize_activations(x, kind, width)
     q, scale, m = int_form(w)
     groups = cols // 16
     dots = torch.einsum("ngj,mgj->mng", q.double().reshape(-1, groups, 16), xq.reshape(rows, groups, 16).double())  # exact integers
-    xdg = xd.double().repeat_interleave(SUPER_BLOCK // 16, -1)  # (M, groups)
-    return (dots * scale.unsqueeze(0) * xdg.unsqueeze(1)).sum(-1) + xsum.double() @ m.T
+    dxg = dx.double().repeat_interleave(width // 16, -1)  # (M, groups)
+    return (dots * scale.unsqueeze(0) * dxg.unsqueeze(1)).sum(-1) + xsum.double() @ m.T

@@ -31,7 +31,7 @@
  *                  activations round them per 256-wide super-block instead (ACT_INT16: int16;
  *                  ACT_INT8: int8, llama.cpp's q8_K), so that a super-block's sub-block scales are
  *                  applied in integers and its sum is converted to float once (qk256_matmul; twin
- *                  kernels/quant.py matmul_k256_twin).
+ *                  kernels/quant.py matmul_int_twin).
  *   pd_q_gemm_i8   ACT_INT8's rounding at any row count, as a GEMM on vpdpbusd (the same tiling
  *                  as the int16 one, int8 codes); AVX-512 VNNI only: the other variants return 2.
  * Instruction sets (kernels/native_build.py compiles this file once per level): the avx2 variant
@@ -1010,7 +1010,7 @@ static inline __m256 qk_mins8(float dmin, const uint32_t mn[2]) {
  * Q6_K: codes q (0..63) times x, less 32 * sum over its sixteen 16-wide groups of sc * (code sum
  * of the group) (bsum), so the offset stays in integers. Lane sums stay far inside int32
  * (|lane| <= 8 * 2 * 16128 * 128 + 32 * 16 * 128 * 2032). The twin: kernels/quant.py
- * matmul_k256_twin; the plain C form: qk256_row_scalar (the baseline variant). */
+ * matmul_int_twin; the plain C form: qk256_row_scalar (the baseline variant). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* acc + the int16 pairs' products, pairwise summed */
 #define QK_MADD_ADD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #else

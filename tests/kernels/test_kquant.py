@@ -15,7 +15,7 @@ kernels/csrc/quant_ops.c).
   `matmul_int_twin` (float64), and int16 within 1e-4 of the float twin.
 - The K-quants' few-row form (up to K256_ROWS rows: activations rounded per 256-wide super-block,
   int16 or int8 = llama.cpp's q8_K, sub-block scales applied in integers, quant_ops.c
-  qk16_rows_* / qk8_rows_avx2 / qk256_row_scalar) equals `matmul_k256_twin`'s integer math to
+  qk16_rows_* / qk8_rows_avx2 / qk256_row_scalar) equals `matmul_int_twin`'s integer math to
   float32 rounding (1e-5 of the sum of the products' magnitudes), also at the largest codes and
   scales each type holds (the int32 lane sums' bound) and with an outlier in x; against the float
   twin it stays within the rounding's own bound, half a step of each super-block's activations
@@ -41,7 +41,6 @@ from pdserve.kernels.quant import (
     int_form,
     matmul,
     matmul_int_twin,
-    matmul_k256_twin,
     matmul_twin,
     takes_k256,
 )
@@ -158,15 +157,14 @@ def test_k_quants_few_row_form_equals_its_integer_twin(qtype, kind, isa):  # noq
                 x[1, 3] = 40.0  # an outlier: its super-block's other codes coarser
             assert takes_k256(w, rows, kind) and not takes_k256(w, rows, "float") and not takes_k256(w, K256_ROWS + 1, kind)
             got = matmul(x, w, activations=kind).double()
-            ref = matmul_k256_twin(x, w, kind)
-            assert torch.equal(ref, matmul_int_twin(x, w, kind))
+            ref = matmul_int_twin(x, w, kind)
             assert ((got - ref).abs() <= 1e-5 * terms(x, w)).all(), (n, blocks, rows)
             slack = rounding_bound(x, w, kind) + 1e-5 * terms(x, w)
             assert ((got - matmul_twin(x, w).double()).abs() <= slack).all(), (n, blocks, rows)
     w = largest_blocks(qtype, 24, 8)
     for sign in (1.0, -1.0):  # every activation code at its limit: the lane sums at their bound
         x = torch.full((K256_ROWS, w.shape[1]), sign)
-        got, ref = matmul(x, w, activations=kind).double(), matmul_k256_twin(x, w, kind)
+        got, ref = matmul(x, w, activations=kind).double(), matmul_int_twin(x, w, kind)
         assert ((got - ref).abs() <= 1e-5 * terms(x, w)).all() and float(ref.abs().min()) > 0
 
 
