@@ -50,7 +50,7 @@ QTYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q
           "Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 weights
 TRITON_QTYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types kernels.triton_quant multiplies (CUDA); the others are dequantized there
-BLOCK = 32  # weights in a block (K-quants: in a sub-block); activations are rounded per BLOCK
+BLOCK = 32  # weights in a block (K-quants: in a sub-block); activations are rounded per BLOCK (K-quants at <= K256_ROWS rows: per SUPER_BLOCK)
 SUPER_BLOCK = 256
 DIRECT_ROWS = 128  # float / int8 activations: up to this many rows the C kernel runs; above, dequantize + MKL (prefill sizes)
 ANY_ROWS = 1 << 62
@@ -58,6 +58,11 @@ ANY_ROWS = 1 << 62
 # steps only; int16 at every row count (above 7 rows, quant_ops.c q_gemm: 1.1-1.2x dequantize + MKL at
 # prompt sizes, 1.3-1.5x the float tiled kernel at 32-64 rows)
 DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
+# The K-quants at up to K256_ROWS rows (a lone stream's decode step; quant_ops.c QK256_ROWS) take
+# their integer activations with one scale per 256-wide super-block instead of per 32 (int8:
+# llama.cpp's q8_K), so that the sub-block scales are applied in integers (quantize_activations,
+# matmul_int_twin; takes_k256)
+K256_ROWS = 4
 
 
 def block_weights(qtype: str) -> int:
@@ -370,17 +375,19 @@ def matmul_twin(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = Non
 INT_LIMITS = {"int8": 127.0, "int16": 32767.0}  # the largest code of each integer activation kind
 
 
-def quantize_activations(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The integer paths' activations: (codes (M, K), scales dx (M, K/32), block sums (M, K/32)),
-    x ~ dx * codes per 32-wide block with dx = max|x| / L (L = 127 for int8, 32767 for int16),
-    rounded half to even."""
+def quantize_activations(x: torch.Tensor, kind: str = "int8", width: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer paths' activations: (codes (M, K), scales dx (M, K/width), block sums (M, K/32)),
+    x ~ dx * codes per `width`-wide block with dx = max|x| / L (L = 127 for int8, 32767 for
+    int16), rounded half to even. width SUPER_BLOCK: the K-quants' few-row form (quant_ops.c
+    qk256_activations; int8 is llama.cpp's q8_K, whose int8 sums of each 16 codes, Q6_K's offset
+    taken in integers, are the codes' own sums: the twin needs none)."""
     rows, cols = x.shape
     limit = INT_LIMITS[kind]
-    blocks = x.reshape(rows, cols // BLOCK, BLOCK)
+    blocks = x.reshape(rows, cols // width, width)
     amax = blocks.abs().amax(-1)
     inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8 if kind == "int8" else torch.int16)
-    return codes.reshape(rows, cols), amax / limit, blocks.sum(-1)
+    return codes.reshape(rows, cols), amax / limit, x.reshape(rows, cols // BLOCK, BLOCK).sum(-1)
 
 
 def int_form(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -406,15 +413,22 @@ def int_form(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.reshape(n, cols).to(torch.int16), d.repeat_interleave(2, -1), m
 
 
+def takes_k256(w: QuantTensor, rows: int, kind: str) -> bool:
+    """Whether the C kernel rounds `rows` rows of x per 256 (K256_ROWS) rather than per 32."""
+    return kind in INT_LIMITS and w.qtype in K_QTYPES and rows <= K256_ROWS
+
+
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:
-    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64:
-    per 32-wide block of activations dx * sum over its halves of scale * (codes . xq), plus
-    offset * sum(x) (int_form). Its difference from `matmul_twin` is the activations' rounding to
-    int8 or int16, which is the price of those paths."""
+    """What the C kernel's integer paths (up to DIRECT_INT_ROWS rows) compute, in float64: per
+    block of activations (32 wide; the K-quants' few-row case, takes_k256: 256, quant_ops.c
+    qk16_rows_* / qk8_rows_avx2 / qk256_row_scalar) dx * sum over its 16-wide groups of scale *
+    (codes . xq), plus offset * sum(x) per 32 (int_form: Q6_K's codes q - 32). Its difference from
+    `matmul_twin` is the activations' rounding to int8 or int16, which is the price of those paths."""
     rows, cols = x.shape
-    xq, dx, xsum = quantize_activations(x, kind)
+    width = SUPER_BLOCK if takes_k256(w, rows, kind) else BLOCK
+    xq, dx, xsum = quantize_activations(x, kind, width)
     q, scale, m = int_form(w)
-    halves = cols // 16
-    dots = torch.einsum("nhj,mhj->mnh", q.double().reshape(-1, halves, 16), xq.reshape(rows, halves, 16).double())  # exact integers
-    dxh = dx.double().repeat_interleave(2, -1)  # (M, halves)
-    return (dots * scale.unsqueeze(0) * dxh.unsqueeze(1)).sum(-1) + xsum.double() @ m.T
+    groups = cols // 16
+    dots = torch.einsum("ngj,mgj->mng", q.double().reshape(-1, groups, 16), xq.reshape(rows, groups, 16).double())  # exact integers
+    dxg = dx.double().repeat_interleave(width // 16, -1)  # (M, groups)
+    return (dots * scale.unsqueeze(0) * dxg.unsqueeze(1)).sum(-1) + xsum.double() @ m.T

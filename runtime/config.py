@@ -467,8 +467,8 @@ class EngineConfig:
     # batches above 4 rows run float.
     quant_activations: str = flag("int16", group="model and weights", choices=QUANT_ACTIVATIONS, launch=True,
                                   help="quantized weights: how a small decode batch (<= 4 rows; int16: <= 7) is multiplied: float "
-                                  "(exact to summation order), int16 or int8 (activations rounded per 32-wide block, integer "
-                                  "products; faster, approximate)")
+                                  "(exact to summation order), int16 or int8 (activations rounded per 32-wide block, K-quants at <= 4 "
+                                  "rows per 256; integer products; faster, approximate)")
     gpu_memory_utilization: float | None = flag(None, group="KV cache and transfer", launch=True,
                                                 help="CUDA only: size the KV pool so that this share of the GPU's memory is used "
                                                 "(instead of --kv-cache-mb; per GPU: with tensor parallelism, of each rank's GPU)")

@@ -27,6 +27,11 @@
  *                  float32 scratch (L2-resident), so unpacking is paid once per tile, not once
  *                  per row, and run through a 6x16 broadcast kernel over x transposed once per
  *                  call (measured 15-35% faster than oneDNN's packed float32 at 8-64 rows).
+ *                  The K-quants (Q4_K, Q5_K, Q6_K) at up to QK256_ROWS rows with integer
+ *                  activations round them per 256-wide super-block instead (ACT_INT16: int16;
+ *                  ACT_INT8: int8, llama.cpp's q8_K), so that a super-block's sub-block scales are
+ *                  applied in integers and its sum is converted to float once (qk256_matmul; twin
+ *                  kernels/quant.py matmul_int_twin).
  *   pd_q_gemm_i8   ACT_INT8's rounding at any row count, as a GEMM on vpdpbusd (the same tiling
  *                  as the int16 one, int8 codes); AVX-512 VNNI only: the other variants return 2.
  * Instruction sets (kernels/native_build.py compiles this file once per level): the avx2 variant
@@ -154,18 +159,51 @@ static inline void qk_store_codes(int16_t *c, __m256i v, int sgn) {
     _mm256_storeu_si256((__m256i *)c, sgn ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo));
     _mm256_storeu_si256((__m256i *)(c + 16), sgn ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi));
 }
+
+/* Half h (weights 128h..128h + 127) of a Q6_K super-block as four vectors of 32 unsigned code
+ * bytes q (0..63), q[k] = weights 128h + 32k..: nibbles of ql (low for k < 2, high above; bytes
+ * 0..31 for even k, 32..63 for odd) under bits 2k, 2k+1 of qh (16-bit shifts, then masked). */
+static inline void qk6_codes(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), _mm256_and_si256(hb, top2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top2));
+}
+
+/* Sub-blocks 2k (*lo) and 2k + 1 (*hi) of a Q4_K / Q5_K super-block as 32 unsigned code bytes
+ * each: the nibbles of qs[32k..], Q5_K with bits 2k, 2k + 1 of qh (its 32 bytes) above them. */
+static inline void qk45_codes(const uint8_t *blk, int qt, int k, __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (qt == QT_Q5_K ? 48 : 16) + 32 * k));
+    *lo = _mm256_and_si256(v, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (qt == QT_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+    }
+}
 #endif
 
-/* A Q4_K / Q5_K super-block's eight sub-block scales s = d * sc and offsets m = -(dmin * mn)
- * (qk_scale_min four bytes at a time: u[0..2] are the 12 packed bytes). */
-static inline void qk_scales_mins(const uint8_t *blk, float *restrict s, float *restrict m) {
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    uint32_t u[3], sc[2], mn[2];
+/* A Q4_K / Q5_K super-block's eight 6-bit scales and mins as bytes, four a word (sub-blocks 0..3
+ * in sc[0], 4..7 in sc[1]): qk_scale_min four bytes at a time (u[0..2] are the 12 packed bytes). */
+static inline void qk_scale_min_words(const uint8_t *blk, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t u[3];
     memcpy(u, blk + 4, 12);
     sc[0] = u[0] & 0x3f3f3f3f;
     sc[1] = (u[2] & 0x0f0f0f0f) | (u[0] >> 6 & 0x03030303) << 4;
     mn[0] = u[1] & 0x3f3f3f3f;
     mn[1] = (u[2] >> 4 & 0x0f0f0f0f) | (u[1] >> 6 & 0x03030303) << 4;
+}
+
+/* A Q4_K / Q5_K super-block's eight sub-block scales s = d * sc and offsets m = -(dmin * mn). */
+static inline void qk_scales_mins(const uint8_t *blk, float *restrict s, float *restrict m) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    uint32_t sc[2], mn[2];
+    qk_scale_min_words(blk, sc, mn);
 #ifdef __AVX2__
     const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
     const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0)));
@@ -181,29 +219,17 @@ static inline void qk_scales_mins(const uint8_t *blk, float *restrict s, float *
 
 static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, float *restrict s, float *restrict m) {
 #ifdef __AVX2__
-    /* the codes as the plain C below spells them, 32 bytes at a time (byte shifts by 16-bit lanes, then masked) */
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    /* the codes as the plain C below spells them, 32 bytes at a time */
     if (qt == QT_Q6_K) {
         for (int half = 0; half < 2; half++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)), bias = _mm256_set1_epi8(32);
-            const __m256i nib[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
-            for (int k = 0; k < 4; k++) {
-                const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), low2), 4);
-                qk_store_codes(c + 128 * half + 32 * k, _mm256_sub_epi8(_mm256_or_si256(nib[k], top), bias), 1);
-            }
+            __m256i q[4];
+            qk6_codes(blk, half, q);
+            for (int k = 0; k < 4; k++) qk_store_codes(c + 128 * half + 32 * k, _mm256_sub_epi8(q[k], _mm256_set1_epi8(32)), 1);
         }
     } else {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
         for (int k = 0; k < 4; k++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if (qt == QT_Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
-            }
+            __m256i lo, hi;
+            qk45_codes(blk, qt, k, &lo, &hi);
             qk_store_codes(c + 64 * k, lo, 0);
             qk_store_codes(c + 64 * k + 32, hi, 0);
         }
@@ -298,6 +324,12 @@ void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int6
 #pragma omp parallel for schedule(static) if (n > 16)
     for (int i = 0; i < n; i++) q_row_dequant(w + (rows ? rows[i] : i) * row_bytes, qt, K, out + (int64_t)i * K);
 }
+
+/* K-quants at a few rows with integer activations (QK256_ROWS: a lone stream's decode step and
+ * small batches) take them with one scale per 256-wide super-block (qk256_activations), so that
+ * the sub-block scales are applied in integers and the sums converted to float once a super-block:
+ * int8 (ACT_INT8: llama.cpp's q8_K, qk8_rows_avx2) or int16 (ACT_INT16: qk16_rows_avx2). */
+#define QK256_ROWS 4
 
 /* Per-thread float32 scratch for a dequantised tile, grown on demand, kept for the process. */
 static float *q_scratch(size_t n) {
@@ -886,8 +918,8 @@ static inline __attribute__((always_inline)) void q_direct_i8(
     for (int r = 0; r < R; r++) out[r * os + n] = hsum8(acc[r]) + moff[r];
 }
 
-/* K-quant direct path, R (constant, 1..Q_DIRECT_INT16_ROWS) rows of integer activations (I8: int8
- * codes, else int16) times weight row n: out[r][n] = sum over sub-blocks b of s * dx * (c . xq) +
+/* K-quant direct path, R (constant, QK256_ROWS + 1..Q_DIRECT_INT16_ROWS) rows of int16 activations
+ * per 32 (q16_activations) times weight row n: out[r][n] = sum over sub-blocks b of s * dx * (c . xq) +
  * m * sum(x) (Q6_K: per half of 16, both halves under their sub-block's dx; no offset). Each
  * super-block is spelled out once into L1 (qk_unpack) and read by every row; madd_epi16 gives a
  * sub-block's (or half's) products as eight exact int32 pair sums (|c| <= 32, |xq| <= 32767, each
@@ -895,8 +927,8 @@ static inline __attribute__((always_inline)) void q_direct_i8(
  * eight float lanes, which are summed once at the end; the eight offsets m * sum(x) take one FMA.
  * (Folding each sub-block's lanes first, as q_direct8_i16 does, measured about 1.2x slower here.) */
 static inline __attribute__((always_inline)) void qk_direct_int(
-    const uint8_t *w, int64_t row_bytes, const int qt, int K, const void *xq, const float *dx, const float *xsum,
-    float *out, int64_t os, int n, const int R, const int I8) {
+    const uint8_t *w, int64_t row_bytes, const int qt, int K, const int16_t *xq, const float *dx, const float *xsum,
+    float *out, int64_t os, int n, const int R) {
     const int nb = K / 32, bb = q_block_bytes(qt);
     const uint8_t *row = w + (int64_t)n * row_bytes;
     const __m256i lo_half = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi_half = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
@@ -920,16 +952,8 @@ static inline __attribute__((always_inline)) void qk_direct_int(
                 moff[r] = _mm256_fmadd_ps(_mm256_load_ps(m), _mm256_loadu_ps(xsum + r * nb + 8 * sb), moff[r]);
             }
             for (int i = 0; i < 8; i++) {
-                __m256i x0, x1;
-                if (I8) {
-                    const int8_t *xr = (const int8_t *)xq + at + 32 * i;
-                    x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xr));
-                    x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xr + 16)));
-                } else {
-                    const int16_t *xr = (const int16_t *)xq + at + 32 * i;
-                    x0 = _mm256_loadu_si256((const __m256i *)xr);
-                    x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
-                }
+                const int16_t *xr = xq + at + 32 * i;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xr), x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
                 const __m256i a0 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(c + 32 * i)), x0);
                 const __m256i a1 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(c + 32 * i + 16)), x1);
                 if (qt == QT_Q6_K) {
@@ -966,91 +990,241 @@ static inline __attribute__((always_inline)) void qk_direct_f32(
     for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* qk_direct_int for one row of int16 activations and a Q4_K or Q6_K weight row, AVX-512: the codes
- * are widened in registers and multiplied at once (madd_epi16 over a whole sub-block of 32), not
- * spelled out into memory first (qk_unpack) and read back; the same exact int32 pair sums, scaled
- * by s * dx per sub-block (Q6_K: per half of 16, lanes 0-7 and 8-15) into sixteen float lanes,
- * the offsets as qk_direct_int adds them. Equal to qk_direct_int up to float summation order
- * (measured on a 1B Q4_K_M file's lone stream: the one-call step at ~14 GB/s of weights before). */
-static float qk_row1_i16_512(const uint8_t *row, int qt, int K, const int16_t *xq, const float *dx, const float *xsum) {
-    const int bb = q_block_bytes(qt), nsb = K / 256;
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 moff = _mm256_setzero_ps();
-    float sd[16] __attribute__((aligned(32)));
-    for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *blk = row + (int64_t)sb * bb;
-        const int16_t *x = xq + sb * 256;
-        if (sb + 1 < nsb)
-            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + bb + off, _MM_HINT_T0);
-        if (qt == QT_Q6_K) {
-            const float d = half_to_float(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int h = 0; h < 16; h++) sd[h] = (d * (float)sc[h]) * dx[8 * sb + h / 2];
-            for (int half = 0; half < 2; half++) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half)), v1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-                const __m256i nib[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
-                for (int k = 0; k < 4; k++) {
-                    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), low2), 4);
-                    const __m512i c = _mm512_cvtepi8_epi16(_mm256_sub_epi8(_mm256_or_si256(nib[k], top), bias));
-                    const __m512i a = _mm512_madd_epi16(c, _mm512_loadu_si512((const void *)(x + 128 * half + 32 * k)));
-                    const int i = 4 * half + k;
-                    const __m512 scl = _mm512_insertf32x8(_mm512_set1_ps(sd[2 * i]), _mm256_set1_ps(sd[2 * i + 1]), 1);
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scl, acc);
-                }
-            }
-        } else {  /* Q4_K */
-            float sc[8] __attribute__((aligned(32))), mn[8] __attribute__((aligned(32)));
-            qk_scales_mins(blk, sc, mn);
-            _mm256_store_ps(sd, _mm256_mul_ps(_mm256_load_ps(sc), _mm256_loadu_ps(dx + 8 * sb)));
-            moff = _mm256_fmadd_ps(_mm256_load_ps(mn), _mm256_loadu_ps(xsum + 8 * sb), moff);
-            for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
-                const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-                const __m512i a0 = _mm512_madd_epi16(lo, _mm512_loadu_si512((const void *)(x + 64 * k)));
-                const __m512i a1 = _mm512_madd_epi16(hi, _mm512_loadu_si512((const void *)(x + 64 * k + 32)));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_set1_ps(sd[2 * k]), acc);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(sd[2 * k + 1]), acc);
-            }
-        }
-    }
-    return _mm512_reduce_add_ps(acc) + hsum8(moff);
+/* The next super-block's bb bytes into L1, a line at a time. */
+static inline void qk_prefetch(const uint8_t *blk, int bb) {
+    for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + off, _MM_HINT_T0);
 }
-#define QK_ROW1_512 1
+
+/* The eight offsets m = -(dmin * mn) of a Q4_K / Q5_K super-block (mn: qk_scale_min_words). */
+static inline __m256 qk_mins8(float dmin, const uint32_t mn[2]) {
+    return _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn[0], (int)mn[1], 0, 0))));
+}
+
+/* K-quants at a few rows (M <= QK256_ROWS: the lone stream's decode step), the int8 kind (ACT_INT8):
+ * activations in llama.cpp's q8_K form (qk256_activations: int8 codes, one scale per 256), weight row n times
+ * each. Per super-block the codes meet the activations in bytes (maddubs: unsigned code times
+ * signed activation, pairs summed to int16, exact: |pair| <= 2 * 63 * 128), each 32-bit lane's
+ * pair sums are multiplied by their sub-block's integer scale and added (madd_epi16, or one
+ * vpdpwssd where AVX-512 VNNI is built), and the int32 sum is converted to float once per
+ * super-block, times d * dx. Q4_K / Q5_K: the mins term m * sum(x) over the float sums of x;
+ * Q6_K: codes q (0..63) times x, less 32 * sum over its sixteen 16-wide groups of sc * (code sum
+ * of the group) (bsum), so the offset stays in integers. Lane sums stay far inside int32
+ * (|lane| <= 8 * 2 * 16128 * 128 + 32 * 16 * 128 * 2032). The twin: kernels/quant.py
+ * matmul_int_twin; the plain C form: qk256_row_scalar (the baseline variant). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* acc + the int16 pairs' products, pairwise summed */
+#define QK_MADD_ADD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #else
-#define QK_ROW1_512 0
-static float qk_row1_i16_512(const uint8_t *row, int qt, int K, const int16_t *xq, const float *dx, const float *xsum) {
-    (void)row; (void)qt; (void)K; (void)xq; (void)dx; (void)xsum;
-    return 0.0f;
-}
+#define QK_MADD_ADD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #endif
 
-/* One weight row of a K-quant through the direct path at M rows (activations as pd_q_matmul's). */
-static void qk_direct_row(const uint8_t *w, int64_t row_bytes, int qt, int K, const float *x, int64_t xs, const void *xq,
+static inline __attribute__((always_inline)) void qk8_rows_avx2(
+    const uint8_t *w, int64_t row_bytes, const int qt, int K, const int8_t *xq, const float *xd, const int16_t *bsum,
+    const float *xsum, float *out, int64_t os, int n, const int R) {
+    const int nsb = K / 256, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    __m256 acc[QK256_ROWS], moff[QK256_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = moff[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + (int64_t)sb * bb;
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
+        __m256i isum[QK256_ROWS][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        float d;
+        if (qt == QT_Q6_K) {
+            d = half_to_float(blk + 208);
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+            for (int r = 0; r < R; r++)  /* -32 * sum of sc * (group's code sum): the codes' offset */
+                isum[r][1] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsum + (int64_t)r * (K / 16) + 16 * sb))), 5);
+            for (int half = 0; half < 2; half++) {
+                __m256i q[4];
+                qk6_codes(blk, half, q);
+                for (int k = 0; k < 4; k++) {  /* weights 128 half + 32 k..: groups g, g + 1 in the two 128-bit lanes */
+                    const int g = 8 * half + 2 * k;
+                    const __m256i scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(0x0101010101010101LL * (g + 1), 0x0101010101010101LL * g)));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K + sb * 256 + 32 * g / 2)));
+                        isum[r][0] = QK_MADD_ADD(isum[r][0], p, scl);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) isum[r][0] = _mm256_sub_epi32(isum[r][0], isum[r][1]);
+        } else {
+            d = half_to_float(blk);
+            const float dmin = half_to_float(blk + 2);
+            uint32_t sc[2], mn[2];
+            qk_scale_min_words(blk, sc, mn);
+            const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
+            const __m256 m8 = qk_mins8(dmin, mn);
+            for (int r = 0; r < R; r++) moff[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (int64_t)r * (K / 32) + 8 * sb), moff[r]);
+            for (int c = 0; c < 4; c++) {  /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                __m256i lo, hi;
+                qk45_codes(blk, qt, c, &lo, &hi);
+                const __m256i slo = _mm256_shuffle_epi8(scw, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
+                const __m256i shi = _mm256_shuffle_epi8(scw, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (int64_t)r * K + sb * 256 + 64 * c;
+                    isum[r][0] = QK_MADD_ADD(isum[r][0], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), slo);
+                    isum[r][1] = QK_MADD_ADD(isum[r][1], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), shi);
+                }
+            }
+            for (int r = 0; r < R; r++) isum[r][0] = _mm256_add_epi32(isum[r][0], isum[r][1]);
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][0]), _mm256_set1_ps(d * xd[r * nsb + sb]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r], moff[r]));
+}
+
+/* The int16 kind (ACT_INT16): activations int16 with a scale per 256 (qk256_activations), codes
+ * widened to int16 and multiplied by their sub-block's (Q6_K: group's) integer scale (|sc * code|
+ * <= 63 * 31 for Q4_K / Q5_K, 128 * 32 for Q6_K's signed q - 32: fits int16), then pairs with x
+ * (madd_epi16 / vpdpwssd) into two int32 accumulators a super-block, each lane the sum of at
+ * most 16 products (<= 16 * 4096 * 32767 < 2^31), each converted to float once, times d * xd. */
+static inline __attribute__((always_inline)) void qk16_rows_avx2(
+    const uint8_t *w, int64_t row_bytes, const int qt, int K, const int16_t *xq, const float *xd, const float *xsum, float *out,
+    int64_t os, int n, const int R) {
+    const int nsb = K / 256, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    __m256 acc[QK256_ROWS], moff[QK256_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = moff[r] = _mm256_setzero_ps();
+    int16_t scw[16] __attribute__((aligned(32)));  /* the super-block's integer scales */
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + (int64_t)sb * bb;
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
+        __m256i isum[QK256_ROWS][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        __m256i q[8];  /* 32 codes each, as bytes: Q6_K groups 2i, 2i + 1; Q4_K / Q5_K sub-block i */
+        float d;
+        if (qt == QT_Q6_K) {
+            d = half_to_float(blk + 208);
+            _mm256_store_si256((__m256i *)scw, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+            qk6_codes(blk, 0, q);
+            qk6_codes(blk, 1, q + 4);
+            for (int i = 0; i < 8; i++) q[i] = _mm256_sub_epi8(q[i], _mm256_set1_epi8(32));
+        } else {
+            d = half_to_float(blk);
+            uint32_t sc[2], mn[2];
+            qk_scale_min_words(blk, sc, mn);
+            _mm_store_si128((__m128i *)scw, _mm_cvtepu8_epi16(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
+            const __m256 m8 = qk_mins8(half_to_float(blk + 2), mn);
+            for (int r = 0; r < R; r++) moff[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (int64_t)r * (K / 32) + 8 * sb), moff[r]);
+            for (int c = 0; c < 4; c++) qk45_codes(blk, qt, c, q + 2 * c, q + 2 * c + 1);
+        }
+        for (int i = 0; i < 8; i++) {  /* weights 32i..32i + 31: two vectors of 16 */
+            const __m128i lo = _mm256_castsi256_si128(q[i]), hi = _mm256_extracti128_si256(q[i], 1);
+            const __m256i s0 = _mm256_set1_epi16(scw[qt == QT_Q6_K ? 2 * i : i]), s1 = _mm256_set1_epi16(scw[qt == QT_Q6_K ? 2 * i + 1 : i]);
+            const __m256i c0 = _mm256_mullo_epi16(qt == QT_Q6_K ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo), s0);
+            const __m256i c1 = _mm256_mullo_epi16(qt == QT_Q6_K ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi), s1);
+            for (int r = 0; r < R; r++) {
+                const int16_t *xr = xq + (int64_t)r * K + sb * 256 + 32 * i;
+                isum[r][i >> 2] = QK_MADD_ADD(isum[r][i >> 2], c0, _mm256_loadu_si256((const __m256i *)xr));
+                isum[r][i >> 2] = QK_MADD_ADD(isum[r][i >> 2], c1, _mm256_loadu_si256((const __m256i *)(xr + 16)));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 dd = _mm256_set1_ps(d * xd[r * nsb + sb]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][0]), dd, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][1]), dd, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = hsum8(_mm256_add_ps(acc[r], moff[r]));
+}
+
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* qk16_rows_avx2 sixteen lanes wide (the avx512 variant): a sub-block's 32 codes widened in one
+ * vpmovzxbw / vpmovsxbw, times their scale (Q6_K: the two groups' scales, words 0..15 and 16..31,
+ * by vpermw), into vpdpwssd; each lane of the two int32 accumulators sums at most 8 products a
+ * super-block (<= 8 * 4096 * 32767 < 2^31). The same integers, another float summation order. */
+static inline __attribute__((always_inline)) void qk16_rows_512(
+    const uint8_t *w, int64_t row_bytes, const int qt, int K, const int16_t *xq, const float *xd, const float *xsum, float *out,
+    int64_t os, int n, const int R) {
+    const int nsb = K / 256, bb = q_block_bytes(qt);
+    const uint8_t *row = w + (int64_t)n * row_bytes;
+    __m512 acc[QK256_ROWS];
+    __m256 moff[QK256_ROWS];
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); moff[r] = _mm256_setzero_ps(); }
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = row + (int64_t)sb * bb;
+        if (sb + 1 < nsb) qk_prefetch(blk + bb, bb);
+        __m512i isum[QK256_ROWS][2], scz;
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        __m512i c[8];  /* weights 32i..32i + 31 as int16 codes (Q6_K: q - 32) */
+        float d;
+        const __m512i low4 = _mm512_set1_epi16(15), one = _mm512_set1_epi16(1);
+        if (qt == QT_Q6_K) {
+            d = half_to_float(blk + 208);
+            scz = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+            for (int half = 0; half < 2; half++) {  /* spelled in bytes, then widened */
+                __m256i q[4];
+                qk6_codes(blk, half, q);
+                for (int k = 0; k < 4; k++) c[4 * half + k] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q[k], _mm256_set1_epi8(32)));
+            }
+        } else {
+            d = half_to_float(blk);
+            uint32_t sc[2], mn[2];
+            qk_scale_min_words(blk, sc, mn);
+            scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_setr_epi32((int)sc[0], (int)sc[1], 0, 0)));
+            const __m256 m8 = qk_mins8(half_to_float(blk + 2), mn);
+            for (int r = 0; r < R; r++) moff[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (int64_t)r * (K / 32) + 8 * sb), moff[r]);
+            const __m512i qh = qt == QT_Q5_K ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16))) : _mm512_setzero_si512();
+            const uint8_t *qs = blk + (qt == QT_Q5_K ? 48 : 16);
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
+                c[2 * k] = _mm512_and_si512(v, low4);
+                c[2 * k + 1] = _mm512_srli_epi16(v, 4);
+                if (qt == QT_Q5_K) {
+                    c[2 * k] = _mm512_or_si512(c[2 * k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * k), one), 4));
+                    c[2 * k + 1] = _mm512_or_si512(c[2 * k + 1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * k + 1), one), 4));
+                }
+            }
+        }
+        for (int i = 0; i < 8; i++) {  /* weights 32i..32i + 31 */
+            /* words 0..15 take scale word 2i (Q6_K) or i, words 16..31 word 2i + 1 or i */
+            const __m512i idx = qt == QT_Q6_K ? _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(2 * i)), 0xFFFF0000u, (short)(2 * i + 1)) : _mm512_set1_epi16((short)i);
+            const __m512i cs = _mm512_mullo_epi16(c[i], _mm512_permutexvar_epi16(idx, scz));
+            for (int r = 0; r < R; r++)
+                isum[r][i & 1] = _mm512_dpwssd_epi32(isum[r][i & 1], cs, _mm512_loadu_si512((const void *)(xq + (int64_t)r * K + sb * 256 + 32 * i)));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 dd = _mm512_set1_ps(d * xd[r * nsb + sb]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), dd, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), dd, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * os + n] = _mm512_reduce_add_ps(acc[r]) + hsum8(moff[r]);
+}
+#define qk16_rows qk16_rows_512
+#else
+#define qk16_rows qk16_rows_avx2
+#endif
+
+/* Weight row n at R = M rows of either kind (i16), qt and R constants (the compiler specialises each). */
+static void qk256_row(const uint8_t *w, int64_t row_bytes, int qt, int K, const void *xq, int i16, const float *xd,
+                      const int16_t *bsum, const float *xsum, float *out, int64_t os, int n, int M) {
+#define QK_CASE(T, R)                                                                                              \
+    case T * 8 + R:                                                                                                \
+        if (i16) qk16_rows(w, row_bytes, T, K, (const int16_t *)xq, xd, xsum, out, os, n, R);                     \
+        else qk8_rows_avx2(w, row_bytes, T, K, (const int8_t *)xq, xd, bsum, xsum, out, os, n, R);                 \
+        break
+    switch (qt * 8 + M) {
+        QK_CASE(QT_Q4_K, 1); QK_CASE(QT_Q4_K, 2); QK_CASE(QT_Q4_K, 3); QK_CASE(QT_Q4_K, 4);
+        QK_CASE(QT_Q5_K, 1); QK_CASE(QT_Q5_K, 2); QK_CASE(QT_Q5_K, 3); QK_CASE(QT_Q5_K, 4);
+        QK_CASE(QT_Q6_K, 1); QK_CASE(QT_Q6_K, 2); QK_CASE(QT_Q6_K, 3);
+        default: QK_CASE(QT_Q6_K, 4);
+    }
+#undef QK_CASE
+}
+
+/* One weight row of a K-quant through the direct path at M rows: int16 activations per 32 above
+ * QK256_ROWS rows (fewer, and int8 activations, take qk256_matmul), else float. */
+static void qk_direct_row(const uint8_t *w, int64_t row_bytes, int qt, int K, const float *x, int64_t xs, const int16_t *xq,
                           const float *dx, const float *xsum, float *out, int64_t os, int n, int M, int activations) {
     if (activations == ACT_INT16) {
-        if (QK_ROW1_512 && M == 1 && (qt == QT_Q4_K || qt == QT_Q6_K)) {
-            out[n] = qk_row1_i16_512(w + (int64_t)n * row_bytes, qt, K, (const int16_t *)xq, dx, xsum);
-            return;
-        }
         switch (M) {
-            case 1: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1, 0); break;
-            case 2: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2, 0); break;
-            case 3: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 3, 0); break;
-            case 4: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 4, 0); break;
-            case 5: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 5, 0); break;
-            case 6: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 6, 0); break;
-            default: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 7, 0); break;
-        }
-    } else if (activations == ACT_INT8) {
-        switch (M) {
-            case 1: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 1, 1); break;
-            case 2: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 2, 1); break;
-            case 3: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 3, 1); break;
-            default: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 4, 1); break;
+            case 5: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 5); break;
+            case 6: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 6); break;
+            default: qk_direct_int(w, row_bytes, qt, K, xq, dx, xsum, out, os, n, 7); break;
         }
     } else {
         switch (M) {
@@ -1274,13 +1448,136 @@ static float q_scalar_row_int(const uint8_t *row, int qt, int nb, const int32_t 
     }
     return acc + moff;
 }
+/* qk8_rows_avx2 / qk16_rows_avx2 in plain C (the baseline variant), one weight row times one row
+ * of per-256 activations (int8, or int16 where i16): per super-block d * xd * sum over sub-blocks
+ * (Q6_K: groups of 16) of sc * (codes . xq), Q6_K's codes taken signed (q - 32, qk_unpack) so that
+ * no code sums are needed, plus m * sum(x). */
+static float qk256_row_scalar(const uint8_t *row, int qt, int K, const void *xq, int i16, const float *xd, const float *xsum) {
+    const int bb = q_block_bytes(qt), groups = qt == QT_Q6_K ? 16 : 8, len = 256 / groups;
+    float acc = 0.0f, moff = 0.0f;
+    for (int sb = 0; sb < K / 256; sb++) {
+        const uint8_t *blk = row + (int64_t)sb * bb;
+        int16_t c[256];
+        float s[16], m[8] = {0};
+        qk_unpack(blk, qt, c, s, m);
+        int64_t isum = 0;
+        for (int g = 0; g < groups; g++) {
+            int sc = 0, mn = 0;
+            if (qt == QT_Q6_K) sc = (int8_t)blk[192 + g];
+            else qk_scale_min(blk + 4, g, &sc, &mn);
+            int64_t dot = 0;
+            for (int j = sb * 256 + len * g; j < sb * 256 + len * (g + 1); j++)
+                dot += c[j - sb * 256] * (i16 ? ((const int16_t *)xq)[j] : ((const int8_t *)xq)[j]);
+            isum += sc * dot;
+        }
+        acc += (float)isum * (half_to_float(blk + (qt == QT_Q6_K ? 208 : 0)) * xd[sb]);
+        if (qt != QT_Q6_K)
+            for (int b = 0; b < 8; b++) moff += m[b] * xsum[8 * sb + b];
+    }
+    return acc + moff;
+}
 #endif
+
+/* Activations for the K-quants' few-row path: each row's 256-wide super-blocks as codes xq (int8,
+ * or int16 where i16; x ~ xd * xq, xd = max|x| / 127 (32767) of the super-block, rounded to nearest
+ * even), the super-block's scale xd, the float sums of each 32 x (xsum: the Q4_K / Q5_K mins term,
+ * taken on x itself) and, int8, the sums of each 16 codes (bsum: Q6_K's offset of 32 in
+ * integers). AVX2: eight lanes at a time (the same codes: cvtps_epi32 rounds to nearest even as
+ * nearbyintf does; the float sums in another order). */
+static void qk256_activations(const float *x, int64_t xs, int M, int K, int i16, void *xq, float *xd, int16_t *bsum, float *xsum) {
+    const float limit = i16 ? 32767.0f : 127.0f;
+    for (int r = 0; r < M; r++)
+        for (int sb = 0; sb < K / 256; sb++) {
+            const float *src = x + r * xs + sb * 256;
+            const int64_t at = (int64_t)r * K + sb * 256;
+            float *sums = xsum + (int64_t)r * (K / 32) + 8 * sb;
+            int16_t *bs = bsum + (int64_t)r * (K / 16) + 16 * sb;
+#ifdef __AVX2__
+            __m256 amax = _mm256_setzero_ps();
+            for (int j = 0; j < 256; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(src + j)));
+            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+            const float mx = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+#else
+            float mx = 0.0f;
+            for (int j = 0; j < 256; j++) mx = mx > fabsf(src[j]) ? mx : fabsf(src[j]);
+#endif
+            const float inv = mx > 0.0f ? limit / mx : 0.0f;
+            xd[r * (K / 256) + sb] = mx / limit;
+#ifdef __AVX2__
+            const __m256 idv = _mm256_set1_ps(inv);
+            for (int g = 0; g < 16; g++) {  /* 16 codes a step */
+                const __m256 v0 = _mm256_loadu_ps(src + 16 * g), v1 = _mm256_loadu_ps(src + 16 * g + 8);
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
+                const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);  /* in order */
+                if (i16) {
+                    _mm256_storeu_si256((__m256i *)((int16_t *)xq + at + 16 * g), p16);
+                } else {
+                    const __m256i p8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(p16, p16), 0x08);
+                    _mm_storeu_si128((__m128i *)((int8_t *)xq + at + 16 * g), _mm256_castsi256_si128(p8));
+                    const __m256i t = _mm256_add_epi32(i0, i1);
+                    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+                    u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+                    bs[g] = (int16_t)(_mm_cvtsi128_si32(u) + _mm_extract_epi32(u, 1));
+                }
+                if (g & 1) {
+                    const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(src + 16 * g - 16), _mm256_loadu_ps(src + 16 * g - 8)), _mm256_add_ps(v0, v1));
+                    sums[g >> 1] = hsum8(t);
+                }
+            }
+#else
+            if (i16) {
+                for (int j = 0; j < 256; j++) ((int16_t *)xq)[at + j] = (int16_t)nearbyintf(src[j] * inv);
+            } else {
+                int8_t *q = (int8_t *)xq + at;
+                for (int j = 0; j < 256; j++) q[j] = (int8_t)nearbyintf(src[j] * inv);
+                for (int g = 0; g < 16; g++) {
+                    int s = 0;
+                    for (int j = 0; j < 16; j++) s += q[16 * g + j];
+                    bs[g] = (int16_t)s;
+                }
+            }
+            for (int b = 0; b < 8; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += src[32 * b + j];
+                sums[b] = s;
+            }
+#endif
+        }
+}
+
+/* out (M <= QK256_ROWS, N) = x @ W^T for a K-quant W with per-256 activations (qk256_activations;
+ * int16 where i16, else int8). Returns 1 if memory could not be allocated. */
+static int qk256_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
+                        int64_t os, int i16) {
+    /* codes, then the super-block scales, the float sums of 32 and the code sums of 16: one allocation */
+    const size_t code_bytes = (size_t)M * K * (i16 ? 2 : 1);
+    int8_t *xq = (int8_t *)malloc(code_bytes + sizeof(float) * M * (K / 256 + K / 32) + sizeof(int16_t) * M * (K / 16));
+    if (!xq) return 1;
+    float *xd = (float *)(xq + code_bytes), *xsum = xd + M * (K / 256);  /* K is a multiple of 256 */
+    int16_t *bsum = (int16_t *)(xsum + M * (K / 32));
+    qk256_activations(x, xs, M, K, i16, xq, xd, bsum, xsum);
+#pragma omp parallel for schedule(static) if (N > 8)
+    for (int n = 0; n < N; n++) {
+#ifdef __AVX2__
+        qk256_row(w, row_bytes, qt, K, xq, i16, xd, bsum, xsum, out, os, n, M);
+#else
+        const uint8_t *row = w + (int64_t)n * row_bytes;
+        for (int r = 0; r < M; r++)
+            out[r * os + n] = qk256_row_scalar(row, qt, K, xq + (int64_t)r * K * (i16 ? 2 : 1), i16, xd + r * (K / 256), xsum + r * (K / 32));
+#endif
+    }
+    free(xq);
+    return 0;
+}
 
 /* out (M, N, row stride os) = x (M, K, row stride xs) @ W^T. Returns nonzero if scratch could
  * not be allocated. K is a multiple of 32. */
 int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K,
                 float *out, int64_t os, int activations) {
     const int nb = K / 32;
+    if (q_is_k(qt) && activations != ACT_FLOAT && M <= QK256_ROWS)
+        return qk256_matmul(x, xs, w, row_bytes, qt, M, N, K, out, os, activations == ACT_INT16);
 #ifdef __AVX2__
     if (M <= Q_DIRECT_ROWS || (activations == ACT_INT16 && M <= Q_DIRECT_INT16_ROWS)) {
         /* codes (int8: 1 byte each, int16: 2), block scales, block sums: one allocation */
@@ -1327,7 +1624,7 @@ int pd_q_matmul(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes,
 #pragma omp parallel for schedule(static) if (N - n8 > 8)
         for (int n = n8; n < N; n++) {
             if (q_is_k(qt)) {
-                qk_direct_row(w, row_bytes, qt, K, x, xs, activations == ACT_INT16 ? (const void *)xq16 : xq, dx, xsum, out, os, n, M, activations);
+                qk_direct_row(w, row_bytes, qt, K, x, xs, xq16, dx, xsum, out, os, n, M, activations);
             } else if (activations == ACT_INT16) {
                 switch (M) {
                     case 1: q_direct_i16(w, row_bytes, qt, K, xq16, dx, xsum, out, os, n, 1); break;

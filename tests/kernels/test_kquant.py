@@ -13,6 +13,14 @@ kernels/csrc/quant_ops.c).
   (tests/runtime/test_quantized.py): max error <= 1e-5 of the output's largest magnitude; the
   float paths against `matmul_twin` (dequantize, F.linear), the integer ones against
   `matmul_int_twin` (float64), and int16 within 1e-4 of the float twin.
+- The K-quants' few-row form (up to K256_ROWS rows: activations rounded per 256-wide super-block,
+  int16 or int8 = llama.cpp's q8_K, sub-block scales applied in integers, quant_ops.c
+  qk16_rows_* / qk8_rows_avx2 / qk256_row_scalar) equals `matmul_int_twin`'s integer math to
+  float32 rounding (1e-5 of the sum of the products' magnitudes), also at the largest codes and
+  scales each type holds (the int32 lane sums' bound) and with an outlier in x; against the float
+  twin it stays within the rounding's own bound, half a step of each super-block's activations
+  times its weights' magnitudes (`rounding_bound`; measured at ~5e-5 of the output's largest
+  magnitude for int16 on normal x, 1.3e-4 with an outlier; int8 ~1e-2).
 - The test quantizer (tests/helpers.py quantize_blocks, for the K-quants gguf cannot quantize)
   writes blocks gguf's dequantizer reads back within half a quantization step.
 """
@@ -22,7 +30,20 @@ import pytest
 import torch
 
 from pdserve.kernels import backends, cpu_native
-from pdserve.kernels.quant import DIRECT_INT_ROWS, K_QTYPES, QTYPES, QuantTensor, block_weights, int_form, matmul, matmul_int_twin, matmul_twin
+from pdserve.kernels.quant import (
+    DIRECT_INT_ROWS,
+    INT_LIMITS,
+    K256_ROWS,
+    K_QTYPES,
+    QTYPES,
+    QuantTensor,
+    block_weights,
+    int_form,
+    matmul,
+    matmul_int_twin,
+    matmul_twin,
+    takes_k256,
+)
 from tests.helpers import quant_blocks, quantize_blocks
 from tests.kernels.variants import isa  # noqa: F401  (the fixture: a test taking it runs on every instruction-set variant)
 
@@ -90,6 +111,61 @@ def test_every_matmul_path_equals_its_twin(qtype, shape, isa):  # noqa: F811
             plain = matmul_twin(x, w)
             err = float((got_int - plain).abs().max()) / float(plain.abs().max())
             assert err <= (1e-4 if kind == "int16" else 3e-2), (rows, kind, err)
+
+
+def terms(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """Each output's sum of its products' magnitudes, |x| @ |W|^T: what float32 rounding scales with."""
+    return x.double().abs() @ w.dequantize().double().abs().t()
+
+
+def rounding_bound(x: torch.Tensor, w: QuantTensor, kind: str) -> torch.Tensor:
+    """|x @ W^T - (rounded x) @ W^T| <= sum over super-blocks of half a code step (max|x| / 2L there)
+    times the super-block's sum of |W|: the per-256 rounding's largest cost, output by output."""
+    rows, nsb = x.shape[0], x.shape[1] // 256
+    half_step = x.double().abs().reshape(rows, nsb, 256).amax(-1) / (2 * INT_LIMITS[kind])
+    return half_step @ w.dequantize().double().abs().reshape(-1, nsb, 256).sum(-1).t()
+
+
+def largest_blocks(qtype: str, rows: int, blocks: int) -> QuantTensor:
+    """Super-blocks at the extremes the per-256 kernels' int32 lane sums are bounded by: every code
+    and scale the largest in magnitude (Q4_K / Q5_K: codes 15 / 31 under scale 63; Q6_K: q = 0, code
+    -32, under scale -128), fp16 d = 1 (dmin = 1: mins 63)."""
+    nbytes = QTYPES[qtype][1]
+    blk = np.zeros(nbytes, np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype == "Q6_K":
+        blk[192:208] = 0x80  # int8 scales -128; ql, qh zero: q = 0
+        blk[208:210] = one
+    else:
+        blk[0:2] = blk[2:4] = one
+        blk[4:16] = 0xFF  # every 6-bit scale and min 63
+        blk[16:] = 0xFF  # codes 15 (Q5_K: and every fifth bit: 31)
+    raw = np.tile(blk, (rows, blocks))
+    return QuantTensor(torch.from_numpy(raw), qtype, (rows, blocks * 256))
+
+
+@pytest.mark.parametrize("qtype", K_QTYPES)
+@pytest.mark.parametrize("kind", ["int16", "int8"])
+def test_k_quants_few_row_form_equals_its_integer_twin(qtype, kind, isa):  # noqa: F811
+    g = torch.Generator().manual_seed(7)
+    for n, blocks in ((53, 2), (16, 1), (9, 8)):
+        w = quant_blocks(qtype, n, 256 * blocks, seed=n)
+        for rows in range(1, K256_ROWS + 1):
+            x = torch.randn(rows, 256 * blocks + 64, generator=g)[:, :256 * blocks]  # rows strided wider than K
+            x[0, :256] = 0.0  # a zero super-block (scale 0)
+            if rows > 1:
+                x[1, 3] = 40.0  # an outlier: its super-block's other codes coarser
+            assert takes_k256(w, rows, kind) and not takes_k256(w, rows, "float") and not takes_k256(w, K256_ROWS + 1, kind)
+            got = matmul(x, w, activations=kind).double()
+            ref = matmul_int_twin(x, w, kind)
+            assert ((got - ref).abs() <= 1e-5 * terms(x, w)).all(), (n, blocks, rows)
+            slack = rounding_bound(x, w, kind) + 1e-5 * terms(x, w)
+            assert ((got - matmul_twin(x, w).double()).abs() <= slack).all(), (n, blocks, rows)
+    w = largest_blocks(qtype, 24, 8)
+    for sign in (1.0, -1.0):  # every activation code at its limit: the lane sums at their bound
+        x = torch.full((K256_ROWS, w.shape[1]), sign)
+        got, ref = matmul(x, w, activations=kind).double(), matmul_int_twin(x, w, kind)
+        assert ((got - ref).abs() <= 1e-5 * terms(x, w)).all() and float(ref.abs().min()) > 0
 
 
 @pytest.mark.parametrize("qtype", NEW)
