@@ -428,4 +428,5 @@ def prefix_report(engine) -> dict:
     blocks = engine.blocks
     added, evicted = blocks.take_changes()
     return {"prefix_added": added, "prefix_evicted": evicted, "cached_blocks": blocks.cached_blocks,
-            "prefix_queries": blocks.queries, "prefix_hits": blocks.hits}
+            "prefix_queries": blocks.queries, "prefix_hits": blocks.hits,
+            **(blocks.tier.report() if blocks.tier is not None else {})}  # the host KV tier's (kvtransfer.host_tier)
