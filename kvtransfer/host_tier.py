@@ -325,8 +325,11 @@ class TierLink:
         self.hits = 0  # of those, tokens loaded from it
 
     def evicting(self, blocks, i: int) -> None:
-        """Registered block i is about to be reused: its KV goes to the tier."""
-        self.tier.put(blocks.hash_of[i], blocks.parent_key_of[i], blocks.tokens_of[i], self.pool[:, :, i])
+        """Registered block i is about to be reused: its KV goes to the tier (an I/O error loses it, logged: a miss later)."""
+        try:
+            self.tier.put(blocks.hash_of[i], blocks.parent_key_of[i], blocks.tokens_of[i], self.pool[:, :, i])
+        except OSError as e:
+            log.warning("host KV tier %s: a block not put: %s", self.tier.path, e)
 
     def fetch(self, blocks, hashes: list[bytes], tokens: list[int], ids: list[int]) -> list[int]:
         """Local blocks (count 1, registered) holding the tier's KV of hashes' blocks after the
@@ -338,8 +341,12 @@ class TierLink:
         if not n:
             return []
         new = blocks.allocate(n)  # may evict cached blocks into the tier: after the probe made ours most recent
-        got = self.tier.load(keys[:n], parent, rest, self.pool, new)
-        blocks.free(new[got:])  # entries overwritten between probe and load (another worker's puts): never registered
+        try:
+            got = self.tier.load(keys[:n], parent, rest, self.pool, new)
+        except OSError as e:
+            log.warning("host KV tier %s: nothing loaded: %s", self.tier.path, e)
+            got = 0
+        blocks.free(new[got:])  # entries overwritten between probe and load (another worker's puts), or not read: never registered
         new = new[:got]
         blocks.register(ids + new, hashes[:m + got], m, rest[:got * bs])
         self.hits += got * bs

@@ -424,7 +424,8 @@ def drain_steps(engine, shared: bool = False) -> list[tuple]:
 
 def prefix_report(engine) -> dict:
     """The heartbeat's prefix-cache fields: key changes since the last call (bounded by
-    kv_cache.MAX_CHANGES), blocks cached now, and the lookup counters."""
+    kv_cache.MAX_CHANGES), blocks cached now, and the lookup counters; with a host KV tier
+    attached (BlockManager.tier), its counters too."""
     blocks = engine.blocks
     added, evicted = blocks.take_changes()
     return {"prefix_added": added, "prefix_evicted": evicted, "cached_blocks": blocks.cached_blocks,

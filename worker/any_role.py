@@ -63,8 +63,8 @@ import torch
 import zmq
 
 from pdserve.decode.grants import FENCE_CHECK_S, LIVE_WRITER_GRANT_FACTOR, Fence, Grant, grant_blocks, handoff_problem, part_problem
-from pdserve.kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from pdserve.kvtransfer import host_tier
+from pdserve.kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError
 from pdserve.kvtransfer.pool import KVPool, host_identity, process_alive
 from pdserve.kvtransfer.transfer import BadPart, KVReceiver, KVSender

@@ -12,28 +12,18 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
 import torch
 
 from pdserve.common.prefix_hash import ROOT_HASH, chain_hashes
-from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
 from pdserve.kvtransfer.host_tier import HostTier, TierLink
 from pdserve.kvtransfer.pool_files import PoolDirError, pool_dir, sweep_dead_pools
 from pdserve.runtime.kv_cache import BlockManager
 
 SHAPE = (2, 2, 4, 2, 8)  # a block: layers, K/V, block_size 4, KV heads, head dim
 SLOT = 2 * 2 * 4 * 2 * 8 * 4  # float32 bytes
-
-
-@pytest.fixture
-def own_shm_dir(monkeypatch):
-    d = tempfile.mkdtemp(prefix="host-tier-", dir=SHM_DIR)
-    monkeypatch.setenv(SHM_DIR_ENV, d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def block(seed: int) -> torch.Tensor:

@@ -4,14 +4,11 @@ prefill starting after them) and gives the same greedy tokens as recomputing it,
 transformers; a second engine attached to the same tier (another worker of the node, keyed with
 the same secret) loads the first one's blocks instead of computing them; preempted sequences
 come back through the tier with the same tokens; every pool is whole at the end."""
-import shutil
-import tempfile
 
 import pytest
 import transformers
 
 from pdserve.common.prefix_hash import chain_hashes
-from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
 from pdserve.kvtransfer import host_tier
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
@@ -22,14 +19,6 @@ BS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = [5 + (j * 13) % 400 for j in range(45)]  # 5 full blocks and a part
 FILLERS = [[300 + i * 50 + (j * 7) % 40 for j in range(45)] for i in range(3)]
-
-
-@pytest.fixture
-def own_shm_dir(monkeypatch):
-    d = tempfile.mkdtemp(prefix="host-tier-engine-", dir=SHM_DIR)
-    monkeypatch.setenv(SHM_DIR_ENV, d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,12 @@ first is drained serves the prompt with its prefix loaded from the tier: hits in
 coordinator's stats and on the gateway's /metrics, greedy tokens equal to the single-process
 engine's without any cache, every pool whole; the last worker out unlinks the tier's file."""
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
 from pdserve.kvtransfer.pool_files import pool_dir
 from pdserve.launcher_link import LauncherLink
 from pdserve.runtime.config import EngineConfig
@@ -28,15 +25,6 @@ ENGINE = ["--num-blocks", "16", "--block-size", str(BLOCK), "--heartbeat-s", "0.
 GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = [100 + (j * 37) % 3000 for j in range(45)]  # 5 full blocks and a part
 FILLERS = [[4000 + 300 * i + (j * 7) % 250 for j in range(45)] for i in range(3)]  # 7 blocks each with their output
-
-
-@pytest.fixture
-def own_shm_dir(monkeypatch):
-    """$PDSERVE_SHM_DIR of this test's own (its workers inherit it): no other test's worker sweeps or shares its files."""
-    d = tempfile.mkdtemp(prefix="host-tier-launch-", dir=SHM_DIR)
-    monkeypatch.setenv(SHM_DIR_ENV, d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
