@@ -3,7 +3,8 @@ prompt, evicts its prefix from a small pool into the node's tier (--kv-host-tier
 worker of the same node and coordinator starts, attaches to the same tier file, and once the
 first is drained serves the prompt with its prefix loaded from the tier: hits in the
 coordinator's stats and on the gateway's /metrics, greedy tokens equal to the single-process
-engine's without any cache, every pool whole; the last worker out unlinks the tier's file."""
+engine's without any cache, every pool whole; the last worker out unlinks the tier's file. And one
+prefill and one decode worker sharing the tier: the prefill worker loads an evicted prefix from it."""
 import os
 import subprocess
 import sys
@@ -87,3 +88,23 @@ def test_a_prefix_evicted_on_one_worker_is_served_from_the_tier_on_another(model
     while [f for f in os.listdir(pool_dir()) if f.startswith("tier-")] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [f for f in os.listdir(pool_dir()) if f.startswith("tier-")]  # the last worker out unlinked it
+
+
+def test_disaggregated_prefill_loads_from_the_tier(model_dir, tmp_path, own_shm_dir):
+    """One prefill and one decode worker sharing the node's tier: the prefill worker's evicted
+    prefix comes back from the tier (its prefill starts after it), the hand-off and the decode
+    worker's tokens as without any cache, every pool whole."""
+    eng = LLMEngine.load(str(model_dir), EngineConfig(num_blocks=64, block_size=BLOCK, prefix_cache=False), progress=False, tokenizer=False)
+    want = [c.token_ids for c in eng.generate([PROMPT, *FILLERS, PROMPT], SamplingParams(**GREEDY))]
+    launcher = start_cluster(model_dir, tmp_path / "logs", prefill=1, decode=1, engine_args=ENGINE)
+    try:
+        with Client(launcher.plan.client_addr, timeout=120) as c:
+            got = [c.generate(token_ids=p, **GREEDY).token_ids for p in [PROMPT, *FILLERS, PROMPT]]
+            assert got == want
+            stats = wait_all_blocks_free(c, timeout=10)
+            prefill = next(w for w in stats["workers"] if w["role"] == "prefill")
+            assert prefill["host_tier"]["hits"] == 5 * BLOCK  # loaded, whichever worker put it (a key already there is not put again)
+            assert sum(w["host_tier"]["bytes_in"] for w in stats["workers"]) > 0
+            assert len({w["host_tier"]["capacity"] for w in stats["workers"]}) == 1  # one tier on the node
+    finally:
+        launcher.stop()
