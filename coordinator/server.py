@@ -1281,6 +1281,7 @@ class Coordinator:
                 "bad_messages": b.bad_messages if b else 0, "preemptions": b.preemptions if b else 0, "inflight": len(w.requests),
                 "kv_endpoint": w.hello.kv_endpoint, "inbox_dropped": b.inbox_dropped if b else 0, "heartbeats": w.beats,
                 "fenced_blocks": b.fenced_blocks if b else 0, "engine": w.hello.engine, "prefix_cache": prefix_stats(b),
+                "host_tier": host_tier_stats(b),
                 "core_share": {"shared_steps": len(w.slowdown.steps), "ratio_to_linear": round(w.slowdown.ratio(), 3)},
                 "draining": self.removal_stats(w.hello.worker_id),
             })
@@ -1337,6 +1338,16 @@ def prefix_stats(b: Heartbeat | None) -> dict:
             "hit_rate": round(hits / queries, 4) if queries else 0.0}
 
 
+def host_tier_stats(b: Heartbeat | None) -> dict:
+    """A worker's use of its node's host KV tier as its last heartbeat told it: tokens looked up
+    there and loaded, bytes put and loaded, the tier's blocks (node-wide); zeros when it has none."""
+    if b is None:
+        return {"queries": 0, "hits": 0, "hit_rate": 0.0, "bytes_in": 0, "bytes_out": 0, "blocks": 0, "capacity": 0}
+    q, h = b.host_tier_queries, b.host_tier_hits
+    return {"queries": q, "hits": h, "hit_rate": round(h / q, 4) if q else 0.0, "bytes_in": b.host_tier_bytes_in,
+            "bytes_out": b.host_tier_bytes_out, "blocks": b.host_tier_blocks, "capacity": b.host_tier_capacity}
+
+
 def hello_problem(h: Hello) -> str | None:
     """Why a Hello cannot describe a worker (None if it can): checked before any state changes,
     since a registered worker's fields drive placement (a role outside Role or a block size of 0
@@ -1381,7 +1392,8 @@ def numbers_ok(msg) -> bool:
         values = [msg.free_blocks, msg.running, msg.waiting, msg.queued_tokens, msg.kv_bytes_sent, msg.kv_seconds_sent,
                   msg.kv_bytes_received, msg.bad_messages, msg.preemptions, msg.inbox_dropped, msg.fenced_blocks,
                   *(v for s in msg.steps for v in s), *(v for s in msg.shared_steps for v in s),
-                  msg.cached_blocks, msg.prefix_queries, msg.prefix_hits]
+                  msg.cached_blocks, msg.prefix_queries, msg.prefix_hits, msg.host_tier_queries, msg.host_tier_hits,
+                  msg.host_tier_bytes_in, msg.host_tier_bytes_out, msg.host_tier_blocks, msg.host_tier_capacity]
     elif isinstance(msg, PrefillDone):
         values = [msg.num_tokens, msg.kv_bytes, msg.kv_seconds, msg.compute_seconds]
     else:

@@ -156,6 +156,20 @@ class CoordinatorFamilies:
             "hits": CounterMetricFamily("pdserve_prefix_cache_hits", "Prompt tokens found in a worker's prefix cache", labels=labels),
             "cached_blocks": GaugeMetricFamily("pdserve_prefix_cache_blocks", "KV blocks registered in a worker's prefix cache", labels=labels),
         }
+        tier = {  # the node's host KV tier as each worker uses it (kvtransfer.host_tier; vLLM's CPU offload metrics)
+            "queries": CounterMetricFamily("pdserve_kv_host_tier_queries", "Prompt tokens a worker looked up in its node's host KV tier "
+                                           "(full blocks past its prefix cache's hit)", labels=labels),
+            "hits": CounterMetricFamily("pdserve_kv_host_tier_hits", "Prompt tokens a worker loaded from its node's host KV tier", labels=labels),
+            "hit_rate": GaugeMetricFamily("pdserve_kv_host_tier_hit_rate", "host KV tier hits / queries of a worker since its start",
+                                          labels=labels),
+            "bytes_in": CounterMetricFamily("pdserve_kv_host_tier_bytes_in", "KV bytes a worker put into its node's host KV tier "
+                                            "(blocks its prefix cache evicted)", labels=labels),
+            "bytes_out": CounterMetricFamily("pdserve_kv_host_tier_bytes_out", "KV bytes a worker loaded from its node's host KV tier",
+                                             labels=labels),
+            "blocks": GaugeMetricFamily("pdserve_kv_host_tier_blocks", "KV blocks its node's host KV tier holds", labels=labels),
+            "capacity": GaugeMetricFamily("pdserve_kv_host_tier_capacity_blocks", "KV blocks its node's host KV tier can hold",
+                                          labels=labels),
+        }
         by_role: dict[str, int] = {}
         for w in workers:
             key = [self.model, w["id"], w["role"]]
@@ -163,11 +177,13 @@ class CoordinatorFamilies:
                 fam.add_metric(key, w.get(name, 0))
             for name, fam in prefix.items():
                 fam.add_metric(key, w.get("prefix_cache", {}).get(name, 0))
+            for name, fam in tier.items():
+                fam.add_metric(key, w.get("host_tier", {}).get(name, 0))
             usage.add_metric(key, 1.0 - w["free_blocks"] / max(1, w["total_blocks"]))
             by_role[w["role"]] = by_role.get(w["role"], 0) + 1
         for role in ("prefill", "decode", "colocated"):
             count.add_metric([self.model, role], by_role.get(role, 0))
-        yield from (*fams.values(), usage, count, *prefix.values())
+        yield from (*fams.values(), usage, count, *prefix.values(), *tier.values())
 
     def _coordinator(self, s: dict):
         m = [self.model]

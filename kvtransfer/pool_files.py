@@ -14,6 +14,8 @@ pid namespace sharing /dev/shm keeps it); and the pools an earlier pdserve left 
 /dev/shm (pdserve-kv-<pid>: this user's, unlocked, that pid not running). The sweep runs when a
 worker command starts (before it sizes its KV budget from /dev/shm's free space), when a pool is
 created, when `pdserve launch` starts, and for a child's pid when the launcher reaps it.
+A node-wide host KV tier (kvtransfer.host_tier: tier-<creator pid>-<start time>-<fingerprint>)
+lives in the same directory and is swept by the same rule; its users hold shared flocks.
 A pool path from a peer (KVAccept.shm_path, a TP rank's RankSpec.pool_path) is opened only by
 `open_peer_pool`: canonical (realpath gives it back unchanged: no `..`, no symlink), a pool name
 directly in this user's pool directory, opened O_NOFOLLOW, a regular file of this user of exactly
@@ -36,6 +38,7 @@ from pdserve_client.errors import PdserveError
 log = logging.getLogger("pdserve.kvpool")
 
 POOL_NAME = re.compile(r"kv-(\d+)-(\d+)-[0-9a-f]{16}")
+TIER_NAME = re.compile(r"tier-(\d+)-(\d+)-([0-9a-f]{16})")  # a node-wide host KV tier (kvtransfer.host_tier): swept as a pool is
 LEGACY_NAME = re.compile(r"pdserve-kv-(\d+)")  # where pdserve before the pool directory put a worker's pool: /dev/shm/pdserve-kv-<pid>
 CREATING_GRACE_S = 10.0  # an empty, unlocked pool younger than this may be one its owner is still creating
 
@@ -117,6 +120,14 @@ def owner_of(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def tier_creator_of(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of the process that created a host KV tier, as its name records; None if
+    the name is not a tier's. A tier is shared: the sweep removes it only when its creator is gone
+    and no process holds its flock (every user of a tier holds one, shared)."""
+    m = TIER_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def owner_running(pid: int, started: int) -> bool:
     """Whether the pool's owner still runs: pid alive with the same start time (a reused pid is another process)."""
     return start_time(pid) == started
@@ -130,7 +141,7 @@ def sweep_dead_pools(pid: int | None = None) -> list[tuple[str, int]]:
     if directory is None:
         return removed
     for entry in entries(directory):
-        owner = owner_of(entry.name)
+        owner = owner_of(entry.name) or tier_creator_of(entry.name)
         if owner is None or (pid is not None and owner[0] != pid) or owner_running(*owner):
             continue
         size = remove_if_unheld(entry.path)

@@ -33,6 +33,7 @@ import time
 import torch
 import zmq
 
+from pdserve.kvtransfer import host_tier
 from pdserve.kvtransfer.pool import KVPool
 from pdserve.kvtransfer.transfer import KVSender
 from pdserve.runtime import structured
@@ -84,11 +85,12 @@ class PrefillWorker:
         engine.core_share = cores
         with cores.alone():
             profile = engine.profile(batches=(1, 4), prompt_len=128, decode_steps=0, long_prompts=(1, 512))
+        tier = host_tier.attach(engine, engine_cfg, wcfg.model)  # --kv-host-tier-mb (None: off), after the profile's random prompts
         ctx = zmq.Context()
         sender = KVSender(ctx, wid, security.worker_options(wcfg.keys), backend=wcfg.kv_backend)
         link = process.connect(ctx, wcfg, process.hello(Role.PREFILL, wid, wcfg, engine, pool, profile))
         worker = cls(wid, engine, pool, sender, link, wcfg.batch_window_ms, ctx, cores, wcfg.handoff_stream)
-        worker.closing = ([ranks.close] if ranks is not None else []) + [kv.close]
+        worker.closing = ([ranks.close] if ranks is not None else []) + [kv.close] + ([tier.close] if tier is not None else [])
         return worker
 
     def heartbeat(self) -> Heartbeat:

@@ -474,6 +474,10 @@ class EngineConfig:
                                                 "(instead of --kv-cache-mb; per GPU: with tensor parallelism, of each rank's GPU)")
     prefix_cache: bool = flag(True, group="KV cache and transfer", name="no_prefix_cache", launch=True,
                               help="do not reuse the KV of token prefixes computed before (the prefix cache is on by default, as in vLLM)")
+    kv_host_tier_bytes: int = flag(0, group="KV cache and transfer", name="kv_host_tier_mb", scale=2**20, launch=True,
+                                   help="a node-wide host-memory KV tier of this many MiB per model (kvtransfer.host_tier; 0: off): "
+                                   "blocks evicted from a worker's prefix cache go there, and every worker of the node loads them "
+                                   "from there instead of recomputing them")
     tensor_parallel_size: int = flag(1, group="parallelism", aliases=("-tp",), min=1, launch=True,
                                      help="rank processes a worker splits the model over (runtime.tp; CPU: gloo on loopback; CUDA: NCCL, "
                                      "one GPU per rank from --device's on); "
@@ -505,6 +509,8 @@ class EngineConfig:
             raise InvalidRequestError(f"quant_activations must be one of {', '.join(QUANT_ACTIVATIONS)}, got {self.quant_activations!r}")
         if self.quantization not in ("auto", "none"):
             raise InvalidRequestError(f"quantization must be auto or none, got {self.quantization!r}")
+        if self.kv_host_tier_bytes < 0:
+            raise InvalidRequestError(f"kv_host_tier_mb must be >= 0, got {self.kv_host_tier_bytes / 2**20:g}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self._check_parallel()
@@ -588,6 +594,7 @@ class EngineConfig:
             "gpu_memory_utilization": self.gpu_memory_utilization, "quantization": self.quantization,
             "quant_activations": self.quant_activations, "prefix_cache": int(self.prefix_cache),
             "tensor_parallel_size": self.tensor_parallel_size, "linear_backend": self.linear_backend,
+            "kv_host_tier_mb": round(self.kv_host_tier_bytes / 2**20, 3),
         }
 
 

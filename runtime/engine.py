@@ -442,8 +442,10 @@ def drain_steps(engine, shared: bool = False) -> list[tuple]:
 
 def prefix_report(engine) -> dict:
     """The heartbeat's prefix-cache fields: key changes since the last call (bounded by
-    kv_cache.MAX_CHANGES), blocks cached now, and the lookup counters."""
+    kv_cache.MAX_CHANGES), blocks cached now, and the lookup counters; with a host KV tier
+    attached (BlockManager.tier), its counters too."""
     blocks = engine.blocks
     added, evicted = blocks.take_changes()
     return {"prefix_added": added, "prefix_evicted": evicted, "cached_blocks": blocks.cached_blocks,
-            "prefix_queries": blocks.queries, "prefix_hits": blocks.hits}
+            "prefix_queries": blocks.queries, "prefix_hits": blocks.hits,
+            **(blocks.tier.report() if blocks.tier is not None else {})}  # the host KV tier's (kvtransfer.host_tier)

@@ -27,7 +27,9 @@ block's key and tokens stay with it until it is evicted; a block is only ever wr
 unregistered (it is registered once full, and shared blocks are full), so sharing needs no copy.
 `set_prefix_key` (a worker's coordinator's Welcome: a new coordinator, a new secret) forgets every
 registration. `changes` records key changes since the last `take_changes` (the worker's heartbeat
-reports them, bounded).
+reports them, bounded). A host-memory KV tier (`tier`, kvtransfer.host_tier) hooks in at two
+points: `allocate` hands it each registered block before reusing it, and `match` lets it extend
+a match past the last cached block (confirmed there as here, then registered here).
 
 Sliding windows (`window` > 0: ModelConfig.kv_window, a model whose every layer slides, e.g.
 Mistral with `sliding_window`, Qwen3-MoE with `use_sliding_window`): a query at position p reads
@@ -68,7 +70,7 @@ from collections import OrderedDict, deque
 import torch
 
 from pdserve.common.kv_window import first_needed_block
-from pdserve.common.prefix_hash import chain_hashes, new_secret
+from pdserve.common.prefix_hash import ROOT_HASH, chain_hashes, new_secret
 from pdserve.kernels import kv_quant
 from pdserve.runtime.config import ModelConfig
 
@@ -136,6 +138,10 @@ class BlockManager:
         self.mismatches = 0  # keys found whose block's tokens or parent differed: a miss (a key collision)
         self.changes: OrderedDict[bytes, bool] = OrderedDict()  # key -> registered (True) or evicted, since take_changes
         self._changes_lock = threading.Lock()  # take_changes runs on a worker's heartbeat (I/O) thread
+        # host KV tier hooks (kvtransfer.host_tier.TierLink; None: off): tier.evicting(self, i) before a
+        # registered block is reused, tier.fetch(self, hashes, tokens, ids) -> more blocks where a match ends
+        self.tier = None
+        self.parent_key_of: list[bytes] = [ROOT_HASH] * num_blocks  # a registered block's parent's key (the tier's link)
 
     @property
     def free_blocks(self) -> int:
@@ -160,6 +166,8 @@ class BlockManager:
                 i = self.free_ids.popleft()
             else:
                 i, _ = self.cached.popitem(last=False)
+                if self.tier is not None:
+                    self.tier.evicting(self, i)
                 self._unregister(i)
             self.ref_counts[i] = 1
             ids.append(i)
@@ -311,6 +319,8 @@ class BlockManager:
                 del self.cached[i]
             self.ref_counts[i] += 1
             ids.append(i)
+        if self.tier is not None and len(ids) < len(hashes):
+            ids += self.tier.fetch(self, hashes, tokens, ids)
         return ids
 
     def match_tokens(self, tokens: list[int], upto_blocks: int, salt: str | None = None) -> list[int]:
@@ -344,6 +354,7 @@ class BlockManager:
                 if j is None:
                     self.registrations += 1
                     self.hash_of[i], self.tokens_of[i], self.parent_of[i], self.link_of[i] = h, t, parent, self.registrations
+                    self.parent_key_of[i] = hashes[k - 1] if k else ROOT_HASH
                     self.by_hash[h] = i
                     self._note(h, True)
                 elif self.parent_of[j] == parent and self.tokens_of[j] == t:

@@ -130,3 +130,19 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     save_tiny_model(d, max_position_embeddings=128)
     return d
+
+
+@pytest.fixture
+def own_shm_dir(monkeypatch):
+    """$PDSERVE_SHM_DIR: a directory of this test's own on the shared-memory filesystem (the
+    processes it starts inherit it), so no other test's worker sweeps or shares its pools and host
+    KV tiers meanwhile."""
+    import shutil
+    import tempfile
+
+    from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
+
+    d = tempfile.mkdtemp(prefix="pdserve-test-", dir=SHM_DIR)
+    monkeypatch.setenv(SHM_DIR_ENV, d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

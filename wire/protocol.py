@@ -101,6 +101,13 @@ class Heartbeat(_Msg):
     cached_blocks: int = 0  # blocks registered in its prefix cache now
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since start
     prefix_hits: int = 0  # of those, tokens found cached
+    # the node's host-memory KV tier (kvtransfer.host_tier; all 0 when off), this worker's counters since start:
+    host_tier_queries: int = 0  # tokens of full blocks past its prefix cache's hit looked up in the tier
+    host_tier_hits: int = 0  # of those, tokens loaded from the tier
+    host_tier_bytes_in: int = 0  # KV bytes it put into the tier (evicted blocks whose key was not there yet)
+    host_tier_bytes_out: int = 0  # KV bytes it loaded from the tier
+    host_tier_blocks: int = 0  # blocks the tier holds now (node-wide)
+    host_tier_capacity: int = 0  # blocks it can hold (node-wide)
 
 
 class Admit(_Msg):

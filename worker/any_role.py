@@ -63,6 +63,7 @@ import torch
 import zmq
 
 from pdserve.decode.grants import FENCE_CHECK_S, LIVE_WRITER_GRANT_FACTOR, Fence, Grant, grant_blocks, handoff_problem, part_problem
+from pdserve.kvtransfer import host_tier
 from pdserve.kvtransfer.cuda_ipc import CudaKVPool, gpu_pool
 from pdserve.kvtransfer.errors import InvalidHandoff, KVTransferError
 from pdserve.kvtransfer.pool import KVPool, host_identity, process_alive
@@ -165,6 +166,7 @@ class Worker:
         )
         with cores.alone():
             profile = engine.profile()
+        tier = host_tier.attach(engine, engine_cfg, wcfg.model)  # --kv-host-tier-mb (None: off), after the profile's random prompts
         security.check_bind(wcfg.kv_bind, wcfg.keys, wcfg.insecure)
         ctx = zmq.Context()
         auth = security.start_authenticator(ctx, wcfg.keys)
@@ -176,6 +178,7 @@ class Worker:
         link.watch(receiver.sock, lambda sock: receiver.recv())
         closing = [auth.stop] if auth is not None else []
         closing += [ranks.close] if ranks is not None else []
+        closing += [tier.close] if tier is not None else []
         return cls(wid, engine, receiver, link, wcfg.grant_timeout_s, closing + [lambda: ctx.destroy(linger=0), pool.close],
                    cores, sender, role, wcfg.batch_window_ms, kv, wcfg.handoff_stream)
 

@@ -54,6 +54,10 @@ def print_runs(args, runs, tokenizer_id: str) -> list[dict]:
             rate_hit = moved["prefix_cache_hits"] / moved["prefix_cache_queries"] if moved["prefix_cache_queries"] else 0.0
             print(f"KV hand-offs: {moved['kv_handoffs']}, {moved['kv_handoff_bytes']} bytes; prefix cache hit rate {rate_hit:.1%} "
                   f"({moved['prefix_cache_hits']} of {moved['prefix_cache_queries']} prompt tokens, all workers)")
+            if moved.get("host_tier_queries"):
+                print(f"host KV tier hit rate {moved['host_tier_hits'] / moved['host_tier_queries']:.1%} ({moved['host_tier_hits']} of "
+                      f"{moved['host_tier_queries']} prompt tokens looked up past the prefix cache); {moved['host_tier_bytes_in']} bytes "
+                      f"put, {moved['host_tier_bytes_out']} loaded")
         errors = sorted({o.error for o in outputs if not o.success})
         for e in errors[:5]:
             print(f"error: {e}", file=sys.stderr)

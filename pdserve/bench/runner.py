@@ -88,8 +88,9 @@ async def run_rates(args, requests, tokenizer, rates: list[float]) -> list[tuple
 
 
 async def kv_counters(backend, settle_s: float = 5.0) -> dict | None:
-    """pdserve backend: the coordinator's KV hand-off bytes and count and its workers' prefix-cache
-    tokens looked up and hit (the run's figures are the differences); None for other backends.
+    """pdserve backend: the coordinator's KV hand-off bytes and count, its workers' prefix-cache
+    tokens looked up and hit, and their host KV tier's tokens looked up and loaded and bytes put
+    and loaded (the run's figures are the differences); None for other backends.
 
     The prefix-cache counters reach the coordinator in worker heartbeats (every 0.5 s by default),
     so a run shorter than a heartbeat would read stale figures: this waits (up to settle_s) until
@@ -106,6 +107,8 @@ async def kv_counters(backend, settle_s: float = 5.0) -> dict | None:
         await asyncio.sleep(0.05)
         s = await client.stats(timeout=10.0)
     caches = [w.get("prefix_cache", {}) for w in s.get("workers", [])]
+    tiers = [w.get("host_tier", {}) for w in s.get("workers", [])]  # the node's host KV tier (--kv-host-tier-mb), as each worker used it
     return {"kv_handoff_bytes": s["kv_transfer"]["bytes"], "kv_handoffs": s["kv_transfer"]["handoffs"],
-            "prefix_cache_queries": sum(c.get("queries", 0) for c in caches), "prefix_cache_hits": sum(c.get("hits", 0) for c in caches)}
+            "prefix_cache_queries": sum(c.get("queries", 0) for c in caches), "prefix_cache_hits": sum(c.get("hits", 0) for c in caches),
+            **{f"host_tier_{k}": sum(t.get(k, 0) for t in tiers) for k in ("queries", "hits", "bytes_in", "bytes_out")}}
 

@@ -7,17 +7,14 @@ their own ($PDSERVE_SHM_DIR): a worker another test starts meanwhile sweeps this
 directory too, and once removed these pools before the second launch could (CI, two test processes)."""
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import pytest
 
-from pdserve.common.shm import SHM_DIR, SHM_DIR_ENV
 from pdserve.kvtransfer.pool_files import start_time
 from tests.helpers import free_port, pools_of, save_tiny_served_model
 from tests.serving.test_launcher import children_of, wait_ready
@@ -28,15 +25,6 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
     save_tiny_served_model(d)
     return d
-
-
-@pytest.fixture
-def own_shm_dir(monkeypatch):
-    """$PDSERVE_SHM_DIR: a directory of this test's own on the shared-memory filesystem (the launches inherit it)."""
-    d = tempfile.mkdtemp(prefix="pool-lifetime-", dir=SHM_DIR)
-    monkeypatch.setenv(SHM_DIR_ENV, d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def launch(model_dir, log_dir):

@@ -140,7 +140,7 @@ def test_engine_flags_of_launch_are_the_engines():
     assert {s.name for s in ENGINE if s.flag.launch} == {
         "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_mb", "gpu_memory_utilization",
         "block_size", "quantization", "quant_activations", "tensor_parallel_size", "pipeline_parallel_size", "linear_backend",
-        "no_prefix_cache", "kv_cache_dtype"}
+        "no_prefix_cache", "kv_cache_dtype", "kv_host_tier_mb"}
 
 
 def test_building_the_command_line_imports_no_torch():
