@@ -23,8 +23,7 @@ class LauncherLink:
         from pdserve_client.library import Client
 
         self.client = Client(client_addr, timeout=timeout, keys=keys)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock = self.client.ctx.socket(zmq.DEALER)  # (the client's context: closed with it)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
         for opt, value in worker_options(keys).items():
@@ -52,6 +51,5 @@ class LauncherLink:
         return self.client.stats(timeout=timeout)
 
     def close(self) -> None:
-        self.client.close()
         self.sock.close(linger=0)
-        self.ctx.term()
+        self.client.close()

@@ -174,7 +174,7 @@ class Autoscaler:
         if any(w is None for w in workers):
             self.spare_since.pop(role, None)
             return None
-        inflight = [w["inflight"] + w["queue"] for w in workers]
+        inflight = [w["inflight"] for w in workers]  # (none queued: `short` answers a role with a queue first)
         i = min(range(len(mine)), key=lambda j: (inflight[j], -(mine[j].registered or 0.0)))
         room = sum(max(1, int((w.get("engine") or {}).get("max_num_seqs") or 1)) for j, w in enumerate(workers) if j != i)
         if sum(inflight) > room:
