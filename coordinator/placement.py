@@ -246,7 +246,11 @@ def prefill_share(w: WorkerSnapshot, tokens: int) -> float:
 
 
 def most_room(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
-    return max(workers, key=lambda w: (w.free_blocks, -w.requests))
+    """The worker with a place in its batch (not full_batch), then the most free blocks, then the fewest requests. A
+    full batch comes last: a prompt placed there waits for one of its streams to end while another worker has a place
+    (seen under `pdserve launch --ray` without SLO targets: three long requests on one worker of max_num_seqs 2, whose
+    heartbeat's free blocks had not yet counted the first two, beside an idle one)."""
+    return max(workers, key=lambda w: (not full_batch(w), w.free_blocks, -w.requests))
 
 
 def place_pair(req: RequestView, prefills: list[WorkerSnapshot], decodes: list[WorkerSnapshot],

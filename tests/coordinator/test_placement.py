@@ -120,6 +120,16 @@ def test_colocated_without_slo_takes_the_worker_with_most_room():
     assert (d.outcome, d.worker, d.prefill, d.predicted_ttft) == (Outcome.PLACED, "c1", None, None)
 
 
+def test_without_slo_a_full_batch_comes_after_a_worker_with_a_place_whatever_their_free_blocks():
+    """A worker running its max_num_seqs takes a prompt only when every other does too: its heartbeat's free blocks may
+    not count what was just placed there (seen under `pdserve launch --ray`: three long requests on one of two)."""
+    full = dataclasses.replace(colocated("c0", free=60, requests=2), max_seqs=2)
+    open_ = dataclasses.replace(colocated("c1", free=20, requests=1), max_seqs=2)
+    assert place_colocated(REQ, [full, open_], None).worker == "c1"
+    assert place_pair(REQ, [prefill("p0")], [full, open_], None).worker == "c1"
+    assert place_colocated(REQ, [full, dataclasses.replace(open_, requests=2)], None).worker == "c0"  # all full: most room
+
+
 def test_colocated_is_placed_on_the_lowest_predicted_ttft():
     d = place_colocated(REQ, [colocated("backlogged", queued=2825), colocated("free")], TARGETS)
     assert (d.outcome, d.worker) == (Outcome.PLACED, "free")

@@ -6,8 +6,9 @@ completed identically (or ended with a typed error), none hung, and the lost wor
 remaining node within 60 s; idleness takes every worker away (ready all the same: cold starts
 on), a request whose TTFT target is under the cold start waits for it and is served identically,
 while one more, past the held-requests bound, is refused 503 `cold_start` with Retry-After the
-expected cold start (measured, once one was); a burst that queues then scales decode from one to two; a scale-down under a steady load drains the worker it
-removes (nothing placed on it once its drain starts, what was in flight there completes, nothing placed again). The launch serves a
+expected cold start (measured, once one was); a burst that queues then scales decode from one to two; a scale-down under load drains the worker it removes while
+a request is in flight there (nothing placed on it once its drain starts, that request completes there identically,
+nothing placed again). The launch serves a
 second tiny model (`beta`, another seed) behind the same gateway, under the same limits: idle since the launch, it is
 at zero workers, and its next request is served after a cold start; both models answer through the gateway as the
 in-process runtime does on each. One cluster and one launch for the module; skipped where ray is not installed (the
@@ -40,9 +41,10 @@ MAX_TOKENS = 150  # each stream; run_and_kill (tests/faults/test_worker_death.py
 OBJECT_STORE = 80 * 2**20  # per node: Ray's smallest, the workers pass nothing through it
 NODE = dict(num_cpus=1, object_store_memory=OBJECT_STORE)  # (Ray binds its own ports on the node address it finds)
 BURST_TOKENS = 400
-SHORT = 4  # prompts(8)'s first 4 are 12-15 tokens: no full KV block
-MAX_SEQS = 2  # each worker's: two steady streams fit in one decode worker, so the scale-down drains one holding a stream
-DOWNSCALE_S = 6.0
+MAX_SEQS = 2  # each worker's: three long requests split 2 + 1, so the scale-down drains a worker holding one
+CONTEXT = 4096  # the model's
+LONG_TOKENS = 3000  # the long requests': each outlasts the downscale delay (1,000 took under 10 s)
+DOWNSCALE_S = 10.0  # the burst's tail (two or fewer in flight) and the three long requests' placement fit in it
 COLD_START_S = 20.0
 BETA, BETA_TOKENS = "beta", 16  # the second model's name, and its answer's length
 # a lost node is declared dead after 3 missed 1 s health checks (Ray's default: 5 of 3 s)
@@ -67,9 +69,12 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def model_dir(kill_model_dir):
-    """The fault tests' tiny model (tests/faults/conftest.py)."""
-    return kill_model_dir
+def model_dir(tmp_path_factory):
+    """The fault tests' tiny model (tests/faults/conftest.py kill_model_dir's shape) with a 4,096-token context: room
+    for requests that outlast the downscale delay."""
+    d = tmp_path_factory.mktemp("served-ray")
+    save_tiny_served_model(d, hidden_size=128, intermediate_size=256, num_hidden_layers=4, max_position_embeddings=CONTEXT)
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +91,15 @@ def greedy(model_dir, n: int, max_tokens: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(kill_expected):
-    """Greedy tokens of prompts(8) on model_dir, MAX_TOKENS each (a prefix of the shared reference's)."""
-    return [t[:MAX_TOKENS] for t in kill_expected]
+def expected(model_dir):
+    """Greedy tokens of prompts(8) on model_dir, MAX_TOKENS each."""
+    return greedy(model_dir, 8, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def long_expected(model_dir):
+    """Greedy tokens of prompts(8)'s first MAX_SEQS + 1, LONG_TOKENS each."""
+    return greedy(model_dir, MAX_SEQS + 1, LONG_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +215,13 @@ def decode_count(node) -> int:
         return sum(w["role"] == "decode" for w in c.stats()["workers"])
 
 
-def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worker_it_removes(node, expected):
-    """A burst brings decode to two workers (every burst request completes); a steady load goes on after it (two streams,
-    greedy-checked, which one worker's max_num_seqs holds: the role is spare under load, not only idle) while one
-    worker is removed: drained first (the coordinator places nothing on it from then on: `placed_since`
-    0 in the launch's log, taken from the coordinator's count of placements there), stopped once nothing is in flight on
-    it; every request completes identically, none is placed again (retries and workers_lost unchanged)."""
+def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worker_it_removes(node, expected, long_expected):
+    """A burst brings decode to two workers (every burst request completes). Then three long requests, placed one at a
+    time (stats show where each went): max_num_seqs 2 splits them 2 + 1; one of the pair is aborted, leaving one in flight
+    on each worker, which one worker's room holds: the role is spare under load, and the worker drained (the newest of
+    the two equally busy) holds a request. Its drain: nothing placed on it from then on (`placed_since` 0 in the launch's
+    log, the coordinator's count), its request completes there identically (its Final names that worker), it is
+    stopped once nothing is in flight; none is placed again (retries and workers_lost unchanged), the pools whole."""
     # a decode worker up (idle since the fixture, the roles may be at zero: the burst must not meet a cold start); not
     # warm(): a decode worker prefills locally, so the prefill role may stay at zero (it did, under load)
     with Client(node.clients, timeout=120) as c:
@@ -218,53 +230,64 @@ def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worke
     with Client(node.clients, timeout=10) as c:
         before = c.stats()["requests"]
     log_from = len(node.stderr())
-    stop, outs, burst_done = [], [], []
-
-    def steady(lane: int):
-        """One stream after another of prompts(8)'s first SHORT ones (under one block: no prefix cache draws them to the
-        worker that served them before, so placement spreads the two lanes by room)."""
-        with Client(node.clients, timeout=180) as c:
-            i = lane
-            while not stop:
-                outs.append((i % SHORT, c.generate(token_ids=prompts(8)[i % SHORT], temperature=0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True).token_ids))
-                i += MAX_SEQS
 
     async def burst():
         async with AsyncClient(node.clients, timeout=180) as c:
             return await asyncio.gather(*(c.generate(token_ids=p, temperature=0, max_tokens=BURST_TOKENS, ignore_eos=True)
                                           for p in prompts(8)))
 
-    loads = [threading.Thread(target=steady, args=(lane,)) for lane in range(MAX_SEQS)]
-    for t in loads:
-        t.start()
+    burst_done = []
     b = threading.Thread(target=lambda: burst_done.append(asyncio.run(burst())))
     b.start()
-    try:
-        poll("two decode workers during the burst", lambda: decode_count(node) >= 2, 120)
-        b.join(180)
-        assert burst_done and [r.completion_tokens for r in burst_done[0]] == [BURST_TOKENS] * 8
-        removed = poll("a decode worker drained and removed under the steady load",
-                       lambda: [ln for ln in node.stderr()[log_from:].splitlines() if "removing decode worker ray" in ln],  # not beta's
-                       DOWNSCALE_S * 3 + 60)
-        n = len(outs)
-        poll("the steady load served after the removal", lambda: len(outs) >= n + 2, 60)
-    finally:
-        stop.append(1)
-        for t in loads:
-            t.join(180)
-        b.join(1)
-    assert not any(t.is_alive() for t in loads) and outs
-    assert all(ids == expected[i] for i, ids in outs), [i for i, ids in outs if ids != expected[i]]
+    poll("two decode workers during the burst", lambda: decode_count(node) >= 2, 120)
+    b.join(180)
+    assert burst_done and [r.completion_tokens for r in burst_done[0]] == [BURST_TOKENS] * 8
+    # the long requests, each placed before the next is sent (within the downscale delay of the burst's end: the role
+    # is not spare while three are in flight); one of the pair aborted by its own client (another's abort is ignored)
+    where = {}
+
+    async def long_requests():
+        async with AsyncClient(node.clients, timeout=180) as c:
+            async def inflight():
+                return {w["id"]: w["inflight"] for w in (await c.stats())["workers"] if w["role"] == "decode"}
+
+            tasks = []
+            for i in range(MAX_SEQS + 1):
+                seen = await inflight()
+                tasks.append(asyncio.create_task(c.generate(token_ids=prompts(8)[i], temperature=0, max_tokens=LONG_TOKENS,
+                                                            ignore_eos=True, request_id=f"long-{i}")))
+                for _ in range(200):
+                    now = await inflight()
+                    if sum(now.values()) == i + 1:
+                        break
+                    await asyncio.sleep(0.1)
+                [where[i]] = [w for w in now if now[w] > seen.get(w, 0)]
+            pair = next(w for w in set(where.values()) if list(where.values()).count(w) == MAX_SEQS)
+            dropped = max(i for i in where if where[i] == pair)
+            await c.abort(f"long-{dropped}")
+            return dropped, await asyncio.gather(*tasks, return_exceptions=True)
+
+    dropped, results = asyncio.run(long_requests())
+    removed = poll("a decode worker drained and removed with a request in flight",
+                   lambda: [ln for ln in node.stderr()[log_from:].splitlines() if "removing decode worker ray" in ln],  # not beta's
+                   DOWNSCALE_S * 3 + 60)
     log = node.stderr()[log_from:]
     wid = removed[0].split("removing decode worker ")[1].split(":")[0]
     assert f"draining decode worker {wid} to remove it" in log and "0 placed on it since" in removed[0], removed
     inflight = int(removed[0].split("the ")[1].split(" requests in flight at its start completed")[0])
-    with Client(node.clients, timeout=10) as c:
+    kept = [i for i in where if i != dropped]
+    assert isinstance(results[dropped], Exception) or results[dropped].completion_tokens < LONG_TOKENS, results[dropped]
+    assert inflight == 1 and wid in {where[i] for i in kept}, (removed, where, [(r.latency, r.completion_tokens, r.decode_worker) if not isinstance(r, Exception) else r for r in results])
+    for i in kept:  # the drained worker's request among them: completed there, identically
+        assert results[i].completion_tokens == LONG_TOKENS and results[i].token_ids == long_expected[i], i
+        assert results[i].decode_worker == where[i], (i, results[i].decode_worker, where)
+    with Client(node.clients, timeout=60) as c:
+        assert c.generate(token_ids=prompts(2)[1], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids == expected[1]
         after = wait_all_blocks_free(c, timeout=5)["requests"]
     assert after.get("retries", 0) == before.get("retries", 0) and after.get("workers_lost", 0) == before.get("workers_lost", 0), after
     assert after["drains"] >= before.get("drains", 0) + 1 and after["workers_removed"] >= before.get("workers_removed", 0) + 1
-    print(f"scale-down under load: {removed[0]} ({inflight} in flight at its start); {len(outs)} steady requests served")
+    print(f"scale-down under load: {removed[0]}; long requests on {where}, long-{dropped} aborted; "
+          f"their latencies {[round(r.latency, 1) for r in results if not isinstance(r, Exception)]} s")
 
 
 def test_a_second_model_idle_at_zero_answers_after_its_cold_start(node, model_dir, beta_dir, expected):
