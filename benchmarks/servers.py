@@ -60,6 +60,9 @@ def add_server_flags(ap) -> None:
 
 def add_peers_flag(ap) -> None:
     ap.add_argument("--peers", default=str(PEERS_DIR), help="directory holding vllm_cpu.sh and llama_cpp.sh")
+    for row in PEERS:
+        ap.add_argument(f"--{row}-arg", action="append", default=[], metavar="FLAGS",
+                        help=f"more flags for the {row} server, split like a shell, repeatable (e.g. --vllm-arg='--dtype bfloat16')")
 
 
 def extra_launch_args(args) -> list[str]:
@@ -142,6 +145,7 @@ def peer_row(args, row: str, workloads, tokenizer, log_dir: str) -> tuple[dict, 
     # llama.cpp serves the GGUF pdserve serves when that is one (a later -m wins over the script's default model)
     model = getattr(args, "model", None)
     extra = ["-m", str(model)] if row == "llamacpp" and model and str(model).endswith(".gguf") else []
+    extra += [a for text in getattr(args, f"{row}_arg", None) or [] for a in shlex.split(text)]  # --vllm-arg, --llamacpp-arg
     return run_server(["bash", str(script), "serve", *extra], f"http://127.0.0.1:{env[peer.port_var]}", "/v1/models",
                       os.path.join(log_dir, f"{row}.log"), workloads, tokenizer, env=env, timeout=900)
 

@@ -158,8 +158,11 @@ _SIGNATURES = {
 }
 
 
-GEMV16_ROWS = 2  # pd_ops.h PD_GEMV16_ROWS: the rows gemv16_ops.c pd_q_gemv16 takes
-GEMV16_QTYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types gemv16_ops.c repacks (the others run pd_q_matmul's int16 path)
+GEMV16_ROWS = 128  # pd_ops.h PD_GEMV16_ROWS: the rows gemv16_ops.c pd_q_gemv16 takes
+GEMV16_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gemv16_ops.c repacks (the others run pd_q_matmul's int16 path)
+# bytes a row's 32 weights take in the copy (gemv16_ops.c g_row_block_bytes): the GGUF block's, or for the K-quants
+# float32 scale and offset (Q6_K: two scales) and the codes (Q4_K nibbles, else a byte each)
+GEMV16_ROW_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 24, "Q5_K": 40, "Q6_K": 40}
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 
@@ -312,7 +315,7 @@ class NativeOps:
     def q_linear(self, w, activations: str = "float"):
         """q_matmul bound to one weight: a callable x -> x @ w^T with the weight's arguments
         computed once and only the input checked per call (the per-layer hot path). With int16
-        activations, one or two rows run the 16-row GEMV over the weight's interleaved copy
+        activations, up to GEMV16_ROWS rows run the 16-row GEMV over the weight's interleaved copy
         where this variant builds it (gemv16: the same bits)."""
         fn, wp, stride, qt, (n, k) = self.lib.pd_q_matmul, w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape
         i8 = activation_mode(activations)
@@ -321,8 +324,12 @@ class NativeOps:
             return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
         g, gp = self.lib.pd_q_gemv16, w16.data_ptr()
 
+        from pdserve.kernels.quant import K256_ROWS, K_QTYPES
+
+        first = K256_ROWS + 1 if w.qtype in K_QTYPES else 1  # a K-quant's few rows: pd_q_matmul's per-256 kernel
+
         def call(x, out):
-            if x.shape[0] <= GEMV16_ROWS:
+            if first <= x.shape[0] <= GEMV16_ROWS:
                 return g(x.data_ptr(), x.stride(0), gp, qt, x.shape[0], n, k, out.data_ptr(), n)
             return fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8)
 
@@ -336,11 +343,16 @@ class NativeOps:
         one the GEMV takes (GEMV16_QTYPES)."""
         if not self.has_gemv16 or w.shape[0] % 16 or w.qtype not in GEMV16_QTYPES:
             return None
-        return w.derived("gemv16", self.repack16, row_group=16)
+        return w.derived("gemv16", self.repack16, row_group=16, shape=self.gemv16_shape(w))
+
+    @staticmethod
+    def gemv16_shape(w) -> tuple[int, int]:
+        """The copy's shape: the weight's rows, each its K/32 blocks' bytes in the copy."""
+        return (w.shape[0], w.shape[1] // 32 * GEMV16_ROW_BLOCK_BYTES[w.qtype])
 
     def repack16(self, w) -> torch.Tensor:
         """pd_q_repack16 of a QuantTensor into a new tensor shaped like its bytes."""
-        copy = torch.empty(tuple(w.raw.shape), dtype=torch.uint8)
+        copy = torch.empty(self.gemv16_shape(w), dtype=torch.uint8)
         if self.lib.pd_q_repack16(w.raw.data_ptr(), w.raw.stride(0), w.type_id, w.shape[0], w.shape[1], copy.data_ptr()):
             raise ValueError(f"pd_q_repack16 refused a {w.qtype} {w.shape} weight")
         return copy
@@ -461,7 +473,7 @@ class DecodeLayers:
         self.cos, self.sin = cos, sin
         self.pool_key = None  # the KV pool decode_layers last checked
         self.array = (_Layer * len(layers))()
-        ops = native()  # the variant decode_layers calls: its 16-row GEMV, if it has one, takes int16 steps of <= 2 rows
+        ops = native()  # the variant decode_layers calls: its 16-row GEMV, if it has one, takes int16 steps of <= GEMV16_ROWS rows
         shapes = set()
         for i, (slot, (in_norm, post_norm, bias, *weights)) in enumerate(zip(self.array, layers)):
             slot.window = windows[i] if windows else 0

@@ -169,9 +169,10 @@ class QuantTensor:
                 return QuantTensor(raw, qtype, (rows, cols), Origin(store, key))
         return QuantTensor(torch.cat([p.raw for p in parts]), qtype, (rows, cols))
 
-    def derived(self, kind: str, make: Callable[[QuantTensor], torch.Tensor], row_group: int = 0) -> torch.Tensor:
-        """A re-layout of these bytes, as large as they are (`make(self)`: a uint8 tensor shaped like
-        raw; kernels.cpu_native's 16-row GEMV copy), made once and kept on this matrix for its
+    def derived(self, kind: str, make: Callable[[QuantTensor], torch.Tensor], row_group: int = 0,
+                shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A re-layout of these bytes (`make(self)`: a uint8 tensor shaped like raw, or `shape`, a row
+        of it per weight row; kernels.cpu_native's 16-row GEMV copy), made once and kept on this matrix for its
         life; with an origin, made once per node into its store and mapped from there. row_group:
         the re-layout is local to groups of that many rows, so that of a view of a parent's rows
         (Origin.parent: an expert of a stack, a part of a fused matrix) is a slice of the parent's."""
@@ -182,10 +183,10 @@ class QuantTensor:
         if o is None:
             out = make(self)
         elif o.parent is not None and row_group and not (o.row0 % row_group or rows % row_group or o.parent.shape[0] % row_group):
-            whole = o.parent.derived(kind, make, row_group)
+            whole = o.parent.derived(kind, make, row_group, None if shape is None else (o.parent.shape[0], *shape[1:]))
             out = whole[o.row0:o.row0 + rows]
         else:
-            out = o.store.get(f"{kind}({o.key})", tuple(self.raw.shape), lambda: make(self))
+            out = o.store.get(f"{kind}({o.key})", tuple(shape or self.raw.shape), lambda: make(self))
         self.__dict__["_" + kind] = out
         return out
 

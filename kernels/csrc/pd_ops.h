@@ -29,7 +29,10 @@ const char *pd_source_hash(void);
  * Q4_0..Q8_0 are blocks of 32 weights; the K-quants (Q4_K, Q5_K, Q6_K) super-blocks of 256. */
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
-#define PD_GEMV16_ROWS 2
+#define PD_GEMV16_ROWS 128
+/* The K-quants' rows up to which pd_q_matmul rounds activations per 256 (quant_ops.c QK256_ROWS): pd_q_gemv16 leaves
+ * those to it (returns 3) and takes the K-quants above, per 32 as pd_q_matmul's GEMM does. */
+#define PD_QK256_ROWS 4
 
 /* cpu_ops.c */
 int pd_paged_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
@@ -67,6 +70,9 @@ int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, i
 /* quant_ops.c (AVX2 and up), shared with gemv16_ops.c, not called through ctypes: rows of x
  * rounded to int16 per 32-wide block (codes xq, scales dx, block sums xsum). */
 void pd_q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, float *dx, float *xsum);
+/* ... and a K-quant super-block spelled out (every variant): 256 codes c, scales s (Q6_K: 16, one a half block;
+ * else 8) and offsets m (8; not Q6_K), exact float32, w = s * c (+ m) as gguf dequantizes it. */
+void pd_qk_unpack(const uint8_t *blk, int qt, int16_t *c, float *s, float *m);
 
 /* peak_ops.c: `iters` rounds of independent multiply-adds on `threads` threads (kind 0 fp32 FMA,
  * 1 int16 pairs, 2 int8 quads, at this variant's widest instruction); returns the operations done
@@ -78,7 +84,7 @@ typedef struct {
     const uint8_t *w;
     int64_t row_bytes;
     int32_t qt, n, k, pad;
-    const uint8_t *w16;  /* its pd_q_repack16 copy, or NULL: a step of <= 2 rows with int16 activations then runs pd_q_gemv16 */
+    const uint8_t *w16;  /* its pd_q_repack16 copy, or NULL: a step of <= PD_GEMV16_ROWS rows with int16 activations then runs pd_q_gemv16 */
 } pd_qweight;
 
 /* ... and one decoder layer: its two norm weights, an optional qkv bias (NULL: none), its weights

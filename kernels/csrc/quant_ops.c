@@ -269,6 +269,8 @@ static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, fl
 #endif
 }
 
+void pd_qk_unpack(const uint8_t *blk, int qt, int16_t *c, float *s, float *m) { qk_unpack(blk, qt, c, s, m); }
+
 /* One super-block's 256 weights as float32: gguf's values, bit for bit (see qk_unpack). */
 static inline void qk_dequant(const uint8_t *blk, int qt, float *out) {
     int16_t c[256];
@@ -329,7 +331,7 @@ void pd_q_dequant(const uint8_t *w, int64_t row_bytes, int qt, int K, const int6
  * small batches) take them with one scale per 256-wide super-block (qk256_activations), so that
  * the sub-block scales are applied in integers and the sums converted to float once a super-block:
  * int8 (ACT_INT8: llama.cpp's q8_K, qk8_rows_avx2) or int16 (ACT_INT16: qk16_rows_avx2). */
-#define QK256_ROWS 4
+#define QK256_ROWS PD_QK256_ROWS
 
 /* Per-thread float32 scratch for a dequantised tile, grown on demand, kept for the process. */
 static float *q_scratch(size_t n) {

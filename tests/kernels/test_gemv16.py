@@ -1,14 +1,20 @@
 """The 16-row GEMV (kernels/csrc/gemv16_ops.c) against its twin, pd_q_matmul's int16 path on the
-weight as the GGUF stores it: the same bits at one and two rows for every natively served type,
-through the bound linear (NativeOps.q_linear) and through the one-call decode step's weights.
+weight as the GGUF stores it: the same bits for every natively served type at one and two rows, and
+at any row count up to PD_GEMV16_ROWS against the twin run one row at a time (the GEMV's passes of
+up to 8 rows, the last one short, included), through the bound linear (NativeOps.q_linear) and
+through the one-call decode step's weights.
 Runs where the avx512 variant (which builds it) runs; the repacking is checked everywhere."""
 import pytest
 import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.kernels.cpu_native import GEMV16_QTYPES
-from pdserve.kernels.quant import QTYPES, QuantTensor, dequantize_raw
+from pdserve.kernels.quant import K256_ROWS, K_QTYPES, QTYPES, QuantTensor, dequantize_raw, matmul_int_twin
+from tests.helpers import quant_blocks
+from tests.kernels.test_kquant import largest_blocks
 from tests.kernels.test_select import random_quant
+
+BLOCK_TYPES = tuple(q for q in GEMV16_QTYPES if q not in K_QTYPES)  # the 32-weight blocks, kept as the GGUF has them
 
 pytestmark = pytest.mark.skipif(cpu_native.native() is None, reason="needs a C compiler for the C kernels")
 
@@ -20,7 +26,7 @@ def gemv16_ops():
     return ops
 
 
-@pytest.mark.parametrize("qtype", GEMV16_QTYPES)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_the_interleaved_copy_holds_every_scale_and_code_of_the_weight(qtype):
     """Undoing the layout gemv16_ops.c describes gives back the weight's own blocks, value by value."""
     ops = cpu_native.native()
@@ -52,7 +58,7 @@ def test_the_interleaved_copy_holds_every_scale_and_code_of_the_weight(qtype):
     assert torch.equal(got.reshape(48, 96), dequantize_raw(w.raw, qtype, 96))
 
 
-@pytest.mark.parametrize("qtype", GEMV16_QTYPES)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 @pytest.mark.parametrize("rows", [1, 2])
 def test_the_16_row_gemv_gives_the_int16_paths_bits(qtype, rows):
     ops = gemv16_ops()
@@ -68,13 +74,85 @@ def test_the_16_row_gemv_gives_the_int16_paths_bits(qtype, rows):
     assert torch.equal(ops.q_linear(w, "int16")(x), twin)  # the bound linear takes it at these rows
 
 
-def test_the_bound_linear_keeps_the_int16_gemm_above_two_rows_and_refuses_what_the_gemv_cannot_take():
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [3, 8, 9, 16, 17, 40])
+def test_more_rows_give_the_bits_of_one_row_at_a_time(qtype, rows):
+    """Each activation row's lane arithmetic does not depend on how many rows a pass takes: rows in passes of up to 8
+    give, row by row, what the int16 path gives that row alone."""
+    ops = gemv16_ops()
+    w = random_quant(qtype, 48, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)) * 3
+    twin = torch.empty(rows, 48)
+    for r in range(rows):
+        assert ops.lib.pd_q_matmul(x[r:].data_ptr(), 160, w.raw.data_ptr(), w.raw.stride(0), w.type_id, 1, 48, 160,
+                                   twin[r:].data_ptr(), 48, cpu_native.ACTIVATION_MODES["int16"]) == 0
+    got = torch.empty(rows, 48)
+    assert ops.lib.pd_q_gemv16(x.data_ptr(), 160, ops.gemv16_copy(w).data_ptr(), w.type_id, rows, 48, 160, got.data_ptr(), 48) == 0
+    assert torch.equal(got, twin)
+    assert torch.equal(ops.q_linear(w, "int16")(x), twin)  # the bound linear takes it at these rows
+
+
+@pytest.mark.parametrize("qtype", K_QTYPES)
+def test_a_k_quant_copy_holds_every_weight_exactly(qtype):
+    """The K-quants' copy (float32 scales, the codes a byte or a nibble each) read back as gemv16_ops.c lays it out
+    gives gguf's values bit for bit."""
+    ops = gemv16_ops()
+    w = quant_blocks(qtype, 32, 512, seed=5)
+    copy = ops.gemv16_copy(w)
+    assert copy.shape == (32, 16 * cpu_native.GEMV16_ROW_BLOCK_BYTES[qtype])
+    groups = copy.reshape(2, 16, 16 * cpu_native.GEMV16_ROW_BLOCK_BYTES[qtype])  # (group, block, bytes)
+    scales = groups[..., :128].contiguous().view(torch.float32)  # (g, b, 32): d of the 16 rows, then m
+    d, m = scales[..., :16].permute(0, 2, 1).reshape(32, 16, 1), scales[..., 16:].permute(0, 2, 1).reshape(32, 16, 1)
+    codes = groups[..., 128:]
+    if qtype == "Q4_K":
+        c = codes.reshape(2, 16, 4, 2, 16, 2)  # (g, b, chunk, half, row, e)
+        pairs = torch.stack([c[:, :, :, 0] & 15, c[:, :, :, 1] & 15, c[:, :, :, 0] >> 4, c[:, :, :, 1] >> 4], dim=3)
+        q = pairs.reshape(2, 16, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(32, 16, 32).float()
+    else:
+        q = codes.reshape(2, 16, 16, 16, 2).contiguous().view(torch.int8).permute(0, 3, 1, 2, 4).reshape(32, 16, 32).float()
+    got = torch.cat([d * q[..., :16], m * q[..., 16:]], -1) if qtype == "Q6_K" else d * q + m
+    assert torch.equal(got.reshape(32, 512), w.dequantize())
+
+
+@pytest.mark.parametrize("qtype", K_QTYPES)
+def test_k_quants_above_the_per_256_rows_take_the_gemv_and_equal_the_twin(qtype):
+    """Above K256_ROWS rows the bound linear runs the GEMV on the K-quants (activations per 32, as pd_q_matmul's GEMM
+    rounds them there): within float32 rounding of matmul_int_twin, also at the largest codes and scales; at
+    K256_ROWS rows and fewer the GEMV declines (3) and the per-256 kernel's bits are kept."""
+    ops = gemv16_ops()
+    w = quant_blocks(qtype, 48, 512, seed=6)
+    copy = ops.gemv16_copy(w)
+    for rows in (K256_ROWS, K256_ROWS + 1, 8, 9, 16, 17):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
+        got = torch.empty(rows, 48)
+        rc = ops.lib.pd_q_gemv16(x.data_ptr(), 512, copy.data_ptr(), w.type_id, rows, 48, 512, got.data_ptr(), 48)
+        twin = torch.empty(rows, 48)
+        ops.lib.pd_q_matmul(x.data_ptr(), 512, w.raw.data_ptr(), w.raw.stride(0), w.type_id, rows, 48, 512, twin.data_ptr(), 48,
+                            cpu_native.ACTIVATION_MODES["int16"])
+        if rows <= K256_ROWS:
+            assert rc == 3 and torch.equal(ops.q_linear(w, "int16")(x), twin), rows
+            continue
+        assert rc == 0 and torch.equal(ops.q_linear(w, "int16")(x), got), rows
+        terms = x.double().abs() @ w.dequantize().double().abs().t()
+        assert ((got.double() - matmul_int_twin(x, w, "int16")).abs() <= 1e-5 * terms).all(), rows
+    w = largest_blocks(qtype, 16, 2)
+    for sign in (1.0, -1.0):  # every code, scale and activation code at its limit: the int32 lane sums at their bound
+        x = torch.full((8, 512), sign)
+        got = ops.q_linear(w, "int16")(x).double()
+        ref = matmul_int_twin(x, w, "int16")
+        assert ((got - ref).abs() <= 1e-5 * (x.double().abs() @ w.dequantize().double().abs().t())).all() and float(ref.abs().min()) > 0
+
+
+def test_the_bound_linear_keeps_the_int16_gemm_above_the_gemv_rows_and_refuses_what_the_gemv_cannot_take():
     ops = gemv16_ops()
     w = random_quant("Q4_1", 64, 96)
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
-    twin = torch.empty(3, 64)
-    ops.lib.pd_q_matmul(x.data_ptr(), 96, w.raw.data_ptr(), w.raw.stride(0), w.type_id, 3, 64, 96, twin.data_ptr(), 64, 2)
+    rows = cpu_native.GEMV16_ROWS + 1
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2))
+    twin = torch.empty(rows, 64)
+    ops.lib.pd_q_matmul(x.data_ptr(), 96, w.raw.data_ptr(), w.raw.stride(0), w.type_id, rows, 64, 96, twin.data_ptr(), 64, 2)
     assert torch.equal(ops.q_linear(w, "int16")(x), twin)
     assert ops.gemv16_copy(random_quant("Q4_1", 40, 96)) is None  # rows not a multiple of 16: the int16 path as before
-    assert ops.lib.pd_q_gemv16(x.data_ptr(), 96, ops.gemv16_copy(w).data_ptr(), w.type_id, 3, 64, 96, twin.data_ptr(), 64) == 3
+    assert ops.lib.pd_q_gemv16(x.data_ptr(), 96, ops.gemv16_copy(w).data_ptr(), w.type_id, rows, 64, 96, twin.data_ptr(), 64) == 3
     assert isinstance(w, QuantTensor) and "_gemv16" in w.__dict__  # made once, kept on the weight
+
+

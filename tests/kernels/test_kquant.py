@@ -170,12 +170,13 @@ def test_k_quants_few_row_form_equals_its_integer_twin(qtype, kind, isa):  # noq
 
 @pytest.mark.parametrize("qtype", NEW)
 def test_types_the_special_kernels_do_not_take_are_declined_not_miscomputed(qtype, isa):  # noqa: F811
-    """The 16-row GEMV (gemv16_ops.c) repacks Q4_0 / Q4_1 / Q8_0 only and the int8 VNNI GEMM
-    (pd_q_gemm_i8) does not take the K-quants: both decline (None), the bound linear then runs
-    pd_q_matmul, and the back-end selector never offers them."""
+    """The 16-row GEMV (gemv16_ops.c) repacks Q4_0 / Q4_1 / Q8_0 and the K-quants (these only above K256_ROWS rows),
+    not Q5_0 / Q5_1, and the int8 VNNI GEMM (pd_q_gemm_i8) does not take the K-quants: each declines (None), the bound
+    linear then runs pd_q_matmul (at 2 rows: the K-quants' per-256 kernel), and the back-end selector never offers
+    them."""
     ops = cpu_native.native()
     w = quant_blocks(qtype, 32, width(qtype, 1 if qtype in K_QTYPES else 8), seed=4)
-    assert ops.gemv16_copy(w) is None
+    assert (ops.gemv16_copy(w) is None) == (qtype not in cpu_native.GEMV16_QTYPES or not ops.has_gemv16)
     if qtype in K_QTYPES:
         assert ops.q_linear_i8_gemm(w) is None and backends.BY_NAME["c-int8-vnni"].bind(w) is None
     x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(5))
