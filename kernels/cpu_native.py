@@ -324,12 +324,8 @@ class NativeOps:
             return _bound_linear("q_linear", n, k, lambda x, out: fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8))
         g, gp = self.lib.pd_q_gemv16, w16.data_ptr()
 
-        from pdserve.kernels.quant import K256_ROWS, K_QTYPES
-
-        first = K256_ROWS + 1 if w.qtype in K_QTYPES else 1  # a K-quant's few rows: pd_q_matmul's per-256 kernel
-
         def call(x, out):
-            if first <= x.shape[0] <= GEMV16_ROWS:
+            if x.shape[0] <= GEMV16_ROWS:
                 return g(x.data_ptr(), x.stride(0), gp, qt, x.shape[0], n, k, out.data_ptr(), n)
             return fn(x.data_ptr(), x.stride(0), wp, stride, qt, x.shape[0], n, k, out.data_ptr(), n, i8)
 

@@ -61,7 +61,8 @@ DIRECT_INT_ROWS = {"int8": 4, "int16": ANY_ROWS}
 # The K-quants at up to K256_ROWS rows (a lone stream's decode step; quant_ops.c QK256_ROWS) take
 # their integer activations with one scale per 256-wide super-block instead of per 32 (int8:
 # llama.cpp's q8_K), so that the sub-block scales are applied in integers (quantize_activations,
-# matmul_int_twin; takes_k256)
+# matmul_int_twin; takes_k256), except where the 16-row GEMV takes the weight (AVX-512 VNNI, int16:
+# per 32 at every row count, 1.7x faster on Q4_K at one row)
 K256_ROWS = 4
 
 
@@ -415,8 +416,15 @@ def int_form(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def takes_k256(w: QuantTensor, rows: int, kind: str) -> bool:
-    """Whether the C kernel rounds `rows` rows of x per 256 (K256_ROWS) rather than per 32."""
-    return kind in INT_LIMITS and w.qtype in K_QTYPES and rows <= K256_ROWS
+    """Whether the C kernel rounds `rows` rows of x per 256 (K256_ROWS) rather than per 32: the K-quants' few rows,
+    except with int16 activations on a weight the 16-row GEMV takes (kernels.cpu_native gemv16_copy: AVX-512 VNNI,
+    rows a multiple of 16), which rounds per 32 at every row count."""
+    if not (kind in INT_LIMITS and w.qtype in K_QTYPES and rows <= K256_ROWS):
+        return False
+    from pdserve.kernels import cpu_native
+
+    ops = cpu_native.native()
+    return not (kind == "int16" and ops is not None and ops.has_gemv16 and w.shape[0] % 16 == 0)
 
 
 def matmul_int_twin(x: torch.Tensor, w: QuantTensor, kind: str = "int8") -> torch.Tensor:

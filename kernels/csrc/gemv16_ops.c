@@ -184,7 +184,6 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
 int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, int N, int K, float *out, int64_t os) {
     if (M <= 0) return 0;  /* (and how a caller asks whether the kernel is built) */
     if (M > PD_GEMV16_ROWS || N % 16 || K % 32 || (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0 && !g_is_k(qt))) return 3;
-    if (g_is_k(qt) && M <= PD_QK256_ROWS) return 3;  /* pd_q_matmul's per-256 kernel takes these */
     const int nb = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)M * K * 2 + 2 * sizeof(float) * M * nb);
     if (!xq) return 1;

@@ -30,8 +30,9 @@ const char *pd_source_hash(void);
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 #define PD_GEMV16_ROWS 128
-/* The K-quants' rows up to which pd_q_matmul rounds activations per 256 (quant_ops.c QK256_ROWS): pd_q_gemv16 leaves
- * those to it (returns 3) and takes the K-quants above, per 32 as pd_q_matmul's GEMM does. */
+/* The K-quants' rows up to which pd_q_matmul rounds activations per 256 (quant_ops.c QK256_ROWS) where a weight has
+ * no 16-row copy (no AVX-512 VNNI, rows not a multiple of 16) or with int8 activations; pd_q_gemv16 takes the
+ * K-quants at every row count up to PD_GEMV16_ROWS, per 32 as pd_q_matmul's GEMM does above QK256_ROWS. */
 #define PD_QK256_ROWS 4
 
 /* cpu_ops.c */

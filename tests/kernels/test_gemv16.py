@@ -9,7 +9,7 @@ import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.kernels.cpu_native import GEMV16_QTYPES
-from pdserve.kernels.quant import K256_ROWS, K_QTYPES, QTYPES, QuantTensor, dequantize_raw, matmul_int_twin
+from pdserve.kernels.quant import K256_ROWS, K_QTYPES, QTYPES, QuantTensor, dequantize_raw, matmul_int_twin, takes_k256
 from tests.helpers import quant_blocks
 from tests.kernels.test_kquant import largest_blocks
 from tests.kernels.test_select import random_quant
@@ -115,24 +115,19 @@ def test_a_k_quant_copy_holds_every_weight_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", K_QTYPES)
-def test_k_quants_above_the_per_256_rows_take_the_gemv_and_equal_the_twin(qtype):
-    """Above K256_ROWS rows the bound linear runs the GEMV on the K-quants (activations per 32, as pd_q_matmul's GEMM
-    rounds them there): within float32 rounding of matmul_int_twin, also at the largest codes and scales; at
-    K256_ROWS rows and fewer the GEMV declines (3) and the per-256 kernel's bits are kept."""
+def test_k_quants_take_the_gemv_at_every_row_count_and_equal_the_twin(qtype):
+    """The bound linear runs the GEMV on the K-quants at every row count up to GEMV16_ROWS (activations per 32, as
+    pd_q_matmul's GEMM rounds them above K256_ROWS; takes_k256 says so to the twin): within float32 rounding of
+    matmul_int_twin, also at the largest codes and scales. pd_q_matmul alone keeps its per-256 kernel at few rows."""
     ops = gemv16_ops()
     w = quant_blocks(qtype, 48, 512, seed=6)
     copy = ops.gemv16_copy(w)
-    for rows in (K256_ROWS, K256_ROWS + 1, 8, 9, 16, 17):
+    for rows in (1, 2, K256_ROWS, K256_ROWS + 1, 8, 9, 16, 17):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
         got = torch.empty(rows, 48)
-        rc = ops.lib.pd_q_gemv16(x.data_ptr(), 512, copy.data_ptr(), w.type_id, rows, 48, 512, got.data_ptr(), 48)
-        twin = torch.empty(rows, 48)
-        ops.lib.pd_q_matmul(x.data_ptr(), 512, w.raw.data_ptr(), w.raw.stride(0), w.type_id, rows, 48, 512, twin.data_ptr(), 48,
-                            cpu_native.ACTIVATION_MODES["int16"])
-        if rows <= K256_ROWS:
-            assert rc == 3 and torch.equal(ops.q_linear(w, "int16")(x), twin), rows
-            continue
-        assert rc == 0 and torch.equal(ops.q_linear(w, "int16")(x), got), rows
+        assert ops.lib.pd_q_gemv16(x.data_ptr(), 512, copy.data_ptr(), w.type_id, rows, 48, 512, got.data_ptr(), 48) == 0
+        assert torch.equal(ops.q_linear(w, "int16")(x), got), rows
+        assert not takes_k256(w, rows, "int16") and takes_k256(w, rows, "int8") == (rows <= K256_ROWS)
         terms = x.double().abs() @ w.dequantize().double().abs().t()
         assert ((got.double() - matmul_int_twin(x, w, "int16")).abs() <= 1e-5 * terms).all(), rows
     w = largest_blocks(qtype, 16, 2)
