@@ -277,7 +277,8 @@ def test_a_burst_scales_decode_up_and_the_scale_down_under_load_drains_the_worke
     inflight = int(removed[0].split("the ")[1].split(" requests in flight at its start completed")[0])
     kept = [i for i in where if i != dropped]
     assert isinstance(results[dropped], Exception) or results[dropped].completion_tokens < LONG_TOKENS, results[dropped]
-    assert inflight == 1 and wid in {where[i] for i in kept}, (removed, where, [(r.latency, r.completion_tokens, r.decode_worker) if not isinstance(r, Exception) else r for r in results])
+    seen = [r if isinstance(r, Exception) else (r.latency, r.completion_tokens, r.decode_worker) for r in results]
+    assert inflight == 1 and wid in {where[i] for i in kept}, (removed, where, seen)
     for i in kept:  # the drained worker's request among them: completed there, identically
         assert results[i].completion_tokens == LONG_TOKENS and results[i].token_ids == long_expected[i], i
         assert results[i].decode_worker == where[i], (i, results[i].decode_worker, where)
