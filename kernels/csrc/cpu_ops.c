@@ -106,8 +106,38 @@ static float *scratch(size_t n) {
 
 static inline int q8_rotated(int D) { return D > 1 && (D & (D - 1)) == 0; }
 
-/* x = H x in place (D a power of two), by butterflies: kv_quant.hadamard's float operations in its order. */
+#ifdef __AVX512F__
+/* One butterfly stage within each 16-lane vector, pairs h lanes apart: `swap` has each lane's partner, `upper` the
+ * lanes that take a - b (partner - own). */
+static inline __m512 butterfly16(__m512 x, __m512 swap, __mmask16 upper) {
+    return _mm512_mask_sub_ps(_mm512_add_ps(x, swap), upper, swap, x);
+}
+#endif
+
+/* x = H x in place (D a power of two), by butterflies: kv_quant.hadamard's float operations in its order (stage h =
+ * 1, 2, .. D / 2, pairs (a, b) h apart -> (a + b, a - b)); D = 64 on AVX-512 in four registers, the same operations. */
 static inline void hadamard(float *x, int D) {
+#ifdef __AVX512F__
+    if (D == 64) {
+        __m512 r[4];
+        for (int i = 0; i < 4; i++) {
+            r[i] = _mm512_loadu_ps(x + 16 * i);
+            r[i] = butterfly16(r[i], _mm512_permute_ps(r[i], 0xB1), 0xAAAA);           /* h = 1 */
+            r[i] = butterfly16(r[i], _mm512_permute_ps(r[i], 0x4E), 0xCCCC);           /* h = 2 */
+            r[i] = butterfly16(r[i], _mm512_shuffle_f32x4(r[i], r[i], 0xB1), 0xF0F0);  /* h = 4 */
+            r[i] = butterfly16(r[i], _mm512_shuffle_f32x4(r[i], r[i], 0x4E), 0xFF00);  /* h = 8 */
+        }
+        for (int h = 1; h <= 2; h <<= 1)  /* h = 16, 32: whole registers */
+            for (int i = 0; i < 4; i++)
+                if (!(i & h)) {
+                    const __m512 a = r[i], b = r[i + h];
+                    r[i] = _mm512_add_ps(a, b);
+                    r[i + h] = _mm512_sub_ps(a, b);
+                }
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(x + 16 * i, r[i]);
+        return;
+    }
+#endif
     for (int h = 1; h < D; h <<= 1)
         for (int i = 0; i < D; i += 2 * h)
 #pragma omp simd
@@ -232,20 +262,23 @@ static inline __m128 hsum4(const __m512 p[4]) {
 }
 
 /* Row u of kv head kh (float pages, or Q8 rows of 64 uint8 codes + scale and zero code) as four float vectors (Q8: the
- * codes less the zero code, exact), its scale in *scale (1 for float). */
+ * codes), its scale in *scale (1 for float) and its zero code in *zero (0 for float). */
 static inline __attribute__((always_inline)) const char *row64(const char *cache, const char *prev, const int32_t *table, int t, int u,
-                                                               int kh, int KVH, const int BS, const int Q8, __m512 r[4], float *scale) {
+                                                               int kh, int KVH, const int BS, const int Q8, __m512 r[4], float *scale,
+                                                               float *zero) {
     const int64_t bytes = Q8 ? 64 + Q8_META_BYTES : 64 * sizeof(float), row = (int64_t)KVH * bytes;
     const char *p = t == 0 || u % BS == 0 ? cache + ((int64_t)table[u / BS] * BS * KVH + kh) * bytes + (int64_t)(u % BS) * row : prev + row;
     if (Q8) {
-        int z;
-        *scale = q8_meta((const uint8_t *)p, 64, &z);
-        const __m512i zv = _mm512_set1_epi32(z);
-        for (int i = 0; i < 4; i++)
-            r[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))), zv));
+        /* the 4 metadata bytes into a vector register and converted there (a general-register int -> float conversion
+         * per row cost 15% of a 4k-token item) */
+        const __m128i m = _mm_castps_si128(_mm_load_ss((const float *)(p + 64)));
+        *scale = _mm_cvtss_f32(_mm_cvtph_ps(m));                          /* lane 0: the float16 scale */
+        *zero = _mm_cvtss_f32(_mm_cvtepi32_ps(_mm_srai_epi32(m, 16)));    /* the int16 zero code, sign-extended */
+        for (int i = 0; i < 4; i++) r[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
     } else {
         for (int i = 0; i < 4; i++) r[i] = _mm512_loadu_ps((const float *)p + 16 * i);
         *scale = 1.0f;
+        *zero = 0.0f;
     }
     return p;
 }
@@ -254,23 +287,29 @@ static inline __attribute__((always_inline)) void decode_item64(
     const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache, const int32_t *table, int first, int len,
     int kh, int KVH, const int BS, const int G, const int Q8) {
     __m512 q[4][4], a[4][4];
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float *sz = s + (int64_t)G * len + 2 * G * 64;  /* Q8: each value row's scale * zero code (scratch after the scores, acc and qs) */
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
+    if (Q8)  /* q . (c - z) = q . c - z sum(q): the zero code folded into the score (one product a head, not 64 subtractions) */
+        for (int g = 0; g < G; g++) qsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(q[g][0], q[g][1]), _mm512_add_ps(q[g][2], q[g][3])));
+    const __m128 qsum4 = _mm_loadu_ps(qsum);
     const char *kp = k_cache;
     for (int t = 0; t < len; t++) {
         __m512 k[4], p[4];
-        float ks;
-        kp = row64(k_cache, kp, table, t, first + t, kh, KVH, BS, Q8, k, &ks);
+        float ks, kz;
+        kp = row64(k_cache, kp, table, t, first + t, kh, KVH, BS, Q8, k, &ks, &kz);
         for (int g = 0; g < 4; g++) {
             if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
             p[g] = _mm512_mul_ps(q[g][0], k[0]);
             for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], k[i], p[g]);
         }
         float dots[4];
-        _mm_storeu_ps(dots, hsum4(p));
+        __m128 d = hsum4(p);
+        if (Q8) d = _mm_mul_ps(_mm_fnmadd_ps(_mm_set1_ps(kz), qsum4, d), _mm_set1_ps(ks));  /* (q . c - z sum(q)) * scale, 4 heads at once */
+        _mm_storeu_ps(dots, d);
         for (int g = 0; g < G; g++) {
-            const float dot = Q8 ? dots[g] * ks : dots[g];
+            const float dot = dots[g];
             s[(int64_t)g * len + t] = dot;
             mx[g] = dot > mx[g] ? dot : mx[g];
         }
@@ -282,15 +321,25 @@ static inline __attribute__((always_inline)) void decode_item64(
     const char *vp = v_cache;
     for (int t = 0; t < len; t++) {
         __m512 v[4];
-        float vs;
-        vp = row64(v_cache, vp, table, t, first + t, kh, KVH, BS, Q8, v, &vs);
+        float vs, vz;
+        vp = row64(v_cache, vp, table, t, first + t, kh, KVH, BS, Q8, v, &vs, &vz);
+        if (Q8) sz[t] = vs * vz;
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(Q8 ? s[(int64_t)g * len + t] * vs : s[(int64_t)g * len + t]);
             for (int i = 0; i < 4; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
         }
     }
+    if (Q8)  /* sum p s (c - z) = sum (p s) c - sum p (s z): the zero codes' share of each head, one dot product over the rows */
+        for (int g = 0; g < G; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            int t = 0;
+            for (; t + 16 <= len; t += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(s + (int64_t)g * len + t), _mm512_loadu_ps(sz + t), acc);
+            zsum[g] = _mm512_reduce_add_ps(acc);
+            for (; t < len; t++) zsum[g] += s[(int64_t)g * len + t] * sz[t];
+        }
     for (int g = 0; g < G; g++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(_mm512_sub_ps(a[g][i], _mm512_set1_ps(zsum[g])), _mm512_set1_ps(inv_sum[g])));
 }
 
 /* decode_item64 for the group sizes it takes, Q8 constant (1 when it does not: the caller runs the generic form). */
@@ -445,15 +494,20 @@ void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *position
     }
 }
 
-/* decode_item over an int8 cache, in the rows' (rotated) basis: each score is (q . (codes - zero))
- * * the key's scale, each value row adds (weight * its scale) * (codes - zero); the same sums as
- * decode_item over s (c - z), up to rounding. (The caller rotates q before and the output after.) */
+/* decode_item over an int8 cache, in the rows' (rotated) basis: each score is (q . codes - zero *
+ * sum(q)) * the key's scale, each value row adds (weight * its scale) * codes, and each head's output
+ * loses sum(weight * scale * zero) at the end; the same sums as decode_item over s (c - z), up to
+ * rounding. (The caller rotates q before and the output after.) */
 static inline __attribute__((always_inline)) void decode_item_q8(
     const float *qs, float *ob, float *s, float *acc, const uint8_t *k_cache, const uint8_t *v_cache,
     const int32_t *table, int first, int len, int kh, int G, int KVH, const int BS, const int D) {
     const int64_t W = D + Q8_META_BYTES, row = (int64_t)KVH * W;
-    float mx[G];
-    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    float mx[G], qsum[G], zsum[G];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        zsum[g] = qsum[g] = 0.0f;
+        for (int d = 0; d < D; d++) qsum[g] += qs[g * D + d];
+    }
     const uint8_t *kp = k_cache, *vp = v_cache;
     for (int t = 0; t < len; t++) {
         const int u = first + t;
@@ -464,8 +518,8 @@ static inline __attribute__((always_inline)) void decode_item_q8(
             const float *qg = qs + g * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; d++) dot = fmaf(qg[d], (float)((int)kp[d] - kz), dot);
-            dot *= ks;
+            for (int d = 0; d < D; d++) dot = fmaf(qg[d], (float)kp[d], dot);
+            dot = (dot - (float)kz * qsum[g]) * ks;
             s[(int64_t)g * len + t] = dot;
             mx[g] = dot > mx[g] ? dot : mx[g];
         }
@@ -480,13 +534,14 @@ static inline __attribute__((always_inline)) void decode_item_q8(
         const float vs = q8_meta(vp, D, &vz);
         for (int g = 0; g < G; g++) {
             const float w = s[(int64_t)g * len + t] * vs;
+            zsum[g] += w * (float)vz;
             float *ag = acc + g * D;
 #pragma omp simd
-            for (int d = 0; d < D; d++) ag[d] = fmaf(w, (float)((int)vp[d] - vz), ag[d]);
+            for (int d = 0; d < D; d++) ag[d] = fmaf(w, (float)vp[d], ag[d]);
         }
     }
     for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
+        for (int d = 0; d < D; d++) ob[g * D + d] = (acc[g * D + d] - zsum[g]) * inv_sum[g];
 }
 
 /* One (sequence, kv head) item over an int8 cache: decode_item64 (AVX-512, D = 64) or decode_item_q8. */
@@ -524,7 +579,8 @@ static int decode_attention_pages(
             const int32_t *table = block_tables + (int64_t)b * bt_stride;
             const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
             float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
-            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D);
+            /* scores (G * len), acc (G * D), qs (G * D), then len floats for decode_item64 (Q8) */
+            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D + (size_t)len);
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
