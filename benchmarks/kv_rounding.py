@@ -17,9 +17,13 @@ them). Roundings (each on K and V unless named -k / -v):
                           rounding is an offset of the whole row)
   fp8, fp8-rot            e4m3 with a scale per row (what fp8 stores), and rotated first
 
-    python -m benchmarks.kv_rounding [--prompts 50] [--modes bf16,fp16,int8,int8-sym,...]
+    python -m benchmarks.kv_rounding [--prompts 50] [--modes bf16,fp16,int8,int8-sym,...] [--errors 8]
 
-Rotation here is kv_quant.hadamard, then H / D on the way back, as the cache does.
+Rotation here is kv_quant.hadamard, then H / D on the way back, as the cache does. --errors N
+first prints each mode's error on the K and V rows the exact cache's run of the first N prompts
+(16 tokens each) writes: the root mean square over rows of |rounded - x| / |x|, and of the
+error's offset (its mean over a row's channels, which shifts every score of a key alike) — smooth
+measures beside the chaotic greedy criterion.
 """
 from __future__ import annotations
 
@@ -71,6 +75,15 @@ def rotated(rounding):
     return lambda x: kv_quant.hadamard(rounding(kv_quant.hadamard(x))) / x.shape[-1]
 
 
+def relative_errors(rounding, x: torch.Tensor) -> str:
+    """Over rows x (..., D): sqrt(mean of |e|^2 / |x|^2) for e = rounding(x) - x, and the same of the
+    rows' offsets, D mean(e)^2 / |x|^2 (the part of e common to a row's channels); - where x stays exact."""
+    if rounding is None:
+        return "-       -      "
+    e, norm = rounding(x) - x, x.pow(2).sum(-1).clamp_min(1e-30)
+    return f"{(e.pow(2).sum(-1) / norm).mean().sqrt().item():.5f} {(e.mean(-1).pow(2) * x.shape[-1] / norm).mean().sqrt().item():.5f}"
+
+
 def cast(dtype):
     return lambda x: x.to(dtype).float()
 
@@ -93,12 +106,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--errors", type=int, default=0, help="first the modes' relative errors on the KV rows of this many prompts")
     args = ap.parse_args()
     print(cpu_line(), f"torch threads {torch.get_num_threads()}")
     exact_write = paged.write_kv
     mode = [None]
+    written: list | None = None  # (k, v) of every write while --errors collects them
 
     def write_kv(k_cache, v_cache, k, v, slot_mapping):
+        if written is not None:
+            written.append((k.float().clone(), v.float().clone()))
         round_k, round_v = MODES[mode[0]] if mode[0] else (None, None)
         k = round_k(k.float()).to(k.dtype) if round_k else k
         v = round_v(v.float()).to(v.dtype) if round_v else v
@@ -109,6 +126,18 @@ def main() -> None:
     engine = LLMEngine.load(None, EngineConfig(fast_path=False, kv_cache_bytes=1 << 29, prefix_cache=False), progress=False)
     prompts = chat_prompts(engine.tokenizer, args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    if args.errors:
+        written = []
+        engine.generate(chat_prompts(engine.tokenizer, args.errors), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        k_rows, v_rows = (torch.cat([w[i] for w in written]) for i in (0, 1))
+        written = None
+        print(f"relative error (rms, rms of the rows' offsets) on the {k_rows.shape[0] * k_rows.shape[1]} K and as many V rows "
+              f"of {args.errors} prompts:")
+        for name in args.modes.split(","):
+            errs = [relative_errors(f, x) for f, x in zip(MODES[name], (k_rows, v_rows))]
+            print(f"  {name:18s}: K {errs[0]}  V {errs[1]}", flush=True)
+    if not prompts:
+        return
     ref = [c.token_ids for c in engine.generate(prompts, params)]
     for name in args.modes.split(","):
         mode[0] = name
