@@ -16,9 +16,10 @@ apart. Bytes per token and head: D + 4 instead of 4 D in float32 (3.76x the bloc
   row far better. y is then stored as asymmetric 8-bit codes: scale s = max((max y - min y) /
   255, |min y| / 32000) rounded to float16 (clamped to [2^-24, 65504]; 0 only for a row of
   zeros), zero code z = round(-min y / s) (int16), code c = clamp(round(y / s) + z, 0, 255),
-  y ~ s (c - z), error <= s / 2 per element of y. Bytes D..D+3: s's float16 bits, then z (int16,
+  y ~ s (c - z), error <= s / 2 per element of y (up to about 5 s / 8 at the top of the range,
+  which the float16 rounding of s may leave short). Bytes D..D+3: s's float16 bits, then z (int16,
   little-endian). Reading undoes the rotation: x ~ H (s (c - z)) / D. The integer zero code
-  keeps the fp16 scale's rounding a scaling of the row by (1 + e), |e| <= 2^-12, not an offset
+  keeps the fp16 scale's rounding a scaling of the row by (1 + e), |e| <= 2^-11, not an offset
   (a float16 offset cost the greedy agreement; float32 scale and offset, W = D + 8, were no
   better than this form: docs/performance.md, "Quantized KV cache").
   Before 2026-12-08 int8 rows were symmetric and unrotated (torch.int8 codes, a float32 scale
@@ -50,7 +51,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # --kv-cache-dtype (vLLM'
 INT8 = torch.uint8  # the int8 form's pool dtype: asymmetric codes 0..255 (module docstring)
 FP8 = torch.float8_e4m3fn
 META_BYTES = 4  # after a row's D codes: int8's float16 scale and int16 zero code, or fp8's float32 scale
-SCALE_BYTES = META_BYTES  # (the name before the int8 form had a zero code)
 QUANT_MAX = {INT8: 255.0, FP8: 448.0}  # the largest code of each storage dtype
 C_READABLE = (torch.float32, INT8)  # what the C decode kernels read (fp8: the torch path)
 ZERO_LIMIT = 32000.0  # s >= |min y| / ZERO_LIMIT keeps the zero code within int16
