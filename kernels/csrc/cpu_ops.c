@@ -245,9 +245,10 @@ static inline __attribute__((always_inline)) void decode_item(
 
 #ifdef __AVX512F__
 /* decode_item (Q8: decode_item_q8) for head dim 64 and a query group of G (constant, 1..4) heads,
- * AVX-512: a key or value row is four vectors (an int8 row's 64 codes widened once, less its zero
- * code, then shared by the group's heads; its scale applied to the score and to the value's
- * weight; the caller rotates the queries and the output: decode_attention_pages); the group's
+ * AVX-512: a key or value row is four vectors (an int8 row's 64 codes widened once, then shared
+ * by the group's heads; its scale applied to the score and to the value's weight, its zero code
+ * folded into the score (- z sum(q)) and, for the values, into one sum after the loop; the caller
+ * rotates the queries and the output: decode_attention_pages); the group's
  * queries and its G x 64 output accumulators stay in registers (the generic form kept the
  * accumulators in memory, a load and a store per value row), and the G dot products of a key are
  * summed across lanes together (hsum4: one add tree for four heads instead of one per head).
@@ -269,8 +270,7 @@ static inline __attribute__((always_inline)) const char *row64(const char *cache
     const int64_t bytes = Q8 ? 64 + Q8_META_BYTES : 64 * sizeof(float), row = (int64_t)KVH * bytes;
     const char *p = t == 0 || u % BS == 0 ? cache + ((int64_t)table[u / BS] * BS * KVH + kh) * bytes + (int64_t)(u % BS) * row : prev + row;
     if (Q8) {
-        /* the 4 metadata bytes into a vector register and converted there (a general-register int -> float conversion
-         * per row cost 15% of a 4k-token item) */
+        /* the 4 metadata bytes loaded into a vector register and converted there */
         const __m128i m = _mm_castps_si128(_mm_load_ss((const float *)(p + 64)));
         *scale = _mm_cvtss_f32(_mm_cvtph_ps(m));                          /* lane 0: the float16 scale */
         *zero = _mm_cvtss_f32(_mm_cvtepi32_ps(_mm_srai_epi32(m, 16)));    /* the int16 zero code, sign-extended */
