@@ -227,14 +227,14 @@ class NativeOps:
         (window > 0: over its last `window` keys only; kernels.paged's sliding window).
 
         q, out: (T, >= H*D) float32 with contiguous rows; rows: (B,) int64; k_cache, v_cache:
-        (num_blocks, BS, KVH, D) float32 or an int8 cache's (num_blocks, BS, KVH, D + 4) rows
-        (kernels.kv_quant), contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
+        (num_blocks, BS, KVH, D) float32 or an int8 cache's (num_blocks, BS, KVH, D + 4) uint8 rows
+        (kernels.kv_quant: Hadamard-rotated where D is a power of two), contiguous; block_tables: (B, W) int32; seq_lens: (B,) int32.
         """
-        int8 = k_cache.dtype == torch.int8
+        int8 = k_cache.dtype == kv_quant.INT8
         if check:  # the step's first layer checks; the rest pass the same tensors' siblings
             _check_rows(q, "q")
             _check_rows(out, "out")
-            _check(k_cache, "k_cache", torch.int8 if int8 else torch.float32)
+            _check(k_cache, "k_cache", kv_quant.INT8 if int8 else torch.float32)
             _check(v_cache, "v_cache", k_cache.dtype)
             _check(rows, "rows", torch.int64)
             _check(block_tables, "block_tables", torch.int32)
@@ -244,7 +244,7 @@ class NativeOps:
             if not (rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
                 raise ValueError("rows, seq_lens and block table rows must be contiguous")
         _, bs, kvh, d = k_cache.shape
-        d -= kv_quant.SCALE_BYTES if int8 else 0
+        d -= kv_quant.META_BYTES if int8 else 0
         batch = rows.numel()
         heads = out.shape[1] // d
         if check and (seq_lens.numel() != batch or block_tables.shape[0] != batch or heads % kvh or q.shape[1] < heads * d):
@@ -286,10 +286,10 @@ class NativeOps:
         int8 cache, kernels.kv_quant's rows of D + 4: quantized as kv_quant.pack does)."""
         d = cos.shape[1]
         tokens = qkv.shape[0]
-        int8 = k_cache.dtype == torch.int8
+        int8 = k_cache.dtype == kv_quant.INT8
         if check:
             _check_rows(qkv, "qkv")
-            cache_dtype = torch.int8 if int8 else torch.float32
+            cache_dtype = kv_quant.INT8 if int8 else torch.float32
             for t, n, dt in ((cos, "cos", torch.float32), (sin, "sin", torch.float32), (k_cache, "k_cache", cache_dtype),
                              (v_cache, "v_cache", cache_dtype)):
                 _check(t, n, dt)
@@ -395,9 +395,9 @@ class NativeOps:
         qkv, attn, o_out, gate_up, act, down = bufs
         t = h.shape[0]
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, tuple(kv_cache.stride()))
-        int8 = kv_cache.dtype == torch.int8  # an int8 cache (kernels.kv_quant rows), else float32
+        int8 = kv_cache.dtype == kv_quant.INT8  # an int8 cache (kernels.kv_quant rows, uint8 codes), else float32
         if layers.pool_key != key:
-            _check(kv_cache, "kv_cache", torch.int8 if int8 else torch.float32)
+            _check(kv_cache, "kv_cache", kv_quant.INT8 if int8 else torch.float32)
             if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[0] != layers.count or kv_cache.shape[1] != 2 \
                     or kv_cache.shape[-1] != kv_quant.row_width(layers.cos.shape[1], kv_cache.dtype):
                 raise ValueError("decode_layers: kv_cache must be a contiguous (layers, 2, blocks, block size, kv heads, head dim) pool")

@@ -13,8 +13,9 @@ window, as transformers' sliding-window mask does (a lone decode query reads onl
 and the pages are gathered from the first one a window reaches (`window_page`): the entries
 before it may be freed blocks (runtime.kv_cache) and are never read. A quantized cache
 (kernels.kv_quant, --kv-cache-dtype int8 / fp8) is read the same way: the gathered pages are
-unpacked (code * scale) to the query's dtype before the sdpa call: the slow twin of the C int8
-decode kernel.
+unpacked (int8: s (c - z) rotated back by the Hadamard matrix; fp8: code * scale) to the query's
+dtype before the sdpa call: the slow twin of the C int8 decode kernel (which rotates the query
+and the output instead).
 """
 from __future__ import annotations
 

@@ -28,9 +28,12 @@ from pdserve_client.errors import PdserveError
 
 log = logging.getLogger("pdserve.kvpool")
 
-# a pool's storage dtype by its wire name (KVAccept.kv_dtype); int8 / float8_e4m3fn: a quantized
-# KV cache (kernels.kv_quant, --kv-cache-dtype), whose blocks carry their scales
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+# a pool's storage dtype by its wire name (KVAccept.kv_dtype); uint8 / float8_e4m3fn: a quantized
+# KV cache (kernels.kv_quant, --kv-cache-dtype int8 / fp8), whose blocks carry their scales. int8:
+# the symmetric, unrotated --kv-cache-dtype int8 rows of builds before 2026-12-08, named so that
+# this build's hand-off refuses them by name (kvtransfer.transfer.check_same_storage); no pool of
+# this build has that dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8, "int8": torch.int8,
           "float8_e4m3fn": torch.float8_e4m3fn}
 
 

@@ -102,13 +102,17 @@ class KVDtypeMismatch(KVTransferError):
 
 def check_same_storage(dest: KVAccept, src, endpoint: str) -> None:
     """KVDtypeMismatch unless the decode pool `dest` (its KVAccept) stores a block's rows as src
-    does: the same dtype (float32, bfloat16, int8, float8_e4m3fn: kernels.kv_quant) and row width.
+    does: the same dtype (float32, bfloat16, uint8 (--kv-cache-dtype int8), float8_e4m3fn: kernels.kv_quant) and row width.
     Checked at the handshake, before any byte moves: a quantized block copied into a float pool
     (or the reverse) would be garbage, not an error."""
     ours = dtype_name(src.dtype) if src.dtype in DTYPES.values() else str(src.dtype)
     if dest.kv_dtype != ours or dest.kv_shape[-1] != src.shape[-1]:
+        builds = (" (int8 pools: --kv-cache-dtype int8 of a build before 2026-12-08, whose rows were symmetric and unrotated; "
+                  "uint8: the rotated asymmetric rows of later builds, kernels.kv_quant: run one build on both)"
+                  if {dest.kv_dtype, ours} == {"int8", "uint8"} else "")
         raise KVDtypeMismatch(f"{endpoint}: the decode worker's KV cache is {dest.kv_dtype} (rows of {dest.kv_shape[-1]}), this prefill "
-                              f"worker's {ours} (rows of {src.shape[-1]}): start both with the same --kv-cache-dtype (and --dtype)")
+                              f"worker's {ours} (rows of {src.shape[-1]}): start both with the same --kv-cache-dtype (and --dtype)"
+                              f"{builds}")
 
 
 def gpu_backends(pool: torch.Tensor) -> list[str]:

@@ -2,9 +2,9 @@
 
 Lifecycle: a worker allocates the pool once (`allocate_kv_cache`, optionally over a buffer it
 shares with other processes) and builds one `BlockManager` over its block ids. The pool's dtype
-is the model's, or with --kv-cache-dtype int8 / fp8 (EngineConfig.kv_torch_dtype) int8 /
-float8_e4m3fn rows of D codes + a float32 scale (kernels.kv_quant): D + 4 bytes a (token, head)
-instead of 4 D, so the same --kv-cache-mb holds 3.76x the blocks at D = 64. Sequences grow
+is the model's, or with --kv-cache-dtype int8 / fp8 (EngineConfig.kv_torch_dtype) uint8 /
+float8_e4m3fn rows of D codes + 4 bytes of scale (and int8's zero code) (kernels.kv_quant): D + 4
+bytes a (token, head) instead of 4 D, so the same --kv-cache-mb holds 3.76x the blocks at D = 64. Sequences grow
 their block tables through `BlockManager.ensure_slots`, which answers False, never raises, when
 the pool is short, so the scheduler can preempt; `free_table` gives every block back. Ref counts
 let a block be shared (a forked or prefix-shared sequence); a block returns to the pool when its
@@ -76,14 +76,14 @@ from pdserve.runtime.config import ModelConfig
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
-    """(layers, 2, num_blocks, block_size, KVH, W): W = D, or for a quantized pool (int8, float8_e4m3fn:
-    --kv-cache-dtype) D codes + a float32 scale's 4 bytes per (token, head) row (kernels.kv_quant).
+    """(layers, 2, num_blocks, block_size, KVH, W): W = D, or for a quantized pool (uint8, float8_e4m3fn:
+    --kv-cache-dtype int8 / fp8) D codes + 4 metadata bytes (a scale, int8's zero code) per (token, head) row (kernels.kv_quant).
     `layers` is one KV group's (cfg.kv_groups.size): every layer's unless sliding and full ones mix."""
     return (cfg.kv_groups.size, 2, num_blocks, block_size, cfg.num_kv_heads, kv_quant.row_width(cfg.head_dim, dtype))
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    # zeros so an unwritten page is harmless if read (a quantized row of zeros: codes 0, scale 0)
+    # zeros so an unwritten page is harmless if read (a quantized row of zeros: codes 0, scale 0, zero code 0)
     return torch.zeros(kv_cache_shape(cfg, num_blocks, block_size, dtype), dtype=dtype, device=device)
 
 

@@ -40,8 +40,10 @@ static inline float pd_expf(float x) {
     return p * scale;
 }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX2__
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
@@ -93,14 +95,107 @@ static float *scratch(size_t n) {
     return buf;
 }
 
-/* The int8 KV cache (kernels/kv_quant.py): a (token, kv head) row is D int8 codes then the 4
- * bytes of its float32 scale; x ~ code * scale. quantize_q8 is kv_quant.pack's arithmetic:
- * scale = amax / 127, code = round-half-even(x / scale) clamped to +-127 (0 where amax is 0). */
-#define Q8_SCALE_BYTES 4
-static inline float q8_scale(const int8_t *row, int D) {
-    float s;
-    memcpy(&s, row + D, sizeof s);
-    return s;
+/* The int8 KV cache (kernels/kv_quant.py): a (token, kv head) row is D uint8 codes c, then the
+ * float16 bits of its scale s and its int16 zero code z (little-endian): y ~ s (c - z), where y
+ * = H x, the row rotated by the +-1 Sylvester Hadamard matrix (H H = D I) when D is a power of
+ * two (`q8_rotated`), else y = x. quantize_q8 is kv_quant.pack's arithmetic, bit for bit:
+ * s = max((max y - min y) / 255, |min y| / 32000) as float16 (clamped to [2^-24, 65504]; 0 for a
+ * row of zeros), z = round(-min y / s), c = clamp(round(y / s) + z, 0, 255). */
+#define Q8_META_BYTES 4
+#define Q8_ZERO_LIMIT 32000.0f
+
+static inline int q8_rotated(int D) { return D > 1 && (D & (D - 1)) == 0; }
+
+#ifdef __AVX512F__
+/* One butterfly stage within each 16-lane vector, pairs h lanes apart: `swap` has each lane's partner, `upper` the
+ * lanes that take a - b (partner - own). */
+static inline __m512 butterfly16(__m512 x, __m512 swap, __mmask16 upper) {
+    return _mm512_mask_sub_ps(_mm512_add_ps(x, swap), upper, swap, x);
+}
+#endif
+
+/* x = H x in place (D a power of two), by butterflies: kv_quant.hadamard's float operations in its order (stage h =
+ * 1, 2, .. D / 2, pairs (a, b) h apart -> (a + b, a - b)); D = 64 on AVX-512 in four registers, the same operations. */
+static inline void hadamard(float *x, int D) {
+#ifdef __AVX512F__
+    if (D == 64) {
+        __m512 r[4];
+        for (int i = 0; i < 4; i++) {
+            r[i] = _mm512_loadu_ps(x + 16 * i);
+            r[i] = butterfly16(r[i], _mm512_permute_ps(r[i], 0xB1), 0xAAAA);           /* h = 1 */
+            r[i] = butterfly16(r[i], _mm512_permute_ps(r[i], 0x4E), 0xCCCC);           /* h = 2 */
+            r[i] = butterfly16(r[i], _mm512_shuffle_f32x4(r[i], r[i], 0xB1), 0xF0F0);  /* h = 4 */
+            r[i] = butterfly16(r[i], _mm512_shuffle_f32x4(r[i], r[i], 0x4E), 0xFF00);  /* h = 8 */
+        }
+        for (int h = 1; h <= 2; h <<= 1)  /* h = 16, 32: whole registers */
+            for (int i = 0; i < 4; i++)
+                if (!(i & h)) {
+                    const __m512 a = r[i], b = r[i + h];
+                    r[i] = _mm512_add_ps(a, b);
+                    r[i + h] = _mm512_sub_ps(a, b);
+                }
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(x + 16 * i, r[i]);
+        return;
+    }
+#endif
+    for (int h = 1; h < D; h <<= 1)
+        for (int i = 0; i < D; i += 2 * h)
+#pragma omp simd
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+/* H x / D of G rows of D (the query heads of a kv head, or their attention output), in place. */
+static inline void hadamard_rows(float *x, int G, int D) {
+    const float inv = 1.0f / (float)D;  /* a power of two: exact */
+    for (int g = 0; g < G; g++) {
+        hadamard(x + (int64_t)g * D, D);
+        for (int d = 0; d < D; d++) x[(int64_t)g * D + d] *= inv;
+    }
+}
+
+/* float16 bits -> float (exact). */
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff, sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t bits;
+    if (e == 0) {  /* zero or subnormal: m * 2^-24 */
+        const float v = (float)m * 5.9604644775390625e-08f;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= sign;
+    } else {
+        bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* A float in [0, 65504] as float16 bits, rounded to nearest even (as torch's .half()). */
+static inline uint16_t float_to_half(float x) {
+    if (!(x > 0.0f)) return 0;
+    int e;
+    (void)frexpf(x, &e);  /* x in [2^(e-1), 2^e) */
+    if (e - 1 < -14) return (uint16_t)nearbyintf(ldexpf(x, 24));  /* subnormal: a multiple of 2^-24 (1024: 2^-14, the bits agree) */
+    float r = nearbyintf(ldexpf(x, 11 - e));  /* x / ulp: 1024..2048 */
+    if (r >= 2048.0f) { r = 1024.0f; e += 1; }
+    return (uint16_t)(((e + 14) << 10) | ((int)r - 1024));
+}
+
+/* A row's scale and zero code. */
+static inline float q8_meta(const uint8_t *row, int D, int *zero) {
+    uint16_t bits;
+    int16_t z;
+    memcpy(&bits, row + D, sizeof bits);
+    memcpy(&z, row + D + 2, sizeof z);
+    *zero = z;
+    return half_to_float(bits);
 }
 
 /* One (sequence, kv head) item of decode attention: the G query heads qs (G, D), already scaled,
@@ -151,7 +246,9 @@ static inline __attribute__((always_inline)) void decode_item(
 #ifdef __AVX512F__
 /* decode_item (Q8: decode_item_q8) for head dim 64 and a query group of G (constant, 1..4) heads,
  * AVX-512: a key or value row is four vectors (an int8 row's 64 codes widened once, then shared
- * by the group's heads; its scale applied to the score and to the value's weight); the group's
+ * by the group's heads; its scale applied to the score and to the value's weight, its zero code
+ * folded into the score (- z sum(q)) and, for the values, into one sum after the loop; the caller
+ * rotates the queries and the output: decode_attention_pages); the group's
  * queries and its G x 64 output accumulators stay in registers (the generic form kept the
  * accumulators in memory, a load and a store per value row), and the G dot products of a key are
  * summed across lanes together (hsum4: one add tree for four heads instead of one per head).
@@ -165,15 +262,24 @@ static inline __m128 hsum4(const __m512 p[4]) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  /* lane g: head g's sum */
 }
 
-/* Row u of kv head kh (float pages, or Q8 int8 rows of 64 codes + scale) as four float vectors; its scale in *scale (1 for float). */
+/* Row u of kv head kh (float pages, or Q8 rows of 64 uint8 codes + scale and zero code) as four float vectors (Q8: the
+ * codes), its scale in *scale (1 for float) and its zero code in *zero (0 for float). */
 static inline __attribute__((always_inline)) const char *row64(const char *cache, const char *prev, const int32_t *table, int t, int u,
-                                                               int kh, int KVH, const int BS, const int Q8, __m512 r[4], float *scale) {
-    const int64_t bytes = Q8 ? 64 + Q8_SCALE_BYTES : 64 * sizeof(float), row = (int64_t)KVH * bytes;
+                                                               int kh, int KVH, const int BS, const int Q8, __m512 r[4], float *scale,
+                                                               float *zero) {
+    const int64_t bytes = Q8 ? 64 + Q8_META_BYTES : 64 * sizeof(float), row = (int64_t)KVH * bytes;
     const char *p = t == 0 || u % BS == 0 ? cache + ((int64_t)table[u / BS] * BS * KVH + kh) * bytes + (int64_t)(u % BS) * row : prev + row;
-    for (int i = 0; i < 4; i++)
-        r[i] = Q8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))))
-                  : _mm512_loadu_ps((const float *)p + 16 * i);
-    *scale = Q8 ? q8_scale((const int8_t *)p, 64) : 1.0f;
+    if (Q8) {
+        /* the 4 metadata bytes loaded into a vector register and converted there */
+        const __m128i m = _mm_castps_si128(_mm_load_ss((const float *)(p + 64)));
+        *scale = _mm_cvtss_f32(_mm_cvtph_ps(m));                          /* lane 0: the float16 scale */
+        *zero = _mm_cvtss_f32(_mm_cvtepi32_ps(_mm_srai_epi32(m, 16)));    /* the int16 zero code, sign-extended */
+        for (int i = 0; i < 4; i++) r[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
+    } else {
+        for (int i = 0; i < 4; i++) r[i] = _mm512_loadu_ps((const float *)p + 16 * i);
+        *scale = 1.0f;
+        *zero = 0.0f;
+    }
     return p;
 }
 
@@ -181,23 +287,29 @@ static inline __attribute__((always_inline)) void decode_item64(
     const float *qs, float *ob, float *s, const void *k_cache, const void *v_cache, const int32_t *table, int first, int len,
     int kh, int KVH, const int BS, const int G, const int Q8) {
     __m512 q[4][4], a[4][4];
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float *sz = s + (int64_t)G * len + 2 * G * 64;  /* Q8: each value row's scale * zero code (scratch after the scores, acc and qs) */
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) q[g][i] = _mm512_loadu_ps(qs + g * 64 + 16 * i);
+    if (Q8)  /* q . (c - z) = q . c - z sum(q): the zero code folded into the score (one product a head, not 64 subtractions) */
+        for (int g = 0; g < G; g++) qsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(q[g][0], q[g][1]), _mm512_add_ps(q[g][2], q[g][3])));
+    const __m128 qsum4 = _mm_loadu_ps(qsum);
     const char *kp = k_cache;
     for (int t = 0; t < len; t++) {
         __m512 k[4], p[4];
-        float ks;
-        kp = row64(k_cache, kp, table, t, first + t, kh, KVH, BS, Q8, k, &ks);
+        float ks, kz;
+        kp = row64(k_cache, kp, table, t, first + t, kh, KVH, BS, Q8, k, &ks, &kz);
         for (int g = 0; g < 4; g++) {
             if (g >= G) { p[g] = _mm512_setzero_ps(); continue; }
             p[g] = _mm512_mul_ps(q[g][0], k[0]);
             for (int i = 1; i < 4; i++) p[g] = _mm512_fmadd_ps(q[g][i], k[i], p[g]);
         }
         float dots[4];
-        _mm_storeu_ps(dots, hsum4(p));
+        __m128 d = hsum4(p);
+        if (Q8) d = _mm_mul_ps(_mm_fnmadd_ps(_mm_set1_ps(kz), qsum4, d), _mm_set1_ps(ks));  /* (q . c - z sum(q)) * scale, 4 heads at once */
+        _mm_storeu_ps(dots, d);
         for (int g = 0; g < G; g++) {
-            const float dot = Q8 ? dots[g] * ks : dots[g];
+            const float dot = dots[g];
             s[(int64_t)g * len + t] = dot;
             mx[g] = dot > mx[g] ? dot : mx[g];
         }
@@ -209,15 +321,25 @@ static inline __attribute__((always_inline)) void decode_item64(
     const char *vp = v_cache;
     for (int t = 0; t < len; t++) {
         __m512 v[4];
-        float vs;
-        vp = row64(v_cache, vp, table, t, first + t, kh, KVH, BS, Q8, v, &vs);
+        float vs, vz;
+        vp = row64(v_cache, vp, table, t, first + t, kh, KVH, BS, Q8, v, &vs, &vz);
+        if (Q8) sz[t] = vs * vz;
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(Q8 ? s[(int64_t)g * len + t] * vs : s[(int64_t)g * len + t]);
             for (int i = 0; i < 4; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
         }
     }
+    if (Q8)  /* sum p s (c - z) = sum (p s) c - sum p (s z): the zero codes' share of each head, one dot product over the rows */
+        for (int g = 0; g < G; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            int t = 0;
+            for (; t + 16 <= len; t += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(s + (int64_t)g * len + t), _mm512_loadu_ps(sz + t), acc);
+            zsum[g] = _mm512_reduce_add_ps(acc);
+            for (; t < len; t++) zsum[g] += s[(int64_t)g * len + t] * sz[t];
+        }
     for (int g = 0; g < G; g++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(a[g][i], _mm512_set1_ps(inv_sum[g])));
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(ob + g * 64 + 16 * i, _mm512_mul_ps(_mm512_sub_ps(a[g][i], _mm512_set1_ps(zsum[g])), _mm512_set1_ps(inv_sum[g])));
 }
 
 /* decode_item64 for the group sizes it takes, Q8 constant (1 when it does not: the caller runs the generic form). */
@@ -336,19 +458,30 @@ void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, 
 }
 
 /* quantize_q8: one row as pd_rope_write_kv_q8 stores it (the row format: above decode_item). */
-static inline void quantize_q8(const float *x, int8_t *row, int D) {
-    float amax = 0.0f;
-    for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float scale = amax / 127.0f;
-    for (int i = 0; i < D; i++) row[i] = scale > 0.0f ? (int8_t)fminf(fmaxf(nearbyintf(x[i] / scale), -127.0f), 127.0f) : 0;
-    memcpy(row + D, &scale, sizeof scale);
+static inline void quantize_q8(const float *x, uint8_t *row, int D) {
+    float y[D];
+    memcpy(y, x, sizeof(float) * D);
+    if (q8_rotated(D)) hadamard(y, D);
+    float lo = y[0], hi = y[0];
+    for (int i = 1; i < D; i++) {
+        lo = fminf(lo, y[i]);
+        hi = fmaxf(hi, y[i]);
+    }
+    const float s = fminf(fmaxf((hi - lo) / 255.0f, fabsf(lo) / Q8_ZERO_LIMIT), 65504.0f);
+    uint16_t bits = float_to_half(s);
+    if (s > 0.0f && bits == 0) bits = 1;  /* under float16's range: its smallest, 2^-24 */
+    const float sf = half_to_float(bits);
+    const int16_t z = sf > 0.0f ? (int16_t)fminf(fmaxf(nearbyintf(-lo / sf), -32768.0f), 32767.0f) : 0;
+    for (int i = 0; i < D; i++) row[i] = sf > 0.0f ? (uint8_t)fminf(fmaxf(nearbyintf(y[i] / sf) + (float)z, 0.0f), 255.0f) : 0;
+    memcpy(row + D, &bits, sizeof bits);
+    memcpy(row + D + 2, &z, sizeof z);
 }
 
 /* pd_rope_write_kv into an int8 cache (num_blocks * BS slots of KVH rows of D + 4 bytes). */
 void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t,
-                         const float *sin_t, int8_t *k_cache, int8_t *v_cache, const int64_t *slots,
+                         const float *sin_t, uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots,
                          int T, int H, int KVH, int D) {
-    const int64_t W = D + Q8_SCALE_BYTES;
+    const int64_t W = D + Q8_META_BYTES;
 #pragma omp parallel for schedule(static) if (T >= 64)
     for (int t = 0; t < T; t++) {
         float *row = qkv + (int64_t)t * qkv_stride;
@@ -361,25 +494,32 @@ void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *position
     }
 }
 
-/* decode_item over an int8 cache: each score is (q . codes) * the key's scale, each value row
- * adds (weight * its scale) * codes; the same sums as decode_item over code * scale, up to rounding. */
+/* decode_item over an int8 cache, in the rows' (rotated) basis: each score is (q . codes - zero *
+ * sum(q)) * the key's scale, each value row adds (weight * its scale) * codes, and each head's output
+ * loses sum(weight * scale * zero) at the end; the same sums as decode_item over s (c - z), up to
+ * rounding. (The caller rotates q before and the output after.) */
 static inline __attribute__((always_inline)) void decode_item_q8(
-    const float *qs, float *ob, float *s, float *acc, const int8_t *k_cache, const int8_t *v_cache,
+    const float *qs, float *ob, float *s, float *acc, const uint8_t *k_cache, const uint8_t *v_cache,
     const int32_t *table, int first, int len, int kh, int G, int KVH, const int BS, const int D) {
-    const int64_t W = D + Q8_SCALE_BYTES, row = (int64_t)KVH * W;
-    float mx[G];
-    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-    const int8_t *kp = k_cache, *vp = v_cache;
+    const int64_t W = D + Q8_META_BYTES, row = (int64_t)KVH * W;
+    float mx[G], qsum[G], zsum[G];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        zsum[g] = qsum[g] = 0.0f;
+        for (int d = 0; d < D; d++) qsum[g] += qs[g * D + d];
+    }
+    const uint8_t *kp = k_cache, *vp = v_cache;
     for (int t = 0; t < len; t++) {
         const int u = first + t;
         kp = t == 0 || u % BS == 0 ? k_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : kp + row;
-        const float ks = q8_scale(kp, D);
+        int kz;
+        const float ks = q8_meta(kp, D, &kz);
         for (int g = 0; g < G; g++) {
             const float *qg = qs + g * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < D; d++) dot = fmaf(qg[d], (float)kp[d], dot);
-            dot *= ks;
+            dot = (dot - (float)kz * qsum[g]) * ks;
             s[(int64_t)g * len + t] = dot;
             mx[g] = dot > mx[g] ? dot : mx[g];
         }
@@ -390,26 +530,44 @@ static inline __attribute__((always_inline)) void decode_item_q8(
     for (int t = 0; t < len; t++) {
         const int u = first + t;
         vp = t == 0 || u % BS == 0 ? v_cache + ((int64_t)table[u / BS] * BS * KVH + kh) * W + (int64_t)(u % BS) * row : vp + row;
-        const float vs = q8_scale(vp, D);
+        int vz;
+        const float vs = q8_meta(vp, D, &vz);
         for (int g = 0; g < G; g++) {
             const float w = s[(int64_t)g * len + t] * vs;
+            zsum[g] += w * (float)vz;
             float *ag = acc + g * D;
 #pragma omp simd
             for (int d = 0; d < D; d++) ag[d] = fmaf(w, (float)vp[d], ag[d]);
         }
     }
     for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv_sum[g];
+        for (int d = 0; d < D; d++) ob[g * D + d] = (acc[g * D + d] - zsum[g]) * inv_sum[g];
 }
 
-/* The decode attention of both caches: float pages, or (q8) int8 rows of D codes + scale. */
+/* One (sequence, kv head) item over an int8 cache: decode_item64 (AVX-512, D = 64) or decode_item_q8. */
+static inline void decode_q8(const float *qs, float *ob, float *s, float *acc, const uint8_t *k_codes, const uint8_t *v_codes,
+                             const int32_t *table, int first, int len, int kh, int G, int KVH, int BS, int D) {
+    if (D == 64 && !decode_item64_any(qs, ob, s, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 1))
+        return;  /* the AVX-512 form took it */
+    if (D == 64)
+        decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 64);
+    else if (D == 128)
+        decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 128);
+    else
+        decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, D);
+}
+
+/* The decode attention of both caches: float pages, or (q8) int8 rows of D codes + scale and zero
+ * code, Hadamard-rotated where D is a power of two: then the scaled queries are rotated (H q / D)
+ * before the item reads the rotated keys, and its output, a sum of rotated value rows, rotated back
+ * (H o / D) after: (H q / D) . (H k) = q . k, H (sum p H v) / D = sum p v. */
 static int decode_attention_pages(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
     const void *k_pages, const void *v_pages, const int32_t *block_tables, int64_t bt_stride,
     const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window, int q8) {
     const float *k_cache = k_pages, *v_cache = v_pages;
-    const int8_t *k_codes = k_pages, *v_codes = v_pages;
-    const int G = H / KVH;
+    const uint8_t *k_codes = k_pages, *v_codes = v_pages;
+    const int G = H / KVH, rotate = q8 && q8_rotated(D);
     int failed = 0;
     int64_t work = 0;
     for (int b = 0; b < B; b++) work += window > 0 && seq_lens[b] > window ? window : seq_lens[b];
@@ -421,21 +579,19 @@ static int decode_attention_pages(
             const int32_t *table = block_tables + (int64_t)b * bt_stride;
             const float *qb = q + rows[b] * q_stride + (int64_t)kh * G * D;
             float *ob = out + rows[b] * out_stride + (int64_t)kh * G * D;
-            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D);
+            /* scores (G * len), acc (G * D), qs (G * D), then len floats for decode_item64 (Q8) */
+            float *s = scratch((size_t)G * len + (size_t)G * D + (size_t)G * D + (size_t)len);
             if (s == NULL) { failed = 1; continue; }
             float *acc = s + (size_t)G * len, *qs = acc + (size_t)G * D;
             for (int i = 0; i < G * D; i++) qs[i] = qb[i] * scale;
-            if (D == 64 && !decode_item64_any(qs, ob, s, k_pages, v_pages, table, first, len, kh, G, KVH, BS, q8))
-                continue;  /* the AVX-512 form took it */
-            if (q8) {  /* int8 rows of D codes + their scale (pd_rope_write_kv_q8) */
-                if (D == 64)
-                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 64);
-                else if (D == 128)
-                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, 128);
-                else
-                    decode_item_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, D);
+            if (q8) {  /* int8 rows (pd_rope_write_kv_q8) */
+                if (rotate) hadamard_rows(qs, G, D);
+                decode_q8(qs, ob, s, acc, k_codes, v_codes, table, first, len, kh, G, KVH, BS, D);
+                if (rotate) hadamard_rows(ob, G, D);
                 continue;
             }
+            if (D == 64 && !decode_item64_any(qs, ob, s, k_pages, v_pages, table, first, len, kh, G, KVH, BS, 0))
+                continue;  /* the AVX-512 form took it */
             if (D == 64)
                 (BS == 16 ? decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, 16, 64)
                          : decode_item(qs, ob, s, acc, k_cache, v_cache, table, first, len, kh, G, KVH, BS, 64));
@@ -464,10 +620,10 @@ int pd_paged_decode_attention(
     return decode_attention_pages(q, q_stride, out, out_stride, rows, k_cache, v_cache, block_tables, bt_stride, seq_lens, B, H, KVH, D, BS, scale, window, 0);
 }
 
-/* pd_paged_decode_attention over an int8 cache (rows of D codes + scale, as pd_rope_write_kv_q8 writes). */
+/* pd_paged_decode_attention over an int8 cache (rows of D uint8 codes + scale and zero code, as pd_rope_write_kv_q8 writes). */
 int pd_paged_decode_attention_q8(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-    const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+    const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
     const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window) {
     return decode_attention_pages(q, q_stride, out, out_stride, rows, k_cache, v_cache, block_tables, bt_stride, seq_lens, B, H, KVH, D, BS, scale, window, 1);
 }

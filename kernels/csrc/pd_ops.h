@@ -43,11 +43,12 @@ void pd_rms_norm(const float *x, int64_t x_stride, float *residual, const float 
 void pd_silu_mul(const float *gate_up, float *out, int rows, int inter);
 void pd_rope_write_kv(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
                       float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
-/* ... over an int8 KV cache (kernels/kv_quant.py rows: D codes, then a float32 scale) */
+/* ... over an int8 KV cache (kernels/kv_quant.py rows: D uint8 codes of the Hadamard-rotated row, then its
+ * float16 scale and int16 zero code) */
 void pd_rope_write_kv_q8(float *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
-                         int8_t *k_cache, int8_t *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
+                         uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, int T, int H, int KVH, int D);
 int pd_paged_decode_attention_q8(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-                                 const int8_t *k_cache, const int8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                  const int32_t *seq_lens, int B, int H, int KVH, int D, int BS, float scale, int window);
 
 /* quant_ops.c */

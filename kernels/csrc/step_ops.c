@@ -37,8 +37,8 @@ static int q_mm_parts(const pd_qweight *parts, int count, const float *x, int M,
  * rows: qkv (T, qkv.n), attn (T, H*D), o_out (T, hidden), gate_up (T, 2*inter), act (T, inter),
  * down (T, hidden): on return down holds the last layer's output, not yet added into h (the
  * caller's final norm adds it). Layer l's k cache is kv + l * kv_layer_stride bytes, its v cache
- * kv_half_stride bytes further; kv_int8: the pool is an int8 cache (kernels/kv_quant.py rows),
- * written and read by the _q8 kernels, else float32. Returns nonzero if a scratch allocation failed. */
+ * kv_half_stride bytes further; kv_int8: the pool is an int8 cache (kernels/kv_quant.py rows: uint8 codes
+ * of the Hadamard-rotated row + float16 scale + int16 zero code), written and read by the _q8 kernels, else float32. Returns nonzero if a scratch allocation failed. */
 int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
                      float *h, float *x, float *qkv, float *attn, float *o_out, float *gate_up, float *act, float *down, int T,
                      const int64_t *positions, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *rows,
@@ -54,8 +54,8 @@ int pd_decode_layers(const pd_layer *layers, int L, char *kv, int64_t kv_layer_s
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < qkv_n; j++) qkv[(int64_t)t * qkv_n + j] += ly->qkv_bias[j];
         if (kv_int8) {
-            pd_rope_write_kv_q8(qkv, qkv_n, positions, cos_t, sin_t, (int8_t *)k_cache, (int8_t *)v_cache, slots, T, H, KVH, D);
-            if (pd_paged_decode_attention_q8(qkv, qkv_n, attn, (int64_t)H * D, rows, (const int8_t *)k_cache, (const int8_t *)v_cache,
+            pd_rope_write_kv_q8(qkv, qkv_n, positions, cos_t, sin_t, (uint8_t *)k_cache, (uint8_t *)v_cache, slots, T, H, KVH, D);
+            if (pd_paged_decode_attention_q8(qkv, qkv_n, attn, (int64_t)H * D, rows, (const uint8_t *)k_cache, (const uint8_t *)v_cache,
                                              block_tables, bt_stride, seq_lens, T, H, KVH, D, BS, scale, (int)ly->window))
                 return 1;
         } else {

@@ -1,5 +1,5 @@
 """Hand-offs of a quantized KV cache (--kv-cache-dtype int8 / fp8, kernels.kv_quant): a prefill
-engine's int8 blocks, codes and scales together, move through the real KVSender / KVReceiver
+engine's int8 blocks (uint8 pools), codes, scales and zero codes together, move through the real KVSender / KVReceiver
 over shm (a shared /dev/shm pool) and tcp into an int8 decode pool byte for byte, a quarter of
 the float bytes (D + 4 a row instead of 4 D), with both pools whole after; a decode worker fed
 int8 blocks decodes the single-process int8 engine's tokens; a prefill worker whose pool stores
@@ -35,10 +35,10 @@ def prefilled(tiny, kv: str):
 @pytest.mark.parametrize("backend", ("shm", "tcp"))
 def test_int8_blocks_and_scales_move_whole_through_shm_and_tcp(tiny, ctx, backend):  # noqa: F811
     engine, src, table = prefilled(tiny, "int8")
-    assert src.dtype == torch.int8 and kv_quant.scales(src[:, :, table]).abs().sum() > 0, "the prompt's rows carry scales"
+    assert src.dtype == kv_quant.INT8 and kv_quant.scales(src[:, :, table]).abs().sum() > 0, "the prompt's rows carry scales"
     dest_ids = [40 + 2 * i for i in range(len(table))]
-    shape = kv_cache_shape(engine.cfg, 64, 8, torch.int8)
-    shared = KVPool.create(shape, torch.int8, shared=backend == "shm")
+    shape = kv_cache_shape(engine.cfg, 64, 8, kv_quant.INT8)
+    shared = KVPool.create(shape, kv_quant.INT8, shared=backend == "shm")
     receiver = KVReceiver(ctx, shared.tensor, shm_path=shared.path)
     pump, sender = Pump(receiver), KVSender(ctx, "prefill-1", timeout=5, backend=backend)
     try:
@@ -91,9 +91,26 @@ def test_a_kv_cache_dtype_mismatch_is_refused_at_the_handshake(tiny, ctx, prefil
     engine.release("r")
 
 
+def test_int8_pools_of_a_build_before_the_rotated_rows_are_refused(tiny, ctx):  # noqa: F811
+    """A decode pool of the symmetric int8 rows of builds before 2026-12-08 (torch.int8, D + 4 wide: the same
+    width as this build's rows) is told from this build's uint8 rows by its dtype name, before a byte moves."""
+    engine, src, table = prefilled(tiny, "int8")
+    receiver = KVReceiver(ctx, torch.zeros(kv_cache_shape(engine.cfg, 64, 8, torch.uint8), dtype=torch.int8))
+    assert receiver.pool.shape[-1] == src.shape[-1] and src.dtype == torch.uint8
+    pump, sender = Pump(receiver), KVSender(ctx, "prefill-1", timeout=5, backend="tcp")
+    try:
+        with pytest.raises(KVDtypeMismatch, match="before 2026-12-08"):
+            sender.send(src, table, ready("r", [1, 2, 3], "?"), receiver.endpoint)
+        assert pump.out.empty() and not receiver.pool.view(torch.uint8).any()
+    finally:
+        for x in (pump, sender, receiver):
+            x.close()
+    engine.release("r")
+
+
 def test_a_decode_worker_fed_int8_blocks_decodes_the_int8_engines_tokens(tiny):
     p, d, inbox = workers(tiny, kv_cache_dtype="int8")
-    assert p.engine.runner.kv_cache.dtype == torch.int8 == d.engine.runner.kv_cache.dtype
+    assert p.engine.runner.kv_cache.dtype == kv_quant.INT8 == d.engine.runner.kv_cache.dtype
     from pdserve.wire.protocol import Prefill
 
     prompts = {"a": list(range(3, 23)), "b": list(range(40, 45))}

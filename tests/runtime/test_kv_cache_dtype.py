@@ -24,10 +24,10 @@ def test_the_pool_holds_4d_over_d_plus_4_times_the_blocks_in_int8(tiny):
     blocks = {kv: EngineConfig(kv_cache_bytes=64 * 2**20, kv_cache_dtype=kv).blocks_for_budget(cfg) for kv in ("auto", "int8", "fp8")}
     rows = 2 * cfg.num_layers * 16 * cfg.num_kv_heads  # (token, head) rows of a block of 16, K and V
     assert blocks["auto"] == 64 * 2**20 // (rows * 4 * d)
-    assert blocks["int8"] == blocks["fp8"] == 64 * 2**20 // (rows * (d + 4))  # D codes + a 4-byte scale a row
+    assert blocks["int8"] == blocks["fp8"] == 64 * 2**20 // (rows * (d + 4))  # D codes + 4 bytes a row (a scale and zero code)
     assert abs(blocks["int8"] / blocks["auto"] - 4 * d / (d + 4)) < 0.01  # 3.76x at the default model's D = 64; 2.67x at this one's 8
     _, pool = tiny_engine(tiny, kv_cache_dtype="int8")
-    assert pool.dtype == torch.int8 and pool.shape[-1] == d + 4 and pool.nbytes == 64 * rows // 16 * 8 * (d + 4)
+    assert pool.dtype == torch.uint8 and pool.shape[-1] == d + 4 and pool.nbytes == 64 * rows // 16 * 8 * (d + 4)
 
 
 def test_kv_cache_dtype_is_checked():

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from pdserve.common.tokenizer import render_chat
-from pdserve.kernels import backends, cpu_native
+from pdserve.kernels import backends, cpu_native, kv_quant
 from pdserve.kernels.quant import DIRECT_INT_ROWS, K_QTYPES, QTYPES, QuantTensor, block_weights, matmul, matmul_int_twin, matmul_twin
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine, load_model
@@ -156,14 +156,14 @@ def _forward_batch(seqs: list[list[int]], starts: list[int], tables: torch.Tenso
     )
 
 
-def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode: bool) -> list[torch.Tensor]:
+def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode: bool, kv_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Per sequence, the (L - p, vocab) logits predicting tokens p..L-1 with the sequence forced:
     one prefill of the whole sequence (decode=False), or the prompt's prefill and then one decode
     step per token with all of `seqs` in the batch (decode=True)."""
     block = 16
     per = max(-(-len(s) // block) for s in seqs)
     tables = torch.arange(len(seqs) * per, dtype=torch.int32).reshape(len(seqs), per)
-    kv = allocate_kv_cache(model.cfg, len(seqs) * per, block, torch.float32)
+    kv = allocate_kv_cache(model.cfg, len(seqs) * per, block, kv_dtype)
     if not decode:
         out = []
         for i, s in enumerate(seqs):
@@ -181,10 +181,11 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int], decode:
     return [torch.stack(o) for o in out]
 
 
-def one_call_equals_loop(model, monkeypatch, decode_steps: int) -> list[int]:
+def one_call_equals_loop(model, monkeypatch, decode_steps: int, kv_dtype: torch.dtype = torch.float32) -> list[int]:
     """Teacher-force 1, 3 and 7 random sequences (their last `decode_steps` tokens decoded) with the
-    one-call step and with the per-layer loop: bit-equal logits asserted; returns the row count of
-    each one-call step (fast.ops.decode_layers is watched)."""
+    one-call step and with the per-layer loop over a KV pool of kv_dtype (uint8: --kv-cache-dtype
+    int8's rows): bit-equal logits asserted; returns the row count of each one-call step
+    (fast.ops.decode_layers is watched)."""
     fast, calls = model.fast, []
     one_call = fast.ops.decode_layers
     monkeypatch.setattr(fast.ops, "decode_layers", lambda *a: calls.append(a[3].shape[0]) or one_call(*a))
@@ -193,16 +194,19 @@ def one_call_equals_loop(model, monkeypatch, decode_steps: int) -> list[int]:
     for live in (seqs[:1], seqs[:3], seqs):
         prompts = [len(s) - 1 - decode_steps for s in live]
         fast.fused_step = True
-        fused = teacher_forced(model, live, prompts, decode=True)
+        fused = teacher_forced(model, live, prompts, decode=True, kv_dtype=kv_dtype)
         fast.fused_step = False
-        loop = teacher_forced(model, live, prompts, decode=True)
+        loop = teacher_forced(model, live, prompts, decode=True, kv_dtype=kv_dtype)
         assert all(torch.equal(a, b) for a, b in zip(fused, loop)), [float((a - b).abs().max()) for a, b in zip(fused, loop)]
     return calls
 
 
-@pytest.mark.parametrize("arch,qtype,acts,windows", [("llama", "Q4_1", "float", ()), ("qwen2", "Q8_0", "int16", ()),
-                                                    ("llama", "Q4_0", "int8", ()), ("llama", "Q8_0", "float", (9, 5, 5))])
-def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts, windows, isa):  # noqa: F811
+@pytest.mark.parametrize("arch,qtype,acts,windows,kv", [("llama", "Q4_1", "float", (), "auto"), ("qwen2", "Q8_0", "int16", (), "auto"),
+                                                       ("llama", "Q4_0", "int8", (), "auto"), ("llama", "Q8_0", "float", (9, 5, 5), "auto"),
+                                                       ("llama", "Q4_1", "int16", (), "int8")])
+def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch, qtype, acts, windows, kv, isa):  # noqa: F811
+    """kv int8: the pool of --kv-cache-dtype int8 (Hadamard-rotated uint8 rows), which step_ops.c writes and reads with
+    the same C kernels as the loop."""
     save_tiny_model(tmp_path / "hf", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
     write_gguf(tmp_path / "m.gguf", tmp_path / "hf", qtype)
     _, model = load_model(tmp_path / "m.gguf", EngineConfig(num_blocks=64, block_size=16, quant_activations=acts))
@@ -212,7 +216,7 @@ def test_one_call_decode_step_equals_the_layer_loop(tmp_path, monkeypatch, arch,
         model.enable_fast_path(activations=acts)
     fast = model.fast
     assert fast.step_layers is not None and fast.fused_step
-    calls = one_call_equals_loop(model, monkeypatch, decode_steps=3)  # 7 rows: the tiled path
+    calls = one_call_equals_loop(model, monkeypatch, decode_steps=3, kv_dtype=kv_quant.storage_dtype(kv, torch.float32))  # 7 rows: the tiled path
     assert calls == [1] * 3 + [3] * 3 + [7] * 3  # each fused decode step made the one call; the loop never did
 
 
