@@ -29,10 +29,13 @@ def test_phase_histograms_add_up_to_the_ttft(service):
     with Client(service.plan.client_addr, timeout=60) as c:
         results = [c.generate(prompt=f"Request number {i} asks for a few tokens.", max_tokens=5, ignore_eos=True, temperature=0)
                    for i in range(N)]
-        kv_bytes = c.stats()["kv_transfer"]["bytes"]
-    assert all(r.completion_tokens == 5 for r in results)
-    samples, types = poll(lambda: (lambda s: s if value(s[0], "pdserve_request_decode_time_seconds_count") == N else None)(
-        scrape(service.plan.http_url)))
+        assert all(r.completion_tokens == 5 for r in results)
+        samples, types = poll(lambda: (lambda s: s if value(s[0], "pdserve_request_decode_time_seconds_count") == N else None)(
+            scrape(service.plan.http_url)))
+        # the coordinator's total counts a hand-off when the prefill worker reports it sent, which may come after the
+        # request's last token reached this client (a 5-token answer): wait for it to count all N
+        kv_bytes = poll(lambda: (lambda b: b if b == value(samples, "pdserve_request_kv_transfer_bytes_sum") else None)(
+            c.stats()["kv_transfer"]["bytes"]))
     for phase in (*TTFT_PHASES, "decode_time", "inference_time"):
         name = f"pdserve_request_{phase}_seconds"
         assert types[name] == "histogram"
