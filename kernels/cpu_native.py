@@ -160,9 +160,10 @@ _SIGNATURES = {
 
 GEMV16_ROWS = 128  # pd_ops.h PD_GEMV16_ROWS: the rows gemv16_ops.c pd_q_gemv16 takes
 GEMV16_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types gemv16_ops.c repacks (the others run pd_q_matmul's int16 path)
-# bytes a row's 32 weights take in the copy (gemv16_ops.c g_row_block_bytes): the GGUF block's, or for the K-quants
-# float32 scale and offset (Q6_K: two scales) and the codes (Q4_K nibbles, else a byte each)
-GEMV16_ROW_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 24, "Q5_K": 40, "Q6_K": 40}
+# bytes a row's 32 weights take in the copy (gemv16_ops.c g_row_block_bytes): the GGUF block's, or for Q5_K / Q6_K
+# float32 scale and offset (Q6_K: two scales) and a byte a code; Q4_K keeps the file's scales (a row's super-block:)
+GEMV16_ROW_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_K": 40, "Q6_K": 40}
+GEMV16_ROW_SUPER_BYTES = {"Q4_K": 148}  # Q4_K: a row's super-block (its fp16 d and dmin, 8 x (sc, mn, 16 nibble bytes))
 ACTIVATION_MODES = {"float": 0, "int8": 1, "int16": 2}  # quant_ops.c ACT_*: how a small decode batch meets quantized weights
 
 
@@ -344,6 +345,8 @@ class NativeOps:
     @staticmethod
     def gemv16_shape(w) -> tuple[int, int]:
         """The copy's shape: the weight's rows, each its K/32 blocks' bytes in the copy."""
+        if w.qtype in GEMV16_ROW_SUPER_BYTES:
+            return (w.shape[0], w.shape[1] // 256 * GEMV16_ROW_SUPER_BYTES[w.qtype])
         return (w.shape[0], w.shape[1] // 32 * GEMV16_ROW_BLOCK_BYTES[w.qtype])
 
     def repack16(self, w) -> torch.Tensor:

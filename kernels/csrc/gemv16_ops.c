@@ -49,14 +49,32 @@ static int g_row_block_bytes(int qt) {
         case QT_Q4_0: return 18;
         case QT_Q4_1: return 20;
         case QT_Q8_0: return 34;
-        case QT_Q4_K: return 24;
+        case QT_Q4_K: return 18;  /* its 6-bit sc and mn a byte each, the nibbles; + G4K_HEAD a super-block's 16 rows */
         default: return 40;  /* Q5_K, Q6_K */
     }
 }
 
+/* Q4_K keeps the file's scales: a group's super-block is G4K_HEAD bytes (16 fp16 d, then 16 fp16 dmin) and its 8
+ * blocks, each 16 sc bytes, 16 mn bytes and 256 bytes of nibbles; the kernel forms d * sc and -(dmin * mn), the
+ * float32 products qk_unpack gives (exact: 11 bits times 6), so the copy reads ~0.58 bytes a weight, not 0.75. */
+#define G4K_HEAD 64
+#define G4K_SUPER (G4K_HEAD + 8 * 16 * 18)
+
+/* A group's bytes: nb blocks of its 16 rows. */
+static int64_t g_group_bytes(int qt, int nb) {
+    return qt == QT_Q4_K ? (int64_t)nb / 8 * G4K_SUPER : (int64_t)nb * 16 * g_row_block_bytes(qt);
+}
+
+/* Where block b of a group starts (its head: scales, then codes). */
+static inline const uint8_t *g_block(const uint8_t *grp, int qt, int b) {
+    if (qt == QT_Q4_K) return grp + (int64_t)(b >> 3) * G4K_SUPER + G4K_HEAD + (b & 7) * 16 * 18;
+    return grp + (int64_t)b * 16 * g_row_block_bytes(qt);
+}
+
 static int g_is_k(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
-/* The head of a group's block: 16 fp16 d (Q4_1: and 16 fp16 m); K-quants 16 float32 d then 16 float32 m. */
-static int g_head(int qt) { return g_is_k(qt) ? 128 : qt == QT_Q4_1 ? 64 : 32; }
+/* The head of a group's block: 16 fp16 d (Q4_1: and 16 fp16 m); Q4_K 16 sc then 16 mn bytes; Q5_K / Q6_K 16 float32 d
+ * then 16 float32 m. */
+static int g_head(int qt) { return qt == QT_Q4_K ? 32 : g_is_k(qt) ? 128 : qt == QT_Q4_1 ? 64 : 32; }
 /* Whether the codes are nibbles (the Q4 chunk layout) or a byte each (Q8_0's pair layout). */
 static int g_nibbles(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q4_K; }
 
@@ -84,7 +102,8 @@ static void g_put_codes(uint8_t *dst, int qt, int i, const uint8_t codes[32]) {
 int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uint8_t *out) {
     const int k = g_is_k(qt);
     if (N % 16 || K % (k ? 256 : 32) || (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0 && !k)) return 1;
-    const int nb = K / 32, gb = 16 * g_row_block_bytes(qt), head = g_head(qt);
+    const int nb = K / 32, head = g_head(qt);
+    const int64_t group = g_group_bytes(qt, nb);
     for (int g = 0; g < N / 16; g++)
         for (int i = 0; i < 16; i++) {
             const uint8_t *row = w + (int64_t)(16 * g + i) * row_bytes;
@@ -93,11 +112,24 @@ int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uin
                     int16_t c[256];
                     float sc[16], mn[8];
                     pd_qk_unpack(row + (int64_t)sb * (qt == QT_Q4_K ? 144 : qt == QT_Q5_K ? 176 : 210), qt, c, sc, mn);
+                    const uint8_t *blk = row + (int64_t)sb * (qt == QT_Q4_K ? 144 : qt == QT_Q5_K ? 176 : 210);
+                    if (qt == QT_Q4_K) {  /* the super-block's fp16 d and dmin, as the file has them */
+                        uint8_t *sup = out + g * group + (int64_t)sb * G4K_SUPER;
+                        memcpy(sup + 2 * i, blk, 2);
+                        memcpy(sup + 32 + 2 * i, blk + 2, 2);
+                    }
                     for (int j = 0; j < 8; j++) {
-                        uint8_t *dst = out + ((int64_t)g * nb + 8 * sb + j) * gb;
-                        float *d = (float *)dst, *m = d + 16;
-                        d[i] = qt == QT_Q6_K ? sc[2 * j] : sc[j];
-                        m[i] = qt == QT_Q6_K ? sc[2 * j + 1] : mn[j];
+                        uint8_t *dst = (uint8_t *)g_block(out + g * group, qt, 8 * sb + j);
+                        if (qt == QT_Q4_K) {
+                            int sc6, mn6;
+                            pd_qk_scale_min(blk + 4, j, &sc6, &mn6);
+                            dst[i] = (uint8_t)sc6;
+                            dst[16 + i] = (uint8_t)mn6;
+                        } else {
+                            float *d = (float *)dst, *m = d + 16;
+                            d[i] = qt == QT_Q6_K ? sc[2 * j] : sc[j];
+                            m[i] = qt == QT_Q6_K ? sc[2 * j + 1] : mn[j];
+                        }
                         uint8_t codes[32];
                         for (int l = 0; l < 32; l++) codes[l] = (uint8_t)(int8_t)c[32 * j + l];
                         g_put_codes(dst + head, qt, i, codes);
@@ -107,7 +139,7 @@ int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uin
             }
             const int rb = g_row_block_bytes(qt);
             for (int b = 0; b < nb; b++) {
-                uint8_t *dst = out + ((int64_t)g * nb + b) * gb;
+                uint8_t *dst = (uint8_t *)g_block(out + g * group, qt, b);
                 const uint8_t *blk = row + (int64_t)b * rb;
                 memcpy(dst + 2 * i, blk, 2);
                 if (qt == QT_Q4_1) memcpy(dst + 32 + 2 * i, blk + 2, 2);
@@ -127,13 +159,19 @@ int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uin
 static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *grp, const int qt, int nb, const int16_t *xq, int K,
                                                                const float *dx, const float *xsum, float *out, int64_t os, const int R) {
     const int gb = 16 * g_row_block_bytes(qt), head = g_head(qt), halves = qt == QT_Q6_K;  /* Q6_K: a scale a half block */
+    __m512 kd = _mm512_setzero_ps(), kdmin = _mm512_setzero_ps();  /* Q4_K: the super-block's 16 d and dmin */
     const int offset = qt != QT_Q8_0 && qt != QT_Q6_K;  /* moff: m * sum(x) */
     __m512 acc[GEMV16_R], moff[GEMV16_R];
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); moff[r] = _mm512_setzero_ps(); }
     const __m512i low = _mm512_set1_epi8(15);
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = grp + (int64_t)b * gb, *codes = blk + head;
+        const uint8_t *blk = g_block(grp, qt, b), *codes = blk + head;
         for (int ahead = 0; ahead < gb; ahead += 64) _mm_prefetch((const char *)blk + 8 * gb + ahead, _MM_HINT_T0);
+        if (qt == QT_Q4_K && (b & 7) == 0) {
+            const uint8_t *sup = grp + (int64_t)(b >> 3) * G4K_SUPER;
+            kd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+            kdmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32)));
+        }
         __m512i s[GEMV16_R], s2[GEMV16_R];
         for (int r = 0; r < R; r++) s[r] = s2[r] = _mm512_setzero_si512();
         const int16_t *xb = xq + b * 32;
@@ -162,7 +200,11 @@ static inline __attribute__((always_inline)) void gemv16_group(const uint8_t *gr
             }
         }
         __m512 d16, m16;
-        if (g_is_k(qt)) {  /* float32 scales (Q6_K: m16 is the second half's d) */
+        if (qt == QT_Q4_K) {  /* d * sc and -(dmin * mn): qk_unpack's float32 products */
+            d16 = _mm512_mul_ps(kd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
+            m16 = _mm512_xor_ps(_mm512_mul_ps(kdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))))),
+                                _mm512_set1_ps(-0.0f));
+        } else if (g_is_k(qt)) {  /* float32 scales (Q6_K: m16 is the second half's d) */
             d16 = _mm512_loadu_ps((const float *)blk);
             m16 = _mm512_loadu_ps((const float *)blk + 16);
         } else {
@@ -189,7 +231,7 @@ int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, i
     if (!xq) return 1;
     float *dx = (float *)(xq + (size_t)M * K), *xsum = dx + M * nb;
     pd_q16_activations(x, xs, M, K, xq, dx, xsum);
-    const int64_t gbytes = (int64_t)nb * 16 * g_row_block_bytes(qt);
+    const int64_t gbytes = g_group_bytes(qt, nb);
 #pragma omp parallel for schedule(static)
     for (int g = 0; g < N / 16; g++) {
         const uint8_t *grp = w16 + g * gbytes;

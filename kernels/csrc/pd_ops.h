@@ -75,6 +75,8 @@ void pd_q16_activations(const float *x, int64_t xs, int M, int K, int16_t *xq, f
 /* ... and a K-quant super-block spelled out (every variant): 256 codes c, scales s (Q6_K: 16, one a half block;
  * else 8) and offsets m (8; not Q6_K), exact float32, w = s * c (+ m) as gguf dequantizes it. */
 void pd_qk_unpack(const uint8_t *blk, int qt, int16_t *c, float *s, float *m);
+/* ... and a Q4_K / Q5_K super-block's 6-bit scale and min of block j (q: its 12 packed scale bytes, at offset 4). */
+void pd_qk_scale_min(const uint8_t *q, int j, int *sc, int *mn);
 
 /* peak_ops.c: `iters` rounds of independent multiply-adds on `threads` threads (kind 0 fp32 FMA,
  * 1 int16 pairs, 2 int8 quads, at this variant's widest instruction); returns the operations done

@@ -270,6 +270,7 @@ static inline void qk_unpack(const uint8_t *blk, int qt, int16_t *restrict c, fl
 }
 
 void pd_qk_unpack(const uint8_t *blk, int qt, int16_t *c, float *s, float *m) { qk_unpack(blk, qt, c, s, m); }
+void pd_qk_scale_min(const uint8_t *q, int j, int *sc, int *mn) { qk_scale_min(q, j, sc, mn); }
 
 /* One super-block's 256 weights as float32: gguf's values, bit for bit (see qk_unpack). */
 static inline void qk_dequant(const uint8_t *blk, int qt, float *out) {

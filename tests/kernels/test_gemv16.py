@@ -94,23 +94,30 @@ def test_more_rows_give_the_bits_of_one_row_at_a_time(qtype, rows):
 
 @pytest.mark.parametrize("qtype", K_QTYPES)
 def test_a_k_quant_copy_holds_every_weight_exactly(qtype):
-    """The K-quants' copy (float32 scales, the codes a byte or a nibble each) read back as gemv16_ops.c lays it out
-    gives gguf's values bit for bit."""
+    """The K-quants' copy (Q4_K: the file's fp16 d / dmin and 6-bit scales, nibbles; Q5_K / Q6_K: float32 scales, a
+    byte a code) read back as gemv16_ops.c lays it out gives gguf's values bit for bit."""
     ops = gemv16_ops()
     w = quant_blocks(qtype, 32, 512, seed=5)
     copy = ops.gemv16_copy(w)
-    assert copy.shape == (32, 16 * cpu_native.GEMV16_ROW_BLOCK_BYTES[qtype])
-    groups = copy.reshape(2, 16, 16 * cpu_native.GEMV16_ROW_BLOCK_BYTES[qtype])  # (group, block, bytes)
-    scales = groups[..., :128].contiguous().view(torch.float32)  # (g, b, 32): d of the 16 rows, then m
-    d, m = scales[..., :16].permute(0, 2, 1).reshape(32, 16, 1), scales[..., 16:].permute(0, 2, 1).reshape(32, 16, 1)
-    codes = groups[..., 128:]
-    if qtype == "Q4_K":
-        c = codes.reshape(2, 16, 4, 2, 16, 2)  # (g, b, chunk, half, row, e)
+    assert copy.shape == ops.gemv16_shape(w)
+    if qtype == "Q4_K":  # (group, super-block): 16 fp16 d, 16 fp16 dmin, then 8 blocks of 16 sc, 16 mn, 256 nibble bytes
+        sup = copy.reshape(2, 2, 64 + 8 * 288)
+        d = sup[..., :32].contiguous().view(torch.float16).float()  # (g, sb, 16 rows)
+        dmin = sup[..., 32:64].contiguous().view(torch.float16).float()
+        blocks = sup[..., 64:].reshape(2, 2, 8, 288)
+        sc, mn = blocks[..., :16].float(), blocks[..., 16:32].float()  # (g, sb, j, 16 rows)
+        dd = (d.unsqueeze(2) * sc).reshape(2, 16, 16).permute(0, 2, 1).reshape(32, 16, 1)  # exact float32 products
+        m = -(dmin.unsqueeze(2) * mn).reshape(2, 16, 16).permute(0, 2, 1).reshape(32, 16, 1)
+        c = blocks[..., 32:].reshape(2, 16, 4, 2, 16, 2)  # (g, b, chunk, half, row, e)
         pairs = torch.stack([c[:, :, :, 0] & 15, c[:, :, :, 1] & 15, c[:, :, :, 0] >> 4, c[:, :, :, 1] >> 4], dim=3)
         q = pairs.reshape(2, 16, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(32, 16, 32).float()
-    else:
-        q = codes.reshape(2, 16, 16, 16, 2).contiguous().view(torch.int8).permute(0, 3, 1, 2, 4).reshape(32, 16, 32).float()
-    got = torch.cat([d * q[..., :16], m * q[..., 16:]], -1) if qtype == "Q6_K" else d * q + m
+        got = dd * q + m
+    else:  # (group, block): 16 float32 d, 16 float32 m (Q6_K: the second half's d), then a byte a code
+        groups = copy.reshape(2, 16, 16 * cpu_native.GEMV16_ROW_BLOCK_BYTES[qtype])
+        scales = groups[..., :128].contiguous().view(torch.float32)
+        d, m = scales[..., :16].permute(0, 2, 1).reshape(32, 16, 1), scales[..., 16:].permute(0, 2, 1).reshape(32, 16, 1)
+        q = groups[..., 128:].reshape(2, 16, 16, 16, 2).contiguous().view(torch.int8).permute(0, 3, 1, 2, 4).reshape(32, 16, 32).float()
+        got = torch.cat([d * q[..., :16], m * q[..., 16:]], -1) if qtype == "Q6_K" else d * q + m
     assert torch.equal(got.reshape(32, 512), w.dequantize())
 
 
