@@ -157,26 +157,6 @@ static inline void hadamard_rows(float *x, int G, int D) {
     }
 }
 
-/* float16 bits -> float (exact). */
-static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff, sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t bits;
-    if (e == 0) {  /* zero or subnormal: m * 2^-24 */
-        const float v = (float)m * 5.9604644775390625e-08f;
-        memcpy(&bits, &v, sizeof bits);
-        bits |= sign;
-    } else {
-        bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
 /* A float in [0, 65504] as float16 bits, rounded to nearest even (as torch's .half()). */
 static inline uint16_t float_to_half(float x) {
     if (!(x > 0.0f)) return 0;
@@ -195,7 +175,7 @@ static inline float q8_meta(const uint8_t *row, int D, int *zero) {
     memcpy(&bits, row + D, sizeof bits);
     memcpy(&z, row + D + 2, sizeof z);
     *zero = z;
-    return half_to_float(bits);
+    return pd_half_to_float(bits);
 }
 
 /* One (sequence, kv head) item of decode attention: the G query heads qs (G, D), already scaled,
@@ -470,7 +450,7 @@ static inline void quantize_q8(const float *x, uint8_t *row, int D) {
     const float s = fminf(fmaxf((hi - lo) / 255.0f, fabsf(lo) / Q8_ZERO_LIMIT), 65504.0f);
     uint16_t bits = float_to_half(s);
     if (s > 0.0f && bits == 0) bits = 1;  /* under float16's range: its smallest, 2^-24 */
-    const float sf = half_to_float(bits);
+    const float sf = pd_half_to_float(bits);
     const int16_t z = sf > 0.0f ? (int16_t)fminf(fmaxf(nearbyintf(-lo / sf), -32768.0f), 32767.0f) : 0;
     for (int i = 0; i < D; i++) row[i] = sf > 0.0f ? (uint8_t)fminf(fmaxf(nearbyintf(y[i] / sf) + (float)z, 0.0f), 255.0f) : 0;
     memcpy(row + D, &bits, sizeof bits);

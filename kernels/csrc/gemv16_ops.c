@@ -42,8 +42,9 @@
 #endif
 
 
-/* Bytes a row's 32-weight block takes in the copy: the GGUF block's for Q4_0 / Q4_1 / Q8_0; for the K-quants 8 bytes
- * of float32 scales (d and m, Q6_K its two halves' d) and the codes (Q4_K nibbles, Q5_K / Q6_K a byte each). */
+/* Bytes a row's 32-weight block takes in the copy: the GGUF block's for Q4_0 / Q4_1 / Q8_0; Q4_K its sc and mn bytes
+ * and nibbles (its d and dmin: G4K_HEAD below); Q5_K / Q6_K 8 bytes of float32 scales (d and m, Q6_K its two halves'
+ * d) and a byte a code. */
 static int g_row_block_bytes(int qt) {
     switch (qt) {
         case QT_Q4_0: return 18;
@@ -108,11 +109,12 @@ int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uin
         for (int i = 0; i < 16; i++) {
             const uint8_t *row = w + (int64_t)(16 * g + i) * row_bytes;
             if (k) {  /* a super-block at a time: qk_unpack's exact float32 scales and offsets, its codes */
+                const int sbb = qt == QT_Q4_K ? 144 : qt == QT_Q5_K ? 176 : 210;  /* a super-block's bytes in the file */
                 for (int sb = 0; sb < nb / 8; sb++) {
                     int16_t c[256];
                     float sc[16], mn[8];
-                    pd_qk_unpack(row + (int64_t)sb * (qt == QT_Q4_K ? 144 : qt == QT_Q5_K ? 176 : 210), qt, c, sc, mn);
-                    const uint8_t *blk = row + (int64_t)sb * (qt == QT_Q4_K ? 144 : qt == QT_Q5_K ? 176 : 210);
+                    const uint8_t *blk = row + (int64_t)sb * sbb;
+                    pd_qk_unpack(blk, qt, c, sc, mn);
                     if (qt == QT_Q4_K) {  /* the super-block's fp16 d and dmin, as the file has them */
                         uint8_t *sup = out + g * group + (int64_t)sb * G4K_SUPER;
                         memcpy(sup + 2 * i, blk, 2);

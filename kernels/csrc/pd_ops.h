@@ -9,6 +9,36 @@
 #ifndef PD_OPS_H
 #define PD_OPS_H
 #include <stdint.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+/* float16 bits -> float, exactly (subnormals included): the GGUF blocks' scales (quant_ops.c) and the int8 KV rows'
+ * (cpu_ops.c). Not exported: each .c file gets its own inline copy. */
+static inline float pd_half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal half: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
 
 /* isa_probe.c: what the CPU and the OS support, PD_CPU_* bits. */
 enum {
@@ -63,9 +93,10 @@ int pd_f_matmul(const float *x, int64_t xs, const float *wf, int M, int N, int K
 int pd_q_gemm_i8(const float *x, int64_t xs, const uint8_t *w, int64_t row_bytes, int qt, int M, int N, int K, float *out,
                  int64_t os);
 
-/* gemv16_ops.c: a quantized weight's copy with 16 rows interleaved (the layout is described
- * there; N % 16 == 0, the copy as large as the weight; returns 1 for a shape or type it does not
- * take), and int16-activation rows (M <= 2) times it, the same bits as pd_q_matmul's int16 path;
+/* gemv16_ops.c: a quantized weight's copy with 16 rows interleaved (the layout and its size are
+ * described there, kernels/cpu_native.py gemv16_shape; N % 16 == 0; returns 1 for a shape or type it
+ * does not take), and up to PD_GEMV16_ROWS int16-activation rows times it (per row the same bits as
+ * pd_q_matmul's int16 path one row at a time for Q4_0 / Q4_1 / Q8_0; the K-quants per 32);
  * AVX-512 VNNI only: the other variants return 2 (3: a shape it does not take). */
 int pd_q_repack16(const uint8_t *w, int64_t row_bytes, int qt, int N, int K, uint8_t *out);
 int pd_q_gemv16(const float *x, int64_t xs, const uint8_t *w16, int qt, int M, int N, int K, float *out, int64_t os);

@@ -64,27 +64,7 @@
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  /* subnormal half: normalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
+    return pd_half_to_float(h);
 }
 
 /* Bytes of one block: 32 weights, or for the K-quants a super-block of 256. */

@@ -11,10 +11,8 @@
 
 /* x (M, w->k) times weight w into out (M, w->n), its rows ld apart. */
 static int q_mm(const pd_qweight *w, const float *x, int M, float *out, int64_t ld, int i8) {
-    if (w->w16 && i8 == ACT_INT16 && M <= PD_GEMV16_ROWS) {  /* 16 rows a vector (gemv16_ops.c): the bound linear's path */
-        const int rc = pd_q_gemv16(x, w->k, w->w16, w->qt, M, w->n, w->k, out, ld);
-        if (rc != 3) return rc;  /* 3: rows it leaves to pd_q_matmul (a K-quant's few) */
-    }
+    if (w->w16 && i8 == ACT_INT16 && M <= PD_GEMV16_ROWS)  /* 16 rows a vector (gemv16_ops.c): the bound linear's path */
+        return pd_q_gemv16(x, w->k, w->w16, w->qt, M, w->n, w->k, out, ld);
     return pd_q_matmul(x, w->k, w->w, w->row_bytes, w->qt, M, w->n, w->k, out, ld, i8);
 }
 
